@@ -1,0 +1,174 @@
+//! Metrics in the Prometheus text format (version 0.0.4).
+//!
+//! Engines keep their own counters (atomics in their structs) and render them at scrape
+//! time through [`Exposition`], which writes each family's `# HELP` and `# TYPE` once.
+//! [`Histogram`] accumulates observations in fixed buckets without a lock.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A Prometheus text document being written.
+#[derive(Default)]
+pub struct Exposition {
+    out: String,
+    last_family: String,
+}
+
+/// One label pair.
+pub type Label<'a> = (&'a str, &'a str);
+
+impl Exposition {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn counter(
+        &mut self,
+        name: &str,
+        help: &str,
+        labels: &[Label<'_>],
+        value: u64,
+    ) -> &mut Self {
+        self.family(name, help, "counter");
+        self.sample(name, labels, value as f64);
+        self
+    }
+
+    pub fn gauge(&mut self, name: &str, help: &str, labels: &[Label<'_>], value: f64) -> &mut Self {
+        self.family(name, help, "gauge");
+        self.sample(name, labels, value);
+        self
+    }
+
+    pub fn histogram(
+        &mut self,
+        name: &str,
+        help: &str,
+        labels: &[Label<'_>],
+        h: &Histogram,
+    ) -> &mut Self {
+        self.family(name, help, "histogram");
+        let mut cumulative = 0;
+        for (i, bound) in h.bounds.iter().enumerate() {
+            cumulative += h.buckets[i].load(Ordering::Relaxed);
+            let le = format!("{bound}");
+            let mut with_le: Vec<Label<'_>> = labels.to_vec();
+            with_le.push(("le", &le));
+            self.sample(&format!("{name}_bucket"), &with_le, cumulative as f64);
+        }
+        let count = h.count.load(Ordering::Relaxed);
+        let mut with_le: Vec<Label<'_>> = labels.to_vec();
+        with_le.push(("le", "+Inf"));
+        self.sample(&format!("{name}_bucket"), &with_le, count as f64);
+        self.sample(
+            &format!("{name}_sum"),
+            labels,
+            h.sum_micros.load(Ordering::Relaxed) as f64 / 1e6,
+        );
+        self.sample(&format!("{name}_count"), labels, count as f64);
+        self
+    }
+
+    pub fn finish(self) -> String {
+        self.out
+    }
+
+    fn family(&mut self, name: &str, help: &str, kind: &str) {
+        if self.last_family != name {
+            let _ = writeln!(self.out, "# HELP {name} {help}");
+            let _ = writeln!(self.out, "# TYPE {name} {kind}");
+            self.last_family = name.to_string();
+        }
+    }
+
+    fn sample(&mut self, name: &str, labels: &[Label<'_>], value: f64) {
+        self.out.push_str(name);
+        if !labels.is_empty() {
+            self.out.push('{');
+            for (i, (k, v)) in labels.iter().enumerate() {
+                if i > 0 {
+                    self.out.push(',');
+                }
+                let _ = write!(self.out, "{k}=\"{}\"", escape(v));
+            }
+            self.out.push('}');
+        }
+        let _ = writeln!(self.out, " {value}");
+    }
+}
+
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// A histogram of durations in seconds with fixed upper bounds.
+pub struct Histogram {
+    bounds: &'static [f64],
+    buckets: Vec<AtomicU64>,
+    count: AtomicU64,
+    sum_micros: AtomicU64,
+}
+
+/// Bounds for latencies from 100 µs to 10 s.
+pub const LATENCY_BOUNDS: &[f64] = &[
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0,
+];
+
+impl Histogram {
+    pub fn new(bounds: &'static [f64]) -> Self {
+        assert!(
+            bounds.windows(2).all(|w| w[0] < w[1]),
+            "histogram bounds must rise"
+        );
+        Histogram {
+            bounds,
+            buckets: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
+            count: AtomicU64::new(0),
+            sum_micros: AtomicU64::new(0),
+        }
+    }
+
+    pub fn latency() -> Self {
+        Self::new(LATENCY_BOUNDS)
+    }
+
+    pub fn observe(&self, d: std::time::Duration) {
+        let secs = d.as_secs_f64();
+        if let Some(i) = self.bounds.iter().position(|b| secs <= *b) {
+            self.buckets[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.sum_micros
+            .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn families_are_announced_once_and_buckets_are_cumulative() {
+        let h = Histogram::latency();
+        h.observe(Duration::from_micros(50));
+        h.observe(Duration::from_millis(3));
+        let mut e = Exposition::new();
+        e.counter("ferry_x_total", "X.", &[("db", "a")], 1);
+        e.counter("ferry_x_total", "X.", &[("db", "b\"")], 2);
+        e.histogram("ferry_lat_seconds", "Latency.", &[], &h);
+        let text = e.finish();
+        assert_eq!(text.matches("# TYPE ferry_x_total counter").count(), 1);
+        assert!(text.contains("ferry_x_total{db=\"b\\\"\"} 2"));
+        assert!(text.contains("ferry_lat_seconds_bucket{le=\"0.0001\"} 1"));
+        assert!(text.contains("ferry_lat_seconds_bucket{le=\"0.005\"} 2"));
+        assert!(text.contains("ferry_lat_seconds_count 2"));
+    }
+}

@@ -1,0 +1,19 @@
+//! ferry-ship: a warm standby for SQLite databases on stock SQLite.
+//!
+//! A [`shipper::Shipper`] reads committed transactions from each database's `-wal`,
+//! proves before every step that the WAL still continues what it shipped, and posts them
+//! to a [`receiver::Receiver`], which applies each one atomically to a replica that
+//! readers may query. [`receiver::promote`] turns a replica into a primary. The contract
+//! is `docs/ship.md`.
+#![forbid(unsafe_code)]
+
+pub mod names;
+pub mod proto;
+pub mod receiver;
+pub mod shipper;
+pub mod sqlite;
+pub mod wal;
+
+pub use receiver::{Receiver, ReceiverConfig, promote};
+pub use shipper::{Shipper, ShipperConfig};
+pub use sqlite::prepare_connection;

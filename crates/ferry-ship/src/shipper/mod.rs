@@ -1,0 +1,699 @@
+//! The shipper: ships every `*.db` in a directory (or the names given) to one receiver.
+//!
+//! Threads:
+//! - `workers` (default 2) run steps (see [`track`]); a database is stepped by at most
+//!   one worker at a time, so its state needs no finer locking. SQLite and HTTP run on
+//!   these plain threads, never on an async task.
+//! - one watcher reads inotify events on the directory: a write to `NAME.db-wal` wakes
+//!   NAME within milliseconds, a new `NAME.db` is picked up. Every database is also looked
+//!   at every second (a backstop) and the directory rescanned every five.
+//! - commits on connections prepared with [`crate::prepare_connection`] in this process
+//!   wake the database directly.
+
+pub mod client;
+pub mod state;
+pub mod track;
+
+use client::Client;
+use ferry_core::epoch::Epoch;
+use ferry_core::fs::DirLock;
+use ferry_core::metrics::Exposition;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use track::{BaseProgress, Next, Track, TrackConfig};
+
+/// Page bytes per `txns` request. At 8 MiB a request is a few ms on a LAN and well below
+/// the receiver's 64 MiB body limit; a bigger backlog goes in several requests.
+pub const BATCH_BYTES_MAX: usize = 8 << 20;
+/// Page bytes per record. A transaction larger than this is sent in parts, which the
+/// receiver spools until the last one arrives.
+pub const PART_BYTES_MAX: usize = 4 << 20;
+/// A transaction with more page bytes than this is not copied into memory when scanned;
+/// its frames are read again (and verified) when shipped.
+pub const TXN_INLINE_BYTES_MAX: u64 = 8 << 20;
+/// Page bytes held in memory for transactions not yet acknowledged; scanning pauses at
+/// this until acknowledgements come back.
+pub const UNACKED_BYTES_MAX: u64 = 64 << 20;
+/// Default WAL bytes not acknowledged before the lineage is given up: about 60 s of
+/// 1,000 two-frame transactions per second at 4 KiB pages, with room to spare.
+pub const WAL_MAX_BYTES: u64 = 1 << 30;
+/// Default frames in the WAL before it is folded (SQLite's own autocheckpoint default).
+pub const FOLD_MIN_FRAMES: u32 = 1000;
+/// Backstop: every database is looked at this often even without a wake-up.
+const POLL: Duration = Duration::from_secs(1);
+/// The directory is rescanned for new databases this often (inotify does it sooner).
+const RESCAN: Duration = Duration::from_secs(5);
+
+// A part plus its record overhead must fit in a batch, or a large transaction could never
+// be sent; and a batch must fit in the receiver's default body limit with room to spare.
+const _: () = assert!(PART_BYTES_MAX + (64 << 10) <= BATCH_BYTES_MAX);
+const _: () = assert!((BATCH_BYTES_MAX as u64) * 2 <= crate::receiver::BODY_BYTES_MAX);
+const _: () = assert!(TXN_INLINE_BYTES_MAX <= UNACKED_BYTES_MAX);
+
+/// How a shipper is set up. Checked by [`Shipper::start`].
+#[derive(Clone, Debug)]
+pub struct ShipperConfig {
+    pub dir: PathBuf,
+    /// Databases to ship; empty means every `*.db` in `dir`.
+    pub names: Vec<String>,
+    /// `http://HOST:PORT` of the receiver.
+    pub peer: String,
+    pub token: Option<String>,
+    /// Ship with at least this epoch (to take a name over after a promotion, on purpose).
+    pub epoch: Option<Epoch>,
+    pub workers: usize,
+    pub wal_max_bytes: u64,
+    pub fold_min_frames: u32,
+}
+
+impl ShipperConfig {
+    pub fn new(dir: impl Into<PathBuf>, peer: impl Into<String>) -> Self {
+        ShipperConfig {
+            dir: dir.into(),
+            names: Vec::new(),
+            peer: peer.into(),
+            token: None,
+            epoch: None,
+            workers: 2,
+            wal_max_bytes: WAL_MAX_BYTES,
+            fold_min_frames: FOLD_MIN_FRAMES,
+        }
+    }
+}
+
+/// Status of a shipper.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ShipperStatus {
+    pub dir: String,
+    pub peer: String,
+    pub uptime_secs: u64,
+    pub databases: Vec<DbStatus>,
+}
+
+/// Status of one shipped database.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct DbStatus {
+    pub name: String,
+    /// idle, shipping, base owed, sending base, retrying, fenced, error, gone.
+    pub state: String,
+    pub epoch: Epoch,
+    pub generation: u64,
+    pub acked_seq: u64,
+    pub head_seq: u64,
+    pub lag_transactions: u64,
+    /// WAL bytes of the transactions not yet acknowledged.
+    pub lag_bytes: u64,
+    /// Age of the oldest transaction not yet acknowledged.
+    pub lag_seconds: f64,
+    pub wal_bytes: u64,
+    /// Consecutive failed steps.
+    pub failures: u32,
+    pub last_error: Option<String>,
+    /// Bases sent, by reason.
+    pub bases: BTreeMap<String, u64>,
+    pub folds: u64,
+    pub transactions_shipped: u64,
+    pub body_bytes_shipped: u64,
+    pub page_bytes_shipped: u64,
+    pub base_bytes_shipped: u64,
+    /// Bytes sent and total of a base in flight.
+    pub base_progress: Option<(u64, u64)>,
+    pub last_ack_ms: Option<u64>,
+}
+
+/// A running shipper. Dropping it shuts it down cleanly.
+pub struct Shipper {
+    inner: Arc<Inner>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+struct Inner {
+    config: ShipperConfig,
+    client: Client,
+    started: Instant,
+    _lock: DirLock,
+    sched: Mutex<Sched>,
+    cv: Condvar,
+    dbs: Mutex<BTreeMap<String, Arc<Entry>>>,
+    stop: AtomicBool,
+}
+
+struct Entry {
+    track: Mutex<Option<Track>>,
+    snapshot: Mutex<DbStatus>,
+    progress: Arc<BaseProgress>,
+    _wake: crate::sqlite::Registration,
+}
+
+#[derive(Default)]
+struct Sched {
+    ready: VecDeque<String>,
+    slots: HashMap<String, Slot>,
+}
+
+#[derive(Default)]
+struct Slot {
+    queued: bool,
+    running: bool,
+    again: bool,
+    due: Option<Instant>,
+    parked: bool,
+}
+
+impl Shipper {
+    /// Check the configuration, lock the directory and start shipping.
+    pub fn start(config: ShipperConfig) -> Result<Shipper, String> {
+        crate::sqlite::check_library()?;
+        let client = Client::new(&config.peer, config.token.clone())?;
+        if config.workers == 0 || config.workers > 64 {
+            return Err(format!(
+                "--workers {} must be between 1 and 64",
+                config.workers
+            ));
+        }
+        if config.fold_min_frames == 0 {
+            return Err("--fold-min-frames must be at least 1".into());
+        }
+        let min_cap = config.fold_min_frames as u64 * (65_536 + 24) * 2;
+        if config.wal_max_bytes < min_cap.min(64 << 20) {
+            return Err(format!(
+                "--wal-max-bytes {} is too small: the WAL could not even reach the fold threshold before a base",
+                config.wal_max_bytes
+            ));
+        }
+        for n in &config.names {
+            crate::names::validate(n)?;
+        }
+        let meta = std::fs::metadata(&config.dir)
+            .map_err(|e| format!("cannot use --dir {}: {e}", config.dir.display()))?;
+        if !meta.is_dir() {
+            return Err(format!("--dir {} is not a directory", config.dir.display()));
+        }
+        let state_dir = config.dir.join(".ferry-ship");
+        std::fs::create_dir_all(&state_dir)
+            .map_err(|e| format!("cannot create {}: {e}", state_dir.display()))?;
+        let lock = DirLock::try_acquire(&state_dir.join("lock"), "another ferry shipper")
+            .map_err(|e| e.to_string())?;
+        let inner = Arc::new(Inner {
+            config,
+            client,
+            started: Instant::now(),
+            _lock: lock,
+            sched: Mutex::new(Sched::default()),
+            cv: Condvar::new(),
+            dbs: Mutex::new(BTreeMap::new()),
+            stop: AtomicBool::new(false),
+        });
+        inner.discover();
+        let mut threads = Vec::new();
+        for i in 0..inner.config.workers {
+            let w = inner.clone();
+            threads.push(spawn(&format!("ferry-ship-{i}"), move || w.work()));
+        }
+        let weak = Arc::downgrade(&inner);
+        threads.push(spawn("ferry-ship-watch", move || watch(weak)));
+        Ok(Shipper {
+            inner,
+            threads: Mutex::new(threads),
+        })
+    }
+
+    /// Look at `name` soon (cheap; call after commits if not using `prepare_connection`).
+    pub fn wake(&self, name: &str) {
+        self.inner.wake(name);
+    }
+
+    pub fn status(&self) -> ShipperStatus {
+        self.inner.status()
+    }
+
+    /// Prometheus text.
+    pub fn metrics(&self) -> String {
+        metrics(&self.status())
+    }
+
+    /// Stop: workers finish their current step, state is saved. Idempotent.
+    pub fn shutdown(&self) {
+        self.inner.stop.store(true, Ordering::SeqCst);
+        self.inner.cv.notify_all();
+        // Wake the watcher out of its blocking read.
+        let poke = self.inner.config.dir.join(".ferry-ship").join("stop");
+        let _ = std::fs::write(&poke, b"");
+        let _ = std::fs::remove_file(&poke);
+        let threads: Vec<_> = std::mem::take(&mut *self.threads.lock().expect("threads lock"));
+        for t in threads {
+            let _ = t.join();
+        }
+        let entries: Vec<_> = self
+            .inner
+            .dbs
+            .lock()
+            .expect("dbs lock")
+            .values()
+            .cloned()
+            .collect();
+        for e in entries {
+            if let Some(t) = e.track.lock().unwrap_or_else(|p| p.into_inner()).as_mut()
+                && let Err(err) = t.save()
+            {
+                tracing::warn!(db = %t.name, "saving state at shutdown: {err}");
+            }
+        }
+    }
+}
+
+impl Drop for Shipper {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> JoinHandle<()> {
+    std::thread::Builder::new()
+        .name(name.to_string())
+        .spawn(f)
+        .expect("spawning a thread only fails when the process is out of resources")
+}
+
+impl Inner {
+    /// Track the configured names, or every `*.db` in the directory.
+    fn discover(self: &Arc<Self>) {
+        let names: Vec<String> = if self.config.names.is_empty() {
+            std::fs::read_dir(&self.config.dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+                .filter_map(|e| crate::names::from_file_name(&e.file_name()))
+                .collect()
+        } else {
+            self.config.names.clone()
+        };
+        for n in names {
+            self.track(&n);
+        }
+    }
+
+    fn track(self: &Arc<Self>, name: &str) {
+        let path = self.config.dir.join(format!("{name}.db"));
+        if !path.exists() {
+            return;
+        }
+        {
+            let mut dbs = self.dbs.lock().expect("dbs lock");
+            if dbs.contains_key(name) {
+                return;
+            }
+            let weak: Weak<Inner> = Arc::downgrade(self);
+            let n = name.to_string();
+            let wake = crate::sqlite::register_waker(
+                &path,
+                Arc::new(move || {
+                    if let Some(i) = weak.upgrade() {
+                        i.wake(&n);
+                    }
+                }),
+            );
+            dbs.insert(
+                name.to_string(),
+                Arc::new(Entry {
+                    track: Mutex::new(None),
+                    snapshot: Mutex::new(DbStatus {
+                        name: name.to_string(),
+                        state: "starting".into(),
+                        ..DbStatus::default()
+                    }),
+                    progress: Arc::new(BaseProgress::default()),
+                    _wake: wake,
+                }),
+            );
+        }
+        tracing::info!(db = name, "tracking");
+        let mut s = self.sched.lock().expect("sched lock");
+        s.slots.entry(name.to_string()).or_default().parked = false;
+        drop(s);
+        self.wake(name);
+    }
+
+    fn wake(&self, name: &str) {
+        let mut s = self.sched.lock().expect("sched lock");
+        let Some(slot) = s.slots.get_mut(name) else {
+            return;
+        };
+        if slot.parked {
+            return;
+        }
+        if slot.running {
+            slot.again = true;
+        } else if !slot.queued {
+            slot.queued = true;
+            slot.due = None;
+            s.ready.push_back(name.to_string());
+            self.cv.notify_one();
+        }
+    }
+
+    fn work(self: Arc<Self>) {
+        while let Some(name) = self.next_job() {
+            let next = self.run(&name);
+            let mut s = self.sched.lock().expect("sched lock");
+            let slot = s.slots.entry(name.clone()).or_default();
+            slot.running = false;
+            let requeue = match next {
+                Next::Again => true,
+                Next::Idle => {
+                    slot.due = Some(Instant::now() + POLL);
+                    slot.again
+                }
+                Next::After(d) => {
+                    slot.due = Some(Instant::now() + d);
+                    false
+                }
+                Next::Gone | Next::Fenced => {
+                    slot.parked = true;
+                    slot.due = None;
+                    false
+                }
+            };
+            slot.again = false;
+            if requeue {
+                slot.queued = true;
+                slot.due = None;
+                s.ready.push_back(name.clone());
+                self.cv.notify_one();
+            }
+            drop(s);
+            if next == Next::Gone {
+                self.untrack(&name);
+            }
+        }
+    }
+
+    /// Wait for a database to step; None when stopping.
+    fn next_job(&self) -> Option<String> {
+        let mut s = self.sched.lock().expect("sched lock");
+        loop {
+            if self.stop.load(Ordering::SeqCst) {
+                return None;
+            }
+            let now = Instant::now();
+            let mut due_names = Vec::new();
+            let mut earliest: Option<Instant> = None;
+            for (n, slot) in &s.slots {
+                if let Some(d) = slot.due {
+                    if d <= now && !slot.queued && !slot.running && !slot.parked {
+                        due_names.push(n.clone());
+                    } else if !slot.parked {
+                        earliest = Some(earliest.map_or(d, |e: Instant| e.min(d)));
+                    }
+                }
+            }
+            for n in due_names {
+                let slot = s.slots.get_mut(&n).expect("listed above");
+                slot.queued = true;
+                slot.due = None;
+                s.ready.push_back(n);
+            }
+            if let Some(name) = s.ready.pop_front() {
+                let slot = s.slots.entry(name.clone()).or_default();
+                slot.queued = false;
+                slot.running = true;
+                return Some(name);
+            }
+            let wait = earliest
+                .map_or(POLL, |e| e.saturating_duration_since(now))
+                .max(Duration::from_micros(100));
+            s = self.cv.wait_timeout(s, wait).expect("sched lock").0;
+        }
+    }
+
+    /// One step of `name`, opening it first if needed.
+    fn run(&self, name: &str) -> Next {
+        let Some(entry) = self.dbs.lock().expect("dbs lock").get(name).cloned() else {
+            return Next::Gone;
+        };
+        let mut guard = entry.track.lock().unwrap_or_else(|p| p.into_inner());
+        if guard.is_none() {
+            let cfg = TrackConfig {
+                wal_max_bytes: self.config.wal_max_bytes,
+                fold_min_frames: self.config.fold_min_frames,
+                epoch: self.config.epoch,
+            };
+            match Track::open(&self.config.dir, name, cfg, entry.progress.clone()) {
+                Ok(t) => *guard = Some(t),
+                Err(e) => {
+                    if !self.config.dir.join(format!("{name}.db")).exists() {
+                        return Next::Gone;
+                    }
+                    let mut snap = entry.snapshot.lock().expect("snapshot lock");
+                    snap.state = "error".into();
+                    snap.failures += 1;
+                    let msg = format!("cannot open {name}.db for shipping: {e}");
+                    if snap.last_error.as_deref() != Some(&msg) {
+                        tracing::error!(db = name, "{msg}");
+                    }
+                    snap.last_error = Some(msg);
+                    return Next::After(Duration::from_secs(5));
+                }
+            }
+        }
+        let track = guard.as_mut().expect("opened above");
+        let next = track.step(&self.client);
+        let mut status = track.status();
+        if next == Next::Gone {
+            status.state = "gone".into();
+            let _ = track.save();
+        }
+        *entry.snapshot.lock().expect("snapshot lock") = status;
+        next
+    }
+
+    fn untrack(&self, name: &str) {
+        tracing::info!(
+            db = name,
+            "the database file is gone; no longer tracking it"
+        );
+        self.dbs.lock().expect("dbs lock").remove(name);
+        self.sched.lock().expect("sched lock").slots.remove(name);
+    }
+
+    fn status(&self) -> ShipperStatus {
+        let entries: Vec<_> = self
+            .dbs
+            .lock()
+            .expect("dbs lock")
+            .values()
+            .cloned()
+            .collect();
+        ShipperStatus {
+            dir: self.config.dir.display().to_string(),
+            peer: self.client.peer().to_string(),
+            uptime_secs: self.started.elapsed().as_secs(),
+            databases: entries
+                .iter()
+                .map(|e| {
+                    let mut s = e.snapshot.lock().expect("snapshot lock").clone();
+                    s.base_progress = e.progress.get();
+                    if s.base_progress.is_some() {
+                        s.state = "sending base".into();
+                    }
+                    s
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Watch the directory with inotify; fall back to the backstop poll if it is unavailable.
+fn watch(inner: Weak<Inner>) {
+    use inotify::{Inotify, WatchMask};
+    let (dir, all) = match inner.upgrade() {
+        Some(i) => (i.config.dir.clone(), i.config.names.is_empty()),
+        None => return,
+    };
+    let mut ino = match Inotify::init() {
+        Ok(i) => i,
+        Err(e) => {
+            tracing::warn!("inotify unavailable ({e}); noticing commits by polling every {POLL:?}");
+            return rescan_loop(inner);
+        }
+    };
+    let mask = WatchMask::MODIFY
+        | WatchMask::CREATE
+        | WatchMask::MOVED_TO
+        | WatchMask::DELETE
+        | WatchMask::MOVED_FROM;
+    if let Err(e) = ino.watches().add(&dir, mask) {
+        tracing::warn!(
+            "cannot watch {} ({e}); noticing commits by polling every {POLL:?}",
+            dir.display()
+        );
+        return rescan_loop(inner);
+    }
+    let _ = ino
+        .watches()
+        .add(dir.join(".ferry-ship"), WatchMask::CREATE);
+    let mut buf = vec![0u8; 64 << 10];
+    let mut rescanned = Instant::now();
+    loop {
+        let events = match ino.read_events_blocking(&mut buf) {
+            Ok(ev) => ev,
+            Err(e) => {
+                tracing::warn!("inotify read failed ({e}); polling instead");
+                return rescan_loop(inner);
+            }
+        };
+        let Some(i) = inner.upgrade() else { return };
+        if i.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        for ev in events {
+            let Some(file) = ev.name.and_then(|n| n.to_str()) else {
+                continue;
+            };
+            if let Some(db) = file
+                .strip_suffix("-wal")
+                .and_then(|f| crate::names::from_file_name(f.as_ref()))
+            {
+                i.wake(&db);
+            } else if let Some(db) = crate::names::from_file_name(file.as_ref()) {
+                if all || i.config.names.contains(&db) {
+                    i.track(&db);
+                }
+                i.wake(&db);
+            }
+        }
+        if rescanned.elapsed() >= RESCAN {
+            i.discover();
+            rescanned = Instant::now();
+        }
+    }
+}
+
+fn rescan_loop(inner: Weak<Inner>) {
+    loop {
+        std::thread::sleep(RESCAN);
+        let Some(i) = inner.upgrade() else { return };
+        if i.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        i.discover();
+    }
+}
+
+/// Prometheus text for a shipper's status.
+pub fn metrics(status: &ShipperStatus) -> String {
+    let mut e = Exposition::new();
+    type Field = fn(&DbStatus) -> f64;
+    let gauges: &[(&str, &str, Field)] = &[
+        (
+            "ferry_ship_lag_transactions",
+            "Transactions committed but not acknowledged.",
+            |d| d.lag_transactions as f64,
+        ),
+        (
+            "ferry_ship_lag_bytes",
+            "WAL bytes of transactions not acknowledged.",
+            |d| d.lag_bytes as f64,
+        ),
+        (
+            "ferry_ship_lag_seconds",
+            "Age of the oldest transaction not acknowledged.",
+            |d| d.lag_seconds,
+        ),
+        (
+            "ferry_ship_wal_bytes",
+            "Size of the primary's WAL file.",
+            |d| d.wal_bytes as f64,
+        ),
+        (
+            "ferry_ship_epoch",
+            "Fencing epoch the database ships with.",
+            |d| d.epoch.0 as f64,
+        ),
+        (
+            "ferry_ship_acked_seq",
+            "Last transaction the receiver acknowledged.",
+            |d| d.acked_seq as f64,
+        ),
+        ("ferry_ship_failures", "Consecutive failed steps.", |d| {
+            d.failures as f64
+        }),
+        (
+            "ferry_ship_fenced",
+            "1 if the receiver fenced this primary.",
+            |d| (d.state == "fenced") as u8 as f64,
+        ),
+    ];
+    for (name, help, f) in gauges {
+        for d in &status.databases {
+            e.gauge(name, help, &[("db", &d.name)], f(d));
+        }
+    }
+    let counters: &[(&str, &str, Field)] = &[
+        (
+            "ferry_ship_transactions_total",
+            "Transactions acknowledged by the receiver.",
+            |d| d.transactions_shipped as f64,
+        ),
+        (
+            "ferry_ship_body_bytes_total",
+            "Bytes of txns request bodies acknowledged.",
+            |d| d.body_bytes_shipped as f64,
+        ),
+        ("ferry_ship_base_bytes_total", "Bytes of bases sent.", |d| {
+            d.base_bytes_shipped as f64
+        }),
+        ("ferry_ship_folds_total", "WAL folds completed.", |d| {
+            d.folds as f64
+        }),
+    ];
+    for (name, help, f) in counters {
+        for d in &status.databases {
+            e.counter(name, help, &[("db", &d.name)], f(d) as u64);
+        }
+    }
+    for d in &status.databases {
+        for (reason, n) in &d.bases {
+            e.counter(
+                "ferry_ship_bases_total",
+                "Bases sent, by reason.",
+                &[("db", &d.name), ("reason", reason)],
+                *n,
+            );
+        }
+    }
+    e.finish()
+}
+
+/// A database's name and its saved state (or why it could not be read).
+pub type SavedState = (String, Result<state::ShipState, String>);
+
+/// The on-disk view of a shipper directory, for `ferry ship status` without a running
+/// shipper: each database's persisted state.
+pub fn offline_status(dir: &Path) -> Result<Vec<SavedState>, String> {
+    let state_dir = dir.join(".ferry-ship");
+    let rd = std::fs::read_dir(&state_dir).map_err(|e| {
+        format!(
+            "{} has no shipper state ({e}); has `ferry ship` run there?",
+            dir.display()
+        )
+    })?;
+    let mut out: Vec<_> = rd
+        .flatten()
+        .filter_map(|e| {
+            let f = e.file_name();
+            let name = f.to_str()?.strip_suffix(".json")?.to_string();
+            crate::names::validate(&name).ok()?;
+            let st = state::load(&e.path()).and_then(|s| s.ok_or_else(|| "missing".to_string()));
+            Some((name, st))
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(out)
+}

@@ -1,0 +1,1192 @@
+//! One shipped database (docs/ship.md §3).
+//!
+//! A step:
+//! 1. Check the file is the one we track (dev, inode); a new one owes a base.
+//! 2. Prove the WAL continues what we read (§3.3) and scan new committed transactions.
+//!    Anything unproven owes a base.
+//! 3. Owing a base: take one (§3.6) and send it.
+//! 4. Ship unacknowledged transactions, one request in flight.
+//! 5. Past the WAL cap with the peer away: give up on the lineage, fold, owe a base.
+//! 6. Idle with everything acknowledged: fold the WAL (§3.5).
+//!
+//! Persisted: `ShipState`, a hint written after a base, before a fold, about once a second
+//! while shipping, and at shutdown. A crash anywhere leaves either a state the next run
+//! can re-prove against the WAL, or one that leads to a base.
+
+use super::client::{Client, Reply};
+use super::state::{self, FileId, Fingerprint, ShipState};
+use super::{BATCH_BYTES_MAX, PART_BYTES_MAX, TXN_INLINE_BYTES_MAX, UNACKED_BYTES_MAX};
+use crate::proto::{
+    self, BaseHeader, Code, EpochQuery, Position, RecordHeader, Refusal, TxnsQuery,
+};
+use crate::wal::{self, Cursor, Header, Pages, ScanLimits, Stop, Txn};
+use ferry_core::backoff::Backoff;
+use ferry_core::epoch::Epoch;
+use ferry_core::seams::{SplitMix64, wall_ms};
+use rusqlite::Connection;
+use std::collections::{BTreeMap, VecDeque};
+use std::fs::File;
+use std::io::{self, Read};
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Save the state at most this often while shipping: a restart then rescans at most a
+/// second of WAL, and the primary's disk sees one small fsync a second from us.
+const STATE_SAVE_INTERVAL: Duration = Duration::from_secs(1);
+/// Retry a fold that a reader held up after this long, even with no new commits.
+const FOLD_RETRY: Duration = Duration::from_secs(5);
+/// Retries after failures: 50 ms doubling to 30 s, full jitter.
+const BACKOFF: Backoff = Backoff::new(
+    Duration::from_millis(50),
+    Duration::from_secs(30),
+    Duration::from_millis(10),
+);
+
+/// Settings of a tracked database.
+#[derive(Clone, Copy, Debug)]
+pub struct TrackConfig {
+    /// WAL bytes not acknowledged beyond which the lineage is given up (fold, base).
+    pub wal_max_bytes: u64,
+    /// The WAL is folded only when it holds at least this many frames.
+    pub fold_min_frames: u32,
+    /// Ship with at least this epoch.
+    pub epoch: Option<Epoch>,
+}
+
+/// What the scheduler does next with this database.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Next {
+    /// More work now.
+    Again,
+    /// Nothing to do until a commit (or the backstop poll).
+    Idle,
+    /// Retry after a delay.
+    After(Duration),
+    /// The database file is gone: stop tracking it.
+    Gone,
+    /// Fenced by a newer epoch: stop shipping it.
+    Fenced,
+}
+
+/// Why a base was taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum BaseReason {
+    /// Nothing was ever shipped (or the state was lost).
+    First,
+    /// The database file was replaced (new inode, or a foreign change counter).
+    Replaced,
+    /// The WAL was reset in a way that cannot be proven clean.
+    Reset,
+    /// The WAL below the cursor changed (a lost unsynced tail, or damage).
+    Rewritten,
+    /// The peer was away past the WAL cap.
+    WalCap,
+    /// The receiver has no replica, another generation, or less than was acknowledged.
+    PeerLost,
+    /// The page size changed.
+    PageSize,
+}
+
+impl BaseReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BaseReason::First => "first",
+            BaseReason::Replaced => "replaced",
+            BaseReason::Reset => "reset",
+            BaseReason::Rewritten => "rewritten",
+            BaseReason::WalCap => "wal_cap",
+            BaseReason::PeerLost => "peer_lost",
+            BaseReason::PageSize => "page_size",
+        }
+    }
+}
+
+/// A failed step. All are retried after a backoff; the message goes to status.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    #[error("SQLite: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    #[error("I/O: {0}")]
+    Io(#[from] io::Error),
+    #[error("{0}")]
+    Peer(String),
+}
+
+/// Counters for status and metrics.
+#[derive(Clone, Debug, Default)]
+pub struct TrackStats {
+    pub transactions_shipped: u64,
+    pub body_bytes_shipped: u64,
+    pub page_bytes_shipped: u64,
+    pub requests: u64,
+    pub bases: BTreeMap<&'static str, u64>,
+    pub base_bytes: u64,
+    pub folds: u64,
+    pub last_ack_ms: Option<u64>,
+    pub last_error: Option<String>,
+    pub failures: u32,
+}
+
+/// A scanned transaction waiting for its acknowledgement.
+struct Unacked {
+    seq: u64,
+    txn: Txn,
+    observed_ms: u64,
+    seen: Instant,
+}
+
+/// One tracked database.
+pub struct Track {
+    pub name: String,
+    path: PathBuf,
+    wal_path: PathBuf,
+    state_path: PathBuf,
+    main: Connection,
+    barrier: Connection,
+    db: FileId,
+    header_fd: Arc<File>,
+    wal: Option<(FileId, File)>,
+    /// The persisted part: epoch, generation, the acknowledged seq and its cursor.
+    st: ShipState,
+    /// Where scanning has reached; None while the WAL was empty at the base.
+    scan: Option<Cursor>,
+    scan_stop: Stop,
+    unacked: VecDeque<Unacked>,
+    unacked_bytes: u64,
+    /// Seq the next scanned transaction gets.
+    next_seq: u64,
+    /// Highest seq the receiver holds (may be ahead of what was scanned after a restart).
+    acked: u64,
+    /// Next part of transaction `acked + 1` the receiver expects.
+    resume_part: u32,
+    batch_bytes_max: usize,
+    fenced: Option<String>,
+    dirty: bool,
+    saved_at: Instant,
+    fold_tried: Option<(Cursor, Instant)>,
+    /// Why the owed base is owed (for status and metrics).
+    pending_reason: Option<BaseReason>,
+    /// Bytes of the base in flight and its size, shared with status.
+    progress: Arc<BaseProgress>,
+    config: TrackConfig,
+    rng: SplitMix64,
+    pub stats: TrackStats,
+}
+
+impl Track {
+    /// Open a database for shipping. `dir` is the shipper's directory.
+    pub fn open(
+        dir: &Path,
+        name: &str,
+        config: TrackConfig,
+        progress: Arc<BaseProgress>,
+    ) -> Result<Track, StepError> {
+        let path = dir.join(format!("{name}.db"));
+        let main = crate::sqlite::open_primary(&path)?;
+        let mode: String = main.query_row("PRAGMA journal_mode", [], |r| r.get(0))?;
+        if !mode.eq_ignore_ascii_case("wal") {
+            let now: String = main.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))?;
+            if !now.eq_ignore_ascii_case("wal") {
+                return Err(StepError::Peer(format!(
+                    "{} is in {mode} mode and could not be switched to WAL (is another process holding it?)",
+                    path.display()
+                )));
+            }
+            tracing::info!(
+                db = name,
+                "switched from {mode} to WAL mode: ferry-ship ships the WAL"
+            );
+        }
+        let barrier = crate::sqlite::open_primary(&path)?;
+        let meta = std::fs::metadata(&path)?;
+        let db = FileId {
+            dev: meta.dev(),
+            ino: meta.ino(),
+        };
+        let state_path = state::path(dir, name);
+        let loaded = match state::load(&state_path) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(db = name, "{e}; a base will be sent");
+                None
+            }
+        };
+        let mut st = loaded.unwrap_or(ShipState {
+            version: state::VERSION,
+            needs_base: true,
+            ..ShipState::default()
+        });
+        if st.db.is_some_and(|d| d != db) {
+            st.needs_base = true;
+        }
+        if st.generation == 0 {
+            st.needs_base = true;
+        }
+        if let Some(e) = config.epoch {
+            if e > st.epoch {
+                st.epoch = e;
+                st.needs_base = true;
+            } else if e < st.epoch {
+                tracing::warn!(
+                    db = name,
+                    "--epoch {e} is below the epoch {} this database already ships with; keeping {}",
+                    st.epoch,
+                    st.epoch
+                );
+            }
+        }
+        let acked = st.acked_seq;
+        Ok(Track {
+            name: name.to_string(),
+            wal_path: crate::receiver::replica::sidecar(&path, "-wal"),
+            header_fd: main_fd(&path)?,
+            path,
+            state_path,
+            main,
+            barrier,
+            db,
+            wal: None,
+            scan: st.cursor,
+            scan_stop: Stop::End,
+            unacked: VecDeque::new(),
+            unacked_bytes: 0,
+            next_seq: acked + 1,
+            acked,
+            resume_part: 0,
+            batch_bytes_max: BATCH_BYTES_MAX,
+            fenced: None,
+            dirty: false,
+            saved_at: Instant::now(),
+            fold_tried: None,
+            pending_reason: None,
+            progress,
+            config,
+            rng: SplitMix64::from_entropy(),
+            st,
+            stats: TrackStats::default(),
+        })
+    }
+
+    /// Run one step and say what comes next. Errors become a backoff and a status line.
+    pub fn step(&mut self, client: &Client) -> Next {
+        match self.step_inner(client) {
+            Ok(next) => next,
+            Err(e) => {
+                self.stats.failures += 1;
+                let msg = e.to_string();
+                if self.stats.last_error.as_deref() != Some(&msg) || self.stats.failures == 1 {
+                    tracing::warn!(db = %self.name, failures = self.stats.failures, "{msg}");
+                }
+                self.stats.last_error = Some(msg);
+                Next::After(BACKOFF.delay(self.stats.failures, &mut self.rng))
+            }
+        }
+    }
+
+    fn step_inner(&mut self, client: &Client) -> Result<Next, StepError> {
+        if self.fenced.is_some() {
+            return Ok(Next::Fenced);
+        }
+        match std::fs::metadata(&self.path) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Next::Gone),
+            Err(e) => return Err(e.into()),
+            Ok(m)
+                if (FileId {
+                    dev: m.dev(),
+                    ino: m.ino(),
+                }) != self.db =>
+            {
+                self.reopen()?;
+                self.owe_base(BaseReason::Replaced);
+            }
+            Ok(_) => {}
+        }
+        if !self.st.needs_base
+            && let Err(reason) = self.advance()?
+        {
+            self.owe_base(reason);
+        }
+        if self.st.needs_base {
+            self.fold_while_owing()?;
+            return self.send_base(client);
+        }
+        if self.over_cap()? {
+            tracing::warn!(db = %self.name, limit = self.config.wal_max_bytes, "the peer is away past the WAL cap: folding, a base will follow");
+            self.owe_base(BaseReason::WalCap);
+            self.checkpoint()?;
+            return Ok(Next::Again);
+        }
+        if !self.unacked.is_empty() {
+            return self.ship(client);
+        }
+        self.save_if_due()?;
+        if self.may_fold() {
+            self.fold()?;
+        }
+        Ok(if self.scan_stop == Stop::Budget {
+            Next::Again
+        } else {
+            Next::Idle
+        })
+    }
+
+    fn owe_base(&mut self, reason: BaseReason) {
+        if !self.st.needs_base || self.pending_reason.is_none() {
+            tracing::info!(db = %self.name, reason = reason.as_str(), "a base is owed");
+            self.pending_reason = Some(reason);
+        }
+        self.st.needs_base = true;
+        self.unacked.clear();
+        self.unacked_bytes = 0;
+    }
+
+    fn reopen(&mut self) -> Result<(), StepError> {
+        self.main = crate::sqlite::open_primary(&self.path)?;
+        self.barrier = crate::sqlite::open_primary(&self.path)?;
+        let meta = std::fs::metadata(&self.path)?;
+        self.db = FileId {
+            dev: meta.dev(),
+            ino: meta.ino(),
+        };
+        self.header_fd = main_fd(&self.path)?;
+        self.wal = None;
+        Ok(())
+    }
+
+    /// The `-wal` file, reopened if it was replaced; None if there is none.
+    fn wal_file(&mut self) -> Result<Option<&File>, StepError> {
+        let meta = match std::fs::metadata(&self.wal_path) {
+            Ok(m) => m,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                self.wal = None;
+                return Ok(None);
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let id = FileId {
+            dev: meta.dev(),
+            ino: meta.ino(),
+        };
+        if self.wal.as_ref().is_none_or(|(have, _)| *have != id) {
+            match File::open(&self.wal_path) {
+                Ok(f) => self.wal = Some((id, f)),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    self.wal = None;
+                    return Ok(None);
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(self.wal.as_ref().map(|(_, f)| f))
+    }
+
+    /// Prove continuity and scan (docs/ship.md §3.3). `Err(reason)` owes a base.
+    fn advance(&mut self) -> Result<Result<(), BaseReason>, StepError> {
+        loop {
+            let wal = self.wal_file()?;
+            let header = match wal {
+                Some(f) => wal::read_header(f)?.and_then(|h| h.ok()),
+                None => None,
+            };
+            let Some(cursor) = self.scan else {
+                // The WAL was empty at the base. A first cycle continues it only if no
+                // checkpoint wrote the main file since (it would have folded frames we
+                // never saw).
+                let Some(h) = header else { return Ok(Ok(())) };
+                if self.st.main.is_none() || self.st.main != Some(fingerprint(&self.path)?) {
+                    return Ok(Err(BaseReason::Reset));
+                }
+                self.scan = Some(h.start());
+                continue;
+            };
+            let Some(h) = header else {
+                // The WAL is gone, empty or its header invalid: frames after the cursor
+                // may have been folded and dropped (TRUNCATE). Nothing proves otherwise.
+                return Ok(Err(BaseReason::Reset));
+            };
+            let f = self
+                .wal
+                .as_ref()
+                .map(|(_, f)| f)
+                .expect("a header was read from it");
+            if h.salts == cursor.salts {
+                if h.page_size != cursor.page_size {
+                    return Ok(Err(BaseReason::PageSize));
+                }
+                if !wal::cursor_holds(f, &cursor)? {
+                    return Ok(Err(BaseReason::Rewritten));
+                }
+                self.scan_more(cursor, false)?;
+                return self.check_counters();
+            }
+            match prove_new_cycle(f, &cursor, &h)? {
+                Proof::Clean => {
+                    tracing::debug!(db = %self.name, from = cursor.frame, "WAL reset proven clean; continuing in the new cycle");
+                    self.scan = Some(h.start());
+                }
+                Proof::OldCycleGoesOn => {
+                    // Read what the old cycle still holds past our cursor, then check the
+                    // new cycle has not reached those slots while we read.
+                    self.scan_more(cursor, true)?;
+                    let f = self.wal.as_ref().map(|(_, f)| f).expect("still open");
+                    let same = wal::read_header(f)?.and_then(|x| x.ok()) == Some(h);
+                    if !same || wal::valid_frames(f, &h, cursor.frame + 1)? > cursor.frame {
+                        return Ok(Err(BaseReason::Reset));
+                    }
+                    if self.scan == Some(cursor) {
+                        return Ok(Err(BaseReason::Reset));
+                    }
+                }
+                Proof::Unproven(reason) => return Ok(Err(reason)),
+            }
+        }
+    }
+
+    /// Scan committed transactions after `from`, queueing them for shipping.
+    fn scan_more(&mut self, from: Cursor, everything: bool) -> Result<(), StepError> {
+        let budget = if everything {
+            u64::MAX
+        } else {
+            UNACKED_BYTES_MAX.saturating_sub(self.unacked_bytes)
+        };
+        if budget == 0 {
+            self.scan_stop = Stop::Budget;
+            return Ok(());
+        }
+        let f = self
+            .wal
+            .as_ref()
+            .map(|(_, f)| f)
+            .expect("callers opened the WAL");
+        let found = wal::scan(
+            f,
+            &from,
+            ScanLimits {
+                txn_inline_bytes_max: TXN_INLINE_BYTES_MAX,
+                budget_bytes: budget,
+            },
+        )?;
+        self.scan = Some(found.end);
+        self.scan_stop = found.stop;
+        let now = Instant::now();
+        let observed_ms = wall_ms();
+        for txn in found.txns {
+            if let Some(c) = txn.page1_counters.iter().max() {
+                self.st.counters = Some(match self.st.counters {
+                    Some((lo, hi)) => (lo, hi.max(*c)),
+                    None => (*c, *c),
+                });
+            }
+            let seq = self.next_seq;
+            self.next_seq += 1;
+            if seq <= self.acked {
+                // The receiver already holds it (we restarted behind it).
+                self.st.acked_seq = seq;
+                self.st.cursor = Some(txn.end);
+                self.dirty = true;
+                continue;
+            }
+            self.unacked_bytes += txn.page_bytes();
+            self.unacked.push_back(Unacked {
+                seq,
+                txn,
+                observed_ms,
+                seen: now,
+            });
+        }
+        Ok(())
+    }
+
+    /// docs/ship.md §3.3 rule 5: the main file's change counter must be one we saw.
+    fn check_counters(&mut self) -> Result<Result<(), BaseReason>, StepError> {
+        let Some(now) = main_counter(&self.header_fd)? else {
+            return Ok(Ok(()));
+        };
+        match self.st.counters {
+            None => self.st.counters = Some((now, now)),
+            Some((lo, hi)) if lo <= now && now <= hi => {
+                if now != lo {
+                    self.st.counters = Some((now, hi));
+                }
+            }
+            Some((lo, hi)) => {
+                tracing::warn!(db = %self.name, counter = now, lo, hi, "the main file's change counter is not one this shipper saw: the file was overwritten");
+                return Ok(Err(BaseReason::Replaced));
+            }
+        }
+        Ok(Ok(()))
+    }
+
+    fn over_cap(&mut self) -> Result<bool, StepError> {
+        let Some(cursor) = self.scan else {
+            return Ok(false);
+        };
+        let wal_len = self
+            .wal
+            .as_ref()
+            .map(|(_, f)| f.metadata().map(|m| m.len()))
+            .transpose()?
+            .unwrap_or(0);
+        let scanned_end = wal::frame_offset(cursor.page_size, cursor.frame + 1);
+        let unscanned = wal_len.saturating_sub(scanned_end);
+        let unacked_wal: u64 = self.unacked.iter().map(|u| u.txn.wal_bytes).sum();
+        Ok(unacked_wal + unscanned > self.config.wal_max_bytes)
+    }
+
+    fn may_fold(&self) -> bool {
+        let Some(cursor) = self.scan else {
+            return false;
+        };
+        let tried = self
+            .fold_tried
+            .is_some_and(|(c, at)| c == cursor && at.elapsed() < FOLD_RETRY);
+        self.unacked.is_empty()
+            && self.scan_stop == Stop::End
+            && self.acked + 1 >= self.next_seq
+            && cursor.frame >= self.config.fold_min_frames
+            && !tried
+    }
+
+    /// Fold the WAL (docs/ship.md §3.5). The proof of the next step covers whatever the
+    /// checkpoint copied and whatever reset follows.
+    fn fold(&mut self) -> Result<(), StepError> {
+        self.save()?;
+        let cursor = self.scan.expect("may_fold checked");
+        let (busy, log, done) = self.checkpoint()?;
+        self.fold_tried = Some((cursor, Instant::now()));
+        if busy == 0 && log == done && log >= 0 {
+            self.stats.folds += 1;
+            tracing::debug!(db = %self.name, frames = log, "folded the WAL");
+        } else {
+            tracing::debug!(db = %self.name, busy, log, done, "fold partial (a reader holds an old snapshot); retrying later");
+        }
+        Ok(())
+    }
+
+    fn checkpoint(&self) -> Result<(i64, i64, i64), StepError> {
+        Ok(self
+            .main
+            .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+            })?)
+    }
+
+    /// While a base is owed nothing in the WAL needs keeping: fold it so it stays bounded
+    /// however long the peer is away.
+    fn fold_while_owing(&mut self) -> Result<(), StepError> {
+        let page_size = self.main_page_size();
+        let frames = match self.wal_file()? {
+            Some(f) => f.metadata()?.len() / wal::frame_bytes(page_size),
+            None => 0,
+        };
+        if frames >= self.config.fold_min_frames as u64 {
+            self.checkpoint()?;
+        }
+        Ok(())
+    }
+
+    fn save_if_due(&mut self) -> Result<(), StepError> {
+        if self.dirty && self.saved_at.elapsed() >= STATE_SAVE_INTERVAL {
+            self.save()?;
+        }
+        Ok(())
+    }
+
+    /// Persist the state now.
+    pub fn save(&mut self) -> Result<(), StepError> {
+        self.st.db = Some(self.db);
+        state::save(&self.state_path, &self.st)?;
+        self.dirty = false;
+        self.saved_at = Instant::now();
+        Ok(())
+    }
+
+    /// Build and send one batch of records.
+    fn ship(&mut self, client: &Client) -> Result<Next, StepError> {
+        let (body, txns, page_bytes) = match self.build_batch()? {
+            Ok(b) => b,
+            Err(reason) => {
+                self.owe_base(reason);
+                return Ok(Next::Again);
+            }
+        };
+        let q = TxnsQuery {
+            epoch: self.st.epoch.0,
+            generation: self.st.generation,
+            page_size: self.page_size(),
+        };
+        let reply = client
+            .send_txns(&self.name, q, &body)
+            .map_err(|e| StepError::Peer(e.0))?;
+        self.stats.requests += 1;
+        match reply {
+            Reply::Ok(pos) => {
+                self.stats.body_bytes_shipped += body.len() as u64;
+                self.stats.page_bytes_shipped += page_bytes;
+                self.stats.transactions_shipped += txns;
+                self.on_position(&pos)?;
+                Ok(Next::Again)
+            }
+            Reply::Refused { status, refusal } => self.on_refusal(status, refusal),
+        }
+    }
+
+    fn page_size(&self) -> u32 {
+        self.scan
+            .map(|c| c.page_size)
+            .unwrap_or_else(|| self.main_page_size())
+    }
+
+    fn main_page_size(&self) -> u32 {
+        self.main
+            .query_row("PRAGMA page_size", [], |r| r.get(0))
+            .unwrap_or(4096)
+    }
+
+    /// Records from `acked + 1` (part `resume_part`) up to `batch_bytes_max`.
+    #[allow(clippy::type_complexity)]
+    fn build_batch(&mut self) -> Result<Result<(Vec<u8>, u64, u64), BaseReason>, StepError> {
+        let page_size = self.page_size();
+        let pages_per_part = (PART_BYTES_MAX / page_size as usize).max(1);
+        let mut body = Vec::new();
+        let (mut txns, mut page_bytes) = (0u64, 0u64);
+        let f = self.wal.as_ref().map(|(_, f)| f);
+        'txns: for u in &self.unacked {
+            let first_part = if u.seq == self.acked + 1 {
+                self.resume_part as usize
+            } else {
+                0
+            };
+            let pages = match page_list(&u.txn, f)? {
+                Some(p) => p,
+                None => return Ok(Err(BaseReason::Rewritten)),
+            };
+            let chunks: Vec<&[(u32, Box<[u8]>)]> = if pages.is_empty() {
+                vec![&pages[..]]
+            } else {
+                pages.chunks(pages_per_part).collect()
+            };
+            for (part, chunk) in chunks.iter().enumerate().skip(first_part) {
+                let len = proto::record_bytes(page_size, chunk.len());
+                if !body.is_empty() && body.len() + len > self.batch_bytes_max {
+                    break 'txns;
+                }
+                let last = part + 1 == chunks.len();
+                let h = RecordHeader {
+                    seq: u.seq,
+                    part: part as u32,
+                    last,
+                    commit_pages: if last { u.txn.commit_size } else { 0 },
+                    page_count: chunk.len() as u32,
+                    observed_ms: u.observed_ms,
+                };
+                proto::encode_record(&mut body, &h, chunk.iter().map(|(n, d)| (*n, &d[..])));
+                page_bytes += chunk.len() as u64 * page_size as u64;
+                if last {
+                    txns += 1;
+                }
+            }
+        }
+        Ok(Ok((body, txns, page_bytes)))
+    }
+
+    fn on_position(&mut self, pos: &Position) -> Result<(), StepError> {
+        if pos.generation != self.st.generation || pos.epoch != self.st.epoch {
+            self.owe_base(BaseReason::PeerLost);
+            return Ok(());
+        }
+        if pos.seq < self.acked {
+            tracing::warn!(db = %self.name, held = pos.seq, acked = self.acked, "the receiver holds less than it acknowledged");
+            self.owe_base(BaseReason::PeerLost);
+            return Ok(());
+        }
+        self.acked = pos.seq;
+        self.resume_part = pos.pending_part;
+        self.stats.last_ack_ms = Some(wall_ms());
+        self.stats.failures = 0;
+        self.stats.last_error = None;
+        while self.unacked.front().is_some_and(|u| u.seq <= self.acked) {
+            let u = self.unacked.pop_front().expect("checked");
+            self.unacked_bytes -= u.txn.page_bytes();
+            self.st.acked_seq = u.seq;
+            self.st.cursor = Some(u.txn.end);
+            self.dirty = true;
+        }
+        Ok(())
+    }
+
+    fn on_refusal(&mut self, status: u16, refusal: Refusal) -> Result<Next, StepError> {
+        match refusal.code {
+            Code::Fenced => {
+                tracing::error!(db = %self.name, "{}", refusal.error);
+                self.stats.last_error = Some(refusal.error.clone());
+                self.fenced = Some(refusal.error);
+                Ok(Next::Fenced)
+            }
+            Code::NeedsBase => {
+                self.owe_base(BaseReason::PeerLost);
+                Ok(Next::Again)
+            }
+            Code::Behind => match refusal.position {
+                Some(pos) if pos.generation == self.st.generation && pos.seq >= self.acked => {
+                    self.on_position(&pos)?;
+                    Ok(Next::Again)
+                }
+                _ => {
+                    self.owe_base(BaseReason::PeerLost);
+                    Ok(Next::Again)
+                }
+            },
+            Code::TooLarge if self.batch_bytes_max > PART_BYTES_MAX => {
+                self.batch_bytes_max = (self.batch_bytes_max / 2).max(PART_BYTES_MAX);
+                Ok(Next::Again)
+            }
+            _ => Err(StepError::Peer(format!(
+                "receiver refused (HTTP {status}): {}",
+                refusal.error
+            ))),
+        }
+    }
+
+    /// Take a base and send it (docs/ship.md §3.6).
+    fn send_base(&mut self, client: &Client) -> Result<Next, StepError> {
+        let reason = self.pending_reason.unwrap_or(BaseReason::First);
+        let snap = self.snapshot()?;
+        let result = self.send_snapshot(client, &snap, reason);
+        let _ = self.main.execute_batch("ROLLBACK");
+        self.progress.clear();
+        result
+    }
+
+    fn send_snapshot(
+        &mut self,
+        client: &Client,
+        snap: &Snapshot,
+        reason: BaseReason,
+    ) -> Result<Next, StepError> {
+        let generation = ferry_core::seams::random_nonzero_u64();
+        self.st = ShipState {
+            version: state::VERSION,
+            epoch: self.st.epoch,
+            generation,
+            acked_seq: 0,
+            cursor: snap.cursor,
+            main: if snap.cursor.is_none() {
+                Some(snap.fingerprint)
+            } else {
+                None
+            },
+            db: Some(self.db),
+            needs_base: true,
+            counters: snap.counters,
+        };
+        self.save()?;
+        let header = BaseHeader {
+            page_size: snap.page_size,
+            page_count: snap.page_count,
+            epoch: self.st.epoch,
+            generation,
+            seq: 0,
+            observed_ms: wall_ms(),
+        };
+        let total = header.stream_bytes();
+        tracing::info!(db = %self.name, reason = reason.as_str(), pages = snap.page_count, bytes = total, "sending a base");
+        self.progress.start(total);
+        let mut reader = BaseReader::new(&self.main, header, self.progress.clone());
+        let started = Instant::now();
+        let reply = client
+            .send_base(
+                &self.name,
+                EpochQuery {
+                    epoch: self.st.epoch.0,
+                    generation,
+                },
+                total,
+                &mut reader,
+            )
+            .map_err(|e| StepError::Peer(e.0))?;
+        if let Some(e) = reader.error.take() {
+            return Err(StepError::Io(e));
+        }
+        match reply {
+            Reply::Ok(pos) if pos.generation == generation => {
+                self.st.needs_base = false;
+                self.save()?;
+                self.scan = snap.cursor;
+                self.scan_stop = Stop::End;
+                self.unacked.clear();
+                self.unacked_bytes = 0;
+                self.next_seq = 1;
+                self.acked = 0;
+                self.resume_part = 0;
+                self.pending_reason = None;
+                self.fold_tried = None;
+                *self.stats.bases.entry(reason.as_str()).or_default() += 1;
+                self.stats.base_bytes += total;
+                self.stats.failures = 0;
+                self.stats.last_error = None;
+                self.stats.last_ack_ms = Some(wall_ms());
+                tracing::info!(db = %self.name, reason = reason.as_str(), bytes = total, secs = started.elapsed().as_secs_f64(), "base installed on the receiver");
+                Ok(Next::Again)
+            }
+            Reply::Ok(pos) => Err(StepError::Peer(format!(
+                "the receiver answered the base with generation {:#x}, not {generation:#x}",
+                pos.generation
+            ))),
+            Reply::Refused { status, refusal } if refusal.code == Code::Fenced => {
+                self.on_refusal(status, refusal)
+            }
+            Reply::Refused { status, refusal } => Err(StepError::Peer(format!(
+                "receiver refused the base (HTTP {status}): {}",
+                refusal.error
+            ))),
+        }
+    }
+
+    /// Pin a read snapshot at a known WAL position (docs/ship.md §3.6 steps 1–3). The
+    /// read transaction on `main` stays open; the caller ends it.
+    fn snapshot(&mut self) -> Result<Snapshot, StepError> {
+        // Read most of the WAL before taking the write lock, so writers wait only for the
+        // tail that arrives meanwhile.
+        let pre = Some(self.scan_to_end(None)?);
+        self.barrier.execute_batch("BEGIN IMMEDIATE")?;
+        let pinned = (|| -> Result<Snapshot, StepError> {
+            let (cursor, counters) = self.scan_to_end(pre)?;
+            self.main.execute_batch("BEGIN")?;
+            self.main
+                .query_row("SELECT count(*) FROM sqlite_master", [], |_| Ok(()))?;
+            let page_count: u32 = self.main.query_row("PRAGMA page_count", [], |r| r.get(0))?;
+            let page_size: u32 = self.main.query_row("PRAGMA page_size", [], |r| r.get(0))?;
+            let counter = main_counter(&self.header_fd)?;
+            let counters = match (counter, counters) {
+                (Some(c), Some((_, hi))) => Some((c, hi.max(c))),
+                (Some(c), None) => Some((c, c)),
+                (None, x) => x,
+            };
+            Ok(Snapshot {
+                cursor,
+                counters,
+                page_count,
+                page_size,
+                fingerprint: fingerprint(&self.path)?,
+            })
+        })();
+        let _ = self.barrier.execute_batch("ROLLBACK");
+        if pinned.is_err() {
+            let _ = self.main.execute_batch("ROLLBACK");
+        }
+        pinned
+    }
+
+    /// Scan the current WAL cycle to its end, keeping only positions (no page images).
+    /// Continues from `from` when the cycle is the same and its cursor still holds.
+    fn scan_to_end(&mut self, from: Option<Tail>) -> Result<Tail, StepError> {
+        let Some(f) = self.wal_file()? else {
+            return Ok((None, None));
+        };
+        let Some(Ok(h)) = wal::read_header(f)? else {
+            return Ok((None, None));
+        };
+        let (mut cursor, mut counters) = (h.start(), None);
+        if let Some((Some(c), cs)) = from
+            && c.salts == h.salts
+            && wal::cursor_holds(f, &c)?
+        {
+            cursor = c;
+            counters = cs;
+        }
+        let limits = ScanLimits {
+            txn_inline_bytes_max: 0,
+            budget_bytes: u64::MAX,
+        };
+        let found = wal::scan(f, &cursor, limits)?;
+        for t in &found.txns {
+            for c in &t.page1_counters {
+                counters = Some(match counters {
+                    Some((lo, hi)) => (lo.min(*c), hi.max(*c)),
+                    None => (*c, *c),
+                });
+            }
+        }
+        Ok((Some(found.end), counters))
+    }
+
+    /// Status of this database.
+    pub fn status(&self) -> super::DbStatus {
+        let now = Instant::now();
+        let head = self.next_seq.saturating_sub(1).max(self.acked);
+        super::DbStatus {
+            name: self.name.clone(),
+            state: if self.fenced.is_some() {
+                "fenced"
+            } else if self.st.needs_base {
+                "base owed"
+            } else if self.stats.failures > 0 {
+                "retrying"
+            } else if self.unacked.is_empty() {
+                "idle"
+            } else {
+                "shipping"
+            }
+            .to_string(),
+            epoch: self.st.epoch,
+            generation: self.st.generation,
+            acked_seq: self.acked,
+            head_seq: head,
+            lag_transactions: self.unacked.len() as u64,
+            lag_bytes: self.unacked.iter().map(|u| u.txn.wal_bytes).sum(),
+            lag_seconds: self
+                .unacked
+                .front()
+                .map_or(0.0, |u| now.duration_since(u.seen).as_secs_f64()),
+            wal_bytes: std::fs::metadata(&self.wal_path)
+                .map(|m| m.len())
+                .unwrap_or(0),
+            failures: self.stats.failures,
+            last_error: self.stats.last_error.clone(),
+            bases: self
+                .stats
+                .bases
+                .iter()
+                .map(|(k, v)| (k.to_string(), *v))
+                .collect(),
+            folds: self.stats.folds,
+            transactions_shipped: self.stats.transactions_shipped,
+            body_bytes_shipped: self.stats.body_bytes_shipped,
+            page_bytes_shipped: self.stats.page_bytes_shipped,
+            base_bytes_shipped: self.stats.base_bytes,
+            base_progress: None,
+            last_ack_ms: self.stats.last_ack_ms,
+        }
+    }
+}
+
+/// The end of a WAL scan and the page-1 change counters seen on the way.
+type Tail = (Option<Cursor>, Option<(u32, u32)>);
+
+/// What a base snapshot pinned.
+struct Snapshot {
+    cursor: Option<Cursor>,
+    counters: Option<(u32, u32)>,
+    page_count: u32,
+    page_size: u32,
+    fingerprint: Fingerprint,
+}
+
+/// The outcome of §3.3 rule 4.
+enum Proof {
+    /// The old cycle ended exactly at the cursor: continue in the new one.
+    Clean,
+    /// The old cycle still holds valid frames after the cursor: read them first.
+    OldCycleGoesOn,
+    Unproven(BaseReason),
+}
+
+/// docs/ship.md §3.3 rule 4: did the old cycle end exactly at `cursor` before the reset
+/// that started the cycle `h` names?
+fn prove_new_cycle(f: &File, cursor: &Cursor, h: &Header) -> io::Result<Proof> {
+    if h.page_size != cursor.page_size {
+        return Ok(Proof::Unproven(BaseReason::PageSize));
+    }
+    // One reset by a writer increments salt-1; anything else (two resets, a reset by a
+    // connection that never reset before) gives another value.
+    if h.salts.0 != cursor.salts.0.wrapping_add(1) {
+        return Ok(Proof::Unproven(BaseReason::Reset));
+    }
+    let p = cursor.frame;
+    let k = wal::valid_frames(f, h, p.saturating_add(1))?;
+    let frames_in_file = (f.metadata()?.len().saturating_sub(wal::HEADER_BYTES as u64)
+        / cursor.frame_bytes()) as u32;
+    if k > p || frames_in_file < p {
+        // The new cycle reached our slots, or the file was truncated below them.
+        return Ok(Proof::Unproven(BaseReason::Reset));
+    }
+    if frames_in_file == p {
+        // Slot P+1 does not exist: the file was never longer (then k < P proves it was
+        // not truncated and regrown), or it was truncated and regrown to exactly P.
+        return Ok(if k < p {
+            Proof::Clean
+        } else {
+            Proof::Unproven(BaseReason::Reset)
+        });
+    }
+    Ok(if wal::continues(f, cursor)? {
+        Proof::OldCycleGoesOn
+    } else {
+        Proof::Clean
+    })
+}
+
+/// The pages of a transaction in page order, read back and verified if it was kept as
+/// frame references; None if a frame no longer validates.
+fn page_list(txn: &Txn, wal: Option<&File>) -> io::Result<Option<wal::PageImages>> {
+    match &txn.pages {
+        Pages::Inline(p) => Ok(Some(p.clone())),
+        Pages::Frames(refs) => {
+            let Some(f) = wal else { return Ok(None) };
+            let mut out = Vec::with_capacity(refs.len());
+            for (pgno, r) in refs {
+                match wal::read_verified(f, r)? {
+                    Some(page) => out.push((*pgno, page)),
+                    None => return Ok(None),
+                }
+            }
+            Ok(Some(out))
+        }
+    }
+}
+
+/// The main file's size and modification time.
+fn fingerprint(path: &Path) -> io::Result<Fingerprint> {
+    let m = std::fs::metadata(path)?;
+    Ok(Fingerprint {
+        len: m.len(),
+        mtime_ns: m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128,
+    })
+}
+
+/// The change counter in the main file's header, read through a descriptor that is
+/// never closed; None if the file is shorter than a header (a new, empty database).
+fn main_counter(fd: &File) -> io::Result<Option<u32>> {
+    let mut b = [0u8; 28];
+    match fd.read_exact_at(&mut b, 0) {
+        Ok(()) => Ok(Some(u32::from_be_bytes(
+            b[24..28].try_into().expect("4 bytes"),
+        ))),
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// A read-only descriptor on a main database file, one per inode, never closed: closing
+/// any descriptor of a file drops every POSIX lock this process holds on it, SQLite's
+/// included (sqlite.org howtocorrupt.html §2.2).
+fn main_fd(path: &Path) -> io::Result<Arc<File>> {
+    type ByInode = BTreeMap<(u64, u64), Arc<File>>;
+    static FDS: OnceLock<Mutex<ByInode>> = OnceLock::new();
+    let meta = std::fs::metadata(path)?;
+    let key = (meta.dev(), meta.ino());
+    let mut fds = FDS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if let Some(f) = fds.get(&key) {
+        return Ok(f.clone());
+    }
+    let f = Arc::new(File::open(path)?);
+    fds.insert(key, f.clone());
+    Ok(f)
+}
+
+/// Streams a base: header, pages from `sqlite_dbpage` in the pinned read transaction,
+/// trailer.
+struct BaseReader<'c> {
+    conn: &'c Connection,
+    header: BaseHeader,
+    head: Vec<u8>,
+    next_pgno: u32,
+    crc: u32,
+    buf: Vec<u8>,
+    at: usize,
+    done: bool,
+    progress: Arc<BaseProgress>,
+    error: Option<io::Error>,
+}
+
+impl<'c> BaseReader<'c> {
+    fn new(conn: &'c Connection, header: BaseHeader, progress: Arc<BaseProgress>) -> Self {
+        BaseReader {
+            conn,
+            head: header.encode().to_vec(),
+            header,
+            next_pgno: 1,
+            crc: 0,
+            buf: Vec::new(),
+            at: 0,
+            done: false,
+            progress,
+            error: None,
+        }
+    }
+
+    fn refill(&mut self) -> io::Result<()> {
+        self.at = 0;
+        if !self.head.is_empty() {
+            self.buf = std::mem::take(&mut self.head);
+            return Ok(());
+        }
+        if self.next_pgno <= self.header.page_count {
+            let page: Vec<u8> = self
+                .conn
+                .prepare_cached("SELECT data FROM sqlite_dbpage WHERE pgno = ?1")
+                .and_then(|mut s| s.query_row([self.next_pgno], |r| r.get(0)))
+                .map_err(|e| {
+                    io::Error::other(format!("reading page {} for the base: {e}", self.next_pgno))
+                })?;
+            if page.len() != self.header.page_size as usize {
+                return Err(io::Error::other(format!(
+                    "page {} has {} bytes, not {}",
+                    self.next_pgno,
+                    page.len(),
+                    self.header.page_size
+                )));
+            }
+            self.crc = crc32c::crc32c_append(self.crc, &page);
+            self.buf = page;
+            self.next_pgno += 1;
+            return Ok(());
+        }
+        if !self.done {
+            self.done = true;
+            self.buf = proto::base_trailer(self.crc).to_vec();
+            return Ok(());
+        }
+        self.buf.clear();
+        Ok(())
+    }
+}
+
+impl Read for BaseReader<'_> {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        if self.at >= self.buf.len() {
+            if let Err(e) = self.refill() {
+                self.error = Some(io::Error::new(e.kind(), e.to_string()));
+                return Err(e);
+            }
+            if self.buf.is_empty() {
+                return Ok(0);
+            }
+        }
+        let n = out.len().min(self.buf.len() - self.at);
+        out[..n].copy_from_slice(&self.buf[self.at..self.at + n]);
+        self.at += n;
+        self.progress.sent.fetch_add(n as u64, Ordering::Relaxed);
+        Ok(n)
+    }
+}
+
+/// Progress of a base in flight, readable by status while the step runs.
+#[derive(Debug, Default)]
+pub struct BaseProgress {
+    pub sent: AtomicU64,
+    /// 0 when no base is in flight.
+    pub total: AtomicU64,
+}
+
+impl BaseProgress {
+    fn start(&self, total: u64) {
+        self.sent.store(0, Ordering::Relaxed);
+        self.total.store(total, Ordering::Relaxed);
+    }
+    fn clear(&self) {
+        self.total.store(0, Ordering::Relaxed);
+    }
+    /// `(sent, total)` while a base is in flight.
+    pub fn get(&self) -> Option<(u64, u64)> {
+        let total = self.total.load(Ordering::Relaxed);
+        (total > 0).then(|| (self.sent.load(Ordering::Relaxed), total))
+    }
+}

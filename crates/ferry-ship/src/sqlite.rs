@@ -1,0 +1,287 @@
+//! SQLite as ferry opens it.
+//!
+//! - [`check_library`]: the linked SQLite is rusqlite's bundled build at 3.51.3 or later,
+//!   which fixes the WAL-reset bug (a checkpoint racing a writer could drop committed
+//!   writes in 3.7.0 to 3.51.2). Every ferry-ship entry point calls it.
+//! - [`check_dbpage`]: the receiver needs `sqlite_dbpage`, compiled in by
+//!   `SQLITE_ENABLE_DBPAGE_VTAB` (`.cargo/config.toml`).
+//! - [`prepare_connection`]: what an app does to every connection of a shipped database.
+//! - The wake registry: a commit on a prepared connection wakes any shipper in this process
+//!   that tracks the database, within microseconds.
+
+use rusqlite::{Connection, OpenFlags};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Duration;
+
+/// SQLite 3.51.3 as `sqlite3_libversion_number()` spells it.
+pub const SQLITE_VERSION_MIN: i32 = 3_051_003;
+
+/// How long a ferry connection waits for a lock before SQLITE_BUSY. Long enough to ride
+/// out an app's write transaction, short enough that a stuck lock shows up in status.
+pub const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Refuse to run on a SQLite that has the WAL-reset bug.
+pub fn check_library() -> Result<(), String> {
+    let v = rusqlite::version_number();
+    if v < SQLITE_VERSION_MIN {
+        return Err(format!(
+            "SQLite {} is linked, but ferry-ship needs 3.51.3 or later (earlier versions can lose \
+             committed writes when a checkpoint races a writer); build with rusqlite's bundled SQLite",
+            rusqlite::version()
+        ));
+    }
+    Ok(())
+}
+
+/// Refuse to apply pages without `sqlite_dbpage`.
+pub fn check_dbpage(conn: &Connection) -> Result<(), String> {
+    conn.query_row("SELECT count(*) FROM sqlite_dbpage WHERE pgno = 1", [], |_| Ok(())).map_err(|e| {
+        format!(
+            "this build of SQLite lacks the sqlite_dbpage table the receiver applies pages with ({e}); \
+             build ferry from its workspace, whose .cargo/config.toml sets \
+             LIBSQLITE3_FLAGS=SQLITE_ENABLE_DBPAGE_VTAB"
+        )
+    })
+}
+
+/// Prepare an app's connection to a database that ferry ships:
+/// WAL mode, no automatic checkpoints (the shipper folds the WAL once the receiver has
+/// it), no checkpoint when the last connection closes, a busy timeout, and a hook that
+/// wakes an in-process shipper after every commit.
+///
+/// Without it the database still ships, but an app checkpoint that races the shipper can
+/// cost a full base, and an in-process shipper notices commits by inotify instead.
+pub fn prepare_connection(conn: &mut Connection) -> rusqlite::Result<()> {
+    conn.busy_timeout(BUSY_TIMEOUT)?;
+    let mode: String = conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        return Err(rusqlite::Error::SqliteFailure(
+            rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_MISUSE),
+            Some(format!(
+                "could not switch the database to WAL mode (it stayed {mode}); is it in memory?"
+            )),
+        ));
+    }
+    conn.set_db_config(
+        rusqlite::config::DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE,
+        true,
+    )?;
+    // wal_autocheckpoint is itself a WAL hook: set it first, then install ours over it.
+    conn.pragma_update(None, "wal_autocheckpoint", 0)?;
+    let path = conn.path().map(canonical);
+    if let Some(path) = path {
+        conn.wal_hook(Some(
+            move |_: &mut rusqlite::hooks::Wal, _pages: std::ffi::c_int| {
+                wake_path(&path);
+                Ok(())
+            },
+        ))?;
+    }
+    Ok(())
+}
+
+/// Open a connection for ferry's own use on a primary database: read-write (checkpoints
+/// need it), never creating the file, with the settings of [`prepare_connection`] minus
+/// the hook.
+pub fn open_primary(path: &Path) -> rusqlite::Result<Connection> {
+    let conn = Connection::open_with_flags(
+        path,
+        OpenFlags::SQLITE_OPEN_READ_WRITE
+            | OpenFlags::SQLITE_OPEN_NO_MUTEX
+            | OpenFlags::SQLITE_OPEN_URI,
+    )?;
+    conn.busy_timeout(BUSY_TIMEOUT)?;
+    conn.set_db_config(
+        rusqlite::config::DbConfig::SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE,
+        true,
+    )?;
+    conn.pragma_update(None, "wal_autocheckpoint", 0)?;
+    Ok(conn)
+}
+
+/// Best-effort canonical path: wake keys must match however the path was spelled.
+pub fn canonical(path: impl AsRef<Path>) -> PathBuf {
+    let path = path.as_ref();
+    std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf())
+}
+
+type Waker = dyn Fn() + Send + Sync;
+
+fn registry() -> &'static Mutex<HashMap<PathBuf, Vec<Weak<Waker>>>> {
+    static REGISTRY: OnceLock<Mutex<HashMap<PathBuf, Vec<Weak<Waker>>>>> = OnceLock::new();
+    REGISTRY.get_or_init(Default::default)
+}
+
+/// Wake every shipper in this process that tracks the database at `path`.
+pub fn wake_path(path: &Path) {
+    let wakers: Vec<Arc<Waker>> = {
+        let map = registry()
+            .lock()
+            .expect("the wake registry is never poisoned: no code panics under it");
+        match map.get(path) {
+            Some(list) => list.iter().filter_map(Weak::upgrade).collect(),
+            None => return,
+        }
+    };
+    for w in wakers {
+        w();
+    }
+}
+
+/// A waker registered for a database path; dropping it unregisters.
+pub struct Registration {
+    path: PathBuf,
+    waker: Arc<Waker>,
+}
+
+/// Register `waker` to run when a prepared connection commits to `path`.
+pub fn register_waker(path: &Path, waker: Arc<Waker>) -> Registration {
+    let path = canonical(path);
+    let mut map = registry()
+        .lock()
+        .expect("the wake registry is never poisoned");
+    let list = map.entry(path.clone()).or_default();
+    list.retain(|w| w.strong_count() > 0);
+    list.push(Arc::downgrade(&waker));
+    Registration { path, waker }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        let mut map = registry()
+            .lock()
+            .expect("the wake registry is never poisoned");
+        if let Some(list) = map.get_mut(&self.path) {
+            list.retain(|w| {
+                w.strong_count() > 0 && !std::ptr::addr_eq(w.as_ptr(), Arc::as_ptr(&self.waker))
+            });
+            if list.is_empty() {
+                map.remove(&self.path);
+            }
+        }
+    }
+}
+
+/// A logical digest of a database: every table's rows in rowid (or key) order, hashed
+/// with their types. Two databases with equal digests hold the same data, whatever their
+/// page layout; `ferry demo` and the tests compare a replica with its primary this way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Digest {
+    pub tables: u64,
+    pub rows: u64,
+    pub hash: u64,
+}
+
+pub fn digest(conn: &Connection) -> rusqlite::Result<Digest> {
+    let tables: Vec<(String, bool)> = conn
+        .prepare("SELECT name, sql LIKE '%WITHOUT ROWID%' FROM sqlite_schema WHERE type = 'table' ORDER BY name")?
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?
+        .collect::<Result<_, _>>()?;
+    let mut d = Digest {
+        tables: tables.len() as u64,
+        rows: 0,
+        hash: 0xcbf2_9ce4_8422_2325,
+    };
+    for (name, without_rowid) in tables {
+        mix(&mut d.hash, name.as_bytes());
+        let quoted = name.replace('"', "\"\"");
+        let columns = conn
+            .prepare(&format!("SELECT * FROM \"{quoted}\" LIMIT 0"))?
+            .column_count();
+        let order = if without_rowid {
+            (1..=columns)
+                .map(|i| i.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        } else {
+            "rowid".to_string()
+        };
+        let mut stmt = conn.prepare(&format!("SELECT * FROM \"{quoted}\" ORDER BY {order}"))?;
+        let mut rows = stmt.query([])?;
+        while let Some(row) = rows.next()? {
+            d.rows += 1;
+            for i in 0..columns {
+                use rusqlite::types::ValueRef;
+                match row.get_ref(i)? {
+                    ValueRef::Null => mix(&mut d.hash, b"n"),
+                    ValueRef::Integer(v) => {
+                        mix(&mut d.hash, b"i");
+                        mix(&mut d.hash, &v.to_le_bytes())
+                    }
+                    ValueRef::Real(v) => {
+                        mix(&mut d.hash, b"r");
+                        mix(&mut d.hash, &v.to_le_bytes())
+                    }
+                    ValueRef::Text(t) => {
+                        mix(&mut d.hash, b"t");
+                        mix(&mut d.hash, t)
+                    }
+                    ValueRef::Blob(b) => {
+                        mix(&mut d.hash, b"b");
+                        mix(&mut d.hash, b)
+                    }
+                }
+            }
+        }
+    }
+    Ok(d)
+}
+
+fn mix(h: &mut u64, bytes: &[u8]) {
+    let c = crc32c::crc32c(bytes) as u64 | ((bytes.len() as u64) << 32);
+    *h = (*h ^ c).wrapping_mul(0x0000_0100_0000_01b3).rotate_left(29) ^ (*h >> 17);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn the_bundled_sqlite_is_new_enough_and_has_dbpage() {
+        check_library().unwrap();
+        let conn = Connection::open_in_memory().unwrap();
+        check_dbpage(&conn).unwrap();
+    }
+
+    #[test]
+    fn a_prepared_connection_wakes_a_registered_waker_on_commit_and_never_checkpoints() {
+        let dir = std::env::temp_dir().join(format!("ferry-sqlite-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("a.db");
+        let mut conn = Connection::open(&path).unwrap();
+        prepare_connection(&mut conn).unwrap();
+        let hits = Arc::new(AtomicUsize::new(0));
+        let h = hits.clone();
+        let reg = register_waker(
+            &path,
+            Arc::new(move || {
+                h.fetch_add(1, Ordering::SeqCst);
+            }),
+        );
+        conn.execute_batch("CREATE TABLE t(x); INSERT INTO t VALUES (1);")
+            .unwrap();
+        conn.execute("INSERT INTO t VALUES (2)", []).unwrap();
+        assert_eq!(hits.load(Ordering::SeqCst), 3, "one wake per commit");
+        drop(reg);
+        conn.execute("INSERT INTO t VALUES (3)", []).unwrap();
+        assert_eq!(
+            hits.load(Ordering::SeqCst),
+            3,
+            "no wake after unregistering"
+        );
+        for _ in 0..1500 {
+            conn.execute("INSERT INTO t VALUES (randomblob(3000))", [])
+                .unwrap();
+        }
+        drop(conn);
+        let wal = std::fs::metadata(dir.join("a.db-wal")).unwrap().len();
+        assert!(
+            wal > 1500 * 3000,
+            "the WAL was folded behind the shipper's back: {wal} bytes"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
