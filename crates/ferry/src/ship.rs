@@ -174,9 +174,7 @@ pub fn ship(a: ShipArgs) -> anyhow::Result<()> {
         crate::terminated().await;
         anyhow::Ok(())
     })?;
-    let s = shipper.clone();
-    rt.block_on(tokio::task::spawn_blocking(move || s.shutdown()))
-        .ok();
+    shipper.shutdown();
     tracing::info!("shipper stopped; state saved");
     Ok(())
 }

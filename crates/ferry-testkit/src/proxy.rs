@@ -1,0 +1,122 @@
+//! A TCP proxy between a client and a server that counts bytes and injects faults:
+//! delay every chunk, refuse connections, or cut the next connection after N bytes sent
+//! upstream (a body cut mid-way).
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Faults and counters, changeable while the proxy runs.
+#[derive(Default)]
+pub struct Faults {
+    /// Sleep this long before forwarding each chunk, in both directions.
+    pub delay_ms: AtomicU64,
+    /// Close new connections at once.
+    pub refuse: AtomicBool,
+    /// If non-zero: the next connection is cut after this many bytes upstream (then 0).
+    pub cut_after: AtomicU64,
+    pub bytes_up: AtomicU64,
+    pub bytes_down: AtomicU64,
+    pub connections: AtomicU64,
+    pub cuts: AtomicU64,
+}
+
+/// A running proxy on 127.0.0.1.
+pub struct FaultProxy {
+    port: u16,
+    faults: Arc<Faults>,
+    stop: Arc<AtomicBool>,
+}
+
+impl FaultProxy {
+    /// Listen on a free port and forward to `target`.
+    pub fn start(target: SocketAddr) -> FaultProxy {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("binding the proxy");
+        let port = listener.local_addr().expect("proxy address").port();
+        let faults = Arc::new(Faults::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let (f, s) = (faults.clone(), stop.clone());
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                if s.load(Ordering::SeqCst) {
+                    return;
+                }
+                let Ok(client) = conn else { continue };
+                f.connections.fetch_add(1, Ordering::Relaxed);
+                if f.refuse.load(Ordering::SeqCst) {
+                    let _ = client.shutdown(Shutdown::Both);
+                    continue;
+                }
+                let Ok(server) = TcpStream::connect(target) else {
+                    let _ = client.shutdown(Shutdown::Both);
+                    continue;
+                };
+                let _ = client.set_nodelay(true);
+                let _ = server.set_nodelay(true);
+                let cut = f.cut_after.swap(0, Ordering::SeqCst);
+                let (c2, s2) = (
+                    client.try_clone().expect("clone"),
+                    server.try_clone().expect("clone"),
+                );
+                let (fu, fd) = (f.clone(), f.clone());
+                std::thread::spawn(move || pipe(client, server, &fu, true, cut));
+                std::thread::spawn(move || pipe(s2, c2, &fd, false, 0));
+            }
+        });
+        FaultProxy { port, faults, stop }
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    pub fn faults(&self) -> &Faults {
+        &self.faults
+    }
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = TcpStream::connect(("127.0.0.1", self.port));
+    }
+}
+
+fn pipe(mut from: TcpStream, mut to: TcpStream, f: &Faults, up: bool, cut_after: u64) {
+    let mut buf = vec![0u8; 64 << 10];
+    let mut sent = 0u64;
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        let delay = f.delay_ms.load(Ordering::Relaxed);
+        if delay > 0 {
+            std::thread::sleep(Duration::from_millis(delay));
+        }
+        let mut n = n;
+        let mut cutting = false;
+        if cut_after > 0 && sent + n as u64 >= cut_after {
+            n = (cut_after - sent) as usize;
+            cutting = true;
+        }
+        if to.write_all(&buf[..n]).is_err() {
+            break;
+        }
+        sent += n as u64;
+        let counter = if up { &f.bytes_up } else { &f.bytes_down };
+        counter.fetch_add(n as u64, Ordering::Relaxed);
+        if cutting {
+            f.cuts.fetch_add(1, Ordering::Relaxed);
+            break;
+        }
+    }
+    let _ = from.shutdown(Shutdown::Both);
+    let _ = to.shutdown(Shutdown::Both);
+}
