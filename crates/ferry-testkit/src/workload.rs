@@ -6,7 +6,7 @@
 
 use crate::Rng;
 use rusqlite::{Connection, OptionalExtension, params};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
@@ -311,7 +311,7 @@ pub fn open_app(db: &Path, prepared: bool) -> rusqlite::Result<Connection> {
 }
 
 fn write_loop(
-    path: &PathBuf,
+    path: &Path,
     c: &WriterConfig,
     stop: &AtomicBool,
     written: &AtomicU64,
