@@ -343,14 +343,14 @@ fn watch(replica: &Path, stop: &AtomicBool, monotonic: bool) -> Result<(u64, u64
         }
         let Some(c) = &conn else { continue };
         i += 1;
-        let result = if i % 10 == 0 {
+        let result = if i.is_multiple_of(10) {
             workload::verify(c).map(|v| v.txns)
         } else {
             Ok(workload::txns(c))
         };
         match result {
             Ok(n) => {
-                if i % 10 == 0 {
+                if i.is_multiple_of(10) {
                     verified += 1;
                 }
                 if monotonic && n < highest {
@@ -366,7 +366,7 @@ fn watch(replica: &Path, stop: &AtomicBool, monotonic: bool) -> Result<(u64, u64
             Err(e) => return Err(format!("a reader saw an inconsistent replica: {e}")),
         }
         // A replaced replica file (first base) is only seen by a new connection.
-        if i % 50 == 0 {
+        if i.is_multiple_of(50) {
             conn = None;
         }
     }
