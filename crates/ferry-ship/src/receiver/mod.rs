@@ -717,7 +717,11 @@ impl Slot {
             self.pending = None;
             let _ = std::fs::remove_file(&self.paths.spool);
             self.state = Some(file);
-            self.recover(record.unwrap_or_default())?;
+            if let Err(e) = self.recover(record.unwrap_or_default()) {
+                // Recover again next time rather than serve a guess.
+                self.state = None;
+                return Err(e);
+            }
         }
         Ok(flock)
     }
@@ -742,10 +746,21 @@ impl Slot {
                     Some(false) => pre,
                     None if r.is_none() => pre,
                     None => {
-                        return Err(SlotError::Foreign {
+                        drop(r);
+                        let err = SlotError::Foreign {
                             name: self.name.clone(),
                             path: self.paths.replica.display().to_string(),
-                        });
+                        };
+                        let aside = self.set_aside()?;
+                        tracing::error!(db = %self.name, kept = %aside.display(), "{err}; set aside, the shipper will send a base");
+                        self.stats.last_error =
+                            Some(format!("{err} (set aside as {})", aside.display()));
+                        Pos {
+                            generation: 0,
+                            seq: 0,
+                            flags: record.pos.flags & !FLAG_HAS_REPLICA,
+                            ..record.pos
+                        }
                     }
                 }
             }
@@ -771,14 +786,49 @@ impl Slot {
         if pos.has_replica() {
             let r = Replica::open(&self.paths.replica).map_err(|e| self.replica_err(e))?;
             if r.page_size() != pos.page_size {
-                return Err(SlotError::Foreign {
-                    name: self.name.clone(),
-                    path: self.paths.replica.display().to_string(),
-                });
+                drop(r);
+                let aside = self.set_aside()?;
+                tracing::error!(db = %self.name, kept = %aside.display(), "the replica's page size is not the recorded one: it was replaced behind ferry's back; set aside, the shipper will send a base");
+                let pos = Pos {
+                    generation: 0,
+                    seq: 0,
+                    flags: pos.flags & !FLAG_HAS_REPLICA,
+                    ..pos
+                };
+                self.write_state(Record {
+                    pos,
+                    intent: Intent::None,
+                })?;
+                self.pos = pos;
+                return Ok(());
             }
             self.replica = Some(r);
         }
         Ok(())
+    }
+
+    /// Move an untrusted replica out of the readers' way, keeping it for inspection.
+    fn set_aside(&self) -> Result<PathBuf, SlotError> {
+        let aside = self
+            .paths
+            .attic
+            .with_extension(format!("untrusted-{}", ferry_core::seams::wall_ms()));
+        std::fs::create_dir_all(&aside)
+            .and_then(|_| {
+                for suffix in ["", "-wal", "-shm"] {
+                    let from = replica::sidecar(&self.paths.replica, suffix);
+                    if from.exists() {
+                        std::fs::rename(&from, aside.join(format!("{}.db{suffix}", self.name)))?;
+                    }
+                }
+                Ok(())
+            })
+            .map_err(|e| SlotError::Io {
+                name: self.name.clone(),
+                what: "setting aside an untrusted replica",
+                source: e,
+            })?;
+        Ok(aside)
     }
 
     fn open_replica_at(&self, pos: &Pos) -> Result<Option<Replica>, SlotError> {

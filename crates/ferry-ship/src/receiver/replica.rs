@@ -127,23 +127,13 @@ impl Replica {
         let mut witness = None;
         for (pgno, src) in &group.pages {
             let new = page(src)?;
-            match (*pgno <= size_pre)
+            let old = (*pgno <= size_pre)
                 .then(|| self.read_page(*pgno))
                 .transpose()?
-                .flatten()
-            {
-                Some(old) if old == new => continue,
-                old => {
-                    witness = Some(Witness {
-                        pgno: *pgno,
-                        pre_crc: old.as_deref().map_or(0, crc32c::crc32c),
-                        pre_absent: old.is_none(),
-                        post_crc: crc32c::crc32c(&new),
-                        size_pre,
-                        size_post: group.size,
-                    });
-                    break;
-                }
+                .flatten();
+            if let Some(w) = witness_of(*pgno, old.as_deref(), &new, size_pre, group.size) {
+                witness = Some(w);
+                break;
             }
         }
         let witness = witness.unwrap_or(Witness {
@@ -212,15 +202,8 @@ impl Replica {
                 .then(|| self.read_page(pgno))
                 .transpose()?
                 .flatten();
-            if old.as_deref() != Some(&new[..]) {
-                witness = Some(Witness {
-                    pgno,
-                    pre_crc: old.as_deref().map_or(0, crc32c::crc32c),
-                    pre_absent: old.is_none(),
-                    post_crc: crc32c::crc32c(&new),
-                    size_pre,
-                    size_post: count,
-                });
+            if let Some(w) = witness_of(pgno, old.as_deref(), &new, size_pre, count) {
+                witness = Some(w);
                 break;
             }
         }
@@ -271,7 +254,7 @@ impl Replica {
             None if w.pre_absent => Some(false),
             None => None,
             Some(p) => {
-                let c = crc32c::crc32c(&p);
+                let c = witness_crc(w.pgno, &p);
                 if c == w.post_crc {
                     Some(true)
                 } else if !w.pre_absent && c == w.pre_crc {
@@ -314,6 +297,51 @@ impl Replica {
         std::fs::File::open(dest)?.sync_all()?;
         Ok(())
     }
+}
+
+/// The witness for a page if its new image differs from the old (None: same content).
+fn witness_of(
+    pgno: u32,
+    old: Option<&[u8]>,
+    new: &[u8],
+    size_pre: u32,
+    size_post: u32,
+) -> Option<Witness> {
+    if old.is_some_and(|o| masked_eq(pgno, o, new)) {
+        return None;
+    }
+    Some(Witness {
+        pgno,
+        pre_crc: old.map_or(0, |o| witness_crc(pgno, o)),
+        pre_absent: old.is_none(),
+        post_crc: witness_crc(pgno, new),
+        size_pre,
+        size_post,
+    })
+}
+
+/// Bytes of page 1 that SQLite itself rewrites when it commits page 1 on the replica: the
+/// file change counter (24..28), version-valid-for (92..96) and the SQLite version number
+/// (96..100). They are left out when telling a page's old image from its new one, or the
+/// witness would match neither.
+const PAGE1_REWRITTEN: [std::ops::Range<usize>; 2] = [24..28, 92..100];
+
+fn witness_crc(pgno: u32, data: &[u8]) -> u32 {
+    if pgno != 1 || data.len() < 100 {
+        return crc32c::crc32c(data);
+    }
+    let mut masked = data.to_vec();
+    for r in PAGE1_REWRITTEN {
+        masked[r].fill(0);
+    }
+    crc32c::crc32c(&masked)
+}
+
+fn masked_eq(pgno: u32, a: &[u8], b: &[u8]) -> bool {
+    if pgno != 1 || a.len() < 100 || a.len() != b.len() {
+        return a == b;
+    }
+    a[..24] == b[..24] && a[28..92] == b[28..92] && a[100..] == b[100..]
 }
 
 /// Build a database from a base stream in a new file at `path` (not in use by anyone):
