@@ -179,11 +179,14 @@ impl Shipper {
         if config.fold_min_frames == 0 {
             return Err("--fold-min-frames must be at least 1".into());
         }
-        let min_cap = config.fold_min_frames as u64 * (65_536 + 24) * 2;
-        if config.wal_max_bytes < min_cap.min(64 << 20) {
+        // The cap must leave room to reach the fold threshold twice over (at 4 KiB pages),
+        // or every burst would end in a base.
+        let min_cap = config.fold_min_frames as u64 * (4096 + 24) * 2;
+        if config.wal_max_bytes < min_cap {
             return Err(format!(
-                "--wal-max-bytes {} is too small: the WAL could not even reach the fold threshold before a base",
-                config.wal_max_bytes
+                "--wal-max-bytes {} is too small for --fold-min-frames {}: it must be at least {min_cap} \
+                 (twice the fold threshold at 4 KiB pages), or every burst of writes would end in a base",
+                config.wal_max_bytes, config.fold_min_frames
             ));
         }
         for n in &config.names {

@@ -38,6 +38,10 @@ use std::time::{Duration, Instant};
 const STATE_SAVE_INTERVAL: Duration = Duration::from_secs(1);
 /// Retry a fold that a reader held up after this long, even with no new commits.
 const FOLD_RETRY: Duration = Duration::from_secs(5);
+/// How long a fold waits for an app's write transaction before skipping its locked half.
+const FOLD_BARRIER_WAIT: Duration = Duration::from_millis(200);
+/// While a base is owed, the WAL is folded at most this often.
+const OWING_FOLD_INTERVAL: Duration = Duration::from_millis(200);
 /// Retries after failures: 50 ms doubling to 30 s, full jitter.
 const BACKOFF: Backoff = Backoff::new(
     Duration::from_millis(50),
@@ -167,6 +171,10 @@ pub struct Track {
     dirty: bool,
     saved_at: Instant,
     fold_tried: Option<(Cursor, Instant)>,
+    /// After a failure, no request goes out before this.
+    retry_at: Option<Instant>,
+    /// Last fold while a base was owed.
+    owing_fold_at: Option<Instant>,
     /// Why the owed base is owed (for status and metrics).
     pending_reason: Option<BaseReason>,
     /// Bytes of the base in flight and its size, shared with status.
@@ -262,6 +270,8 @@ impl Track {
             saved_at: Instant::now(),
             fold_tried: None,
             pending_reason: None,
+            retry_at: None,
+            owing_fold_at: None,
             progress,
             config,
             rng: SplitMix64::from_entropy(),
@@ -281,7 +291,9 @@ impl Track {
                     tracing::warn!(db = %self.name, failures = self.stats.failures, "{msg}");
                 }
                 self.stats.last_error = Some(msg);
-                Next::After(BACKOFF.delay(self.stats.failures, &mut self.rng))
+                let delay = BACKOFF.delay(self.stats.failures, &mut self.rng);
+                self.retry_at = Some(Instant::now() + delay);
+                Next::After(delay)
             }
         }
     }
@@ -311,26 +323,41 @@ impl Track {
         }
         if self.st.needs_base {
             self.fold_while_owing()?;
+            if let Some(wait) = self.backing_off() {
+                return Ok(Next::After(wait));
+            }
             return self.send_base(client);
         }
         if self.over_cap()? {
             tracing::warn!(db = %self.name, limit = self.config.wal_max_bytes, "the peer is away past the WAL cap: folding, a base will follow");
             self.owe_base(BaseReason::WalCap);
-            self.checkpoint()?;
+            self.checkpoint(None)?;
             return Ok(Next::Again);
         }
-        if !self.unacked.is_empty() {
-            return self.ship(client);
-        }
-        self.save_if_due()?;
         if self.may_fold() {
             self.fold()?;
         }
+        if !self.unacked.is_empty() {
+            // While the peer is backed off, steps still run on every commit for the local
+            // work above (scan, cap, folds while a base is owed): the WAL stays bounded.
+            if let Some(wait) = self.backing_off() {
+                return Ok(Next::After(wait));
+            }
+            return self.ship(client);
+        }
+        self.save_if_due()?;
         Ok(if self.scan_stop == Stop::Budget {
             Next::Again
         } else {
             Next::Idle
         })
+    }
+
+    /// Time left before the next attempt to reach the peer after a failure.
+    fn backing_off(&self) -> Option<Duration> {
+        self.retry_at
+            .and_then(|at| at.checked_duration_since(Instant::now()))
+            .filter(|d| !d.is_zero())
     }
 
     fn owe_base(&mut self, reason: BaseReason) {
@@ -440,7 +467,10 @@ impl Track {
                         return Ok(Err(BaseReason::Reset));
                     }
                 }
-                Proof::Unproven(reason) => return Ok(Err(reason)),
+                Proof::Unproven(reason, why) => {
+                    tracing::info!(db = %self.name, "WAL reset not provably clean: {why}");
+                    return Ok(Err(reason));
+                }
             }
         }
     }
@@ -536,6 +566,11 @@ impl Track {
         Ok(unacked_wal + unscanned > self.config.wal_max_bytes)
     }
 
+    /// Fold when the WAL holds enough frames and nothing waiting to ship still needs it:
+    /// every transaction not yet acknowledged is held in memory (a large one kept as frame
+    /// references keeps the WAL), and the scan reached the WAL's end. Under sustained load
+    /// the shipper is never fully idle, and waiting for that would let the WAL grow to the
+    /// cap; folding what is already held costs nothing.
     fn may_fold(&self) -> bool {
         let Some(cursor) = self.scan else {
             return false;
@@ -543,9 +578,10 @@ impl Track {
         let tried = self
             .fold_tried
             .is_some_and(|(c, at)| c == cursor && at.elapsed() < FOLD_RETRY);
-        self.unacked.is_empty()
+        self.unacked
+            .iter()
+            .all(|u| matches!(u.txn.pages, Pages::Inline(_)))
             && self.scan_stop == Stop::End
-            && self.acked + 1 >= self.next_seq
             && cursor.frame >= self.config.fold_min_frames
             && !tried
     }
@@ -555,7 +591,7 @@ impl Track {
     fn fold(&mut self) -> Result<(), StepError> {
         self.save()?;
         let cursor = self.scan.expect("may_fold checked");
-        let (busy, log, done) = self.checkpoint()?;
+        let (busy, log, done) = self.checkpoint(Some(cursor.salts))?;
         self.fold_tried = Some((cursor, Instant::now()));
         if busy == 0 && log == done && log >= 0 {
             self.stats.folds += 1;
@@ -566,24 +602,71 @@ impl Track {
         Ok(())
     }
 
-    fn checkpoint(&self) -> Result<(i64, i64, i64), StepError> {
-        Ok(self
-            .main
-            .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| {
+    /// Checkpoint so that the next commit can reset the WAL:
+    /// 1. PASSIVE without any lock copies the bulk of the frames, writers going on.
+    /// 2. PASSIVE again under the barrier (the write lock) copies the few frames committed
+    ///    meanwhile, so that every frame is copied when the lock is released, and the next
+    ///    writer starts its transaction on a fully copied WAL, which is what lets it reset.
+    ///    Without it, under steady load a writer is always mid-transaction on an older
+    ///    snapshot when a checkpoint ends, the WAL never resets and grows to the cap.
+    ///
+    /// Each half first checks that the WAL is still in the cycle `salts` (when given): a
+    /// checkpoint that copied all of a cycle that just began would allow a second reset
+    /// before the shipper looks, which it cannot prove clean. Writers wait only for the
+    /// locked half; a busy barrier (a long app transaction) skips it.
+    fn checkpoint(&mut self, salts: Option<wal::Salts>) -> Result<(i64, i64, i64), StepError> {
+        let passive = |c: &Connection| -> rusqlite::Result<(i64, i64, i64)> {
+            c.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| {
                 Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-            })?)
+            })
+        };
+        if !self.still_in_cycle(salts)? {
+            return Ok((1, -1, -1));
+        }
+        let first = passive(&self.main)?;
+        self.barrier.busy_timeout(FOLD_BARRIER_WAIT)?;
+        let locked = self.barrier.execute_batch("BEGIN IMMEDIATE");
+        self.barrier.busy_timeout(crate::sqlite::BUSY_TIMEOUT)?;
+        if locked.is_err() {
+            return Ok(first);
+        }
+        let second = match self.still_in_cycle(salts) {
+            Ok(true) => passive(&self.main).map_err(StepError::from),
+            Ok(false) => Ok(first),
+            Err(e) => Err(e),
+        };
+        let _ = self.barrier.execute_batch("ROLLBACK");
+        second
     }
 
-    /// While a base is owed nothing in the WAL needs keeping: fold it so it stays bounded
-    /// however long the peer is away.
+    /// Is the WAL's header still the one of cycle `salts` (always true without salts)?
+    fn still_in_cycle(&mut self, salts: Option<wal::Salts>) -> Result<bool, StepError> {
+        let Some(salts) = salts else { return Ok(true) };
+        let Some(f) = self.wal_file()? else {
+            return Ok(false);
+        };
+        Ok(wal::read_header(f)?
+            .and_then(|h| h.ok())
+            .is_some_and(|h| h.salts == salts))
+    }
+
+    /// While a base is owed nothing in the WAL needs keeping: fold it (at most every
+    /// `OWING_FOLD_INTERVAL`) so it stays bounded however long the peer is away.
     fn fold_while_owing(&mut self) -> Result<(), StepError> {
+        if self
+            .owing_fold_at
+            .is_some_and(|at| at.elapsed() < OWING_FOLD_INTERVAL)
+        {
+            return Ok(());
+        }
         let page_size = self.main_page_size();
         let frames = match self.wal_file()? {
             Some(f) => f.metadata()?.len() / wal::frame_bytes(page_size),
             None => 0,
         };
         if frames >= self.config.fold_min_frames as u64 {
-            self.checkpoint()?;
+            self.checkpoint(None)?;
+            self.owing_fold_at = Some(Instant::now());
         }
         Ok(())
     }
@@ -708,6 +791,7 @@ impl Track {
         self.stats.last_ack_ms = Some(wall_ms());
         self.stats.failures = 0;
         self.stats.last_error = None;
+        self.retry_at = None;
         while self.unacked.front().is_some_and(|u| u.seq <= self.acked) {
             let u = self.unacked.pop_front().expect("checked");
             self.unacked_bytes -= u.txn.page_bytes();
@@ -827,6 +911,7 @@ impl Track {
                 *self.stats.bases.entry(reason.as_str()).or_default() += 1;
                 self.stats.base_bytes += total;
                 self.stats.failures = 0;
+                self.retry_at = None;
                 self.stats.last_error = None;
                 self.stats.last_ack_ms = Some(wall_ms());
                 tracing::info!(db = %self.name, reason = reason.as_str(), bytes = total, secs = started.elapsed().as_secs_f64(), "base installed on the receiver");
@@ -982,27 +1067,45 @@ enum Proof {
     Clean,
     /// The old cycle still holds valid frames after the cursor: read them first.
     OldCycleGoesOn,
-    Unproven(BaseReason),
+    /// Not provable; why, for the log.
+    Unproven(BaseReason, String),
 }
 
 /// docs/ship.md §3.3 rule 4: did the old cycle end exactly at `cursor` before the reset
 /// that started the cycle `h` names?
 fn prove_new_cycle(f: &File, cursor: &Cursor, h: &Header) -> io::Result<Proof> {
     if h.page_size != cursor.page_size {
-        return Ok(Proof::Unproven(BaseReason::PageSize));
+        return Ok(Proof::Unproven(
+            BaseReason::PageSize,
+            format!("page size {} → {}", cursor.page_size, h.page_size),
+        ));
     }
     // One reset by a writer increments salt-1; anything else (two resets, a reset by a
     // connection that never reset before) gives another value.
     if h.salts.0 != cursor.salts.0.wrapping_add(1) {
-        return Ok(Proof::Unproven(BaseReason::Reset));
+        return Ok(Proof::Unproven(
+            BaseReason::Reset,
+            format!(
+                "salt-1 went from {:#x} to {:#x}, not by one reset",
+                cursor.salts.0, h.salts.0
+            ),
+        ));
     }
     let p = cursor.frame;
     let k = wal::valid_frames(f, h, p.saturating_add(1))?;
     let frames_in_file = (f.metadata()?.len().saturating_sub(wal::HEADER_BYTES as u64)
         / cursor.frame_bytes()) as u32;
-    if k > p || frames_in_file < p {
-        // The new cycle reached our slots, or the file was truncated below them.
-        return Ok(Proof::Unproven(BaseReason::Reset));
+    if k > p {
+        return Ok(Proof::Unproven(
+            BaseReason::Reset,
+            format!("the new cycle ({k}+ frames) overwrote our cursor's slot {p}"),
+        ));
+    }
+    if frames_in_file < p {
+        return Ok(Proof::Unproven(
+            BaseReason::Reset,
+            format!("the WAL was truncated to {frames_in_file} frames, below our cursor {p}"),
+        ));
     }
     if frames_in_file == p {
         // Slot P+1 does not exist: the file was never longer (then k < P proves it was
@@ -1010,7 +1113,10 @@ fn prove_new_cycle(f: &File, cursor: &Cursor, h: &Header) -> io::Result<Proof> {
         return Ok(if k < p {
             Proof::Clean
         } else {
-            Proof::Unproven(BaseReason::Reset)
+            Proof::Unproven(
+                BaseReason::Reset,
+                format!("the new cycle fills the file exactly to our cursor {p}"),
+            )
         });
     }
     Ok(if wal::continues(f, cursor)? {

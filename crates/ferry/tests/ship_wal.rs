@@ -1,0 +1,471 @@
+//! What happens to the primary's WAL and file behind the shipper's back (docs/ship.md
+//! §3.3): a peer away past the WAL cap (C4), checkpoints in every mode by others (C5), a
+//! replaced file (C6), a power loss that rewrites the WAL below what was shipped (C7),
+//! VACUUM, auto-vacuum and a page-size change (C9).
+
+mod common;
+
+use common::*;
+use ferry_testkit::workload::{self, Writer, WriterConfig};
+use ferry_testkit::{Rng, wait_until};
+use rusqlite::Connection;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+fn bases(rig: &Rig, name: &str) -> std::collections::BTreeMap<String, u64> {
+    rig.db_status(name).map(|d| d.bases).unwrap_or_default()
+}
+
+// C4. Guards against a primary whose WAL grows without bound while the standby is away:
+// past --wal-max-bytes the shipper folds what was not acknowledged and owes a base, and
+// the replica is whole again once the receiver returns.
+#[test]
+fn a_receiver_down_past_the_wal_cap_costs_one_base_and_the_wal_stays_bounded() {
+    let cap: u64 = 8 << 20;
+    let mut rig = Rig::new("c4");
+    rig.ship_args = vec![
+        "--wal-max-bytes".into(),
+        cap.to_string(),
+        "--fold-min-frames".into(),
+        "200".into(),
+    ];
+    rig.start_receiver();
+    rig.start_shipper();
+    let writer = Writer::start(
+        &rig.db("a"),
+        WriterConfig {
+            rate: 500,
+            rows: 4,
+            payload: 800,
+            ..WriterConfig::default()
+        },
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    rig.kill_receiver();
+    let wal = rig.primary.join("a.db-wal");
+    let mut max_wal = 0;
+    let until = std::time::Instant::now() + Duration::from_secs(9);
+    while std::time::Instant::now() < until {
+        max_wal = max_wal.max(std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let written = writer.written.load(Ordering::SeqCst);
+    rig.start_receiver();
+    let last = writer.stop();
+    rig.wait_synced("a", last, Duration::from_secs(60));
+    rig.assert_equal("a");
+    assert!(
+        max_wal <= cap + (4 << 20),
+        "the primary WAL reached {max_wal} bytes with a cap of {cap}"
+    );
+    assert!(
+        written > 3000,
+        "the outage wrote only {written} transactions; the WAL never reached the cap"
+    );
+    let b = bases(&rig, "a");
+    assert_eq!(b.get("wal_cap"), Some(&1), "{b:?}");
+}
+
+// C5. Guards against a checkpoint by someone else silently losing frames the shipper had
+// not read: another process checkpoints in every mode in a loop, and a second writer uses
+// SQLite's default autocheckpoint, during load. The shipper must either prove each reset
+// clean or send a base; the replica must never be wrong.
+#[test]
+fn checkpoints_in_every_mode_by_others_during_load_never_give_a_wrong_replica() {
+    let mut rng = Rng::from_env("c5");
+    let mut rig = Rig::new("c5");
+    rig.start_receiver();
+    rig.start_shipper();
+    let watcher = Watcher::start(rig.replica_path("a"), true);
+    let w1 = Writer::start(
+        &rig.db("a"),
+        WriterConfig {
+            rate: 300,
+            seed: rng.next_u64(),
+            ..WriterConfig::default()
+        },
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    let w2 = Writer::start(
+        &rig.db("a"),
+        WriterConfig {
+            rate: 200,
+            prepared: false,
+            payload: 2000,
+            seed: rng.next_u64(),
+            ..WriterConfig::default()
+        },
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let ckpt = {
+        let (stop, done, db, seed) = (stop.clone(), done.clone(), rig.db("a"), rng.next_u64());
+        std::thread::spawn(move || {
+            let mut rng = Rng::new(seed);
+            let c = Connection::open(&db).unwrap();
+            c.busy_timeout(Duration::from_millis(200)).unwrap();
+            let modes = ["PASSIVE", "FULL", "RESTART", "TRUNCATE"];
+            while !stop.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(rng.range(5, 60)));
+                let mode = modes[rng.range(0, 4) as usize];
+                if c.query_row(&format!("PRAGMA wal_checkpoint({mode})"), [], |_| Ok(()))
+                    .is_ok()
+                {
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_secs(5));
+    stop.store(true, Ordering::SeqCst);
+    ckpt.join().unwrap();
+    let last = w1.stop().max(w2.stop());
+    rig.wait_synced("a", last, Duration::from_secs(60));
+    rig.assert_equal("a");
+    watcher.stop();
+    assert!(done.load(Ordering::Relaxed) > 20, "few checkpoints ran");
+    eprintln!(
+        "c5: {} outside checkpoints, bases {:?}",
+        done.load(Ordering::Relaxed),
+        bases(&rig, "a")
+    );
+}
+
+// C5, the benign half. Guards against needless bases: an app's own autocheckpoint (SQLite's
+// default) and outside PASSIVE checkpoints fold and reset the WAL, and the shipper proves
+// those resets clean instead of sending the whole database again.
+#[test]
+fn an_apps_default_autocheckpoint_is_followed_without_bases() {
+    let mut rig = Rig::new("c5b");
+    rig.start_receiver();
+    rig.start_shipper();
+    let w = Writer::start(
+        &rig.db("a"),
+        WriterConfig {
+            rate: 300,
+            prepared: false,
+            payload: 3000,
+            ..WriterConfig::default()
+        },
+    );
+    std::thread::sleep(Duration::from_secs(5));
+    let last = w.stop();
+    rig.wait_synced("a", last, Duration::from_secs(30));
+    rig.assert_equal("a");
+    let b = bases(&rig, "a");
+    assert!(
+        b.values().sum::<u64>() <= 2,
+        "resets after autocheckpoints cost bases: {b:?}"
+    );
+}
+
+/// Write `n` workload transactions with seed `seed` to a fresh database at `path`, then
+/// close it so it stands alone (no -wal).
+fn standalone_db(path: &std::path::Path, n: u64, seed: u64) {
+    let conn = Connection::open(path).unwrap();
+    conn.execute_batch("PRAGMA journal_mode=WAL").unwrap();
+    workload::init(&conn).unwrap();
+    let mut rng = Rng::new(seed);
+    for _ in 0..n {
+        workload::write(
+            &conn,
+            &mut rng,
+            workload::Shape::Rows {
+                rows: 3,
+                payload: 300,
+            },
+        )
+        .unwrap();
+    }
+    conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
+        .unwrap();
+}
+
+// C6. Guards against shipping frames of a new file onto the replica of an old one: a file
+// renamed over the primary while the shipper runs, and a file overwritten in place while
+// it was stopped, are both detected and answered with a base.
+#[test]
+fn a_replaced_file_is_detected_and_rebased() {
+    let mut rig = Rig::new("c6");
+    rig.start_receiver();
+    rig.start_shipper();
+    let w = Writer::start(
+        &rig.db("a"),
+        WriterConfig {
+            rate: 200,
+            ..WriterConfig::default()
+        },
+    );
+    std::thread::sleep(Duration::from_millis(800));
+    let last = w.stop();
+    rig.wait_synced("a", last, Duration::from_secs(30));
+
+    // (a) Restore by rename while the shipper runs.
+    let restored = rig.scratch.path().join("restored.db");
+    standalone_db(&restored, 30, 77);
+    std::fs::rename(&restored, rig.db("a")).unwrap();
+    for s in ["-wal", "-shm"] {
+        let _ = std::fs::remove_file(rig.primary.join(format!("a.db{s}")));
+    }
+    let w = Writer::start(
+        &rig.db("a"),
+        WriterConfig {
+            rate: 100,
+            seed: 5,
+            ..WriterConfig::default()
+        },
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let last = w.stop();
+    rig.wait_synced("a", last, Duration::from_secs(30));
+    rig.assert_equal("a");
+    assert!(
+        bases(&rig, "a").contains_key("replaced"),
+        "{:?}",
+        bases(&rig, "a")
+    );
+
+    // (b) Overwritten in place (same inode) while the shipper was stopped.
+    assert_eq!(rig.stop_shipper(), Some(0));
+    let other = rig.scratch.path().join("other.db");
+    standalone_db(&other, 12, 99);
+    let ino_before = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(rig.db("a")).unwrap());
+    std::fs::write(rig.db("a"), std::fs::read(&other).unwrap()).unwrap();
+    for s in ["-wal", "-shm"] {
+        let _ = std::fs::remove_file(rig.primary.join(format!("a.db{s}")));
+    }
+    assert_eq!(
+        ino_before,
+        std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(rig.db("a")).unwrap())
+    );
+    rig.start_shipper();
+    let w = Writer::start(
+        &rig.db("a"),
+        WriterConfig {
+            rate: 100,
+            seed: 6,
+            ..WriterConfig::default()
+        },
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let last = w.stop();
+    rig.wait_synced("a", last, Duration::from_secs(30));
+    rig.assert_equal("a");
+}
+
+// C7. Guards against the case walship misses: after a primary power loss with
+// synchronous=NORMAL, the WAL loses a tail the replica already has, and later commits
+// reuse the same salts and positions. Re-checking the cumulative checksum at the cursor
+// catches it and the shipper sends a base instead of shipping a forked history.
+#[test]
+fn a_power_loss_that_rewrites_the_wal_below_the_cursor_is_detected() {
+    let mut rig = Rig::new("c7");
+    rig.start_receiver();
+    rig.start_shipper();
+    let conn = workload::open_app(&rig.db("a"), true).unwrap();
+    conn.pragma_update(None, "synchronous", "NORMAL").unwrap();
+    let mut rng = Rng::new(7);
+    for _ in 0..100 {
+        workload::write(
+            &conn,
+            &mut rng,
+            workload::Shape::Rows {
+                rows: 2,
+                payload: 200,
+            },
+        )
+        .unwrap();
+    }
+    drop(conn);
+    rig.wait_synced("a", 100, Duration::from_secs(30));
+    assert_eq!(rig.stop_shipper(), Some(0));
+
+    // The power loss: the WAL falls back to the end of transaction 80, the wal-index
+    // (shared memory) is gone.
+    let wal_path = rig.primary.join("a.db-wal");
+    let wal = std::fs::read(&wal_path).unwrap();
+    let header = ferry_ship::wal::Header::parse(&wal).unwrap();
+    let limits = ferry_ship::wal::ScanLimits {
+        txn_inline_bytes_max: 0,
+        budget_bytes: u64::MAX,
+    };
+    let txns = ferry_ship::wal::scan(&wal, &header.start(), limits)
+        .unwrap()
+        .txns;
+    let keep = &txns[txns.len() - 21];
+    let cut = ferry_ship::wal::frame_offset(header.page_size, keep.last_frame + 1);
+    std::fs::write(&wal_path, &wal[..cut as usize]).unwrap();
+    let _ = std::fs::remove_file(rig.primary.join("a.db-shm"));
+
+    // After the reboot the app writes on: same salts, the same slots, new content.
+    let conn = workload::open_app(&rig.db("a"), true).unwrap();
+    let after = workload::txns(&conn);
+    assert!(after < 100, "the truncation did not roll the primary back");
+    let mut rng = Rng::new(70);
+    for _ in 0..30 {
+        workload::write(
+            &conn,
+            &mut rng,
+            workload::Shape::Rows {
+                rows: 2,
+                payload: 200,
+            },
+        )
+        .unwrap();
+    }
+    let now = workload::txns(&conn);
+    drop(conn);
+    assert_eq!(
+        ferry_ship::wal::Header::parse(&std::fs::read(&wal_path).unwrap())
+            .unwrap()
+            .salts,
+        header.salts
+    );
+
+    rig.start_shipper();
+    rig.wait_synced("a", now, Duration::from_secs(30));
+    rig.assert_equal("a");
+    assert!(
+        bases(&rig, "a").contains_key("rewritten"),
+        "{:?}",
+        bases(&rig, "a")
+    );
+}
+
+// C9. Guards against layout changes the replica cannot follow: VACUUM shrinking the file,
+// auto_vacuum=FULL and INCREMENTAL moving pages at commit, and a page size change.
+#[test]
+fn vacuum_auto_vacuum_and_a_page_size_change_are_followed() {
+    let mut rig = Rig::new("c9");
+    rig.start_receiver();
+    rig.start_shipper();
+
+    // VACUUM after a bulk delete.
+    let conn = workload::open_app(&rig.db("v"), true).unwrap();
+    let mut rng = Rng::new(9);
+    for _ in 0..200 {
+        workload::write(
+            &conn,
+            &mut rng,
+            workload::Shape::Rows {
+                rows: 4,
+                payload: 2000,
+            },
+        )
+        .unwrap();
+    }
+    conn.execute_batch("CREATE TABLE bulk(x BLOB); INSERT INTO bulk SELECT randomblob(4000) FROM generate_series(1, 2000);")
+        .unwrap_or_else(|_| {
+            conn.execute_batch(
+                "CREATE TABLE IF NOT EXISTS bulk(x BLOB);
+                 WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 2000)
+                 INSERT INTO bulk SELECT randomblob(4000) FROM n;",
+            )
+            .unwrap()
+        });
+    let big: u32 = conn
+        .query_row("PRAGMA page_count", [], |r| r.get(0))
+        .unwrap();
+    conn.execute_batch("DROP TABLE bulk; VACUUM;").unwrap();
+    let small: u32 = conn
+        .query_row("PRAGMA page_count", [], |r| r.get(0))
+        .unwrap();
+    assert!(
+        small * 2 < big,
+        "VACUUM did not shrink the database ({big} → {small} pages)"
+    );
+    workload::write(
+        &conn,
+        &mut rng,
+        workload::Shape::Rows {
+            rows: 1,
+            payload: 10,
+        },
+    )
+    .unwrap();
+    rig.wait_synced("v", 201, Duration::from_secs(30));
+    rig.assert_equal("v");
+    let rp: u32 = rig
+        .replica("v")
+        .query_row("PRAGMA page_count", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(rp, small, "the replica did not shrink with the primary");
+
+    // auto_vacuum FULL and INCREMENTAL: pages move at commit on the primary.
+    for (name, mode) in [("full", "FULL"), ("incr", "INCREMENTAL")] {
+        let c = Connection::open(rig.db(name)).unwrap();
+        c.execute_batch(&format!(
+            "PRAGMA auto_vacuum={mode}; PRAGMA journal_mode=WAL;"
+        ))
+        .unwrap();
+        drop(c);
+        let conn = workload::open_app(&rig.db(name), true).unwrap();
+        let mut rng = Rng::new(10);
+        for i in 0..300u64 {
+            let shape = if i % 3 == 0 {
+                workload::Shape::Drop
+            } else {
+                workload::Shape::Rows {
+                    rows: 3,
+                    payload: 3000,
+                }
+            };
+            workload::write(&conn, &mut rng, shape).unwrap();
+            if mode == "INCREMENTAL" && i % 20 == 0 {
+                conn.execute_batch("PRAGMA incremental_vacuum(50)").unwrap();
+            }
+        }
+        rig.wait_synced(name, 300, Duration::from_secs(30));
+        rig.assert_equal(name);
+    }
+
+    // A page size change: the file is replaced by one with 8 KiB pages.
+    let conn = workload::open_app(&rig.db("ps"), true).unwrap();
+    let mut rng = Rng::new(11);
+    for _ in 0..20 {
+        workload::write(
+            &conn,
+            &mut rng,
+            workload::Shape::Rows {
+                rows: 2,
+                payload: 100,
+            },
+        )
+        .unwrap();
+    }
+    drop(conn);
+    rig.wait_synced("ps", 20, Duration::from_secs(30));
+    let eight = rig.scratch.path().join("eight.db");
+    {
+        let c = Connection::open(&eight).unwrap();
+        c.execute_batch("PRAGMA page_size=8192; PRAGMA journal_mode=WAL;")
+            .unwrap();
+        workload::init(&c).unwrap();
+        for _ in 0..25 {
+            workload::write(
+                &c,
+                &mut rng,
+                workload::Shape::Rows {
+                    rows: 2,
+                    payload: 100,
+                },
+            )
+            .unwrap();
+        }
+        c.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
+            .unwrap();
+    }
+    std::fs::rename(&eight, rig.db("ps")).unwrap();
+    for s in ["-wal", "-shm"] {
+        let _ = std::fs::remove_file(rig.primary.join(format!("ps.db{s}")));
+    }
+    assert!(wait_until(Duration::from_secs(30), || {
+        rig.replica("ps")
+            .query_row("PRAGMA page_size", [], |r| r.get::<_, u32>(0))
+            .unwrap_or(0)
+            == 8192
+    }));
+    rig.wait_synced("ps", 25, Duration::from_secs(30));
+    rig.assert_equal("ps");
+}
