@@ -125,6 +125,10 @@ pub struct Verified {
 
 /// Check a database (or replica) against itself, inside one read transaction.
 pub fn verify(conn: &Connection) -> Result<Verified, String> {
+    if !conn.is_autocommit() {
+        // The caller holds a transaction: verify inside it.
+        return verify_inner(conn);
+    }
     conn.execute_batch("BEGIN").map_err(|e| e.to_string())?;
     let r = verify_inner(conn);
     let _ = conn.execute_batch("COMMIT");

@@ -273,13 +273,6 @@ impl Receiver {
     }
 
     fn apply_txns_inner(&self, name: &str, q: TxnsQuery, body: &[u8]) -> Result<Position, Refused> {
-        let records = proto::decode_records(body, q.page_size).map_err(|e| {
-            let code = match e {
-                proto::BodyError::Crc { .. } | proto::BodyError::Truncated { .. } => Code::Corrupt,
-                _ => Code::BadRequest,
-            };
-            Refused::new(code, format!("{name}: {e}"))
-        })?;
         let Some(slot) = self.slot(name, false)? else {
             return Err(Refused::new(
                 Code::NeedsBase,
@@ -288,7 +281,15 @@ impl Receiver {
         };
         let mut s = lock_slot(&slot);
         let _flock = s.sync().map_err(|e| self.refused(e))?;
+        // Admission first: a body framed for another page size would only fail to parse.
         s.admit(Epoch(q.epoch), q.generation, Some(q.page_size))?;
+        let records = proto::decode_records(body, q.page_size).map_err(|e| {
+            let code = match e {
+                proto::BodyError::Crc { .. } | proto::BodyError::Truncated { .. } => Code::Corrupt,
+                _ => Code::BadRequest,
+            };
+            Refused::new(code, format!("{name}: {e}"))
+        })?;
         let started = Instant::now();
         let outcome = s.apply_records(&records);
         if outcome.is_ok() {

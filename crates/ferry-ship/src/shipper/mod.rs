@@ -141,6 +141,8 @@ struct Inner {
     cv: Condvar,
     dbs: Mutex<BTreeMap<String, Arc<Entry>>>,
     stop: AtomicBool,
+    /// When the directory was last scanned for new databases.
+    discovered: Mutex<Instant>,
 }
 
 struct Entry {
@@ -211,7 +213,11 @@ impl Shipper {
             cv: Condvar::new(),
             dbs: Mutex::new(BTreeMap::new()),
             stop: AtomicBool::new(false),
+            discovered: Mutex::new(Instant::now()),
         });
+        // Watch before the first scan of the directory, so that a database created in
+        // between is seen by one or the other.
+        let watcher = Watcher::new(&inner.config.dir);
         inner.discover();
         let mut threads = Vec::new();
         for i in 0..inner.config.workers {
@@ -219,7 +225,7 @@ impl Shipper {
             threads.push(spawn(&format!("ferry-ship-{i}"), move || w.work()));
         }
         let weak = Arc::downgrade(&inner);
-        threads.push(spawn("ferry-ship-watch", move || watch(weak)));
+        threads.push(spawn("ferry-ship-watch", move || watcher.run(weak)));
         Ok(Shipper {
             inner,
             threads: Mutex::new(threads),
@@ -363,6 +369,7 @@ impl Inner {
 
     fn work(self: Arc<Self>) {
         while let Some(name) = self.next_job() {
+            self.rediscover_if_due();
             let next = self.run(&name);
             let mut s = self.sched.lock().expect("sched lock");
             let slot = s.slots.entry(name.clone()).or_default();
@@ -394,6 +401,21 @@ impl Inner {
             if next == Next::Gone {
                 self.untrack(&name);
             }
+        }
+    }
+
+    /// The backstop for missed inotify events: rescan the directory every `RESCAN`.
+    fn rediscover_if_due(self: &Arc<Self>) {
+        let due = {
+            let mut at = self.discovered.lock().expect("discovered lock");
+            let due = at.elapsed() >= RESCAN;
+            if due {
+                *at = Instant::now();
+            }
+            due
+        };
+        if due {
+            self.discover();
         }
     }
 
@@ -512,68 +534,75 @@ impl Inner {
     }
 }
 
-/// Watch the directory with inotify; fall back to the backstop poll if it is unavailable.
-fn watch(inner: Weak<Inner>) {
-    use inotify::{Inotify, WatchMask};
-    let (dir, all) = match inner.upgrade() {
-        Some(i) => (i.config.dir.clone(), i.config.names.is_empty()),
-        None => return,
-    };
-    let mut ino = match Inotify::init() {
-        Ok(i) => i,
-        Err(e) => {
-            tracing::warn!("inotify unavailable ({e}); noticing commits by polling every {POLL:?}");
-            return rescan_loop(inner);
-        }
-    };
-    let mask = WatchMask::MODIFY
-        | WatchMask::CREATE
-        | WatchMask::MOVED_TO
-        | WatchMask::DELETE
-        | WatchMask::MOVED_FROM;
-    if let Err(e) = ino.watches().add(&dir, mask) {
-        tracing::warn!(
-            "cannot watch {} ({e}); noticing commits by polling every {POLL:?}",
-            dir.display()
-        );
-        return rescan_loop(inner);
-    }
-    let _ = ino
-        .watches()
-        .add(dir.join(".ferry-ship"), WatchMask::CREATE);
-    let mut buf = vec![0u8; 64 << 10];
-    let mut rescanned = Instant::now();
-    loop {
-        let events = match ino.read_events_blocking(&mut buf) {
-            Ok(ev) => ev,
+/// inotify on the shipper directory; None when unavailable (the backstop poll and the
+/// periodic rescan then do its job, more slowly).
+struct Watcher(Option<inotify::Inotify>);
+
+impl Watcher {
+    fn new(dir: &Path) -> Watcher {
+        use inotify::{Inotify, WatchMask};
+        let ino = match Inotify::init() {
+            Ok(i) => i,
             Err(e) => {
-                tracing::warn!("inotify read failed ({e}); polling instead");
-                return rescan_loop(inner);
+                tracing::warn!(
+                    "inotify unavailable ({e}); noticing commits by polling every {POLL:?}"
+                );
+                return Watcher(None);
             }
         };
-        let Some(i) = inner.upgrade() else { return };
-        if i.stop.load(Ordering::SeqCst) {
-            return;
+        let mask = WatchMask::MODIFY
+            | WatchMask::CREATE
+            | WatchMask::MOVED_TO
+            | WatchMask::DELETE
+            | WatchMask::MOVED_FROM;
+        if let Err(e) = ino.watches().add(dir, mask) {
+            tracing::warn!(
+                "cannot watch {} ({e}); noticing commits by polling every {POLL:?}",
+                dir.display()
+            );
+            return Watcher(None);
         }
-        for ev in events {
-            let Some(file) = ev.name.and_then(|n| n.to_str()) else {
-                continue;
+        let _ = ino
+            .watches()
+            .add(dir.join(".ferry-ship"), WatchMask::CREATE);
+        Watcher(Some(ino))
+    }
+
+    /// Turn events into wake-ups until the shipper stops.
+    fn run(self, inner: Weak<Inner>) {
+        let Some(mut ino) = self.0 else {
+            return rescan_loop(inner);
+        };
+        let all = match inner.upgrade() {
+            Some(i) => i.config.names.is_empty(),
+            None => return,
+        };
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            let events = match ino.read_events_blocking(&mut buf) {
+                Ok(ev) => ev,
+                Err(e) => {
+                    tracing::warn!("inotify read failed ({e}); polling instead");
+                    return rescan_loop(inner);
+                }
             };
-            if let Some(db) = file
-                .strip_suffix("-wal")
-                .and_then(|f| crate::names::from_file_name(f.as_ref()))
-            {
-                i.wake(&db);
-            } else if let Some(db) = crate::names::from_file_name(file.as_ref()) {
+            let Some(i) = inner.upgrade() else { return };
+            if i.stop.load(Ordering::SeqCst) {
+                return;
+            }
+            for ev in events {
+                let Some(file) = ev.name.and_then(|n| n.to_str()) else {
+                    continue;
+                };
+                let db = file.strip_suffix("-wal").unwrap_or(file);
+                let Some(db) = crate::names::from_file_name(db.as_ref()) else {
+                    continue;
+                };
                 if all || i.config.names.contains(&db) {
                     i.track(&db);
                 }
                 i.wake(&db);
             }
-        }
-        if rescanned.elapsed() >= RESCAN {
-            i.discover();
-            rescanned = Instant::now();
         }
     }
 }

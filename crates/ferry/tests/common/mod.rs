@@ -189,6 +189,13 @@ impl Rig {
         self.standby.join(format!("{name}.db"))
     }
 
+    /// Workload transactions the replica shows (0 if it does not exist yet).
+    pub fn replica_txns(&self, name: &str) -> u64 {
+        Connection::open_with_flags(self.replica_path(name), OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .map(|c| workload::txns(&c))
+            .unwrap_or(0)
+    }
+
     /// A read-only connection to the replica.
     pub fn replica(&self, name: &str) -> Connection {
         Connection::open_with_flags(self.replica_path(name), OpenFlags::SQLITE_OPEN_READ_ONLY)
