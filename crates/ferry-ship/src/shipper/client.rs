@@ -7,10 +7,11 @@ use std::time::Duration;
 
 /// Connect timeout: a receiver on the other side of a network answers a SYN well within it.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
-/// A txns request carries at most a few MiB; a minute is a stuck peer.
-const TXNS_TIMEOUT: Duration = Duration::from_secs(60);
-/// A base may be many GiB; an hour at the very least 18 MiB/s for 64 GiB is the bound.
-const BASE_TIMEOUT: Duration = Duration::from_secs(3600);
+/// No progress on a socket for this long is a stuck peer. Per read and write, not per
+/// request: a base of many GiB takes as long as it takes while bytes flow. (No overall
+/// timeout on purpose: with one, ureq resolves the host name on a new thread for every
+/// request, which cost more CPU than everything else the shipper does.)
+const IO_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A reply the shipper must act on.
 #[derive(Debug)]
@@ -34,7 +35,6 @@ impl Classify for TransportError {
 #[derive(Clone)]
 pub struct Client {
     agent: ureq::Agent,
-    agent_long: ureq::Agent,
     base_url: String,
     auth: Option<String>,
 }
@@ -59,18 +59,16 @@ impl Client {
         {
             return Err("the token is empty or holds spaces or control characters".into());
         }
-        let agent = |timeout| {
-            ureq::Agent::config_builder()
-                .http_status_as_error(false)
-                .timeout_connect(Some(CONNECT_TIMEOUT))
-                .timeout_global(Some(timeout))
-                .max_idle_connections_per_host(4)
-                .build()
-                .new_agent()
-        };
+        let agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_connect(Some(CONNECT_TIMEOUT))
+            .timeout_per_read(Some(IO_TIMEOUT))
+            .timeout_per_write(Some(IO_TIMEOUT))
+            .max_idle_connections_per_host(4)
+            .build()
+            .new_agent();
         Ok(Client {
-            agent: agent(TXNS_TIMEOUT),
-            agent_long: agent(BASE_TIMEOUT),
+            agent,
             base_url,
             auth: token.map(|t| format!("Bearer {t}")),
         })
@@ -121,7 +119,7 @@ impl Client {
             &format!("/base?epoch={}&generation={}", q.epoch, q.generation),
         );
         let mut req = self
-            .agent_long
+            .agent
             .post(&url)
             .header("content-type", "application/x-ferry-base")
             .header("content-length", len.to_string());

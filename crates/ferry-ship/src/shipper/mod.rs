@@ -11,6 +11,7 @@
 //!   wake the database directly.
 
 pub mod client;
+pub mod fold;
 pub mod state;
 pub mod track;
 
@@ -46,6 +47,11 @@ pub const WAL_MAX_BYTES: u64 = 1 << 30;
 pub const FOLD_MIN_FRAMES: u32 = 1000;
 /// Backstop: every database is looked at this often even without a wake-up.
 const POLL: Duration = Duration::from_secs(1);
+/// The watcher's pause after each batch of inotify events (see `Watcher::run`): below the
+/// lag anyone can measure, above the gap between a transaction's frame writes.
+const WATCH_COALESCE: Duration = Duration::from_micros(300);
+/// The status snapshot of a busy database is rebuilt at most this often.
+const SNAPSHOT_INTERVAL: Duration = Duration::from_millis(100);
 /// The directory is rescanned for new databases this often (inotify does it sooner).
 const RESCAN: Duration = Duration::from_secs(5);
 
@@ -141,12 +147,15 @@ struct Inner {
     cv: Condvar,
     dbs: Mutex<BTreeMap<String, Arc<Entry>>>,
     stop: AtomicBool,
+    folder: Arc<fold::Folder>,
     /// When the directory was last scanned for new databases.
     discovered: Mutex<Instant>,
 }
 
 struct Entry {
     track: Mutex<Option<Track>>,
+    /// When `snapshot` was last rebuilt.
+    refreshed: Mutex<Instant>,
     snapshot: Mutex<DbStatus>,
     progress: Arc<BaseProgress>,
     _wake: crate::sqlite::Registration,
@@ -213,6 +222,7 @@ impl Shipper {
             cv: Condvar::new(),
             dbs: Mutex::new(BTreeMap::new()),
             stop: AtomicBool::new(false),
+            folder: fold::Folder::start(),
             discovered: Mutex::new(Instant::now()),
         });
         // Watch before the first scan of the directory, so that a database created in
@@ -258,6 +268,7 @@ impl Shipper {
         for t in threads {
             let _ = t.join();
         }
+        self.inner.folder.shutdown();
         let entries: Vec<_> = self
             .inner
             .dbs
@@ -332,6 +343,7 @@ impl Inner {
                 name.to_string(),
                 Arc::new(Entry {
                     track: Mutex::new(None),
+                    refreshed: Mutex::new(Instant::now()),
                     snapshot: Mutex::new(DbStatus {
                         name: name.to_string(),
                         state: "starting".into(),
@@ -347,6 +359,10 @@ impl Inner {
         s.slots.entry(name.to_string()).or_default().parked = false;
         drop(s);
         self.wake(name);
+    }
+
+    fn is_tracked(&self, name: &str) -> bool {
+        self.dbs.lock().expect("dbs lock").contains_key(name)
     }
 
     fn wake(&self, name: &str) {
@@ -469,7 +485,13 @@ impl Inner {
                 fold_min_frames: self.config.fold_min_frames,
                 epoch: self.config.epoch,
             };
-            match Track::open(&self.config.dir, name, cfg, entry.progress.clone()) {
+            match Track::open(
+                &self.config.dir,
+                name,
+                cfg,
+                entry.progress.clone(),
+                self.folder.clone(),
+            ) {
                 Ok(t) => *guard = Some(t),
                 Err(e) => {
                     if !self.config.dir.join(format!("{name}.db")).exists() {
@@ -489,12 +511,19 @@ impl Inner {
         }
         let track = guard.as_mut().expect("opened above");
         let next = track.step(&self.client);
-        let mut status = track.status();
-        if next == Next::Gone {
-            status.state = "gone".into();
-            let _ = track.save();
+        // The status snapshot is rebuilt when the database settles, and otherwise at most
+        // every SNAPSHOT_INTERVAL: building it per step (per commit, under load) cost as
+        // much as the step.
+        let mut refreshed = entry.refreshed.lock().expect("refreshed lock");
+        if next != Next::Again || refreshed.elapsed() >= SNAPSHOT_INTERVAL {
+            *refreshed = Instant::now();
+            let mut status = track.status();
+            if next == Next::Gone {
+                status.state = "gone".into();
+                let _ = track.save();
+            }
+            *entry.snapshot.lock().expect("snapshot lock") = status;
         }
-        *entry.snapshot.lock().expect("snapshot lock") = status;
         next
     }
 
@@ -598,11 +627,21 @@ impl Watcher {
                 let Some(db) = crate::names::from_file_name(db.as_ref()) else {
                     continue;
                 };
-                if all || i.config.names.contains(&db) {
+                // A write to a WAL is the common event and only wakes; anything else may
+                // be a database appearing (or the WAL of one not tracked yet).
+                let is_write =
+                    ev.mask.contains(inotify::EventMask::MODIFY) && file.ends_with("-wal");
+                if (!is_write || !i.is_tracked(&db)) && (all || i.config.names.contains(&db)) {
                     i.track(&db);
                 }
                 i.wake(&db);
             }
+            drop(i);
+            // SQLite writes a transaction's frames with one write each, and every write is
+            // an event. Pausing a moment lets the kernel merge the rest of a transaction's
+            // events into one read, instead of waking this thread (and taking the
+            // scheduler's lock) once per frame.
+            std::thread::sleep(WATCH_COALESCE);
         }
     }
 }

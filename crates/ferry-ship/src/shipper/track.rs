@@ -38,8 +38,10 @@ use std::time::{Duration, Instant};
 const STATE_SAVE_INTERVAL: Duration = Duration::from_secs(1);
 /// Retry a fold that a reader held up after this long, even with no new commits.
 const FOLD_RETRY: Duration = Duration::from_secs(5);
-/// How long a fold waits for an app's write transaction before skipping its locked half.
-const FOLD_BARRIER_WAIT: Duration = Duration::from_millis(200);
+/// How often a step re-checks what rarely changes: the file's identity, its header's
+/// change counter, the `-wal` file's identity, the WAL cap. A step per commit cannot
+/// afford a stat of each every time.
+const IDENTITY_INTERVAL: Duration = Duration::from_millis(50);
 /// While a base is owed, the WAL is folded at most this often.
 const OWING_FOLD_INTERVAL: Duration = Duration::from_millis(200);
 /// Retries after failures: 50 ms doubling to 30 s, full jitter.
@@ -175,10 +177,19 @@ pub struct Track {
     retry_at: Option<Instant>,
     /// Last fold while a base was owed.
     owing_fold_at: Option<Instant>,
+    /// Last checks of the file's identity, its change counter and the WAL cap; and
+    /// whether the `-wal` path must be looked at again (it may have been replaced).
+    identity_at: Instant,
+    counters_at: Instant,
+    cap_at: Instant,
+    wal_stat_due: bool,
     /// Why the owed base is owed (for status and metrics).
     pending_reason: Option<BaseReason>,
     /// Bytes of the base in flight and its size, shared with status.
     progress: Arc<BaseProgress>,
+    /// The shipper's folder thread, and what it tells this database about its folds.
+    folder: Arc<super::fold::Folder>,
+    fold_state: Arc<super::fold::FoldState>,
     config: TrackConfig,
     rng: SplitMix64,
     pub stats: TrackStats,
@@ -191,6 +202,7 @@ impl Track {
         name: &str,
         config: TrackConfig,
         progress: Arc<BaseProgress>,
+        folder: Arc<super::fold::Folder>,
     ) -> Result<Track, StepError> {
         let path = dir.join(format!("{name}.db"));
         let main = crate::sqlite::open_primary(&path)?;
@@ -208,7 +220,8 @@ impl Track {
                 "switched from {mode} to WAL mode: ferry-ship ships the WAL"
             );
         }
-        let barrier = crate::sqlite::open_primary(&path)?;
+        let mut barrier = crate::sqlite::open_primary(&path)?;
+        crate::sqlite::eager_busy_handler(&mut barrier)?;
         let meta = std::fs::metadata(&path)?;
         let db = FileId {
             dev: meta.dev(),
@@ -272,7 +285,13 @@ impl Track {
             pending_reason: None,
             retry_at: None,
             owing_fold_at: None,
+            identity_at: Instant::now(),
+            counters_at: Instant::now() - IDENTITY_INTERVAL,
+            cap_at: Instant::now(),
+            wal_stat_due: true,
             progress,
+            folder,
+            fold_state: Arc::default(),
             config,
             rng: SplitMix64::from_entropy(),
             st,
@@ -302,19 +321,26 @@ impl Track {
         if self.fenced.is_some() {
             return Ok(Next::Fenced);
         }
-        match std::fs::metadata(&self.path) {
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Next::Gone),
-            Err(e) => return Err(e.into()),
-            Ok(m)
-                if (FileId {
-                    dev: m.dev(),
-                    ino: m.ino(),
-                }) != self.db =>
-            {
-                self.reopen()?;
-                self.owe_base(BaseReason::Replaced);
+        if self.identity_at.elapsed() >= IDENTITY_INTERVAL || self.st.needs_base {
+            // At most every IDENTITY_INTERVAL: a step per commit cannot afford the stat
+            // calls, and a replaced file read meanwhile fails the continuity proof anyway
+            // (its WAL has other salts).
+            self.identity_at = Instant::now();
+            self.wal_stat_due = true;
+            match std::fs::metadata(&self.path) {
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Next::Gone),
+                Err(e) => return Err(e.into()),
+                Ok(m)
+                    if (FileId {
+                        dev: m.dev(),
+                        ino: m.ino(),
+                    }) != self.db =>
+                {
+                    self.reopen()?;
+                    self.owe_base(BaseReason::Replaced);
+                }
+                Ok(_) => {}
             }
-            Ok(_) => {}
         }
         if !self.st.needs_base
             && let Err(reason) = self.advance()?
@@ -331,7 +357,7 @@ impl Track {
         if self.over_cap()? {
             tracing::warn!(db = %self.name, limit = self.config.wal_max_bytes, "the peer is away past the WAL cap: folding, a base will follow");
             self.owe_base(BaseReason::WalCap);
-            self.checkpoint(None)?;
+            self.folder.request(&self.path, None, &self.fold_state);
             return Ok(Next::Again);
         }
         if self.may_fold() {
@@ -373,6 +399,7 @@ impl Track {
     fn reopen(&mut self) -> Result<(), StepError> {
         self.main = crate::sqlite::open_primary(&self.path)?;
         self.barrier = crate::sqlite::open_primary(&self.path)?;
+        crate::sqlite::eager_busy_handler(&mut self.barrier)?;
         let meta = std::fs::metadata(&self.path)?;
         self.db = FileId {
             dev: meta.dev(),
@@ -380,11 +407,16 @@ impl Track {
         };
         self.header_fd = main_fd(&self.path)?;
         self.wal = None;
+        self.wal_stat_due = true;
         Ok(())
     }
 
     /// The `-wal` file, reopened if it was replaced; None if there is none.
     fn wal_file(&mut self) -> Result<Option<&File>, StepError> {
+        if self.wal.is_some() && !self.wal_stat_due {
+            return Ok(self.wal.as_ref().map(|(_, f)| f));
+        }
+        self.wal_stat_due = false;
         let meta = match std::fs::metadata(&self.wal_path) {
             Ok(m) => m,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -532,6 +564,10 @@ impl Track {
 
     /// docs/ship.md §3.3 rule 5: the main file's change counter must be one we saw.
     fn check_counters(&mut self) -> Result<Result<(), BaseReason>, StepError> {
+        if self.counters_at.elapsed() < IDENTITY_INTERVAL {
+            return Ok(Ok(()));
+        }
+        self.counters_at = Instant::now();
         let Some(now) = main_counter(&self.header_fd)? else {
             return Ok(Ok(()));
         };
@@ -551,6 +587,10 @@ impl Track {
     }
 
     fn over_cap(&mut self) -> Result<bool, StepError> {
+        if self.cap_at.elapsed() < IDENTITY_INTERVAL {
+            return Ok(false);
+        }
+        self.cap_at = Instant::now();
         let Some(cursor) = self.scan else {
             return Ok(false);
         };
@@ -583,71 +623,22 @@ impl Track {
             .all(|u| matches!(u.txn.pages, Pages::Inline(_)))
             && self.scan_stop == Stop::End
             && cursor.frame >= self.config.fold_min_frames
+            && !self.fold_state.busy.load(Ordering::SeqCst)
             && !tried
     }
 
-    /// Fold the WAL (docs/ship.md §3.5). The proof of the next step covers whatever the
-    /// checkpoint copied and whatever reset follows.
+    /// Fold the WAL (docs/ship.md §3.5) on the folder thread. The proof of a later step
+    /// covers whatever the checkpoint copies and whatever reset follows.
     fn fold(&mut self) -> Result<(), StepError> {
         self.save()?;
         let cursor = self.scan.expect("may_fold checked");
-        let (busy, log, done) = self.checkpoint(Some(cursor.salts))?;
-        self.fold_tried = Some((cursor, Instant::now()));
-        if busy == 0 && log == done && log >= 0 {
-            self.stats.folds += 1;
-            tracing::debug!(db = %self.name, frames = log, "folded the WAL");
-        } else {
-            tracing::debug!(db = %self.name, busy, log, done, "fold partial (a reader holds an old snapshot); retrying later");
+        if self
+            .folder
+            .request(&self.path, Some(cursor.salts), &self.fold_state)
+        {
+            self.fold_tried = Some((cursor, Instant::now()));
         }
         Ok(())
-    }
-
-    /// Checkpoint so that the next commit can reset the WAL:
-    /// 1. PASSIVE without any lock copies the bulk of the frames, writers going on.
-    /// 2. PASSIVE again under the barrier (the write lock) copies the few frames committed
-    ///    meanwhile, so that every frame is copied when the lock is released, and the next
-    ///    writer starts its transaction on a fully copied WAL, which is what lets it reset.
-    ///    Without it, under steady load a writer is always mid-transaction on an older
-    ///    snapshot when a checkpoint ends, the WAL never resets and grows to the cap.
-    ///
-    /// Each half first checks that the WAL is still in the cycle `salts` (when given): a
-    /// checkpoint that copied all of a cycle that just began would allow a second reset
-    /// before the shipper looks, which it cannot prove clean. Writers wait only for the
-    /// locked half; a busy barrier (a long app transaction) skips it.
-    fn checkpoint(&mut self, salts: Option<wal::Salts>) -> Result<(i64, i64, i64), StepError> {
-        let passive = |c: &Connection| -> rusqlite::Result<(i64, i64, i64)> {
-            c.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-            })
-        };
-        if !self.still_in_cycle(salts)? {
-            return Ok((1, -1, -1));
-        }
-        let first = passive(&self.main)?;
-        self.barrier.busy_timeout(FOLD_BARRIER_WAIT)?;
-        let locked = self.barrier.execute_batch("BEGIN IMMEDIATE");
-        self.barrier.busy_timeout(crate::sqlite::BUSY_TIMEOUT)?;
-        if locked.is_err() {
-            return Ok(first);
-        }
-        let second = match self.still_in_cycle(salts) {
-            Ok(true) => passive(&self.main).map_err(StepError::from),
-            Ok(false) => Ok(first),
-            Err(e) => Err(e),
-        };
-        let _ = self.barrier.execute_batch("ROLLBACK");
-        second
-    }
-
-    /// Is the WAL's header still the one of cycle `salts` (always true without salts)?
-    fn still_in_cycle(&mut self, salts: Option<wal::Salts>) -> Result<bool, StepError> {
-        let Some(salts) = salts else { return Ok(true) };
-        let Some(f) = self.wal_file()? else {
-            return Ok(false);
-        };
-        Ok(wal::read_header(f)?
-            .and_then(|h| h.ok())
-            .is_some_and(|h| h.salts == salts))
     }
 
     /// While a base is owed nothing in the WAL needs keeping: fold it (at most every
@@ -665,7 +656,7 @@ impl Track {
             None => 0,
         };
         if frames >= self.config.fold_min_frames as u64 {
-            self.checkpoint(None)?;
+            self.folder.request(&self.path, None, &self.fold_state);
             self.owing_fold_at = Some(Instant::now());
         }
         Ok(())
@@ -743,11 +734,18 @@ impl Track {
             } else {
                 0
             };
-            let pages = match page_list(&u.txn, f)? {
-                Some(p) => p,
-                None => return Ok(Err(BaseReason::Rewritten)),
+            let read_back;
+            let pages: Vec<(u32, &[u8])> = match &u.txn.pages {
+                Pages::Inline(p) => p.iter().map(|(n, d)| (*n, &d[..])).collect(),
+                Pages::Frames(_) => {
+                    read_back = match page_list(&u.txn, f)? {
+                        Some(p) => p,
+                        None => return Ok(Err(BaseReason::Rewritten)),
+                    };
+                    read_back.iter().map(|(n, d)| (*n, &d[..])).collect()
+                }
             };
-            let chunks: Vec<&[(u32, Box<[u8]>)]> = if pages.is_empty() {
+            let chunks: Vec<&[(u32, &[u8])]> = if pages.is_empty() {
                 vec![&pages[..]]
             } else {
                 pages.chunks(pages_per_part).collect()
@@ -766,7 +764,7 @@ impl Track {
                     page_count: chunk.len() as u32,
                     observed_ms: u.observed_ms,
                 };
-                proto::encode_record(&mut body, &h, chunk.iter().map(|(n, d)| (*n, &d[..])));
+                proto::encode_record(&mut body, &h, chunk.iter().copied());
                 page_bytes += chunk.len() as u64 * page_size as u64;
                 if last {
                     txns += 1;
@@ -1038,7 +1036,7 @@ impl Track {
                 .iter()
                 .map(|(k, v)| (k.to_string(), *v))
                 .collect(),
-            folds: self.stats.folds,
+            folds: self.fold_state.complete.load(Ordering::Relaxed),
             transactions_shipped: self.stats.transactions_shipped,
             body_bytes_shipped: self.stats.body_bytes_shipped,
             page_bytes_shipped: self.stats.page_bytes_shipped,

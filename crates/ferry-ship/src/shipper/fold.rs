@@ -1,0 +1,184 @@
+//! The folder: one thread per shipper that runs checkpoints (docs/ship.md §3.5) on
+//! connections of its own, so that copying megabytes into the main file and syncing it
+//! never holds up shipping.
+//!
+//! A fold of one database:
+//! 1. If the job names a cycle, check the WAL header still names it.
+//! 2. PASSIVE checkpoint, no lock held: copies the bulk while the app keeps writing.
+//! 3. `BEGIN IMMEDIATE` on the barrier connection (waiting at most `BARRIER_WAIT`), check
+//!    the cycle again, PASSIVE again: every frame is copied when the lock is released,
+//!    so the next writer starts on a fully copied WAL and resets it.
+//! 4. `ROLLBACK`.
+//!
+//! Nothing is persisted here and nothing depends on the outcome: the shipper proves every
+//! reset it sees (§3.3 rule 4), whoever caused it. A crash mid-fold leaves a partly
+//! copied WAL, which SQLite handles like any interrupted checkpoint.
+
+use crate::wal::{self, Salts};
+use rusqlite::Connection;
+use std::collections::HashMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// How long the locked half waits for an app's write transaction before giving up.
+const BARRIER_WAIT: Duration = Duration::from_millis(200);
+/// Between attempts at the write lock. SQLite's own busy handler sleeps 1 ms, then 2, 5,
+/// 10…: against a writer that commits back to back it almost never lands in the
+/// microseconds between two transactions, and the fold never resets the WAL. Retrying
+/// every 50 µs lands there within a few milliseconds.
+const BARRIER_RETRY: Duration = Duration::from_micros(50);
+
+/// Busy handler of the barrier connection: retry every `BARRIER_RETRY` up to
+/// `BARRIER_WAIT`.
+fn barrier_busy(attempts: i32) -> bool {
+    if (attempts as u128) * BARRIER_RETRY.as_micros() >= BARRIER_WAIT.as_micros() {
+        return false;
+    }
+    std::thread::sleep(BARRIER_RETRY);
+    true
+}
+/// Fold requests waiting; one per database is ever outstanding, so this only bounds a
+/// burst across many databases. A full queue drops the request: the database asks again
+/// at its next step.
+const QUEUE: usize = 256;
+
+/// What a database shares with the folder about its folds.
+#[derive(Debug, Default)]
+pub struct FoldState {
+    /// A fold is queued or running.
+    pub busy: AtomicBool,
+    /// Folds that copied every frame.
+    pub complete: AtomicU64,
+}
+
+struct Job {
+    path: PathBuf,
+    wal: PathBuf,
+    salts: Option<Salts>,
+    state: Arc<FoldState>,
+}
+
+/// The folder thread's handle.
+pub struct Folder {
+    tx: Mutex<Option<SyncSender<Job>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Folder {
+    pub fn start() -> Arc<Folder> {
+        let (tx, rx) = sync_channel(QUEUE);
+        let thread = std::thread::Builder::new()
+            .name("ferry-ship-fold".into())
+            .spawn(move || run(rx))
+            .expect("spawning a thread only fails when the process is out of resources");
+        Arc::new(Folder {
+            tx: Mutex::new(Some(tx)),
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    /// Ask for a fold of the database at `path`; false if one is already outstanding or
+    /// the queue is full. `salts`: only copy while the WAL is still in this cycle.
+    pub fn request(&self, path: &Path, salts: Option<Salts>, state: &Arc<FoldState>) -> bool {
+        if state.busy.swap(true, Ordering::SeqCst) {
+            return false;
+        }
+        let job = Job {
+            path: path.to_path_buf(),
+            wal: crate::receiver::replica::sidecar(path, "-wal"),
+            salts,
+            state: state.clone(),
+        };
+        let sent = match self.tx.lock().expect("folder lock").as_ref() {
+            Some(tx) => match tx.try_send(job) {
+                Ok(()) => true,
+                Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => false,
+            },
+            None => false,
+        };
+        if !sent {
+            state.busy.store(false, Ordering::SeqCst);
+        }
+        sent
+    }
+
+    /// Stop after the fold in progress.
+    pub fn shutdown(&self) {
+        self.tx.lock().expect("folder lock").take();
+        if let Some(t) = self.thread.lock().expect("folder lock").take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Connections the folder keeps per database file (by inode: a replaced file gets new ones).
+struct Conns {
+    ino: u64,
+    main: Connection,
+    barrier: Connection,
+}
+
+fn run(rx: Receiver<Job>) {
+    let mut conns: HashMap<PathBuf, Conns> = HashMap::new();
+    while let Ok(job) = rx.recv() {
+        let outcome = fold(&mut conns, &job).map_err(|e| e.to_string());
+        if let Err(e) = &outcome {
+            tracing::debug!(db = %job.path.display(), "fold failed: {e}");
+            conns.remove(&job.path);
+        }
+        if matches!(outcome, Ok((0, log, done)) if log == done && log >= 0) {
+            job.state.complete.fetch_add(1, Ordering::Relaxed);
+        }
+        job.state.busy.store(false, Ordering::SeqCst);
+    }
+}
+
+fn fold(
+    conns: &mut HashMap<PathBuf, Conns>,
+    job: &Job,
+) -> Result<(i64, i64, i64), Box<dyn std::error::Error>> {
+    let ino = std::fs::metadata(&job.path)?.ino();
+    if conns.get(&job.path).is_none_or(|c| c.ino != ino) {
+        let main = crate::sqlite::open_primary(&job.path)?;
+        let mut barrier = crate::sqlite::open_primary(&job.path)?;
+        barrier.busy_handler(Some(barrier_busy))?;
+        // (A fold gives up sooner than a base: it is only worth a short wait.)
+        conns.insert(job.path.clone(), Conns { ino, main, barrier });
+    }
+    let c = conns.get(&job.path).expect("inserted above");
+    let in_cycle = || -> std::io::Result<bool> {
+        let Some(salts) = job.salts else {
+            return Ok(true);
+        };
+        let Ok(f) = std::fs::File::open(&job.wal) else {
+            return Ok(false);
+        };
+        Ok(wal::read_header(&f)?
+            .and_then(|h| h.ok())
+            .is_some_and(|h| h.salts == salts))
+    };
+    let passive = |conn: &Connection| -> rusqlite::Result<(i64, i64, i64)> {
+        conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+        })
+    };
+    if !in_cycle()? {
+        return Ok((1, -1, -1));
+    }
+    let first = passive(&c.main)?;
+    if c.barrier.execute_batch("BEGIN IMMEDIATE").is_err() {
+        return Ok(first);
+    }
+    let second = match in_cycle() {
+        Ok(true) => passive(&c.main).map_err(Into::into),
+        Ok(false) => Ok(first),
+        Err(e) => Err(e.into()),
+    };
+    let _ = c.barrier.execute_batch("ROLLBACK");
+    second
+}
