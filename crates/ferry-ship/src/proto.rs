@@ -7,7 +7,8 @@
 //! ```text
 //!  0 magic "FSTR"     4 seq u64        12 part u32       16 flags u32 (1 = last part)
 //! 20 commit_pages u32 24 page_count u32 28 observed_ms u64
-//! 36 page_count × (pgno u32, page)     end crc32c u32 over everything before it
+//! 36 wal_checksum u64 (the primary's cumulative WAL checksum at the commit frame)
+//! 44 page_count × (pgno u32, page)     end crc32c u32 over everything before it
 //! ```
 //!
 //! A base body is a 64-byte [`BaseHeader`], the pages in order, and an 8-byte trailer
@@ -17,7 +18,7 @@ use ferry_core::epoch::Epoch;
 use serde::{Deserialize, Serialize};
 
 pub const RECORD_MAGIC: [u8; 4] = *b"FSTR";
-pub const RECORD_HEADER_BYTES: usize = 36;
+pub const RECORD_HEADER_BYTES: usize = 44;
 pub const RECORD_TRAILER_BYTES: usize = 4;
 pub const FLAG_LAST_PART: u32 = 1;
 
@@ -34,6 +35,10 @@ pub struct RecordHeader {
     pub page_count: u32,
     /// The shipper's wall clock (ms since 1970) when it first saw the commit.
     pub observed_ms: u64,
+    /// The primary's cumulative WAL checksum at the transaction's commit frame. It names
+    /// the whole history up to this transaction: a shipper that restarts behind the
+    /// receiver compares it to tell the same history from a rewritten one.
+    pub wal_checksum: u64,
 }
 
 /// One decoded record; pages borrow from the body.
@@ -62,6 +67,7 @@ pub fn encode_record<'p>(
     out.extend_from_slice(&h.commit_pages.to_le_bytes());
     out.extend_from_slice(&h.page_count.to_le_bytes());
     out.extend_from_slice(&h.observed_ms.to_le_bytes());
+    out.extend_from_slice(&h.wal_checksum.to_le_bytes());
     let mut written = 0u32;
     for (pgno, page) in pages {
         out.extend_from_slice(&pgno.to_le_bytes());
@@ -126,6 +132,7 @@ pub fn decode_records(body: &[u8], page_size: u32) -> Result<Vec<Record<'_>>, Bo
             commit_pages: le32(rest, 20),
             page_count: le32(rest, 24),
             observed_ms: le64(rest, 28),
+            wal_checksum: le64(rest, 36),
         };
         let len = (h.page_count as usize)
             .checked_mul(4 + page_size as usize)
@@ -195,6 +202,9 @@ pub struct BaseHeader {
     /// Always 0 today: a base starts its generation.
     pub seq: u64,
     pub observed_ms: u64,
+    /// The primary's cumulative WAL checksum where the base was taken (0 if the WAL was
+    /// empty).
+    pub wal_checksum: u64,
 }
 
 impl BaseHeader {
@@ -207,6 +217,7 @@ impl BaseHeader {
         b[24..32].copy_from_slice(&self.generation.to_le_bytes());
         b[32..40].copy_from_slice(&self.seq.to_le_bytes());
         b[40..48].copy_from_slice(&self.observed_ms.to_le_bytes());
+        b[48..56].copy_from_slice(&self.wal_checksum.to_le_bytes());
         let crc = crc32c::crc32c(&b[..60]);
         b[60..64].copy_from_slice(&crc.to_le_bytes());
         b
@@ -233,6 +244,7 @@ impl BaseHeader {
             generation: le64(b, 24),
             seq: le64(b, 32),
             observed_ms: le64(b, 40),
+            wal_checksum: le64(b, 48),
         };
         if !crate::wal::valid_page_size(h.page_size) {
             return Err(format!(
@@ -287,6 +299,9 @@ pub struct Position {
     pub pages: u32,
     /// The replica was promoted: only a base with a newer epoch starts a new one.
     pub promoted: bool,
+    /// `wal_checksum` of the last transaction applied (or of the base).
+    #[serde(default)]
+    pub checksum: u64,
 }
 
 /// Machine-readable reason of a refusal.
@@ -361,6 +376,7 @@ mod tests {
             commit_pages: 3,
             page_count: 2,
             observed_ms: 5,
+            wal_checksum: 9,
         };
         encode_record(&mut out, &h, [(1, p1.as_slice()), (3, p2.as_slice())]);
         let h2 = RecordHeader {
@@ -370,6 +386,7 @@ mod tests {
             commit_pages: 0,
             page_count: 0,
             observed_ms: 6,
+            wal_checksum: 0,
         };
         encode_record(&mut out, &h2, []);
         out
@@ -422,6 +439,7 @@ mod tests {
             generation: 9,
             seq: 0,
             observed_ms: 1,
+            wal_checksum: 4,
         };
         let b = h.encode();
         assert_eq!(BaseHeader::decode(&b).unwrap(), h);

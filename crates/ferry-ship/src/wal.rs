@@ -494,6 +494,36 @@ pub fn valid_frames(src: &(impl ReadAt + ?Sized), header: &Header, limit: u32) -
     Ok(cursor.frame)
 }
 
+/// The cumulative checksum after frame `n` of the cycle `header` names, walking and
+/// validating every frame from the first; None if the chain breaks before frame `n`.
+pub fn chain_to(
+    src: &(impl ReadAt + ?Sized),
+    header: &Header,
+    n: u32,
+) -> io::Result<Option<Checksum>> {
+    let mut cursor = header.start();
+    let fb = cursor.frame_bytes() as usize;
+    let mut buf = vec![0u8; fb * 256];
+    while cursor.frame < n {
+        let want = ((n - cursor.frame) as usize).min(256);
+        let got = src.read_at(
+            &mut buf[..want * fb],
+            frame_offset(cursor.page_size, cursor.frame + 1),
+        )? / fb;
+        if got == 0 {
+            return Ok(None);
+        }
+        for i in 0..got {
+            let Some((_, sum)) = verify_frame(&cursor, &buf[i * fb..(i + 1) * fb]) else {
+                return Ok(None);
+            };
+            cursor.frame += 1;
+            cursor.checksum = sum;
+        }
+    }
+    Ok(Some(cursor.checksum))
+}
+
 /// Read the frame `r` points at and return its page if it still validates from
 /// `r.before`: the image the scan saw, unchanged.
 pub fn read_verified(src: &(impl ReadAt + ?Sized), r: &FrameRef) -> io::Result<Option<Box<[u8]>>> {

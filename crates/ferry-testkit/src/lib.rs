@@ -55,12 +55,23 @@ fn unique() -> u64 {
     N.fetch_add(1, Ordering::Relaxed)
 }
 
-/// A TCP port free right now on 127.0.0.1.
+/// A TCP port free right now on 127.0.0.1, and never handed out before in this process:
+/// tests running in parallel must not end up sharing a port between picking it and
+/// binding it (one test's shipper would then talk to another's receiver).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("binding 127.0.0.1:0")
-        .port()
+    use std::sync::Mutex;
+    static GIVEN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("binding 127.0.0.1:0")
+            .port();
+        let mut given = GIVEN.lock().unwrap_or_else(|p| p.into_inner());
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 /// Poll `f` every few milliseconds until it holds or `limit` passes.

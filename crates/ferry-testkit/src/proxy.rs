@@ -1,5 +1,5 @@
 //! A TCP proxy between a client and a server that counts bytes and injects faults:
-//! delay every chunk, refuse connections, or cut the next connection after N bytes sent
+//! delay every chunk, refuse connections, or cut a connection after N more bytes sent
 //! upstream (a body cut mid-way).
 
 use std::io::{Read, Write};
@@ -15,7 +15,8 @@ pub struct Faults {
     pub delay_ms: AtomicU64,
     /// Close new connections at once.
     pub refuse: AtomicBool,
-    /// If non-zero: the next connection is cut after this many bytes upstream (then 0).
+    /// If non-zero: after this many more bytes upstream (on whichever connection carries
+    /// them) that connection is cut mid-stream, and this goes back to 0.
     pub cut_after: AtomicU64,
     pub bytes_up: AtomicU64,
     pub bytes_down: AtomicU64,
@@ -55,14 +56,13 @@ impl FaultProxy {
                 };
                 let _ = client.set_nodelay(true);
                 let _ = server.set_nodelay(true);
-                let cut = f.cut_after.swap(0, Ordering::SeqCst);
                 let (c2, s2) = (
                     client.try_clone().expect("clone"),
                     server.try_clone().expect("clone"),
                 );
                 let (fu, fd) = (f.clone(), f.clone());
-                std::thread::spawn(move || pipe(client, server, &fu, true, cut));
-                std::thread::spawn(move || pipe(s2, c2, &fd, false, 0));
+                std::thread::spawn(move || pipe(client, server, &fu, true));
+                std::thread::spawn(move || pipe(s2, c2, &fd, false));
             }
         });
         FaultProxy { port, faults, stop }
@@ -88,9 +88,8 @@ impl Drop for FaultProxy {
     }
 }
 
-fn pipe(mut from: TcpStream, mut to: TcpStream, f: &Faults, up: bool, cut_after: u64) {
+fn pipe(mut from: TcpStream, mut to: TcpStream, f: &Faults, up: bool) {
     let mut buf = vec![0u8; 64 << 10];
-    let mut sent = 0u64;
     loop {
         let n = match from.read(&mut buf) {
             Ok(0) | Err(_) => break,
@@ -102,14 +101,28 @@ fn pipe(mut from: TcpStream, mut to: TcpStream, f: &Faults, up: bool, cut_after:
         }
         let mut n = n;
         let mut cutting = false;
-        if cut_after > 0 && sent + n as u64 >= cut_after {
-            n = (cut_after - sent) as usize;
-            cutting = true;
+        if up {
+            let budget = f.cut_after.load(Ordering::SeqCst);
+            if budget > 0 {
+                if n as u64 >= budget {
+                    n = budget as usize;
+                    cutting = f
+                        .cut_after
+                        .compare_exchange(budget, 0, Ordering::SeqCst, Ordering::SeqCst)
+                        .is_ok();
+                } else {
+                    let _ = f.cut_after.compare_exchange(
+                        budget,
+                        budget - n as u64,
+                        Ordering::SeqCst,
+                        Ordering::SeqCst,
+                    );
+                }
+            }
         }
         if to.write_all(&buf[..n]).is_err() {
             break;
         }
-        sent += n as u64;
         let counter = if up { &f.bytes_up } else { &f.bytes_down };
         counter.fetch_add(n as u64, Ordering::Relaxed);
         if cutting {

@@ -32,8 +32,10 @@ pub enum Shape {
     Drop,
 }
 
+/// Create the workload's tables in one transaction, so that no commit boundary shows
+/// them half made (a replica may be read at any of them).
 pub fn init(conn: &Connection) -> rusqlite::Result<()> {
-    conn.execute_batch(SCHEMA)
+    conn.execute_batch(&format!("BEGIN IMMEDIATE; {SCHEMA} COMMIT;"))
 }
 
 fn h(prev: u64, data: &[u8]) -> u64 {

@@ -207,6 +207,7 @@ fn damaged_cut_oversized_and_misaddressed_requests_are_refused_and_change_nothin
         commit_pages: pos.pages,
         page_count: 1,
         observed_ms: 0,
+        wal_checksum: 0,
     };
     proto::encode_record(&mut body, &h, [(2u32, page2.as_slice())]);
 
@@ -262,6 +263,7 @@ fn damaged_cut_oversized_and_misaddressed_requests_are_refused_and_change_nothin
         generation: 99,
         seq: 0,
         observed_ms: 0,
+        wal_checksum: 0,
     };
     let mut base = header.encode().to_vec();
     let pages = vec![7u8; 8192];

@@ -469,3 +469,68 @@ fn vacuum_auto_vacuum_and_a_page_size_change_are_followed() {
     rig.wait_synced("ps", 25, Duration::from_secs(30));
     rig.assert_equal("ps");
 }
+
+// C7, the harder half. Guards against a shipper whose saved state lags the receiver (it
+// is written about once a second) trusting the receiver's count after a power loss: the
+// seqs it skips to name other transactions now, and only the WAL checksum each record
+// carries tells the forked history from the shipped one.
+#[test]
+fn a_power_loss_behind_a_lagging_shipper_state_is_detected() {
+    let mut rig = Rig::new("c7b");
+    rig.start_receiver();
+    rig.start_shipper();
+    let conn = workload::open_app(&rig.db("a"), true).unwrap();
+    conn.pragma_update(None, "synchronous", "NORMAL").unwrap();
+    let mut rng = Rng::new(17);
+    let shape = workload::Shape::Rows {
+        rows: 2,
+        payload: 200,
+    };
+    for _ in 0..50 {
+        workload::write(&conn, &mut rng, shape).unwrap();
+    }
+    rig.wait_synced("a", 50, Duration::from_secs(30));
+    assert_eq!(rig.stop_shipper(), Some(0));
+    let state = rig.primary.join(".ferry-ship").join("a.json");
+    let saved_at_50 = std::fs::read(&state).unwrap();
+    rig.start_shipper();
+    for _ in 0..50 {
+        workload::write(&conn, &mut rng, shape).unwrap();
+    }
+    drop(conn);
+    rig.wait_synced("a", 100, Duration::from_secs(30));
+    rig.kill_shipper();
+    std::fs::write(&state, saved_at_50).unwrap();
+
+    // The power loss: the WAL falls back to transaction 80 and the app writes on.
+    let wal_path = rig.primary.join("a.db-wal");
+    let wal = std::fs::read(&wal_path).unwrap();
+    let header = ferry_ship::wal::Header::parse(&wal).unwrap();
+    let limits = ferry_ship::wal::ScanLimits {
+        txn_inline_bytes_max: 0,
+        budget_bytes: u64::MAX,
+    };
+    let txns = ferry_ship::wal::scan(&wal, &header.start(), limits)
+        .unwrap()
+        .txns;
+    let keep = &txns[txns.len() - 21];
+    let cut = ferry_ship::wal::frame_offset(header.page_size, keep.last_frame + 1);
+    std::fs::write(&wal_path, &wal[..cut as usize]).unwrap();
+    let _ = std::fs::remove_file(rig.primary.join("a.db-shm"));
+    let conn = workload::open_app(&rig.db("a"), true).unwrap();
+    let mut rng = Rng::new(170);
+    for _ in 0..30 {
+        workload::write(&conn, &mut rng, shape).unwrap();
+    }
+    let now = workload::txns(&conn);
+    drop(conn);
+
+    rig.start_shipper();
+    rig.wait_synced("a", now, Duration::from_secs(30));
+    rig.assert_equal("a");
+    assert!(
+        bases(&rig, "a").contains_key("rewritten"),
+        "{:?}",
+        bases(&rig, "a")
+    );
+}

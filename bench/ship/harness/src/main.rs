@@ -158,17 +158,18 @@ fn write(args: &[String]) -> Result<(), String> {
     // Let an in-process shipper finish: wait until it has nothing outstanding.
     let mut shipped = serde_json::Value::Null;
     if let Some(s) = &shipper {
+        // Idle twice in a row, 50 ms apart: a status taken right after the last commit can
+        // predate the shipper seeing it.
         let wait = Instant::now();
-        while wait.elapsed() < Duration::from_secs(120) {
+        let mut idle_in_a_row = 0;
+        while wait.elapsed() < Duration::from_secs(120) && idle_in_a_row < 2 {
+            std::thread::sleep(Duration::from_millis(50));
             let st = s.status();
-            if st
+            let idle = st
                 .databases
                 .iter()
-                .all(|d| d.lag_transactions == 0 && d.state == "idle")
-            {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
+                .all(|d| d.lag_transactions == 0 && d.state == "idle");
+            idle_in_a_row = if idle { idle_in_a_row + 1 } else { 0 };
         }
         shipped = serde_json::to_value(s.status()).unwrap_or_default();
     }

@@ -21,7 +21,8 @@ use ferry_core::{Class, Classify};
 use replica::{Group, Replica, ReplicaError, Src};
 use state::{FLAG_HAS_REPLICA, FLAG_PROMOTED, Intent, Pos, Record, StateFile};
 use std::collections::{BTreeMap, HashMap};
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
+use std::os::unix::fs::FileExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -610,6 +611,28 @@ impl SlotError {
     }
 }
 
+impl Classify for SlotError {
+    fn class(&self) -> Class {
+        match self {
+            SlotError::Refused(r) => r.class(),
+            SlotError::Replica {
+                source: ReplicaError::Invalid(_),
+                ..
+            } => Class::Permanent,
+            SlotError::Replica {
+                name,
+                source: ReplicaError::Sqlite(e),
+            } => sqlite_refusal(name, e).class(),
+            SlotError::Replica {
+                source: ReplicaError::Io(e) | ReplicaError::State(e),
+                ..
+            }
+            | SlotError::Io { source: e, .. } => e.class(),
+            SlotError::Foreign { .. } => Class::Corrupted,
+        }
+    }
+}
+
 fn sqlite_refusal(name: &str, e: &rusqlite::Error) -> Refused {
     match e.sqlite_error_code() {
         Some(rusqlite::ErrorCode::DiskFull) => Refused::new(
@@ -627,6 +650,11 @@ fn sqlite_refusal(name: &str, e: &rusqlite::Error) -> Refused {
             format!("{name}: SQLite error on the replica: {e}"),
         ),
     }
+}
+
+/// Two WAL checksums name the same history, or one of them is unknown (0).
+fn same_history(a: u64, b: u64) -> bool {
+    a == 0 || b == 0 || a == b
 }
 
 fn lock_slot(slot: &Mutex<Slot>) -> MutexGuard<'_, Slot> {
@@ -679,6 +707,7 @@ struct Ready<'a> {
     pages: Vec<(u32, Src<'a>)>,
     bytes: u64,
     observed_ms: u64,
+    wal_checksum: u64,
 }
 
 impl Slot {
@@ -730,6 +759,9 @@ impl Slot {
     /// Decide where the replica stands after `record` (docs/ship.md §4.3), and leave a
     /// clean record behind.
     fn recover(&mut self, record: Record) -> Result<(), SlotError> {
+        if let Intent::Replace { ino, .. } = record.intent {
+            self.undo_half_swap(ino)?;
+        }
         let _ = replica::remove_with_sidecars(&self.paths.base);
         let _ = std::fs::remove_dir_all(&self.paths.attic);
         let mut pos = match record.intent {
@@ -770,6 +802,16 @@ impl Slot {
                 if now == Some(ino) { record.pos } else { pre }
             }
         };
+        if record.intent != Intent::None {
+            tracing::info!(
+                db = %self.name,
+                seq = pos.seq,
+                last = record.pos.seq,
+                committed = pos == record.pos,
+                "recovered: the last transaction {} before the stop",
+                if pos == record.pos { "had committed" } else { "had not committed" }
+            );
+        }
         if pos.has_replica() && !self.paths.replica.exists() {
             tracing::warn!(db = %self.name, "the replica file is gone; the shipper will send a base");
             pos.flags &= !FLAG_HAS_REPLICA;
@@ -805,6 +847,31 @@ impl Slot {
             }
             self.replica = Some(r);
         }
+        Ok(())
+    }
+
+    /// A crash inside `swap_in` can leave the old replica in the attic and no new one in
+    /// place: put the old one back, so the position before the base still holds.
+    fn undo_half_swap(&self, new_ino: u64) -> Result<(), SlotError> {
+        let now = std::fs::metadata(&self.paths.replica).map(|m| m.ino()).ok();
+        let old = self.paths.attic.join("db");
+        let _ = new_ino; // present: committed; the old inode: the swap never began
+        if now.is_some() || !old.exists() {
+            return Ok(());
+        }
+        let io = |source| SlotError::Io {
+            name: self.name.clone(),
+            what: "restoring the replica after a crash mid-base",
+            source,
+        };
+        for (name, suffix) in [("db-wal", "-wal"), ("db-shm", "-shm"), ("db", "")] {
+            let from = self.paths.attic.join(name);
+            if from.exists() {
+                std::fs::rename(&from, replica::sidecar(&self.paths.replica, suffix))
+                    .map_err(io)?;
+            }
+        }
+        tracing::warn!(db = %self.name, "put back the replica a crash left half swapped out");
         Ok(())
     }
 
@@ -879,6 +946,7 @@ impl Slot {
                 .and_then(|r| r.page_count().ok())
                 .unwrap_or(0),
             promoted: self.pos.promoted(),
+            checksum: self.pos.checksum,
         }
     }
 
@@ -960,6 +1028,22 @@ impl Slot {
                 Some(p) if p.seq == next_seq => p.next_part,
                 _ => 0,
             };
+            if h.seq == self.pos.seq && h.last && !same_history(h.wal_checksum, self.pos.checksum) {
+                // The shipper's transaction at our position is not the one we applied: its
+                // primary's history forked (a lost tail rewritten). Nothing after it can
+                // follow what we hold.
+                return Err(SlotError::Refused(
+                    Refused::new(
+                        Code::NeedsBase,
+                        format!(
+                            "{}: transaction {} differs from the one applied here (WAL checksum {:#x}, not {:#x}): \
+                             the primary's history forked; send a base",
+                            self.name, h.seq, h.wal_checksum, self.pos.checksum
+                        ),
+                    )
+                    .at(self.position()),
+                ));
+            }
             if h.seq < next_seq || (h.seq == next_seq && h.part < expected_part) {
                 continue; // held already: a resend
             }
@@ -975,9 +1059,15 @@ impl Slot {
                     bytes: r.pages.len() as u64 * self.pos.page_size as u64,
                     pages: r.pages.iter().map(|(n, d)| (*n, Src::Mem(d))).collect(),
                     observed_ms: h.observed_ms,
+                    wal_checksum: h.wal_checksum,
                 });
                 next_seq += 1;
                 continue;
+            }
+            if h.part == 0 && !ready.is_empty() {
+                // A new transaction in parts replaces the spool: apply what is ready
+                // first, since a finished transaction in parts reads its pages from it.
+                self.apply_ready(std::mem::take(&mut ready))?;
             }
             self.spool(h, &r.pages)?;
             if h.last {
@@ -992,6 +1082,7 @@ impl Slot {
                         .map(|(n, at)| (*n, Src::Spool(*at)))
                         .collect(),
                     observed_ms: p.observed_ms,
+                    wal_checksum: h.wal_checksum,
                 });
                 next_seq += 1;
             }
@@ -1014,19 +1105,29 @@ impl Slot {
     }
 
     fn spool(&mut self, h: &proto::RecordHeader, pages: &[(u32, &[u8])]) -> Result<(), SlotError> {
-        let io = |source| SlotError::Io {
-            name: self.name.clone(),
-            what: "spooling a partial transaction",
-            source,
-        };
+        let result = self.spool_inner(h, pages);
+        if let Err(source) = result {
+            // The spool and its index no longer agree: drop it; the shipper resends the
+            // transaction from part 0.
+            self.pending = None;
+            let _ = std::fs::remove_file(&self.paths.spool);
+            return Err(SlotError::Io {
+                name: self.name.clone(),
+                what: "spooling a partial transaction",
+                source,
+            });
+        }
+        Ok(())
+    }
+
+    fn spool_inner(&mut self, h: &proto::RecordHeader, pages: &[(u32, &[u8])]) -> io::Result<()> {
         if h.part == 0 {
             let file = std::fs::OpenOptions::new()
                 .read(true)
                 .write(true)
                 .create(true)
                 .truncate(true)
-                .open(&self.paths.spool)
-                .map_err(io)?;
+                .open(&self.paths.spool)?;
             self.pending = Some(Pending {
                 seq: h.seq,
                 next_part: 0,
@@ -1040,13 +1141,16 @@ impl Slot {
             .pending
             .as_mut()
             .expect("part 0 creates the pending transaction");
-        let mut w = io::BufWriter::new(&p.file);
+        // Positional writes; the index moves only past pages written.
+        let mut at = p.len;
+        let mut written = Vec::with_capacity(pages.len());
         for (pgno, data) in pages {
-            w.write_all(data).map_err(io)?;
-            p.index.insert(*pgno, p.len);
-            p.len += data.len() as u64;
+            p.file.write_all_at(data, at)?;
+            written.push((*pgno, at));
+            at += data.len() as u64;
         }
-        w.flush().map_err(io)?;
+        p.index.extend(written);
+        p.len = at;
         p.next_part += 1;
         Ok(())
     }
@@ -1086,6 +1190,7 @@ impl Slot {
             let pre = self.pos;
             let post = Pos {
                 seq: last.seq,
+                checksum: last.wal_checksum,
                 ..pre
             };
             let spool = self.pending.as_ref().map(|p| &p.file);
@@ -1132,6 +1237,7 @@ impl Slot {
             seq: 0,
             page_size: header.page_size,
             flags: FLAG_HAS_REPLICA,
+            checksum: header.wal_checksum,
         };
         let ino = replica::build(&self.paths.base, body, header, quick_check).map_err(|e| {
             let _ = replica::remove_with_sidecars(&self.paths.base);
@@ -1185,6 +1291,7 @@ impl Slot {
         let pos = Pos {
             generation: 0,
             seq: 0,
+            checksum: 0,
             flags: self.pos.flags & !FLAG_HAS_REPLICA,
             ..self.pos
         };
@@ -1255,13 +1362,57 @@ pub fn offline_status(dir: &Path) -> Result<ReceiverStatus, String> {
         })
         .collect();
     names.sort();
+    // Read-only: recovering here would write a record, and a running receiver would take
+    // that for another process's change and drop the transaction it is receiving.
     let mut replicas = Vec::new();
     for name in names {
-        let mut slot = Slot::new(&name, Paths::new(dir, &name));
-        if let Err(e) = slot.sync() {
-            slot.stats.last_error = Some(e.to_string());
-        }
-        replicas.push(slot.status());
+        let paths = Paths::new(dir, &name);
+        let record = StateFile::open(&paths.state).map(|(_, r)| r.unwrap_or_default());
+        let bytes = [&paths.replica, &replica::sidecar(&paths.replica, "-wal")]
+            .iter()
+            .filter_map(|p| std::fs::metadata(p).ok())
+            .map(|m| m.len())
+            .sum();
+        let (pos, last_error) = match record {
+            Ok(r) if r.intent == Intent::None => (r.pos, None),
+            Ok(r) => (
+                r.pos,
+                Some(
+                    "the last transaction's outcome is resolved when the receiver starts"
+                        .to_string(),
+                ),
+            ),
+            Err(e) => (
+                Pos::default(),
+                Some(format!("cannot read the position record: {e}")),
+            ),
+        };
+        let main_len = std::fs::metadata(&paths.replica)
+            .map(|m| m.len())
+            .unwrap_or(0);
+        replicas.push(ReplicaStatus {
+            name,
+            epoch: pos.epoch,
+            generation: pos.generation,
+            seq: pos.seq,
+            page_size: pos.page_size,
+            pages: if pos.page_size > 0 {
+                (main_len / pos.page_size as u64) as u32
+            } else {
+                0
+            },
+            bytes,
+            promoted: pos.promoted(),
+            has_replica: pos.has_replica(),
+            pending_part: 0,
+            transactions: 0,
+            page_bytes: 0,
+            bases: 0,
+            refusals: 0,
+            last_apply_ms: None,
+            lag_ms: None,
+            last_error,
+        });
     }
     Ok(ReceiverStatus {
         dir: dir.display().to_string(),
@@ -1343,24 +1494,28 @@ pub fn promote(
         .as_ref()
         .ok_or_else(|| format!("{name}: the replica could not be opened"))?;
     let pages = replica.page_count().map_err(|e| e.to_string())?;
-    if dest.exists() {
+    // A rerun after a crash past the copy: the copy at `dest` is this replica's, finish.
+    let copied = resumed && dest.exists() && same_content(&paths.replica, dest)?;
+    if dest.exists() && !copied {
         return Err(format!(
             "{} already exists; promote will not overwrite a database. Move it away and rerun",
             dest.display()
         ));
     }
-    let tmp = replica::sidecar(dest, ".promote-tmp");
-    if let Some(parent) = dest.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent)
-            .map_err(|e| format!("cannot create {}: {e}", parent.display()))?;
+    if !copied {
+        let tmp = replica::sidecar(dest, ".promote-tmp");
+        if let Some(parent) = dest.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent)
+                .map_err(|e| format!("cannot create {}: {e}", parent.display()))?;
+        }
+        replica
+            .copy_to(&tmp, progress)
+            .map_err(|e| format!("copying {name} to {}: {e}", tmp.display()))?;
+        std::fs::rename(&tmp, dest)
+            .map_err(|e| format!("moving the copy to {}: {e}", dest.display()))?;
+        let _ = replica::remove_with_sidecars(&tmp);
+        ferry_core::fs::fsync_dir(&ferry_core::fs::parent_dir(dest)).map_err(|e| e.to_string())?;
     }
-    replica
-        .copy_to(&tmp, progress)
-        .map_err(|e| format!("copying {name} to {}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, dest)
-        .map_err(|e| format!("moving the copy to {}: {e}", dest.display()))?;
-    let _ = replica::remove_with_sidecars(&tmp);
-    ferry_core::fs::fsync_dir(&ferry_core::fs::parent_dir(dest)).map_err(|e| e.to_string())?;
     crate::shipper::state::seed_promoted(dest, fenced.epoch)
         .map_err(|e| format!("writing the new primary's shipper state: {e}"))?;
     slot.replica = None;
@@ -1376,6 +1531,16 @@ pub fn promote(
         bytes,
         resumed,
     })
+}
+
+/// Do two databases hold the same data (read on connections of their own)?
+fn same_content(a: &Path, b: &Path) -> Result<bool, String> {
+    let digest = |p: &Path| {
+        rusqlite::Connection::open_with_flags(p, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .and_then(|c| crate::sqlite::digest(&c))
+            .map_err(|e| format!("reading {}: {e}", p.display()))
+    };
+    Ok(digest(a)? == digest(b)?)
 }
 
 fn sqlite_path_eq(a: &Path, b: &Path) -> bool {

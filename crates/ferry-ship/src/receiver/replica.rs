@@ -600,6 +600,7 @@ mod tests {
             generation,
             seq: 0,
             observed_ms: 0,
+            wal_checksum: 0,
         };
         let mut body = h.encode().to_vec();
         let mut crc = 0;

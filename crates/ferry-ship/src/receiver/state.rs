@@ -33,6 +33,8 @@ pub struct Pos {
     pub seq: u64,
     pub page_size: u32,
     pub flags: u32,
+    /// The primary's WAL checksum after transaction `seq` (see `RecordHeader`).
+    pub checksum: u64,
 }
 
 impl Pos {
@@ -220,6 +222,7 @@ impl Writer {
         self.u64(p.seq);
         self.u32(p.page_size);
         self.u32(p.flags);
+        self.u64(p.checksum);
     }
 }
 
@@ -254,6 +257,7 @@ impl Reader<'_> {
             seq: self.u64(),
             page_size: self.u32(),
             flags: self.u32(),
+            checksum: self.u64(),
         }
     }
 }
@@ -269,6 +273,7 @@ mod tests {
             seq,
             page_size: 4096,
             flags: FLAG_HAS_REPLICA,
+            checksum: 5,
         };
         Record {
             pos,

@@ -505,7 +505,7 @@ impl Inner {
                         tracing::error!(db = name, "{msg}");
                     }
                     snap.last_error = Some(msg);
-                    return Next::After(Duration::from_secs(5));
+                    return Next::After(Duration::from_secs(1));
                 }
             }
         }

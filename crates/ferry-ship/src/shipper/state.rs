@@ -71,6 +71,16 @@ pub fn load(path: &Path) -> Result<Option<ShipState>, String> {
             state.version
         ));
     }
+    // A WAL of 2^31 frames would be at least 8 TiB: such a cursor is damage, not a place.
+    if state
+        .cursor
+        .is_some_and(|c| c.frame >= 1 << 31 || !crate::wal::valid_page_size(c.page_size))
+    {
+        return Err(format!(
+            "{} holds an impossible WAL position",
+            path.display()
+        ));
+    }
     Ok(Some(state))
 }
 

@@ -42,12 +42,19 @@ const FOLD_RETRY: Duration = Duration::from_secs(5);
 /// change counter, the `-wal` file's identity, the WAL cap. A step per commit cannot
 /// afford a stat of each every time.
 const IDENTITY_INTERVAL: Duration = Duration::from_millis(50);
+/// Folds wait while the last request took longer than this, or while more than
+/// `FOLD_UNACKED_MAX` of pages wait for acknowledgement (see `Track::may_fold`).
+const FOLD_RTT_MAX: Duration = Duration::from_millis(50);
+const FOLD_UNACKED_MAX: u64 = 1 << 20;
 /// While a base is owed, the WAL is folded at most this often.
 const OWING_FOLD_INTERVAL: Duration = Duration::from_millis(200);
-/// Retries after failures: 50 ms doubling to 30 s, full jitter.
+/// Retries after failures: 50 ms doubling to 2 s, full jitter. A retry is one small
+/// request (or a refused connect), so a short cap costs the peer nothing while it is away
+/// and lets the standby catch up within a couple of seconds of its return; with a 30 s cap
+/// a ten-second outage could leave it behind for another twenty.
 const BACKOFF: Backoff = Backoff::new(
     Duration::from_millis(50),
-    Duration::from_secs(30),
+    Duration::from_secs(2),
     Duration::from_millis(10),
 );
 
@@ -121,6 +128,30 @@ pub enum StepError {
     Peer(String),
 }
 
+impl ferry_core::Classify for StepError {
+    /// Everything a step meets is retried after a backoff, but the class says whether
+    /// waiting can cure it: a busy lock or an unreachable peer can, a corrupt database
+    /// file or a permission cannot (the step keeps failing and status says why).
+    fn class(&self) -> ferry_core::Class {
+        use ferry_core::Class;
+        match self {
+            StepError::Sqlite(e) => match e.sqlite_error_code() {
+                Some(
+                    rusqlite::ErrorCode::DatabaseBusy
+                    | rusqlite::ErrorCode::DatabaseLocked
+                    | rusqlite::ErrorCode::DiskFull,
+                ) => Class::Transient,
+                Some(rusqlite::ErrorCode::DatabaseCorrupt | rusqlite::ErrorCode::NotADatabase) => {
+                    Class::Corrupted
+                }
+                _ => Class::Permanent,
+            },
+            StepError::Io(e) => e.class(),
+            StepError::Peer(_) => Class::Transient,
+        }
+    }
+}
+
 /// Counters for status and metrics.
 #[derive(Clone, Debug, Default)]
 pub struct TrackStats {
@@ -168,6 +199,16 @@ pub struct Track {
     acked: u64,
     /// Next part of transaction `acked + 1` the receiver expects.
     resume_part: u32,
+    /// The receiver's WAL checksum at `acked` (0: unknown).
+    acked_checksum: u64,
+    /// A scan found the receiver holding another history than this WAL.
+    forked: bool,
+    /// How long the last txns request took (a slow peer postpones folds).
+    last_request: Duration,
+    /// The receiver's position is known and checked (after a probe or a base).
+    probed: bool,
+    /// The WAL chain from the header to the cursor was verified in full (once per open).
+    chain_verified: bool,
     batch_bytes_max: usize,
     fenced: Option<String>,
     dirty: bool,
@@ -208,17 +249,14 @@ impl Track {
         let main = crate::sqlite::open_primary(&path)?;
         let mode: String = main.query_row("PRAGMA journal_mode", [], |r| r.get(0))?;
         if !mode.eq_ignore_ascii_case("wal") {
-            let now: String = main.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))?;
-            if !now.eq_ignore_ascii_case("wal") {
-                return Err(StepError::Peer(format!(
-                    "{} is in {mode} mode and could not be switched to WAL (is another process holding it?)",
-                    path.display()
-                )));
-            }
-            tracing::info!(
-                db = name,
-                "switched from {mode} to WAL mode: ferry-ship ships the WAL"
-            );
+            // Not switched for the app: changing the journal mode under an app that is
+            // opening the database itself can make its own switch fail. A new database is
+            // usually switched by its app a moment later; the shipper looks again then.
+            return Err(StepError::Peer(format!(
+                "{} is in {mode} journal mode; ferry-ship ships the WAL: open it with \
+                 ferry_ship::prepare_connection or PRAGMA journal_mode=WAL",
+                path.display()
+            )));
         }
         let mut barrier = crate::sqlite::open_primary(&path)?;
         crate::sqlite::eager_busy_handler(&mut barrier)?;
@@ -277,6 +315,11 @@ impl Track {
             next_seq: acked + 1,
             acked,
             resume_part: 0,
+            acked_checksum: 0,
+            forked: false,
+            last_request: Duration::ZERO,
+            probed: false,
+            chain_verified: false,
             batch_bytes_max: BATCH_BYTES_MAX,
             fenced: None,
             dirty: false,
@@ -303,17 +346,7 @@ impl Track {
     pub fn step(&mut self, client: &Client) -> Next {
         match self.step_inner(client) {
             Ok(next) => next,
-            Err(e) => {
-                self.stats.failures += 1;
-                let msg = e.to_string();
-                if self.stats.last_error.as_deref() != Some(&msg) || self.stats.failures == 1 {
-                    tracing::warn!(db = %self.name, failures = self.stats.failures, "{msg}");
-                }
-                self.stats.last_error = Some(msg);
-                let delay = BACKOFF.delay(self.stats.failures, &mut self.rng);
-                self.retry_at = Some(Instant::now() + delay);
-                Next::After(delay)
-            }
+            Err(e) => Next::After(self.failed(&e)),
         }
     }
 
@@ -340,6 +373,14 @@ impl Track {
                     self.owe_base(BaseReason::Replaced);
                 }
                 Ok(_) => {}
+            }
+        }
+        if !self.st.needs_base && !self.probed && self.backing_off().is_none() {
+            // After a start, learn where the receiver stands before shipping anything: a
+            // request mixing transactions it holds with ones it does not could otherwise
+            // apply a forked history on top of its own (see `probe`).
+            if let Err(e) = self.probe(client) {
+                self.failed(&e);
             }
         }
         if !self.st.needs_base
@@ -369,6 +410,10 @@ impl Track {
             if let Some(wait) = self.backing_off() {
                 return Ok(Next::After(wait));
             }
+            if !self.probed {
+                // Nothing ships before the receiver's position is known and checked.
+                return Ok(Next::After(Duration::from_millis(50)));
+            }
             return self.ship(client);
         }
         self.save_if_due()?;
@@ -377,6 +422,61 @@ impl Track {
         } else {
             Next::Idle
         })
+    }
+
+    /// Count a failure, say so once, and back off; returns the delay.
+    fn failed(&mut self, e: &StepError) -> Duration {
+        self.stats.failures += 1;
+        let msg = e.to_string();
+        if self.stats.last_error.as_deref() != Some(&msg) || self.stats.failures == 1 {
+            tracing::warn!(db = %self.name, failures = self.stats.failures, "{msg}");
+        }
+        self.stats.last_error = Some(msg);
+        let delay = BACKOFF.delay(self.stats.failures, &mut self.rng);
+        self.retry_at = Some(Instant::now() + delay);
+        delay
+    }
+
+    /// Ask the receiver where it stands, and check it holds our history (docs/ship.md
+    /// §3.7): behind what it acknowledged, another lineage, or another transaction at our
+    /// acknowledged seq each owe a base; ahead of our saved state, the scan checks the
+    /// WAL checksum when it reaches the receiver's seq.
+    fn probe(&mut self, client: &Client) -> Result<(), StepError> {
+        match client
+            .position(&self.name)
+            .map_err(|e| StepError::Peer(e.0))?
+        {
+            Reply::Ok(pos) => {
+                if pos.generation != self.st.generation
+                    || pos.epoch != self.st.epoch
+                    || pos.seq < self.st.acked_seq
+                {
+                    self.owe_base(BaseReason::PeerLost);
+                } else if pos.seq == self.st.acked_seq {
+                    let ours = self.st.cursor.map_or(0, |c| pack(c.checksum));
+                    if !same_history(ours, pos.checksum) {
+                        tracing::warn!(db = %self.name, seq = pos.seq, "the receiver holds another history than this WAL");
+                        self.owe_base(BaseReason::Rewritten);
+                    }
+                    self.resume_part = pos.pending_part;
+                } else {
+                    self.acked = pos.seq;
+                    self.acked_checksum = pos.checksum;
+                    self.resume_part = pos.pending_part;
+                }
+                self.probed = true;
+                Ok(())
+            }
+            Reply::Refused { refusal, .. } if refusal.code == Code::NotFound => {
+                self.owe_base(BaseReason::PeerLost);
+                self.probed = true;
+                Ok(())
+            }
+            Reply::Refused { status, refusal } => Err(StepError::Peer(format!(
+                "asking the receiver for its position (HTTP {status}): {}",
+                refusal.error
+            ))),
+        }
     }
 
     /// Time left before the next attempt to reach the peer after a failure.
@@ -408,6 +508,7 @@ impl Track {
         self.header_fd = main_fd(&self.path)?;
         self.wal = None;
         self.wal_stat_due = true;
+        self.chain_verified = false;
         Ok(())
     }
 
@@ -447,7 +548,7 @@ impl Track {
         loop {
             let wal = self.wal_file()?;
             let header = match wal {
-                Some(f) => wal::read_header(f)?.and_then(|h| h.ok()),
+                Some(f) => read_header_settled(f)?,
                 None => None,
             };
             let Some(cursor) = self.scan else {
@@ -478,7 +579,20 @@ impl Track {
                 if !wal::cursor_holds(f, &cursor)? {
                     return Ok(Err(BaseReason::Rewritten));
                 }
+                if !self.chain_verified {
+                    // Once per open, walk the whole chain to the cursor: after a power loss
+                    // the frame at the cursor can survive while frames below it did not,
+                    // and SQLite's own recovery would then end the WAL earlier.
+                    if wal::chain_to(f, &h, cursor.frame)? != Some(cursor.checksum) {
+                        tracing::warn!(db = %self.name, frame = cursor.frame, "the WAL below the saved cursor changed");
+                        return Ok(Err(BaseReason::Rewritten));
+                    }
+                    self.chain_verified = true;
+                }
                 self.scan_more(cursor, false)?;
+                if std::mem::take(&mut self.forked) {
+                    return Ok(Err(BaseReason::Rewritten));
+                }
                 return self.check_counters();
             }
             match prove_new_cycle(f, &cursor, &h)? {
@@ -490,6 +604,9 @@ impl Track {
                     // Read what the old cycle still holds past our cursor, then check the
                     // new cycle has not reached those slots while we read.
                     self.scan_more(cursor, true)?;
+                    if std::mem::take(&mut self.forked) {
+                        return Ok(Err(BaseReason::Rewritten));
+                    }
                     let f = self.wal.as_ref().map(|(_, f)| f).expect("still open");
                     let same = wal::read_header(f)?.and_then(|x| x.ok()) == Some(h);
                     if !same || wal::valid_frames(f, &h, cursor.frame + 1)? > cursor.frame {
@@ -545,7 +662,15 @@ impl Track {
             let seq = self.next_seq;
             self.next_seq += 1;
             if seq <= self.acked {
-                // The receiver already holds it (we restarted behind it).
+                // The receiver already holds it (we restarted behind it). Whether it holds
+                // *this* history shows at the last one it holds: the checksum there covers
+                // everything before it. After a primary power loss the same seqs can name
+                // other transactions.
+                if seq == self.acked && !same_history(pack(txn.end.checksum), self.acked_checksum) {
+                    tracing::warn!(db = %self.name, seq, "the receiver holds another history than this WAL (a lost tail rewritten?)");
+                    self.forked = true;
+                    return Ok(());
+                }
                 self.st.acked_seq = seq;
                 self.st.cursor = Some(txn.end);
                 self.dirty = true;
@@ -600,8 +725,15 @@ impl Track {
             .map(|(_, f)| f.metadata().map(|m| m.len()))
             .transpose()?
             .unwrap_or(0);
-        let scanned_end = wal::frame_offset(cursor.page_size, cursor.frame + 1);
-        let unscanned = wal_len.saturating_sub(scanned_end);
+        // Frames not scanned count only while the scan is held back by its budget: then
+        // the file's length past the cursor is WAL still to ship. Otherwise the scan
+        // reached the cycle's end, and the file's length says nothing (a reset keeps the
+        // file, with frames of older cycles past the current one's end).
+        let unscanned = if self.scan_stop == Stop::Budget {
+            wal_len.saturating_sub(wal::frame_offset(cursor.page_size, cursor.frame + 1))
+        } else {
+            0
+        };
         let unacked_wal: u64 = self.unacked.iter().map(|u| u.txn.wal_bytes).sum();
         Ok(unacked_wal + unscanned > self.config.wal_max_bytes)
     }
@@ -611,6 +743,11 @@ impl Track {
     /// references keeps the WAL), and the scan reached the WAL's end. Under sustained load
     /// the shipper is never fully idle, and waiting for that would let the WAL grow to the
     /// cap; folding what is already held costs nothing.
+    ///
+    /// But only while requests come back quickly and little is outstanding: the fold runs
+    /// on another thread, and if this one then sits in a slow request, the app can reset
+    /// the WAL and write past our cursor before the next step proves the reset, which then
+    /// costs a base. A slow peer postpones folds instead (the WAL cap still bounds it).
     fn may_fold(&self) -> bool {
         let Some(cursor) = self.scan else {
             return false;
@@ -624,6 +761,9 @@ impl Track {
             && self.scan_stop == Stop::End
             && cursor.frame >= self.config.fold_min_frames
             && !self.fold_state.busy.load(Ordering::SeqCst)
+            && self.last_request <= FOLD_RTT_MAX
+            && self.backing_off().is_none()
+            && self.unacked_bytes <= FOLD_UNACKED_MAX
             && !tried
     }
 
@@ -692,9 +832,10 @@ impl Track {
             generation: self.st.generation,
             page_size: self.page_size(),
         };
-        let reply = client
-            .send_txns(&self.name, q, &body)
-            .map_err(|e| StepError::Peer(e.0))?;
+        let sent_at = Instant::now();
+        let reply = client.send_txns(&self.name, q, &body);
+        self.last_request = sent_at.elapsed();
+        let reply = reply.map_err(|e| StepError::Peer(e.0))?;
         self.stats.requests += 1;
         match reply {
             Reply::Ok(pos) => {
@@ -763,6 +904,7 @@ impl Track {
                     commit_pages: if last { u.txn.commit_size } else { 0 },
                     page_count: chunk.len() as u32,
                     observed_ms: u.observed_ms,
+                    wal_checksum: pack(u.txn.end.checksum),
                 };
                 proto::encode_record(&mut body, &h, chunk.iter().copied());
                 page_bytes += chunk.len() as u64 * page_size as u64;
@@ -785,6 +927,7 @@ impl Track {
             return Ok(());
         }
         self.acked = pos.seq;
+        self.acked_checksum = pos.checksum;
         self.resume_part = pos.pending_part;
         self.stats.last_ack_ms = Some(wall_ms());
         self.stats.failures = 0;
@@ -792,6 +935,11 @@ impl Track {
         self.retry_at = None;
         while self.unacked.front().is_some_and(|u| u.seq <= self.acked) {
             let u = self.unacked.pop_front().expect("checked");
+            if u.seq == self.acked && !same_history(pack(u.txn.end.checksum), pos.checksum) {
+                tracing::warn!(db = %self.name, seq = u.seq, "the receiver's transaction {} is not ours: its history forked", u.seq);
+                self.owe_base(BaseReason::PeerLost);
+                return Ok(());
+            }
             self.unacked_bytes -= u.txn.page_bytes();
             self.st.acked_seq = u.seq;
             self.st.cursor = Some(u.txn.end);
@@ -873,6 +1021,7 @@ impl Track {
             generation,
             seq: 0,
             observed_ms: wall_ms(),
+            wal_checksum: snap.cursor.map_or(0, |c| pack(c.checksum)),
         };
         let total = header.stream_bytes();
         tracing::info!(db = %self.name, reason = reason.as_str(), pages = snap.page_count, bytes = total, "sending a base");
@@ -895,8 +1044,13 @@ impl Track {
         }
         match reply {
             Reply::Ok(pos) if pos.generation == generation => {
+                // Position first, then the durable flag: if saving fails, the base is
+                // owed again rather than shipping from a cursor the base already covers.
                 self.st.needs_base = false;
-                self.save()?;
+                if let Err(e) = self.save() {
+                    self.st.needs_base = true;
+                    return Err(e);
+                }
                 self.scan = snap.cursor;
                 self.scan_stop = Stop::End;
                 self.unacked.clear();
@@ -906,6 +1060,8 @@ impl Track {
                 self.resume_part = 0;
                 self.pending_reason = None;
                 self.fold_tried = None;
+                self.probed = true;
+                self.acked_checksum = pack(snap.cursor.map_or(wal::Checksum(0, 0), |c| c.checksum));
                 *self.stats.bases.entry(reason.as_str()).or_default() += 1;
                 self.stats.base_bytes += total;
                 self.stats.failures = 0;
@@ -1071,6 +1227,11 @@ enum Proof {
 
 /// docs/ship.md §3.3 rule 4: did the old cycle end exactly at `cursor` before the reset
 /// that started the cycle `h` names?
+///
+/// The order of the reads matters. The file's length and slot P+1 are read first, the
+/// new cycle's length `k` after, and the header last: the new cycle only grows, so a `k`
+/// below P counted after reading slot P+1 proves the new cycle had not reached that slot
+/// when it was read, and an unchanged header proves no further reset happened meanwhile.
 fn prove_new_cycle(f: &File, cursor: &Cursor, h: &Header) -> io::Result<Proof> {
     if h.page_size != cursor.page_size {
         return Ok(Proof::Unproven(
@@ -1090,39 +1251,58 @@ fn prove_new_cycle(f: &File, cursor: &Cursor, h: &Header) -> io::Result<Proof> {
         ));
     }
     let p = cursor.frame;
-    let k = wal::valid_frames(f, h, p.saturating_add(1))?;
     let frames_in_file = (f.metadata()?.len().saturating_sub(wal::HEADER_BYTES as u64)
         / cursor.frame_bytes()) as u32;
-    if k > p {
-        return Ok(Proof::Unproven(
-            BaseReason::Reset,
-            format!("the new cycle ({k}+ frames) overwrote our cursor's slot {p}"),
-        ));
-    }
     if frames_in_file < p {
         return Ok(Proof::Unproven(
             BaseReason::Reset,
             format!("the WAL was truncated to {frames_in_file} frames, below our cursor {p}"),
         ));
     }
-    if frames_in_file == p {
-        // Slot P+1 does not exist: the file was never longer (then k < P proves it was
-        // not truncated and regrown), or it was truncated and regrown to exactly P.
-        return Ok(if k < p {
-            Proof::Clean
-        } else {
-            Proof::Unproven(
-                BaseReason::Reset,
-                format!("the new cycle fills the file exactly to our cursor {p}"),
-            )
-        });
+    // Slot P+1, if the file has one: does the old cycle go on there?
+    let goes_on = frames_in_file > p && wal::continues(f, cursor)?;
+    let k = wal::valid_frames(f, h, p)?;
+    if k >= p {
+        // The new cycle reached our cursor's slot (or fills the file to it, which a
+        // truncation and regrowth could also explain): slot P+1 proves nothing.
+        return Ok(Proof::Unproven(
+            BaseReason::Reset,
+            format!("the new cycle ({k}+ frames) reached our cursor's slot {p}"),
+        ));
     }
-    Ok(if wal::continues(f, cursor)? {
+    if wal::read_header(f)?.and_then(|x| x.ok()).as_ref() != Some(h) {
+        return Ok(Proof::Unproven(
+            BaseReason::Reset,
+            "the WAL was reset again while the reset was being proved".into(),
+        ));
+    }
+    Ok(if goes_on {
         Proof::OldCycleGoesOn
     } else {
         Proof::Clean
     })
 }
+
+/// Read the WAL header; if it does not validate while the file holds one, read again a
+/// few times: a writer starting a new cycle rewrites the header, and a read can land in
+/// the middle of that write. Only a header that stays invalid is treated as one (a
+/// spurious "reset" would cost a base).
+fn read_header_settled(f: &File) -> io::Result<Option<Header>> {
+    for attempt in 0..HEADER_READS {
+        match wal::read_header(f)? {
+            Some(Ok(h)) => return Ok(Some(h)),
+            None => return Ok(None),
+            Some(Err(_)) if attempt + 1 < HEADER_READS => {
+                std::thread::sleep(Duration::from_millis(1))
+            }
+            Some(Err(_)) => {}
+        }
+    }
+    Ok(None)
+}
+
+/// Reads of a WAL header that does not validate before believing it.
+const HEADER_READS: u32 = 3;
 
 /// The pages of a transaction in page order, read back and verified if it was kept as
 /// frame references; None if a frame no longer validates.
@@ -1141,6 +1321,17 @@ fn page_list(txn: &Txn, wal: Option<&File>) -> io::Result<Option<wal::PageImages
             Ok(Some(out))
         }
     }
+}
+
+/// A checksum as the wire carries it.
+fn pack(c: wal::Checksum) -> u64 {
+    ((c.0 as u64) << 32) | c.1 as u64
+}
+
+/// Does the receiver's checksum for a transaction match ours? 0 means the receiver does
+/// not know (it has held nothing since its base was taken from an empty WAL).
+fn same_history(ours: u64, theirs: u64) -> bool {
+    theirs == 0 || ours == theirs
 }
 
 /// The main file's size and modification time.

@@ -21,7 +21,6 @@ pub fn ferry() -> &'static Path {
 }
 
 pub struct Rig {
-    pub scratch: Scratch,
     pub primary: PathBuf,
     pub standby: PathBuf,
     pub port: u16,
@@ -33,6 +32,8 @@ pub struct Rig {
     pub receive_args: Vec<String>,
     receiver: Option<Proc>,
     shipper: Option<Proc>,
+    /// Last: fields drop in order, and the processes must be gone before their files.
+    pub scratch: Scratch,
 }
 
 impl Rig {
@@ -122,7 +123,14 @@ impl Rig {
         args.extend(self.ship_args.clone());
         let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
         let log = self.scratch.path().join("shipper.log");
-        let p = Proc::spawn("shipper", ferry(), &args, &[("FERRY_LOG", "info")], &log);
+        let level = std::env::var("FERRY_TEST_LOG").unwrap_or_else(|_| "info".into());
+        let p = Proc::spawn(
+            "shipper",
+            ferry(),
+            &args,
+            &[("FERRY_LOG", level.as_str())],
+            &log,
+        );
         let port = self.metrics_port;
         assert!(
             wait_until(Duration::from_secs(20), || std::net::TcpStream::connect((

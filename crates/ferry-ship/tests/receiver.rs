@@ -1,0 +1,235 @@
+//! The receiver as a library, fed records directly: cases too precise to provoke through a
+//! shipper.
+
+use ferry_core::epoch::Epoch;
+use ferry_ship::proto::{self, BaseHeader, RecordHeader, TxnsQuery};
+use ferry_ship::{Receiver, ReceiverConfig};
+use rusqlite::Connection;
+use std::path::Path;
+
+fn scratch(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("ferry-receiver-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A base stream of a small database with `rows` rows, and its page count.
+fn base_stream(dir: &Path, generation: u64, rows: usize) -> (Vec<u8>, u32) {
+    let conn = Connection::open(dir.join("primary.db")).unwrap();
+    conn.execute_batch("PRAGMA journal_mode=WAL; CREATE TABLE t(x BLOB);")
+        .unwrap();
+    for _ in 0..rows {
+        conn.execute("INSERT INTO t VALUES (randomblob(3000))", [])
+            .unwrap();
+    }
+    let pages: Vec<Vec<u8>> = conn
+        .prepare("SELECT data FROM sqlite_dbpage ORDER BY pgno")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    let h = BaseHeader {
+        page_size: 4096,
+        page_count: pages.len() as u32,
+        epoch: Epoch(0),
+        generation,
+        seq: 0,
+        observed_ms: 0,
+        wal_checksum: 0,
+    };
+    let mut body = h.encode().to_vec();
+    let mut crc = 0;
+    for p in &pages {
+        crc = crc32c::crc32c_append(crc, p);
+        body.extend_from_slice(p);
+    }
+    body.extend_from_slice(&proto::base_trailer(crc));
+    (body, pages.len() as u32)
+}
+
+fn record(out: &mut Vec<u8>, seq: u64, part: u32, last: bool, size: u32, pages: &[(u32, u8)]) {
+    let images: Vec<(u32, Vec<u8>)> = pages
+        .iter()
+        .map(|(n, fill)| (*n, vec![*fill; 4096]))
+        .collect();
+    let h = RecordHeader {
+        seq,
+        part,
+        last,
+        commit_pages: if last { size } else { 0 },
+        page_count: images.len() as u32,
+        observed_ms: 0,
+        wal_checksum: seq,
+    };
+    proto::encode_record(out, &h, images.iter().map(|(n, d)| (*n, d.as_slice())));
+}
+
+fn page(db: &Path, pgno: u32) -> Vec<u8> {
+    Connection::open(db)
+        .unwrap()
+        .query_row(
+            "SELECT data FROM sqlite_dbpage WHERE pgno = ?1",
+            [pgno],
+            |r| r.get(0),
+        )
+        .unwrap()
+}
+
+// Guards against a finished transaction in parts reading its pages from the spool of the
+// next one: a request that completes one multi-part transaction and starts another must
+// apply the first before the spool is replaced.
+#[test]
+fn a_request_finishing_one_transaction_in_parts_and_starting_another_keeps_both() {
+    let dir = scratch("parts");
+    let (base, size) = base_stream(&dir, 7, 40);
+    assert!(size > 12);
+    let receiver = Receiver::open(ReceiverConfig::new(dir.join("standby"))).unwrap();
+    receiver
+        .apply_base("a", Epoch(0), 7, &mut base.as_slice())
+        .unwrap();
+    let q = TxnsQuery {
+        epoch: 0,
+        generation: 7,
+        page_size: 4096,
+    };
+
+    let mut first = Vec::new();
+    record(&mut first, 1, 0, true, size, &[(2, 0x11)]);
+    record(&mut first, 2, 0, false, size, &[(3, 0x22), (4, 0x22)]);
+    let p = receiver.apply_txns("a", q, &first).unwrap();
+    assert_eq!((p.seq, p.pending_part), (1, 1));
+
+    let mut second = Vec::new();
+    record(&mut second, 2, 1, true, size, &[(5, 0x23), (6, 0x23)]);
+    record(
+        &mut second,
+        3,
+        0,
+        false,
+        size,
+        &[(7, 0x33), (8, 0x33), (9, 0x33), (10, 0x33)],
+    );
+    record(&mut second, 3, 1, true, size, &[(11, 0x34), (12, 0x34)]);
+    let p = receiver.apply_txns("a", q, &second).unwrap();
+    assert_eq!(p.seq, 3);
+    assert_eq!(
+        p.checksum, 3,
+        "the position keeps the checksum of the last transaction"
+    );
+
+    let db = dir.join("standby").join("a.db");
+    for (pgno, fill) in [
+        (2, 0x11),
+        (3, 0x22),
+        (4, 0x22),
+        (5, 0x23),
+        (6, 0x23),
+        (7, 0x33),
+        (10, 0x33),
+        (11, 0x34),
+        (12, 0x34),
+    ] {
+        assert!(
+            page(&db, pgno).iter().all(|b| *b == fill),
+            "page {pgno} does not hold {fill:#x}"
+        );
+    }
+    drop(receiver);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+// Guards against a resend being applied twice or out of order: records the replica holds
+// are skipped, and a request that does not follow is refused with the position.
+#[test]
+fn resends_are_skipped_and_gaps_are_refused_with_the_position() {
+    let dir = scratch("resend");
+    let (base, size) = base_stream(&dir, 9, 20);
+    let receiver = Receiver::open(ReceiverConfig::new(dir.join("standby"))).unwrap();
+    receiver
+        .apply_base("a", Epoch(0), 9, &mut base.as_slice())
+        .unwrap();
+    let q = TxnsQuery {
+        epoch: 0,
+        generation: 9,
+        page_size: 4096,
+    };
+    let mut body = Vec::new();
+    record(&mut body, 1, 0, true, size, &[(2, 1)]);
+    record(&mut body, 2, 0, true, size, &[(3, 2)]);
+    assert_eq!(receiver.apply_txns("a", q, &body).unwrap().seq, 2);
+    assert_eq!(
+        receiver.apply_txns("a", q, &body).unwrap().seq,
+        2,
+        "a resend is idempotent"
+    );
+    let mut gap = Vec::new();
+    record(&mut gap, 5, 0, true, size, &[(4, 5)]);
+    let refusal = receiver.apply_txns("a", q, &gap).unwrap_err();
+    assert_eq!(refusal.0.code, proto::Code::Behind);
+    assert_eq!(refusal.0.position.unwrap().seq, 2);
+    let stale = TxnsQuery {
+        epoch: 0,
+        generation: 8,
+        page_size: 4096,
+    };
+    assert_eq!(
+        receiver.apply_txns("a", stale, &body).unwrap_err().0.code,
+        proto::Code::NeedsBase
+    );
+    drop(receiver);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+// Guards against applying a forked history: a request whose record at the receiver's own
+// position carries another WAL checksum than the one applied is refused whole, before the
+// records after it can land on a state they do not follow.
+#[test]
+fn a_request_from_a_forked_history_is_refused() {
+    let dir = scratch("fork");
+    let (base, size) = base_stream(&dir, 11, 20);
+    let receiver = Receiver::open(ReceiverConfig::new(dir.join("standby"))).unwrap();
+    receiver
+        .apply_base("a", Epoch(0), 11, &mut base.as_slice())
+        .unwrap();
+    let q = TxnsQuery {
+        epoch: 0,
+        generation: 11,
+        page_size: 4096,
+    };
+    let mut body = Vec::new();
+    record(&mut body, 1, 0, true, size, &[(2, 1)]);
+    record(&mut body, 2, 0, true, size, &[(3, 2)]);
+    assert_eq!(receiver.apply_txns("a", q, &body).unwrap().seq, 2);
+    let before = page(&dir.join("standby").join("a.db"), 4);
+
+    let mut forked = Vec::new();
+    let images = [vec![7u8; 4096]];
+    let h = RecordHeader {
+        seq: 2,
+        part: 0,
+        last: true,
+        commit_pages: size,
+        page_count: 1,
+        observed_ms: 0,
+        wal_checksum: 99,
+    };
+    proto::encode_record(&mut forked, &h, [(3u32, images[0].as_slice())]);
+    record(&mut forked, 3, 0, true, size, &[(4, 3)]);
+    let refusal = receiver.apply_txns("a", q, &forked).unwrap_err();
+    assert_eq!(
+        refusal.0.code,
+        proto::Code::NeedsBase,
+        "{}",
+        refusal.0.error
+    );
+    assert!(refusal.0.error.contains("forked"), "{}", refusal.0.error);
+    assert_eq!(
+        page(&dir.join("standby").join("a.db"), 4),
+        before,
+        "a refused request changed the replica"
+    );
+    drop(receiver);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
