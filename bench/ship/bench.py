@@ -476,6 +476,12 @@ def fmt(x, digits=1):
     return f"{x:,.{digits}f}"
 
 
+def change(t, base):
+    """A throughput against a baseline, in words."""
+    pct_ = 100 * t / base - 100
+    return f"{fmt(-pct_, 1)}% lost" if pct_ < 0 else f"{fmt(pct_, 1)}% faster"
+
+
 def report(lag, tput, outage, m):
     RESULTS.mkdir(parents=True, exist_ok=True)
     lines = ["# ferry-ship benchmark", ""]
@@ -564,10 +570,10 @@ def report(lag, tput, outage, m):
     targets = [
         ("primary loses at most 5% of write throughput to shipping, against the same pragmas without a shipper "
          "(the research note's baseline)",
-         f"in-process {fmt(100 - 100 * t_ship / same, 1)}% lost, sidecar {fmt(100 - 100 * t_side / same, 1)}% lost",
+         f"in-process {change(t_ship, same)}, sidecar {change(t_side, same)}",
          t_ship >= 0.95 * same),
         ("the same, against SQLite's defaults (autocheckpoint on, no shipper)",
-         f"in-process {fmt(100 - 100 * t_ship / base, 1)}% lost, sidecar {fmt(100 - 100 * t_side / base, 1)}% lost",
+         f"in-process {change(t_ship, base)}, sidecar {change(t_side, base)}",
          t_ship >= 0.95 * base),
         ("replica lag p99 under 10 ms at 1,000 tx/s", f"{fmt(f99, 2)} ms", f99 < 10),
         (f"a {OUTAGES[-1]} s outage at 1,000 tx/s heals without a full base", "no base" if healed else "base needed", healed),

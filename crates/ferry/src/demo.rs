@@ -282,6 +282,16 @@ impl Receiver {
     }
 }
 
+impl Drop for Receiver {
+    /// A demo that fails half-way must not leave its receiver running.
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
 fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?

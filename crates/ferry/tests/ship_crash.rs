@@ -266,3 +266,44 @@ fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
         }
     }
 }
+
+// C1/C2, the base. Guards against a base cut by either side's death leaving a replica
+// half replaced: the receiver is killed while a base streams in, then the shipper while
+// the next one streams out; each time the replica is either the old one or whole, and
+// it ends equal to the primary.
+#[test]
+fn a_base_cut_by_either_side_dying_leaves_the_old_replica_or_the_new_one() {
+    let mut rig = Rig::new("base-kill");
+    prefill(&rig, "a", 3000, 1500);
+    rig.start_receiver();
+    rig.start_shipper();
+    let in_flight = |rig: &Rig| {
+        rig.db_status("a")
+            .is_some_and(|d| d.base_progress.is_some_and(|(sent, _)| sent > 0))
+    };
+    assert!(
+        wait_until(Duration::from_secs(30), || in_flight(&rig)),
+        "no base was seen in flight"
+    );
+    rig.kill_receiver();
+    rig.start_receiver();
+    let w = Writer::start(
+        &rig.db("a"),
+        WriterConfig {
+            rate: 100,
+            ..WriterConfig::default()
+        },
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    rig.kill_shipper();
+    // Lose the shipper's state so that it sends a base again, and cut that one too.
+    let _ = std::fs::remove_file(rig.primary.join(".ferry-ship").join("a.json"));
+    rig.start_shipper();
+    if wait_until(Duration::from_secs(30), || in_flight(&rig)) {
+        rig.kill_shipper();
+        rig.start_shipper();
+    }
+    let last = w.stop();
+    rig.wait_synced("a", last, Duration::from_secs(60));
+    rig.assert_equal("a");
+}

@@ -254,6 +254,28 @@ fn a_replaced_file_is_detected_and_rebased() {
     rig.assert_equal("a");
 }
 
+/// A power loss on the primary with `synchronous=NORMAL`, simulated while nothing has the
+/// database open: the WAL loses its last `transactions` commits (an unsynced tail) and the
+/// wal-index (shared memory) is gone. Returns the WAL's header, whose salts the app keeps
+/// writing with.
+fn lose_wal_tail(rig: &Rig, name: &str, transactions: usize) -> ferry_ship::wal::Header {
+    let wal_path = rig.primary.join(format!("{name}.db-wal"));
+    let wal = std::fs::read(&wal_path).unwrap();
+    let header = ferry_ship::wal::Header::parse(&wal).unwrap();
+    let limits = ferry_ship::wal::ScanLimits {
+        txn_inline_bytes_max: 0,
+        budget_bytes: u64::MAX,
+    };
+    let txns = ferry_ship::wal::scan(&wal, &header.start(), limits)
+        .unwrap()
+        .txns;
+    let keep = &txns[txns.len() - 1 - transactions];
+    let cut = ferry_ship::wal::frame_offset(header.page_size, keep.last_frame + 1);
+    std::fs::write(&wal_path, &wal[..cut as usize]).unwrap();
+    let _ = std::fs::remove_file(rig.primary.join(format!("{name}.db-shm")));
+    header
+}
+
 // C7. Guards against the case walship misses: after a primary power loss with
 // synchronous=NORMAL, the WAL loses a tail the replica already has, and later commits
 // reuse the same salts and positions. Re-checking the cumulative checksum at the cursor
@@ -283,20 +305,7 @@ fn a_power_loss_that_rewrites_the_wal_below_the_cursor_is_detected() {
 
     // The power loss: the WAL falls back to the end of transaction 80, the wal-index
     // (shared memory) is gone.
-    let wal_path = rig.primary.join("a.db-wal");
-    let wal = std::fs::read(&wal_path).unwrap();
-    let header = ferry_ship::wal::Header::parse(&wal).unwrap();
-    let limits = ferry_ship::wal::ScanLimits {
-        txn_inline_bytes_max: 0,
-        budget_bytes: u64::MAX,
-    };
-    let txns = ferry_ship::wal::scan(&wal, &header.start(), limits)
-        .unwrap()
-        .txns;
-    let keep = &txns[txns.len() - 21];
-    let cut = ferry_ship::wal::frame_offset(header.page_size, keep.last_frame + 1);
-    std::fs::write(&wal_path, &wal[..cut as usize]).unwrap();
-    let _ = std::fs::remove_file(rig.primary.join("a.db-shm"));
+    let header = lose_wal_tail(&rig, "a", 20);
 
     // After the reboot the app writes on: same salts, the same slots, new content.
     let conn = workload::open_app(&rig.db("a"), true).unwrap();
@@ -316,6 +325,7 @@ fn a_power_loss_that_rewrites_the_wal_below_the_cursor_is_detected() {
     }
     let now = workload::txns(&conn);
     drop(conn);
+    let wal_path = rig.primary.join("a.db-wal");
     assert_eq!(
         ferry_ship::wal::Header::parse(&std::fs::read(&wal_path).unwrap())
             .unwrap()
@@ -503,20 +513,7 @@ fn a_power_loss_behind_a_lagging_shipper_state_is_detected() {
     std::fs::write(&state, saved_at_50).unwrap();
 
     // The power loss: the WAL falls back to transaction 80 and the app writes on.
-    let wal_path = rig.primary.join("a.db-wal");
-    let wal = std::fs::read(&wal_path).unwrap();
-    let header = ferry_ship::wal::Header::parse(&wal).unwrap();
-    let limits = ferry_ship::wal::ScanLimits {
-        txn_inline_bytes_max: 0,
-        budget_bytes: u64::MAX,
-    };
-    let txns = ferry_ship::wal::scan(&wal, &header.start(), limits)
-        .unwrap()
-        .txns;
-    let keep = &txns[txns.len() - 21];
-    let cut = ferry_ship::wal::frame_offset(header.page_size, keep.last_frame + 1);
-    std::fs::write(&wal_path, &wal[..cut as usize]).unwrap();
-    let _ = std::fs::remove_file(rig.primary.join("a.db-shm"));
+    lose_wal_tail(&rig, "a", 20);
     let conn = workload::open_app(&rig.db("a"), true).unwrap();
     let mut rng = Rng::new(170);
     for _ in 0..30 {
