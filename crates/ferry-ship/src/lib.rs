@@ -5,7 +5,9 @@
 //! to a [`receiver::Receiver`], which applies each one atomically to a replica that
 //! readers may query. [`receiver::promote`] turns a replica into a primary. The contract
 //! is `docs/ship.md`.
-#![forbid(unsafe_code)]
+// One call needs `unsafe` (`shipper::lower_thread_priority`, setpriority(2)); the rest
+// of the crate may not.
+#![deny(unsafe_code)]
 
 pub mod names;
 pub mod proto;

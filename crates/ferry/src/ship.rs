@@ -38,6 +38,10 @@ pub struct ShipArgs {
     /// Frames in the WAL before the shipper folds it (once the receiver has them).
     #[arg(long, env = "FERRY_FOLD_MIN_FRAMES", default_value_t = FOLD_MIN_FRAMES)]
     pub fold_min_frames: u32,
+    /// Niceness of the shipper's threads, 0 to 19 (0 leaves them alone): a nice shipper
+    /// lets the app it runs beside take a core back the moment the app needs it.
+    #[arg(long, env = "FERRY_SHIP_NICE", default_value_t = ferry_ship::shipper::NICE)]
+    pub nice: i32,
     /// Serve /metrics and /status on this address, e.g. 127.0.0.1:7351.
     #[arg(long, env = "FERRY_METRICS_LISTEN")]
     pub metrics_listen: Option<String>,
@@ -131,6 +135,7 @@ pub fn ship(a: ShipArgs) -> anyhow::Result<()> {
     config.workers = a.workers;
     config.wal_max_bytes = a.wal_max_bytes;
     config.fold_min_frames = a.fold_min_frames;
+    config.nice = a.nice;
     for n in &config.names {
         if !config.dir.join(format!("{n}.db")).exists() {
             tracing::warn!(db = %n, "{n}.db does not exist in {} yet; it ships once it appears", config.dir.display());

@@ -70,11 +70,15 @@ pub struct Folder {
 }
 
 impl Folder {
-    pub fn start() -> Arc<Folder> {
+    /// Start the folder thread at niceness `nice` (see `ShipperConfig::nice`).
+    pub fn start(nice: i32) -> Arc<Folder> {
         let (tx, rx) = sync_channel(QUEUE);
         let thread = std::thread::Builder::new()
             .name("ferry-ship-fold".into())
-            .spawn(move || run(rx))
+            .spawn(move || {
+                super::lower_thread_priority(nice);
+                run(rx)
+            })
             .expect("spawning a thread only fails when the process is out of resources");
         Arc::new(Folder {
             tx: Mutex::new(Some(tx)),

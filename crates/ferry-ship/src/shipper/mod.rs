@@ -45,8 +45,15 @@ pub const UNACKED_BYTES_MAX: u64 = 64 << 20;
 pub const WAL_MAX_BYTES: u64 = 1 << 30;
 /// Default frames in the WAL before it is folded (SQLite's own autocheckpoint default).
 pub const FOLD_MIN_FRAMES: u32 = 1000;
+/// Default niceness of the shipper's threads (see `ShipperConfig::nice`).
+pub const NICE: i32 = 10;
 /// Backstop: every database is looked at this often even without a wake-up.
 const POLL: Duration = Duration::from_secs(1);
+/// A database woken again sooner than this after its last step waits out the rest:
+/// under a stream of commits the shipper then sends one request per `PACE` carrying
+/// every commit meanwhile, instead of one request per commit that costs the app's
+/// core as much as the commit itself. Below any lag a reader could act on.
+const PACE: Duration = Duration::from_micros(1000);
 /// The watcher's pause after each batch of inotify events (see `Watcher::run`): below the
 /// lag anyone can measure, above the gap between a transaction's frame writes.
 const WATCH_COALESCE: Duration = Duration::from_micros(300);
@@ -75,6 +82,12 @@ pub struct ShipperConfig {
     pub workers: usize,
     pub wal_max_bytes: u64,
     pub fold_min_frames: u32,
+    /// Niceness of the shipper's threads (0 to 19; 0 leaves them as they are). The
+    /// shipper runs beside the app it ships, often on the same cores: a positive value
+    /// lets the app's threads take a core back the moment they wake, so that shipping
+    /// costs the app's commits as little as possible. When the app keeps every core busy
+    /// a nice shipper falls behind, which the lag in its status shows.
+    pub nice: i32,
 }
 
 impl ShipperConfig {
@@ -88,6 +101,7 @@ impl ShipperConfig {
             workers: 2,
             wal_max_bytes: WAL_MAX_BYTES,
             fold_min_frames: FOLD_MIN_FRAMES,
+            nice: NICE,
         }
     }
 }
@@ -174,6 +188,26 @@ struct Slot {
     again: bool,
     due: Option<Instant>,
     parked: bool,
+    /// When the last step began (see `PACE`).
+    began: Option<Instant>,
+}
+
+impl Slot {
+    /// When a woken database may step again: at once, or `PACE` after its last step.
+    fn paced(&self, now: Instant) -> Option<Instant> {
+        self.began.map(|b| b + PACE).filter(|&at| at > now)
+    }
+
+    /// Step again as soon as the pace allows: true to queue now, or false with `due` set.
+    fn pace(&mut self) -> bool {
+        match self.paced(Instant::now()) {
+            Some(at) => {
+                self.due = Some(at);
+                false
+            }
+            None => true,
+        }
+    }
 }
 
 impl Shipper {
@@ -186,6 +220,9 @@ impl Shipper {
                 "--workers {} must be between 1 and 64",
                 config.workers
             ));
+        }
+        if !(0..=19).contains(&config.nice) {
+            return Err(format!("--nice {} must be between 0 and 19", config.nice));
         }
         if config.fold_min_frames == 0 {
             return Err("--fold-min-frames must be at least 1".into());
@@ -213,6 +250,7 @@ impl Shipper {
             .map_err(|e| format!("cannot create {}: {e}", state_dir.display()))?;
         let lock = DirLock::try_acquire(&state_dir.join("lock"), "another ferry shipper")
             .map_err(|e| e.to_string())?;
+        let config_nice = config.nice;
         let inner = Arc::new(Inner {
             config,
             client,
@@ -222,7 +260,7 @@ impl Shipper {
             cv: Condvar::new(),
             dbs: Mutex::new(BTreeMap::new()),
             stop: AtomicBool::new(false),
-            folder: fold::Folder::start(),
+            folder: fold::Folder::start(config_nice),
             discovered: Mutex::new(Instant::now()),
         });
         // Watch before the first scan of the directory, so that a database created in
@@ -232,10 +270,14 @@ impl Shipper {
         let mut threads = Vec::new();
         for i in 0..inner.config.workers {
             let w = inner.clone();
-            threads.push(spawn(&format!("ferry-ship-{i}"), move || w.work()));
+            threads.push(spawn(&format!("ferry-ship-{i}"), config_nice, move || {
+                w.work()
+            }));
         }
         let weak = Arc::downgrade(&inner);
-        threads.push(spawn("ferry-ship-watch", move || watcher.run(weak)));
+        threads.push(spawn("ferry-ship-watch", config_nice, move || {
+            watcher.run(weak)
+        }));
         Ok(Shipper {
             inner,
             threads: Mutex::new(threads),
@@ -293,10 +335,13 @@ impl Drop for Shipper {
     }
 }
 
-fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> JoinHandle<()> {
+fn spawn(name: &str, nice: i32, f: impl FnOnce() + Send + 'static) -> JoinHandle<()> {
     std::thread::Builder::new()
         .name(name.to_string())
-        .spawn(f)
+        .spawn(move || {
+            lower_thread_priority(nice);
+            f()
+        })
         .expect("spawning a thread only fails when the process is out of resources")
 }
 
@@ -376,9 +421,13 @@ impl Inner {
         if slot.running {
             slot.again = true;
         } else if !slot.queued {
-            slot.queued = true;
-            slot.due = None;
-            s.ready.push_back(name.to_string());
+            if let Some(at) = slot.paced(Instant::now()) {
+                slot.due = Some(slot.due.map_or(at, |d| d.min(at)));
+            } else {
+                slot.queued = true;
+                slot.due = None;
+                s.ready.push_back(name.to_string());
+            }
             self.cv.notify_one();
         }
     }
@@ -392,9 +441,12 @@ impl Inner {
             slot.running = false;
             let requeue = match next {
                 Next::Again => true,
+                // A batch went out, or a commit came in during the step: again, paced.
+                Next::Sent => slot.pace(),
+                Next::Idle if slot.again => slot.pace(),
                 Next::Idle => {
                     slot.due = Some(Instant::now() + POLL);
-                    slot.again
+                    false
                 }
                 Next::After(d) => {
                     slot.due = Some(Instant::now() + d);
@@ -464,6 +516,7 @@ impl Inner {
                 let slot = s.slots.entry(name.clone()).or_default();
                 slot.queued = false;
                 slot.running = true;
+                slot.began = Some(now);
                 return Some(name);
             }
             let wait = earliest
@@ -559,6 +612,31 @@ impl Inner {
                     s
                 })
                 .collect(),
+        }
+    }
+}
+
+/// Make the calling thread `nice` (see `ShipperConfig::nice`). Only Linux sets niceness
+/// per thread; elsewhere this does nothing. A failure is logged and otherwise ignored: it
+/// only costs the app some throughput.
+pub(crate) fn lower_thread_priority(nice: i32) {
+    if nice == 0 {
+        return;
+    }
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: gettid and setpriority take plain integers, touch no memory of ours,
+        // and on Linux PRIO_PROCESS with a thread id changes only that thread.
+        #[allow(unsafe_code)]
+        let rc = unsafe {
+            let tid = libc::gettid();
+            libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice)
+        };
+        if rc != 0 {
+            tracing::debug!(
+                "cannot lower the shipper's priority to nice {nice}: {}",
+                std::io::Error::last_os_error()
+            );
         }
     }
 }

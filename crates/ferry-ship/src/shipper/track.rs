@@ -74,6 +74,9 @@ pub struct TrackConfig {
 pub enum Next {
     /// More work now.
     Again,
+    /// A batch went out: step again to send what committed meanwhile, paced (see
+    /// `shipper::PACE`).
+    Sent,
     /// Nothing to do until a commit (or the backstop poll).
     Idle,
     /// Retry after a delay.
@@ -843,7 +846,7 @@ impl Track {
                 self.stats.page_bytes_shipped += page_bytes;
                 self.stats.transactions_shipped += txns;
                 self.on_position(&pos)?;
-                Ok(Next::Again)
+                Ok(Next::Sent)
             }
             Reply::Refused { status, refusal } => self.on_refusal(status, refusal),
         }
