@@ -70,16 +70,54 @@ pub fn prepare_connection(conn: &mut Connection) -> rusqlite::Result<()> {
     )?;
     // wal_autocheckpoint is itself a WAL hook: set it first, then install ours over it.
     conn.pragma_update(None, "wal_autocheckpoint", 0)?;
-    let path = conn.path().map(canonical);
-    if let Some(path) = path {
-        conn.wal_hook(Some(
-            move |_: &mut rusqlite::hooks::Wal, _pages: std::ffi::c_int| {
-                wake_path(&path);
-                Ok(())
-            },
-        ))?;
+    if let Some(path) = conn.path().map(canonical) {
+        install_wake_hook(conn, interned(path));
     }
     Ok(())
+}
+
+/// Install a WAL hook that wakes shippers of `path` after every commit. rusqlite's own
+/// `wal_hook` takes a plain function with no context, so the hook is set through the C
+/// API with the path as its context.
+fn install_wake_hook(conn: &Connection, path: &'static PathBuf) {
+    use rusqlite::ffi;
+    use std::ffi::{c_char, c_int, c_void};
+    extern "C" fn on_commit(
+        context: *mut c_void,
+        _db: *mut ffi::sqlite3,
+        _schema: *const c_char,
+        _pages: c_int,
+    ) -> c_int {
+        // SAFETY: `context` is the `&'static PathBuf` passed below; it is never freed.
+        #[allow(unsafe_code)]
+        let path = unsafe { &*(context as *const PathBuf) };
+        // A panic must not unwind into SQLite; a failed wake only delays shipping until
+        // inotify or the backstop poll notices the commit.
+        let _ = std::panic::catch_unwind(|| wake_path(path));
+        ffi::SQLITE_OK
+    }
+    let context = path as *const PathBuf as *mut c_void;
+    // SAFETY: the handle is valid for the life of `conn`; the hook and its context live
+    // for the whole process (the context is interned and never freed), so SQLite may call
+    // the hook until the connection closes.
+    #[allow(unsafe_code)]
+    unsafe {
+        ffi::sqlite3_wal_hook(conn.handle(), Some(on_commit), context);
+    }
+}
+
+/// A `'static` copy of `path`, one per distinct path for the life of the process: the WAL
+/// hook's context must outlive every connection, and a process opens a bounded set of
+/// databases.
+fn interned(path: PathBuf) -> &'static PathBuf {
+    static PATHS: OnceLock<Mutex<HashMap<PathBuf, &'static PathBuf>>> = OnceLock::new();
+    let mut paths = PATHS
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    paths
+        .entry(path.clone())
+        .or_insert_with(|| Box::leak(Box::new(path)))
 }
 
 /// Open a connection for ferry's own use on a primary database: read-write (checkpoints

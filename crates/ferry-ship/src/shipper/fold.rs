@@ -149,7 +149,7 @@ fn fold(
     let ino = std::fs::metadata(&job.path)?.ino();
     if conns.get(&job.path).is_none_or(|c| c.ino != ino) {
         let main = crate::sqlite::open_primary(&job.path)?;
-        let mut barrier = crate::sqlite::open_primary(&job.path)?;
+        let barrier = crate::sqlite::open_primary(&job.path)?;
         barrier.busy_handler(Some(barrier_busy))?;
         // (A fold gives up sooner than a base: it is only worth a short wait.)
         conns.insert(job.path.clone(), Conns { ino, main, barrier });

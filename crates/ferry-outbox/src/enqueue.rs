@@ -1,0 +1,169 @@
+//! Enqueue in the app's own transaction (docs/outbox.md §3.1–3.2).
+//!
+//! ```ignore
+//! let mut tx = pool.begin().await?;
+//! sqlx::query("INSERT INTO orders …").execute(&mut *tx).await?;
+//! ferry_outbox::enqueue(&mut *tx, &Message::new("orders.created", body).ordered_by(order_id)).await?;
+//! tx.commit().await?;
+//! ```
+//!
+//! The message exists if and only if the transaction commits. Call it inside a
+//! transaction: on a bare connection each statement commits on its own, and an ordered
+//! enqueue's key lock would not span the app's own writes.
+
+use crate::message::{EnqueueError, Limits, Message, validate};
+use sqlx::{PgConnection, SqliteConnection};
+use std::future::Future;
+
+/// What an enqueue did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Enqueued {
+    /// A new message, with its row id.
+    New { id: i64 },
+    /// A message with this id is already in the outbox; nothing was written.
+    AlreadyThere,
+}
+
+/// A connection (usually `&mut *tx` of an open transaction) the outbox can write to.
+pub trait OutboxConnection: Send {
+    fn enqueue_with<'a>(
+        &'a mut self,
+        msg: &'a Message,
+        limits: &'a Limits,
+    ) -> impl Future<Output = Result<Enqueued, EnqueueError>> + Send + 'a;
+}
+
+/// Enqueue `msg` with the default limits.
+pub async fn enqueue<C: OutboxConnection + ?Sized>(
+    conn: &mut C,
+    msg: &Message,
+) -> Result<Enqueued, EnqueueError> {
+    conn.enqueue_with(msg, &Limits::default()).await
+}
+
+/// Enqueue several messages; ordered keys are taken in sorted order so that two
+/// transactions enqueueing the same keys cannot deadlock on the key locks.
+pub async fn enqueue_many<C: OutboxConnection + ?Sized>(
+    conn: &mut C,
+    msgs: &[Message],
+) -> Result<Vec<Enqueued>, EnqueueError> {
+    let limits = Limits::default();
+    for m in msgs {
+        validate(m, &limits)?;
+    }
+    let mut order: Vec<usize> = (0..msgs.len()).collect();
+    // Ordered messages first by key (stable: a key's messages keep their given order),
+    // the rest after in the order given.
+    order.sort_by(|&a, &b| {
+        let ka = msgs[a].ordered.then(|| msgs[a].key.as_deref()).flatten();
+        let kb = msgs[b].ordered.then(|| msgs[b].key.as_deref()).flatten();
+        match (ka, kb) {
+            (Some(x), Some(y)) => x.cmp(y),
+            (Some(_), None) => std::cmp::Ordering::Less,
+            (None, Some(_)) => std::cmp::Ordering::Greater,
+            (None, None) => std::cmp::Ordering::Equal,
+        }
+    });
+    let mut out = vec![Enqueued::AlreadyThere; msgs.len()];
+    for i in order {
+        out[i] = conn.enqueue_with(&msgs[i], &limits).await?;
+    }
+    Ok(out)
+}
+
+fn headers_json(msg: &Message) -> String {
+    serde_json::to_string(&msg.headers).expect("a map of strings always serialises")
+}
+
+/// SQLSTATE 42883 (undefined function) and 42P01 (undefined table): no schema.
+fn not_installed(e: sqlx::Error) -> EnqueueError {
+    if let sqlx::Error::Database(d) = &e
+        && matches!(d.code().as_deref(), Some("42883") | Some("42P01"))
+    {
+        return EnqueueError::NotInstalled(d.message().to_string());
+    }
+    if let sqlx::Error::Database(d) = &e
+        && d.message().contains("no such table: ferry_outbox_")
+    {
+        return EnqueueError::NotInstalled(d.message().to_string());
+    }
+    EnqueueError::Db(e)
+}
+
+impl OutboxConnection for PgConnection {
+    async fn enqueue_with(
+        &mut self,
+        msg: &Message,
+        limits: &Limits,
+    ) -> Result<Enqueued, EnqueueError> {
+        {
+            validate(msg, limits)?;
+            let id: Option<i64> =
+                sqlx::query_scalar("SELECT ferry_outbox.enqueue($1, $2, $3, $4, $5, $6::jsonb)")
+                    .bind(&msg.message_id)
+                    .bind(&msg.topic)
+                    .bind(&msg.key)
+                    .bind(msg.ordered)
+                    .bind(&msg.payload)
+                    .bind(headers_json(msg))
+                    .fetch_one(&mut *self)
+                    .await
+                    .map_err(not_installed)?;
+            Ok(id.map_or(Enqueued::AlreadyThere, |id| Enqueued::New { id }))
+        }
+    }
+}
+
+impl OutboxConnection for SqliteConnection {
+    async fn enqueue_with(
+        &mut self,
+        msg: &Message,
+        limits: &Limits,
+    ) -> Result<Enqueued, EnqueueError> {
+        {
+            validate(msg, limits)?;
+            let exists: Option<i64> =
+                sqlx::query_scalar("SELECT id FROM ferry_outbox_messages WHERE message_id = ?")
+                    .bind(&msg.message_id)
+                    .fetch_optional(&mut *self)
+                    .await
+                    .map_err(not_installed)?;
+            if exists.is_some() {
+                return Ok(Enqueued::AlreadyThere);
+            }
+            let seq: Option<i64> = if msg.ordered {
+                Some(
+                    sqlx::query_scalar(
+                        "INSERT INTO ferry_outbox_key_seqs (key, last_seq) VALUES (?, 1) \
+                         ON CONFLICT (key) DO UPDATE SET last_seq = last_seq + 1 RETURNING last_seq",
+                    )
+                    .bind(&msg.key)
+                    .fetch_one(&mut *self)
+                    .await
+                    .map_err(not_installed)?,
+                )
+            } else {
+                None
+            };
+            let now = crate::store::now_ms();
+            let id: i64 = sqlx::query_scalar(
+                "INSERT INTO ferry_outbox_messages \
+                 (message_id, topic, key, ordered, seq, payload, headers, next_attempt_at, enqueued_at) \
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+            )
+            .bind(&msg.message_id)
+            .bind(&msg.topic)
+            .bind(&msg.key)
+            .bind(msg.ordered)
+            .bind(seq)
+            .bind(&msg.payload)
+            .bind(headers_json(msg))
+            .bind(now)
+            .bind(now)
+            .fetch_one(&mut *self)
+            .await
+            .map_err(not_installed)?;
+            Ok(Enqueued::New { id })
+        }
+    }
+}
