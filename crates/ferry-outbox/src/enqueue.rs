@@ -75,10 +75,11 @@ fn headers_json(msg: &Message) -> String {
     serde_json::to_string(&msg.headers).expect("a map of strings always serialises")
 }
 
-/// SQLSTATE 42883 (undefined function) and 42P01 (undefined table): no schema.
+/// SQLSTATE 3F000 (no such schema), 42883 (undefined function) and 42P01 (undefined
+/// table), or SQLite's "no such table": the outbox is not installed.
 fn not_installed(e: sqlx::Error) -> EnqueueError {
     if let sqlx::Error::Database(d) = &e
-        && matches!(d.code().as_deref(), Some("42883") | Some("42P01"))
+        && matches!(d.code().as_deref(), Some("3F000" | "42883" | "42P01"))
     {
         return EnqueueError::NotInstalled(d.message().to_string());
     }

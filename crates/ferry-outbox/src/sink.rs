@@ -34,6 +34,8 @@ pub struct Faults {
     pub refuse: HashMap<String, u16>,
     /// Store these message ids, then drop the connection without answering (once each).
     pub lose_ack: HashSet<String>,
+    /// Take this long over every request (a slow endpoint).
+    pub delay: Option<std::time::Duration>,
 }
 
 #[derive(Default)]
@@ -127,6 +129,10 @@ async fn receive(
             sink.lock().bad_signatures += 1;
             return Ok(StatusCode::UNAUTHORIZED);
         }
+    }
+    let delay = sink.lock().faults.delay;
+    if let Some(d) = delay {
+        tokio::time::sleep(d).await;
     }
     // Decide under the lock, wait (if at all) after it is released.
     let hang = {

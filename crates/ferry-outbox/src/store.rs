@@ -128,12 +128,16 @@ impl Store {
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             let opts = PgConnectOptions::from_str(url)
                 .map_err(|e| format!("--db {}: not a Postgres URL: {e}", redact(url)))?;
+            // One direct connection first: a pool would report an unreachable server as
+            // "pool timed out", hiding the reason.
+            let first = <sqlx::PgConnection as sqlx::Connection>::connect_with(&opts)
+                .await
+                .map_err(|e| format!("cannot reach the database at {}: {e}", redact(url)))?;
+            let _ = sqlx::Connection::close(first).await;
             let pool = PgPoolOptions::new()
                 .max_connections(POOL_CONNECTIONS_MAX)
                 .acquire_timeout(Duration::from_secs(10))
-                .connect_with(opts)
-                .await
-                .map_err(|e| format!("cannot reach the database at {}: {e}", redact(url)))?;
+                .connect_lazy_with(opts);
             return Ok(Store::Pg(pool));
         }
         let path = url

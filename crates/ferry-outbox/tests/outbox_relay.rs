@@ -328,3 +328,156 @@ async fn a_lost_acknowledgement_is_resolved_by_the_same_id_without_a_duplicate()
     assert_eq!(st.uncertain, 1);
     assert_eq!(st.reconciled, 1);
 }
+
+// Guards against the two classic ordering bugs of outboxes: a row whose transaction
+// commits late being skipped, and a long transaction stalling everything (as reading
+// below the snapshot horizon does). Transaction A enqueues to key "slow" and stays open;
+// transaction B on "slow" waits behind A's key lock; everything else flows meanwhile.
+// When A commits, "slow" arrives A then B.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_open_transaction_delays_only_its_own_key_and_keeps_its_order() {
+    let db = TestDb::create().await;
+    let store = pg_store(&db).await;
+    let app = App::open(&store).await;
+    let Store::Pg(pool) = &store else {
+        unreachable!()
+    };
+    let sink = RunningSink::start(None).await;
+    let (_relay, stop, task) = start_relay(
+        &store,
+        &sink.url,
+        fast_config(),
+        TransportOptions::default(),
+    )
+    .await;
+    let a = Message::new("orders", b"a".to_vec()).ordered_by("slow");
+    let b = Message::new("orders", b"b".to_vec()).ordered_by("slow");
+    let mut tx_a = pool.begin().await.unwrap();
+    ferry_outbox::enqueue(&mut *tx_a, &a).await.unwrap();
+    let b2 = b.clone();
+    let app_b = App::Pg(pool.clone());
+    let writer_b = tokio::spawn(async move { app_b.write(std::slice::from_ref(&b2), true).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!writer_b.is_finished(), "B did not wait for A's key lock");
+    let mut ledger = write_workload(&app, 50, 5, 50).await;
+    let others = ledger.committed.len();
+    assert!(
+        eventually(Duration::from_secs(20), || sink.sink.received().len()
+            == others)
+        .await,
+        "other keys stalled behind an open transaction"
+    );
+    tx_a.commit().await.unwrap();
+    writer_b.await.unwrap().unwrap();
+    ledger.committed.push(a);
+    ledger.committed.push(b);
+    assert!(drained(&store, Duration::from_secs(20)).await);
+    stop.send(()).unwrap();
+    task.await.unwrap();
+    ledger.check(&sink.sink.received());
+}
+
+// Guards the fence itself: a relay whose lease ran out settles nothing, whatever the
+// outcome it reports, and the holder after it settles normally.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_after_the_lease_ran_out_writes_nothing() {
+    use ferry_outbox::store::Settle;
+    let db = TestDb::create().await;
+    let dir = ferry_testkit::Scratch::new("outbox-fence-sqlite");
+    for store in [pg_store(&db).await, sqlite_store(&dir).await] {
+        let app = App::open(&store).await;
+        app.write(&[Message::new("t", b"x".to_vec()).ordered_by("k")], true)
+            .await
+            .unwrap();
+        let first = store
+            .lease("one", 10, Duration::from_millis(300))
+            .await
+            .unwrap();
+        assert_eq!(first.len(), 1);
+        assert!(
+            store
+                .lease("two", 10, Duration::from_secs(30))
+                .await
+                .unwrap()
+                .is_empty(),
+            "leased twice"
+        );
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert_eq!(store.reclaim_expired().await.unwrap(), 1);
+        let second = store
+            .lease("two", 10, Duration::from_secs(30))
+            .await
+            .unwrap();
+        assert_eq!(second.len(), 1);
+        assert!(
+            second[0].uncertain,
+            "a message whose holder vanished is uncertain"
+        );
+        let stale = store
+            .settle(&[(first[0].id, first[0].generation, Settle::Confirmed)])
+            .await
+            .unwrap();
+        assert_eq!(stale.fenced, vec![first[0].id]);
+        assert_eq!(
+            store.status().await.unwrap().leased,
+            1,
+            "the stale settle wrote"
+        );
+        let ok = store
+            .settle(&[(second[0].id, second[0].generation, Settle::Confirmed)])
+            .await
+            .unwrap();
+        assert_eq!(ok.deleted, 1);
+        assert_eq!(store.status().await.unwrap().leased, 0);
+    }
+}
+
+// Bad input changes nothing: an oversized payload, an ordered message without a key and
+// a bad topic are refused at enqueue with the field named, and the transaction holding
+// them still commits its other writes; the SQL function refuses the same on Postgres.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_messages_are_refused_at_enqueue_and_nothing_is_written() {
+    let db = TestDb::create().await;
+    let store = pg_store(&db).await;
+    let Store::Pg(pool) = &store else {
+        unreachable!()
+    };
+    let mut tx = pool.begin().await.unwrap();
+    let big = Message::new("t", vec![0u8; ferry_outbox::message::PAYLOAD_BYTES_MAX + 1]);
+    let e = ferry_outbox::enqueue(&mut *tx, &big)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("payload is 1000001 bytes, over the limit of 1000000"),
+        "{e}"
+    );
+    let e = ferry_outbox::enqueue(&mut *tx, &Message::new("a..b", b"x".to_vec()))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not a valid subject"), "{e}");
+    ferry_outbox::enqueue(&mut *tx, &Message::new("ok", b"x".to_vec()))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(store.status().await.unwrap().pending, 1);
+    // The SQL way checks the same limit.
+    let e = sqlx::query("SELECT ferry_outbox.enqueue('m1', 't', NULL, false, $1)")
+        .bind(vec![0u8; 1_000_001])
+        .execute(pool)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("over the limit of 1000000 bytes"), "{e}");
+    // Enqueue before install says what to do.
+    let fresh = TestDb::create().await;
+    let s2 = Store::connect(&fresh.url).await.unwrap();
+    let Store::Pg(p2) = &s2 else { unreachable!() };
+    let mut c = p2.acquire().await.unwrap();
+    let e = ferry_outbox::enqueue(&mut *c, &Message::new("t", b"x".to_vec()))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("ferry outbox install"), "{e}");
+}

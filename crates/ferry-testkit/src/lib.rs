@@ -4,6 +4,7 @@
 
 pub mod proc;
 pub mod proxy;
+pub mod servers;
 pub mod workload;
 
 use std::path::{Path, PathBuf};

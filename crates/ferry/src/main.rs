@@ -2,6 +2,7 @@
 //! to stderr through `tracing` (filter with `FERRY_LOG`, e.g. `FERRY_LOG=debug`).
 
 mod demo;
+mod outbox;
 mod ship;
 mod table;
 
@@ -32,6 +33,9 @@ enum Command {
     Receive(ReceiveCommand),
     /// Fence a replica and turn it into a primary database at a new path.
     Promote(ship::PromoteArgs),
+    /// The transactional outbox: install its schema, relay messages, inspect and repair.
+    #[command(subcommand)]
+    Outbox(outbox::OutboxSub),
 }
 
 #[derive(Args)]
@@ -88,6 +92,7 @@ fn main() -> ExitCode {
         }) => ship::receive_status(a),
         Command::Receive(ReceiveCommand { sub: None, run }) => ship::receive(run),
         Command::Promote(a) => ship::promote(a),
+        Command::Outbox(sub) => outbox::run(sub),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -100,7 +105,9 @@ fn main() -> ExitCode {
 
 fn init_logging(default: &str) {
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_env("FERRY_LOG").unwrap_or_else(|_| EnvFilter::new(default));
+    // async-nats reports every reconnection attempt at info; ferry says what matters.
+    let filter = EnvFilter::try_from_env("FERRY_LOG")
+        .unwrap_or_else(|_| EnvFilter::new(format!("{default},async_nats=warn")));
     let json = std::env::var("FERRY_LOG_FORMAT").is_ok_and(|v| v == "json");
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)

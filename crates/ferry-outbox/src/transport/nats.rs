@@ -21,24 +21,16 @@ pub struct JetStream {
 
 impl JetStream {
     pub async fn connect(url: &str, options: &TransportOptions) -> Result<JetStream, String> {
+        // No retry on the first connection: a wrong address is reported at start-up.
+        // Later the client reconnects forever, and the breaker pauses publishing meanwhile.
         let client = async_nats::ConnectOptions::new()
             .connection_timeout(Duration::from_secs(5))
-            .retry_on_initial_connect()
             .max_reconnects(None)
             .connect(url)
             .await
-            .map_err(|e| format!("cannot connect to NATS at {url}: {e}"))?;
-        // `retry_on_initial_connect` returns at once; wait for the first connection a
-        // little, so that a wrong address is reported at start-up.
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        while client.connection_state() != async_nats::connection::State::Connected {
-            if tokio::time::Instant::now() >= deadline {
-                return Err(format!(
-                    "cannot connect to NATS at {url}: no answer within 5 s; is nats-server running there?"
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+            .map_err(|e| {
+                format!("cannot connect to NATS at {url}: {e}; is nats-server running there?")
+            })?;
         let max_payload = client.server_info().max_payload;
         if max_payload < options.payload_bytes_max + crate::message::ENVELOPE_BYTES_MAX {
             return Err(format!(

@@ -1,0 +1,409 @@
+//! `ferry outbox install|relay|status|requeue|discard|pause|resume`.
+
+use crate::table;
+use anyhow::{Context, anyhow, bail};
+use clap::{Args, Subcommand};
+use ferry_outbox::relay::{Relay, RelayConfig};
+use ferry_outbox::store::{Select, Status, Store, redact};
+use ferry_outbox::transport::{self, TransportOptions};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Subcommand)]
+pub enum OutboxSub {
+    /// Create or upgrade the outbox schema (idempotent; safe from several processes).
+    Install(DbArg),
+    /// Publish outbox messages to NATS JetStream or a webhook until SIGTERM.
+    Relay(RelayArgs),
+    /// Depth by state, oldest claimable age, parked messages, paused topics.
+    Status(StatusArgs),
+    /// Put parked messages back to pending, attempts reset.
+    Requeue(SelectArgs),
+    /// Delete parked messages for good.
+    Discard(SelectArgs),
+    /// Stop relays taking messages of a topic.
+    Pause(TopicArgs),
+    /// Let relays take messages of a paused topic again.
+    Resume(TopicArgs),
+}
+
+#[derive(Args)]
+pub struct DbArg {
+    /// The app's database: postgres://USER@HOST/DB or sqlite:PATH.
+    #[arg(long, env = "FERRY_DB")]
+    pub db: String,
+}
+
+#[derive(Args)]
+pub struct RelayArgs {
+    #[command(flatten)]
+    pub db: DbArg,
+    /// Where to publish: nats://HOST:PORT (JetStream) or http(s)://HOST/PATH (webhook).
+    #[arg(long, env = "FERRY_TO")]
+    pub to: String,
+    /// NATS: the stream every topic must land in (checked at start-up, and its
+    /// duplicate window read).
+    #[arg(long, env = "FERRY_NATS_STREAM")]
+    pub stream: Option<String>,
+    /// Webhook: file holding the HMAC secret for the Ferry-Signature header.
+    #[arg(long, env = "FERRY_WEBHOOK_SECRET_FILE")]
+    pub secret_file: Option<PathBuf>,
+    /// Webhook: how long the endpoint keeps idempotency keys, in seconds (an uncertain
+    /// message older than this raises an alarm).
+    #[arg(long, env = "FERRY_WEBHOOK_DEDUP_SECS", default_value_t = 86_400)]
+    pub webhook_dedup_secs: u64,
+    /// Relay loops in this process.
+    #[arg(long, env = "FERRY_LANES", default_value_t = 2)]
+    pub lanes: usize,
+    /// Messages per lease.
+    #[arg(long, env = "FERRY_BATCH", default_value_t = 256)]
+    pub batch: u32,
+    /// Publishes in flight per lane.
+    #[arg(long, env = "FERRY_WINDOW", default_value_t = 64)]
+    pub window: usize,
+    /// Lease length in milliseconds (extended at half-life while publishing).
+    #[arg(long, env = "FERRY_LEASE_MS", default_value_t = 30_000)]
+    pub lease_ms: u64,
+    /// Refusals attributable to a message before it is parked.
+    #[arg(long, env = "FERRY_MAX_ATTEMPTS", default_value_t = 10)]
+    pub max_attempts: i32,
+    /// Backstop poll in milliseconds.
+    #[arg(long, env = "FERRY_POLL_MS", default_value_t = 1000)]
+    pub poll_ms: u64,
+    /// Time to wait for one publish's answer, in milliseconds (then: uncertain).
+    #[arg(long, env = "FERRY_PUBLISH_TIMEOUT_MS", default_value_t = 10_000)]
+    pub publish_timeout_ms: u64,
+    /// Serve /metrics and /status on this address, e.g. 127.0.0.1:7360.
+    #[arg(long, env = "FERRY_METRICS_LISTEN")]
+    pub metrics_listen: Option<String>,
+}
+
+#[derive(Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub db: DbArg,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args)]
+pub struct SelectArgs {
+    #[command(flatten)]
+    pub db: DbArg,
+    /// Message ids (as the app gave them); repeat the flag.
+    #[arg(long = "id")]
+    pub ids: Vec<String>,
+    /// Every parked message of this topic.
+    #[arg(long)]
+    pub topic: Option<String>,
+    /// Every parked message.
+    #[arg(long)]
+    pub all_parked: bool,
+}
+
+#[derive(Args)]
+pub struct TopicArgs {
+    #[command(flatten)]
+    pub db: DbArg,
+    #[arg(long)]
+    pub topic: String,
+}
+
+pub fn run(sub: OutboxSub) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async move {
+        match sub {
+            OutboxSub::Install(a) => install(a).await,
+            OutboxSub::Relay(a) => relay(a).await,
+            OutboxSub::Status(a) => status(a).await,
+            OutboxSub::Requeue(a) => operate(a, false).await,
+            OutboxSub::Discard(a) => operate(a, true).await,
+            OutboxSub::Pause(a) => {
+                let store = open(&a.db.db).await?;
+                store.pause(&a.topic).await?;
+                println!(
+                    "topic {} paused: relays take none of its messages until `ferry outbox resume`",
+                    a.topic
+                );
+                Ok(())
+            }
+            OutboxSub::Resume(a) => {
+                let store = open(&a.db.db).await?;
+                store.resume(&a.topic).await?;
+                println!("topic {} resumed", a.topic);
+                Ok(())
+            }
+        }
+    })
+}
+
+/// Connect and check the schema is there and not newer than this build.
+async fn open(url: &str) -> anyhow::Result<Store> {
+    let store = Store::connect(url).await.map_err(|e| anyhow!(e))?;
+    match store.schema_version().await? {
+        None => bail!(
+            "{} has no outbox schema: run `ferry outbox install --db {}` first",
+            redact(url),
+            redact(url)
+        ),
+        Some(v) if v > ferry_outbox::schema::VERSION => bail!(
+            "{} holds outbox schema version {v}, newer than this ferry ({}); upgrade ferry",
+            redact(url),
+            ferry_outbox::schema::VERSION
+        ),
+        Some(v) if v < ferry_outbox::schema::VERSION => bail!(
+            "{} holds outbox schema version {v}; run `ferry outbox install --db {}` to upgrade it",
+            redact(url),
+            redact(url)
+        ),
+        Some(_) => Ok(store),
+    }
+}
+
+async fn install(a: DbArg) -> anyhow::Result<()> {
+    let store = Store::connect(&a.db).await.map_err(|e| anyhow!(e))?;
+    let done = store.install().await?;
+    match done {
+        ferry_outbox::schema::Installed::Created => println!(
+            "outbox schema version {} installed in {}",
+            ferry_outbox::schema::VERSION,
+            redact(&a.db)
+        ),
+        ferry_outbox::schema::Installed::Upgraded { from } => println!(
+            "outbox schema upgraded from version {from} to {} in {}",
+            ferry_outbox::schema::VERSION,
+            redact(&a.db)
+        ),
+        ferry_outbox::schema::Installed::AlreadyCurrent => println!(
+            "outbox schema version {} already installed in {}",
+            ferry_outbox::schema::VERSION,
+            redact(&a.db)
+        ),
+    }
+    Ok(())
+}
+
+async fn relay(a: RelayArgs) -> anyhow::Result<()> {
+    let listener = match &a.metrics_listen {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on --metrics-listen {addr}"))?,
+        ),
+        None => None,
+    };
+    let store = open(&a.db.db).await?;
+    let secret = match &a.secret_file {
+        Some(p) => Some(
+            crate::read_token(&Some(p.clone()))?
+                .expect("read_token returns a token for a path")
+                .into_bytes(),
+        ),
+        None => None,
+    };
+    let options = TransportOptions {
+        publish_timeout: Duration::from_millis(a.publish_timeout_ms),
+        webhook_secret: secret,
+        webhook_dedup_window: Duration::from_secs(a.webhook_dedup_secs),
+        nats_stream: a.stream.clone(),
+        ..TransportOptions::default()
+    };
+    let t = transport::connect(&a.to, &options)
+        .await
+        .map_err(|e| anyhow!(e))?;
+    let config = RelayConfig {
+        lanes: a.lanes,
+        batch: a.batch,
+        window: a.window,
+        lease: Duration::from_millis(a.lease_ms),
+        max_attempts: a.max_attempts,
+        poll: Duration::from_millis(a.poll_ms),
+        ..RelayConfig::default()
+    };
+    if options.publish_timeout >= config.lease / 2 {
+        bail!(
+            "--publish-timeout-ms {} must be under half of --lease-ms {}: a publish must end before the lease needs extending",
+            a.publish_timeout_ms,
+            a.lease_ms
+        );
+    }
+    let relay = Relay::new(store.clone(), Arc::from(t), config).map_err(|e| anyhow!(e))?;
+    if let Some(listener) = listener {
+        tracing::info!(addr = %listener.local_addr()?, "serving /metrics and /status");
+        let (r1, r2, s) = (relay.clone(), relay.clone(), store.clone());
+        let app = axum::Router::new()
+            .route(
+                "/metrics",
+                axum::routing::get(move || {
+                    let r = r1.clone();
+                    let s = s.clone();
+                    async move { r.metrics() + &depth_metrics(&s).await }
+                }),
+            )
+            .route(
+                "/status",
+                axum::routing::get(move || {
+                    let r = r2.clone();
+                    async move { axum::Json(r.status()) }
+                }),
+            )
+            .route("/healthz", axum::routing::get(|| async { "ok\n" }));
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                tracing::error!("metrics server stopped: {e}");
+            }
+        });
+    }
+    tracing::info!(db = %redact(&a.db.db), to = %a.to, "relaying");
+    let r = relay.clone();
+    let progress = tokio::spawn(async move { report_progress(r).await });
+    relay.run(crate::terminated()).await;
+    progress.abort();
+    store.close().await;
+    tracing::info!("relay stopped: every batch in flight was settled");
+    Ok(())
+}
+
+/// Log what the relay did every 10 s while it does something.
+async fn report_progress(r: Arc<Relay>) {
+    let mut last = 0;
+    loop {
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        let s = r.status();
+        if s.settled != last {
+            tracing::info!(
+                published = s.published,
+                duplicates = s.duplicates,
+                parked = s.parked,
+                fenced = s.fenced,
+                uncertain = s.uncertain,
+                "relayed {} messages in the last 10 s",
+                s.settled - last
+            );
+            last = s.settled;
+        }
+    }
+}
+
+/// Depth gauges from the table, appended to the relay's own counters.
+async fn depth_metrics(store: &Store) -> String {
+    let Ok(st) = store.status().await else {
+        return String::new();
+    };
+    let mut e = ferry_core::metrics::Exposition::new();
+    for (state, n) in [
+        ("pending", st.pending),
+        ("uncertain", st.uncertain),
+        ("leased", st.leased),
+        ("parked", st.parked),
+    ] {
+        e.gauge(
+            "ferry_outbox_messages",
+            "Messages in the outbox by state.",
+            &[("state", state)],
+            n as f64,
+        );
+    }
+    e.gauge(
+        "ferry_outbox_oldest_claimable_seconds",
+        "Age of the oldest message a relay could take now.",
+        &[],
+        st.oldest_claimable_secs.unwrap_or(0.0),
+    );
+    e.gauge(
+        "ferry_outbox_oldest_uncertain_seconds",
+        "Age of the oldest unanswered publish still unresolved.",
+        &[],
+        st.oldest_uncertain_secs.unwrap_or(0.0),
+    );
+    e.finish()
+}
+
+async fn status(a: StatusArgs) -> anyhow::Result<()> {
+    let store = open(&a.db.db).await?;
+    let st = store.status().await?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&st)?);
+        return Ok(());
+    }
+    print!("{}", render(&st));
+    Ok(())
+}
+
+fn render(st: &Status) -> String {
+    let secs = |s: Option<f64>| s.map_or("-".to_string(), |v| format!("{v:.1} s"));
+    let mut out = table::render(
+        &[
+            "pending",
+            "uncertain",
+            "leased",
+            "parked",
+            "oldest claimable",
+            "oldest uncertain",
+        ],
+        &[vec![
+            st.pending.to_string(),
+            st.uncertain.to_string(),
+            st.leased.to_string(),
+            st.parked.to_string(),
+            secs(st.oldest_claimable_secs),
+            secs(st.oldest_uncertain_secs),
+        ]],
+    );
+    if !st.parked_messages.is_empty() {
+        out.push_str("\nparked (requeue with `ferry outbox requeue --id ID`, or discard):\n");
+        let rows: Vec<Vec<String>> = st
+            .parked_messages
+            .iter()
+            .map(|p| {
+                vec![
+                    p.message_id.clone(),
+                    p.topic.clone(),
+                    p.key.clone().unwrap_or_default(),
+                    p.attempts.to_string(),
+                    p.last_error.clone().unwrap_or_default(),
+                ]
+            })
+            .collect();
+        out.push_str(&table::render(
+            &["message id", "topic", "key", "attempts", "last error"],
+            &rows,
+        ));
+    }
+    if !st.paused_topics.is_empty() {
+        out.push_str(&format!(
+            "\npaused topics: {}\n",
+            st.paused_topics.join(", ")
+        ));
+    }
+    out
+}
+
+async fn operate(a: SelectArgs, discard: bool) -> anyhow::Result<()> {
+    let which = match (a.ids.is_empty(), &a.topic, a.all_parked) {
+        (false, None, false) => Select::MessageIds(a.ids.clone()),
+        (true, Some(t), false) => Select::Topic(t.clone()),
+        (true, None, true) => Select::AllParked,
+        _ => bail!(
+            "say which parked messages: --id ID (repeatable), --topic TOPIC, or --all-parked (one of them)"
+        ),
+    };
+    let store = open(&a.db.db).await?;
+    let n = if discard {
+        store.discard(&which).await?
+    } else {
+        store.requeue(&which).await?
+    };
+    println!(
+        "{n} parked message{} {}",
+        if n == 1 { "" } else { "s" },
+        if discard { "discarded" } else { "requeued" }
+    );
+    Ok(())
+}

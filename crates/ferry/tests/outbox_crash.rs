@@ -1,0 +1,315 @@
+//! The outbox relay as a real process, killed, stopped and starved: SIGKILL mid-batch,
+//! SIGSTOP past its lease, Postgres crashing under it, NATS away longer than any retry
+//! budget. Every scenario ends with the ledger check (each committed message arrived
+//! once, nothing rolled back arrived, keys in commit order) and no message parked.
+
+#[path = "../../ferry-outbox/tests/common/mod.rs"]
+mod common;
+
+use common::*;
+use ferry_outbox::Store;
+use ferry_outbox::sink::Faults;
+use ferry_testkit::proc::Proc;
+use ferry_testkit::servers::{PrivateNats, PrivatePg};
+use ferry_testkit::{Scratch, free_port};
+use std::path::PathBuf;
+use std::time::Duration;
+
+fn ferry() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_ferry"))
+}
+
+/// A `ferry outbox relay` process with a metrics port.
+struct RelayProc {
+    proc: Option<Proc>,
+    metrics: u16,
+}
+
+impl RelayProc {
+    fn start(scratch: &Scratch, name: &str, db: &str, to: &str, extra: &[&str]) -> RelayProc {
+        let metrics = free_port();
+        let listen = format!("127.0.0.1:{metrics}");
+        let mut args = vec![
+            "outbox",
+            "relay",
+            "--db",
+            db,
+            "--to",
+            to,
+            "--metrics-listen",
+            &listen,
+            "--lease-ms",
+            "2000",
+            "--publish-timeout-ms",
+            "900",
+            "--poll-ms",
+            "200",
+            "--batch",
+            "32",
+            "--window",
+            "8",
+        ];
+        args.extend_from_slice(extra);
+        let log = scratch.path().join(format!("{name}.log"));
+        let proc = Proc::spawn(name, &ferry(), &args, &[("FERRY_LOG", "info")], &log);
+        assert!(
+            ferry_testkit::wait_until(Duration::from_secs(20), || std::net::TcpStream::connect((
+                "127.0.0.1",
+                metrics
+            ))
+            .is_ok()),
+            "{name} did not start; see {}",
+            log.display()
+        );
+        RelayProc {
+            proc: Some(proc),
+            metrics,
+        }
+    }
+
+    /// A counter from its /metrics.
+    fn counter(&self, name: &str) -> u64 {
+        let body = ureq::get(&format!("http://127.0.0.1:{}/metrics", self.metrics))
+            .call()
+            .ok()
+            .and_then(|mut r| r.body_mut().read_to_string().ok())
+            .unwrap_or_default();
+        body.lines()
+            .find_map(|l| {
+                l.strip_prefix(&format!("{name} "))
+                    .and_then(|v| v.trim().parse::<f64>().ok())
+            })
+            .unwrap_or(0.0) as u64
+    }
+
+    fn kill9(&mut self) {
+        if let Some(p) = self.proc.take() {
+            p.kill9();
+        }
+    }
+
+    fn signal(&self, sig: &str) {
+        let pid = self.proc.as_ref().expect("running").pid();
+        let _ = std::process::Command::new("kill")
+            .args([&format!("-{sig}"), &pid.to_string()])
+            .status();
+    }
+
+    fn stop(mut self) {
+        if let Some(p) = self.proc.take() {
+            assert_eq!(
+                p.term(Duration::from_secs(30)),
+                Some(0),
+                "the relay did not stop cleanly on SIGTERM"
+            );
+        }
+    }
+}
+
+impl Drop for RelayProc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+async fn install(url: &str) -> Store {
+    let store = Store::connect(url).await.unwrap();
+    store.install().await.unwrap();
+    store
+}
+
+async fn drained(store: &Store, limit: Duration) -> bool {
+    let end = tokio::time::Instant::now() + limit;
+    loop {
+        if let Ok(st) = store.status().await
+            && st.pending + st.uncertain + st.leased == 0
+        {
+            return true;
+        }
+        if tokio::time::Instant::now() >= end {
+            eprintln!("not drained: {:?}", store.status().await);
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+// Guards against loss and visible duplicates when a relay dies between publishing and
+// settling: the relay is SIGKILLed three times while the app writes; each time the
+// messages it held come back after their lease and are presented again under the same
+// id, which the endpoint recognises.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_killed_mid_batch_loses_nothing_and_its_resends_are_recognised() {
+    let scratch = Scratch::new("outbox-kill");
+    let db = TestDb::create().await;
+    let store = install(&db.url).await;
+    let app = App::open(&store).await;
+    let sink = RunningSink::start(None).await;
+    sink.sink.set_faults(Faults {
+        delay: Some(Duration::from_millis(5)),
+        ..Faults::default()
+    });
+    let mut relay = RelayProc::start(&scratch, "relay", &db.url, &sink.url, &[]);
+    let mut ledger = Ledger::default();
+    for round in 0..3u64 {
+        let l = write_workload(&app, 80, 6, 10 + round).await;
+        ledger.committed.extend(l.committed);
+        ledger.rolled_back.extend(l.rolled_back);
+        assert!(
+            eventually(Duration::from_secs(20), || relay
+                .counter("ferry_outbox_published_total")
+                > 5)
+            .await
+        );
+        relay.kill9();
+        relay = RelayProc::start(&scratch, "relay", &db.url, &sink.url, &[]);
+    }
+    assert!(drained(&store, Duration::from_secs(60)).await);
+    relay.stop();
+    ledger.check(&sink.sink.received());
+    assert_eq!(store.status().await.unwrap().parked, 0);
+}
+
+// Guards against a stale relay writing after its lease ran out: relay A is SIGSTOPped
+// in the middle of a slow batch for longer than its lease; relay B takes the batch over;
+// A resumes, finishes publishing (the endpoint recognises the repeats) and its settle is
+// refused: A counts fenced rows and writes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_paused_past_its_lease_is_fenced_and_writes_nothing() {
+    let scratch = Scratch::new("outbox-fence");
+    let db = TestDb::create().await;
+    let store = install(&db.url).await;
+    let app = App::open(&store).await;
+    let sink = RunningSink::start(None).await;
+    sink.sink.set_faults(Faults {
+        delay: Some(Duration::from_millis(150)),
+        ..Faults::default()
+    });
+    let ledger = write_workload(&app, 60, 20, 20).await;
+    let a = RelayProc::start(&scratch, "relay-a", &db.url, &sink.url, &["--lanes", "1"]);
+    assert!(
+        eventually(Duration::from_secs(20), || a
+            .counter("ferry_outbox_leased_total")
+            > 0)
+        .await
+    );
+    a.signal("STOP");
+    let b = RelayProc::start(&scratch, "relay-b", &db.url, &sink.url, &["--lanes", "1"]);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    a.signal("CONT");
+    assert!(drained(&store, Duration::from_secs(60)).await);
+    assert!(
+        eventually(Duration::from_secs(20), || a
+            .counter("ferry_outbox_fenced_total")
+            > 0)
+        .await,
+        "relay A was never fenced"
+    );
+    a.stop();
+    b.stop();
+    ledger.check(&sink.sink.received());
+}
+
+// Guards against a database crash under a relay losing or duplicating messages: the
+// relay's private Postgres is crashed (immediate stop) and restarted while the app and
+// the relay run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_crashing_under_a_relay_loses_nothing() {
+    let scratch = Scratch::new("outbox-pg-crash");
+    let pg = PrivatePg::start(scratch.path());
+    let url = pg.url("postgres");
+    let store = install(&url).await;
+    let app = App::open(&store).await;
+    let sink = RunningSink::start(None).await;
+    let relay = RelayProc::start(&scratch, "relay", &url, &sink.url, &[]);
+    let mut ledger = write_workload(&app, 100, 5, 30).await;
+    pg.down("immediate");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    pg.up();
+    // The app's pool reconnects; write on.
+    let mut more = None;
+    for _ in 0..50 {
+        match tokio::time::timeout(Duration::from_secs(5), async {
+            write_workload(&app, 100, 5, 31).await
+        })
+        .await
+        {
+            Ok(l) => {
+                more = Some(l);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+    let more = more.expect("the app could not write after the restart");
+    ledger.committed.extend(more.committed);
+    ledger.rolled_back.extend(more.rolled_back);
+    assert!(drained(&store, Duration::from_secs(60)).await);
+    relay.stop();
+    ledger.check(&sink.sink.received());
+}
+
+// Guards against an outage turning into parked messages (ai-crew-sync parks after a few
+// minutes of broker outage): NATS is killed for longer than a message's whole retry
+// budget at --max-attempts 2; nothing is parked, no attempt is spent, and the relay
+// resumes by itself when NATS is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_away_longer_than_the_retry_budget_parks_nothing_and_resumes_by_itself() {
+    let scratch = Scratch::new("outbox-nats-down");
+    let mut nats = PrivateNats::start(scratch.path());
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "ORDERS".into(),
+        subjects: vec!["orders.>".into()],
+        storage: async_nats::jetstream::stream::StorageType::File,
+        duplicate_window: Duration::from_secs(120),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let db = TestDb::create().await;
+    let store = install(&db.url).await;
+    let app = App::open(&store).await;
+    let relay = RelayProc::start(
+        &scratch,
+        "relay",
+        &db.url,
+        &nats.url(),
+        &["--stream", "ORDERS", "--max-attempts", "2"],
+    );
+    let mut ledger = write_workload(&app, 50, 5, 40).await;
+    assert!(drained(&store, Duration::from_secs(30)).await);
+    nats.kill();
+    let l = write_workload(&app, 50, 5, 41).await;
+    ledger.committed.extend(l.committed);
+    ledger.rolled_back.extend(l.rolled_back);
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let st = store.status().await.unwrap();
+    assert_eq!(st.parked, 0, "{st:?}");
+    assert!(st.pending + st.uncertain > 0, "{st:?}");
+    nats.up();
+    assert!(drained(&store, Duration::from_secs(60)).await);
+    assert_eq!(
+        relay.counter("ferry_outbox_retried_total"),
+        0,
+        "the outage spent attempts"
+    );
+    relay.stop();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let mut stream = js.get_stream("ORDERS").await.unwrap();
+    let info = stream.info().await.unwrap();
+    let mut got = Vec::new();
+    for seq in 1..=info.state.last_sequence {
+        let m = stream.get_raw_message(seq).await.unwrap();
+        got.push(ferry_outbox::sink::Received {
+            message_id: m.headers.get("Nats-Msg-Id").unwrap().to_string(),
+            topic: m.subject.to_string(),
+            key: m.headers.get("Ferry-Key").map(|v| v.to_string()),
+            seq: None,
+            body: m.payload.to_vec(),
+        });
+    }
+    ledger.check(&got);
+}
