@@ -2,6 +2,7 @@
 //! to stderr through `tracing` (filter with `FERRY_LOG`, e.g. `FERRY_LOG=debug`).
 
 mod demo;
+mod demo_outbox;
 mod outbox;
 mod ship;
 mod table;
@@ -23,9 +24,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run ferry's main job on a temporary directory and report what happened: a live
+    /// Run ferry's main jobs on a temporary directory and report what happened: a live
     /// database shipped to a standby, the standby killed and restarted, then promoted
-    /// and checked equal to the primary.
+    /// and checked equal to the primary; then orders and their events written in one
+    /// transaction and relayed to a webhook that goes down and comes back.
     Demo(demo::DemoArgs),
     /// Ship every *.db in a directory to a receiver (ferry-ship's sidecar), or show status.
     Ship(ShipCommand),
