@@ -123,16 +123,12 @@ impl OutboxConnection for SqliteConnection {
     ) -> Result<Enqueued, EnqueueError> {
         {
             validate(msg, limits)?;
-            let exists: Option<i64> =
-                sqlx::query_scalar("SELECT id FROM ferry_outbox_messages WHERE message_id = ?")
-                    .bind(&msg.message_id)
-                    .fetch_optional(&mut *self)
-                    .await
-                    .map_err(not_installed)?;
-            if exists.is_some() {
-                return Ok(Enqueued::AlreadyThere);
-            }
+            // Writes only, first statement a write: a deferred SQLite transaction that
+            // read first could not upgrade to the write lock while a relay writes (it
+            // fails at once with "database is locked" instead of waiting).
             let seq: Option<i64> = if msg.ordered {
+                // A repeated message id still takes a number: a gap in a key's seqs is
+                // harmless (order compares seqs, it never counts them).
                 Some(
                     sqlx::query_scalar(
                         "INSERT INTO ferry_outbox_key_seqs (key, last_seq) VALUES (?, 1) \
@@ -147,10 +143,10 @@ impl OutboxConnection for SqliteConnection {
                 None
             };
             let now = crate::store::now_ms();
-            let id: i64 = sqlx::query_scalar(
+            let id: Option<i64> = sqlx::query_scalar(
                 "INSERT INTO ferry_outbox_messages \
                  (message_id, topic, key, ordered, seq, payload, headers, next_attempt_at, enqueued_at) \
-                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (message_id) DO NOTHING RETURNING id",
             )
             .bind(&msg.message_id)
             .bind(&msg.topic)
@@ -161,10 +157,10 @@ impl OutboxConnection for SqliteConnection {
             .bind(headers_json(msg))
             .bind(now)
             .bind(now)
-            .fetch_one(&mut *self)
+            .fetch_optional(&mut *self)
             .await
             .map_err(not_installed)?;
-            Ok(Enqueued::New { id })
+            Ok(id.map_or(Enqueued::AlreadyThere, |id| Enqueued::New { id }))
         }
     }
 }

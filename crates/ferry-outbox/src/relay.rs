@@ -331,6 +331,11 @@ impl Relay {
                 Some(b) => b,
                 None => continue,
             };
+            // Listen before looking: a commit notified between the lease's snapshot and
+            // the wait below must still wake this lane, not wait for the poll.
+            let notified = self.wake.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
             let leased = match self
                 .store
                 .lease(&self.config.owner, batch, self.config.lease)
@@ -350,7 +355,6 @@ impl Relay {
                 }
             };
             if leased.is_empty() {
-                let notified = self.wake.notified();
                 if !self.stopping.load(Ordering::SeqCst) {
                     let _ = tokio::time::timeout(self.config.poll, notified).await;
                 }

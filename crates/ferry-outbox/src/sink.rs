@@ -80,6 +80,11 @@ impl Sink {
         self.lock().received.clone()
     }
 
+    /// How many distinct messages are stored (cheaper than `received().len()`).
+    pub fn received_count(&self) -> usize {
+        self.lock().received.len()
+    }
+
     pub fn duplicates(&self) -> u64 {
         self.lock().duplicates
     }

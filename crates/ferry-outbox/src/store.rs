@@ -359,19 +359,26 @@ impl Store {
                 let now = now_ms();
                 let mut tx = p.begin().await?;
                 let mut written = Vec::new();
-                for i in 0..cols.ids.len() {
-                    let n = if cols.actions[i] == 0 {
-                        sqlx::query(
-                            "DELETE FROM ferry_outbox_messages \
-                             WHERE id = ?1 AND generation = ?2 AND state = 1 AND lease_until > ?3",
-                        )
-                        .bind(cols.ids[i])
-                        .bind(cols.generations[i])
-                        .bind(now)
-                        .execute(&mut *tx)
-                        .await?
-                        .rows_affected()
-                    } else {
+                // Confirmed rows (nearly all of them) go in one statement.
+                let confirmed: Vec<[i64; 2]> = (0..cols.ids.len())
+                    .filter(|&i| cols.actions[i] == 0)
+                    .map(|i| [cols.ids[i], cols.generations[i]])
+                    .collect();
+                if !confirmed.is_empty() {
+                    let gone: Vec<i64> = sqlx::query_scalar(
+                        "DELETE FROM ferry_outbox_messages \
+                         WHERE (id, generation) IN (SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') \
+                                                    FROM json_each(?1)) \
+                           AND state = 1 AND lease_until > ?2 RETURNING id",
+                    )
+                    .bind(serde_json::to_string(&confirmed).expect("integers serialise"))
+                    .bind(now)
+                    .fetch_all(&mut *tx)
+                    .await?;
+                    written.extend(gone.into_iter().map(|id| (id, 0i16)));
+                }
+                for i in (0..cols.ids.len()).filter(|&i| cols.actions[i] != 0) {
+                    let n = {
                         sqlx::query(
                             "UPDATE ferry_outbox_messages SET \
                                state = CASE WHEN ?4 = 2 THEN 2 ELSE 0 END, \
@@ -403,11 +410,16 @@ impl Store {
                 written
             }
         };
+        let actions: std::collections::HashMap<i64, i16> = cols
+            .ids
+            .iter()
+            .copied()
+            .zip(cols.actions.iter().copied())
+            .collect();
         let mut done = std::collections::HashSet::new();
         for (id, state) in &written {
             done.insert(*id);
-            let action = cols.action_of(*id);
-            match (action, state) {
+            match (actions.get(id).copied().unwrap_or(1), state) {
                 (0, _) => settled.deleted += 1,
                 (_, 2) => settled.parked += 1,
                 _ => settled.returned += 1,
@@ -720,13 +732,6 @@ impl SettleColumns {
         self.delays_ms.push(delay);
         self.uncertain.push(uncertain);
         self.errors.push(error);
-    }
-
-    fn action_of(&self, id: i64) -> i16 {
-        self.ids
-            .iter()
-            .position(|&x| x == id)
-            .map_or(1, |i| self.actions[i])
     }
 }
 
