@@ -31,6 +31,22 @@ pub trait OutboxConnection: Send {
         msg: &'a Message,
         limits: &'a Limits,
     ) -> impl Future<Output = Result<Enqueued, EnqueueError>> + Send + 'a;
+
+    /// Enqueue messages already validated and in key order (see `enqueue_many`). The
+    /// default enqueues one by one; a store may do better.
+    fn enqueue_sorted<'a>(
+        &'a mut self,
+        msgs: &'a [&'a Message],
+        limits: &'a Limits,
+    ) -> impl Future<Output = Result<Vec<Enqueued>, EnqueueError>> + Send + 'a {
+        async move {
+            let mut out = Vec::with_capacity(msgs.len());
+            for m in msgs {
+                out.push(self.enqueue_with(m, limits).await?);
+            }
+            Ok(out)
+        }
+    }
 }
 
 /// Enqueue `msg` with the default limits.
@@ -64,9 +80,11 @@ pub async fn enqueue_many<C: OutboxConnection + ?Sized>(
             (None, None) => std::cmp::Ordering::Equal,
         }
     });
+    let sorted: Vec<&Message> = order.iter().map(|&i| &msgs[i]).collect();
+    let done = conn.enqueue_sorted(&sorted, &limits).await?;
     let mut out = vec![Enqueued::AlreadyThere; msgs.len()];
-    for i in order {
-        out[i] = conn.enqueue_with(&msgs[i], &limits).await?;
+    for (i, e) in order.into_iter().zip(done) {
+        out[i] = e;
     }
     Ok(out)
 }
@@ -163,4 +181,93 @@ impl OutboxConnection for SqliteConnection {
             Ok(id.map_or(Enqueued::AlreadyThere, |id| Enqueued::New { id }))
         }
     }
+
+    async fn enqueue_sorted(
+        &mut self,
+        msgs: &[&Message],
+        _limits: &Limits,
+    ) -> Result<Vec<Enqueued>, EnqueueError> {
+        // Two statements for the whole batch instead of two per message: every statement
+        // is a round trip to sqlx's SQLite worker thread, which cost more than the SQL.
+        if msgs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut counts: Vec<(&str, i64)> = Vec::new();
+        for m in msgs.iter().filter(|m| m.ordered) {
+            let k = m
+                .key
+                .as_deref()
+                .expect("validated: ordered messages have a key");
+            match counts.last_mut() {
+                // Sorted by key: a key's messages are adjacent.
+                Some((last, n)) if *last == k => *n += 1,
+                _ => counts.push((k, 1)),
+            }
+        }
+        let mut next_seq: std::collections::HashMap<String, i64> = Default::default();
+        if !counts.is_empty() {
+            let rows: Vec<(String, i64)> = sqlx::query_as(
+                "INSERT INTO ferry_outbox_key_seqs (key, last_seq) \
+                 SELECT value ->> 0, value ->> 1 FROM json_each(?1) WHERE true \
+                 ON CONFLICT (key) DO UPDATE SET last_seq = last_seq + excluded.last_seq \
+                 RETURNING key, last_seq",
+            )
+            .bind(serde_json::to_string(&counts).expect("keys and counts serialise"))
+            .fetch_all(&mut *self)
+            .await
+            .map_err(not_installed)?;
+            for (k, last) in rows {
+                let n = counts.iter().find(|(c, _)| *c == k).map_or(0, |(_, n)| *n);
+                next_seq.insert(k, last - n + 1);
+            }
+        }
+        let rows: Vec<serde_json::Value> = msgs
+            .iter()
+            .map(|m| {
+                let seq = m.ordered.then(|| {
+                    let k = m.key.as_deref().expect("validated");
+                    let s = next_seq.get_mut(k).expect("every ordered key got a range");
+                    *s += 1;
+                    *s - 1
+                });
+                serde_json::json!({
+                    "i": m.message_id, "t": m.topic, "k": m.key, "o": m.ordered as i64, "s": seq,
+                    "p": hex(&m.payload), "h": headers_json(m),
+                })
+            })
+            .collect();
+        let inserted: Vec<(i64, String)> = sqlx::query_as(
+            "INSERT INTO ferry_outbox_messages \
+             (message_id, topic, key, ordered, seq, payload, headers, next_attempt_at, enqueued_at) \
+             SELECT value ->> 'i', value ->> 't', value ->> 'k', value ->> 'o', value ->> 's', \
+                    unhex(value ->> 'p'), value ->> 'h', ?2, ?2 \
+             FROM json_each(?1) WHERE true ON CONFLICT (message_id) DO NOTHING RETURNING id, message_id",
+        )
+        .bind(serde_json::Value::Array(rows).to_string())
+        .bind(crate::store::now_ms())
+        .fetch_all(&mut *self)
+        .await
+        .map_err(not_installed)?;
+        let mut ids: std::collections::HashMap<String, i64> = inserted
+            .into_iter()
+            .map(|(id, message_id)| (message_id, id))
+            .collect();
+        Ok(msgs
+            .iter()
+            .map(|m| {
+                ids.remove(&m.message_id)
+                    .map_or(Enqueued::AlreadyThere, |id| Enqueued::New { id })
+            })
+            .collect())
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        out.push(DIGITS[(b >> 4) as usize] as char);
+        out.push(DIGITS[(b & 15) as usize] as char);
+    }
+    out
 }

@@ -481,3 +481,49 @@ async fn bad_messages_are_refused_at_enqueue_and_nothing_is_written() {
         .to_string();
     assert!(e.contains("ferry outbox install"), "{e}");
 }
+
+// Guards against an app that retries its transaction (or repeats an id in one batch)
+// publishing a message twice: a message id already in the outbox is not enqueued again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enqueue_is_idempotent_by_message_id_on_both_stores() {
+    use ferry_outbox::Enqueued;
+    let db = TestDb::create().await;
+    let dir = ferry_testkit::Scratch::new("outbox-idem");
+    for store in [pg_store(&db).await, sqlite_store(&dir).await] {
+        let m = Message::new("t", b"x".to_vec())
+            .ordered_by("k")
+            .with_id("same-id");
+        let other = Message::new("t", b"y".to_vec()).ordered_by("k");
+        let got = match &store {
+            Store::Pg(p) => {
+                let mut tx = p.begin().await.unwrap();
+                let r =
+                    ferry_outbox::enqueue_many(&mut *tx, &[m.clone(), m.clone(), other.clone()])
+                        .await
+                        .unwrap();
+                let again = ferry_outbox::enqueue(&mut *tx, &m).await.unwrap();
+                tx.commit().await.unwrap();
+                (r, again)
+            }
+            Store::Sqlite(p) => {
+                let mut tx = p.begin().await.unwrap();
+                let r =
+                    ferry_outbox::enqueue_many(&mut *tx, &[m.clone(), m.clone(), other.clone()])
+                        .await
+                        .unwrap();
+                let again = ferry_outbox::enqueue(&mut *tx, &m).await.unwrap();
+                tx.commit().await.unwrap();
+                (r, again)
+            }
+        };
+        assert!(matches!(got.0[0], Enqueued::New { .. }), "{got:?}");
+        assert_eq!(got.0[1], Enqueued::AlreadyThere, "{got:?}");
+        assert!(matches!(got.0[2], Enqueued::New { .. }), "{got:?}");
+        assert_eq!(got.1, Enqueued::AlreadyThere);
+        assert_eq!(store.status().await.unwrap().pending, 2);
+        // And the key's order is the order given.
+        let leased = store.lease("t", 10, Duration::from_secs(5)).await.unwrap();
+        assert_eq!(leased.len(), 1, "only the head of the key is claimable");
+        assert_eq!(leased[0].message_id, "same-id");
+    }
+}

@@ -175,7 +175,24 @@ async fn connect_transport(args: &[String]) -> Result<Arc<dyn transport::Transpo
 
 async fn drain(args: &[String]) -> Result<serde_json::Value, String> {
     let s = store(args).await?;
-    let t = connect_transport(args).await?;
+    let t = if flag(args, "--to").as_deref() == Some("sink") {
+        // A reference webhook sink in this process.
+        let sink = ferry_outbox::sink::Sink::new(None);
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(|e| e.to_string())?;
+        let port = l.local_addr().map_err(|e| e.to_string())?.port();
+        tokio::spawn(sink.serve(l));
+        Arc::from(
+            transport::connect(
+                &format!("http://127.0.0.1:{port}/hook"),
+                &TransportOptions::default(),
+            )
+            .await?,
+        )
+    } else {
+        connect_transport(args).await?
+    };
     let relays: usize = num(args, "--relays", 1);
     let config = RelayConfig {
         batch: num(args, "--batch", 256),
