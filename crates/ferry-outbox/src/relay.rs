@@ -85,6 +85,13 @@ const LEASE_MIN: Duration = Duration::from_secs(1);
 const BATCH_MAX: u32 = 10_000;
 const WINDOW_MAX: usize = 4096;
 
+/// `FERRY_OUTBOX_CRASH_BEFORE_SETTLE=1` makes the relay abort after publishing its first
+/// batch, before settling it. For crash tests only; read once.
+fn crash_before_settle() -> bool {
+    static SET: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SET.get_or_init(|| std::env::var("FERRY_OUTBOX_CRASH_BEFORE_SETTLE").is_ok_and(|v| v == "1"))
+}
+
 fn default_owner() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_string())
@@ -110,6 +117,9 @@ pub struct Stats {
     pub reconciled: AtomicU64,
     pub parked: AtomicU64,
     pub db_errors: AtomicU64,
+    /// An uncertain message is older than the transport's dedup window less a margin:
+    /// its next presentation may be stored twice (docs/outbox.md §4.2).
+    pub uncertain_past_window: AtomicBool,
 }
 
 /// A snapshot of [`Stats`] and the breaker.
@@ -129,6 +139,7 @@ pub struct RelayStatus {
     pub uncertain: u64,
     pub reconciled: u64,
     pub parked: u64,
+    pub uncertain_past_window: bool,
 }
 
 /// The circuit breaker over the transport (docs/outbox.md §4.1).
@@ -246,6 +257,7 @@ impl Relay {
             uncertain: get(&s.uncertain),
             reconciled: get(&s.reconciled),
             parked: get(&s.parked),
+            uncertain_past_window: s.uncertain_past_window.load(Ordering::Relaxed),
         }
     }
 
@@ -310,6 +322,12 @@ impl Relay {
             e.counter(name, help, &[], v);
         }
         e.gauge(
+            "ferry_outbox_uncertain_past_window",
+            "1 while an unresolved uncertain message is older than the transport's dedup window (less a tenth): its next presentation may be stored twice.",
+            &[],
+            if st.uncertain_past_window { 1.0 } else { 0.0 },
+        );
+        e.gauge(
             "ferry_outbox_breaker_open",
             "1 while the transport's circuit breaker is open.",
             &[],
@@ -364,6 +382,11 @@ impl Relay {
                 .leased
                 .fetch_add(leased.len() as u64, Ordering::Relaxed);
             let outcomes = self.publish_batch(&leased).await;
+            if crash_before_settle() {
+                // A crash test's failpoint: die between publishing and settling, the
+                // case the transport's dedup exists for (tests/outbox_crash.rs).
+                std::process::abort();
+            }
             self.settle(lane, &leased, outcomes).await;
         }
     }
@@ -674,6 +697,31 @@ impl Relay {
                 }
                 Err(e) => tracing::debug!("reclaiming expired leases failed: {e}"),
             }
+            self.check_dedup_window().await;
+        }
+    }
+
+    /// Raise the alarm when an uncertain message has waited so long that the transport
+    /// may no longer recognise its id: resolving it then may store it twice.
+    async fn check_dedup_window(&self) {
+        let Some(window) = self.transport.dedup_window() else {
+            return;
+        };
+        let Ok(st) = self.store.status().await else {
+            return;
+        };
+        let limit = window.mul_f64(0.9).as_secs_f64();
+        let past = st.oldest_uncertain_secs.is_some_and(|age| age > limit);
+        let was = self
+            .stats
+            .uncertain_past_window
+            .swap(past, Ordering::Relaxed);
+        if past && !was {
+            tracing::error!(
+                oldest_uncertain_secs = st.oldest_uncertain_secs,
+                dedup_window_secs = window.as_secs(),
+                "an uncertain message has waited longer than the transport's dedup window allows: once the transport answers again it may store that message twice; consumers must deduplicate by message id, or raise the window"
+            );
         }
     }
 }

@@ -527,3 +527,99 @@ async fn enqueue_is_idempotent_by_message_id_on_both_stores() {
         assert_eq!(leased[0].message_id, "same-id");
     }
 }
+
+// Guards against a slow transport costing duplicates or fences: every publish takes
+// 300 ms with two in flight, so a batch of 16 takes 2.4 s against a 1 s lease; the lease
+// must be extended while the batch publishes, and nothing is presented twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_transport_keeps_its_leases_extended_and_sends_nothing_twice() {
+    let dir = ferry_testkit::Scratch::new("outbox-slow");
+    let store = sqlite_store(&dir).await;
+    let app = App::open(&store).await;
+    let sink = RunningSink::start(None).await;
+    sink.sink.set_faults(Faults {
+        delay: Some(Duration::from_millis(300)),
+        ..Faults::default()
+    });
+    let config = RelayConfig {
+        batch: 16,
+        window: 2,
+        lease: Duration::from_secs(1),
+        ..fast_config()
+    };
+    let options = TransportOptions {
+        publish_timeout: Duration::from_millis(450),
+        ..TransportOptions::default()
+    };
+    let (relay, stop, task) = start_relay(&store, &sink.url, config, options).await;
+    let ledger = write_workload(&app, 15, 8, 60).await;
+    assert!(drained(&store, Duration::from_secs(60)).await);
+    stop.send(()).unwrap();
+    task.await.unwrap();
+    ledger.check(&sink.sink.received());
+    let st = relay.status();
+    assert_eq!(
+        st.fenced, 0,
+        "a lease ran out under a slow transport: {st:?}"
+    );
+    assert_eq!(
+        sink.sink.duplicates(),
+        0,
+        "a message was presented twice: {st:?}"
+    );
+}
+
+// Guards against a lost JetStream acknowledgement becoming a duplicate in the stream:
+// a proxy holds the publish back past the relay's timeout, so the stream stores it but
+// the relay hears nothing; the relay marks it uncertain and presents the same
+// Nats-Msg-Id again, which the stream acknowledges as a duplicate. The stream holds it
+// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_jetstream_acknowledgement_is_resolved_by_the_stream_s_dedup() {
+    use std::sync::atomic::Ordering;
+    let db = TestDb::create().await;
+    let store = pg_store(&db).await;
+    let app = App::open(&store).await;
+    let nats = async_nats::connect(nats_url()).await.unwrap();
+    let js = async_nats::jetstream::new(nats);
+    let stream_name = unique("FERRYACK");
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: stream_name.clone(),
+        subjects: vec![format!("{stream_name}.>")],
+        duplicate_window: Duration::from_secs(120),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let target: std::net::SocketAddr = nats_url().trim_start_matches("nats://").parse().unwrap();
+    let proxy = ferry_testkit::proxy::FaultProxy::start(target);
+    let options = TransportOptions {
+        nats_stream: Some(stream_name.clone()),
+        publish_timeout: Duration::from_millis(900),
+        ..TransportOptions::default()
+    };
+    let url = format!("nats://127.0.0.1:{}", proxy.port());
+    let (relay, stop, task) = start_relay(&store, &url, fast_config(), options).await;
+    proxy.faults().delay_ms.store(2000, Ordering::SeqCst);
+    let m = Message::new(format!("{stream_name}.orders"), b"x".to_vec()).ordered_by("a");
+    app.write(std::slice::from_ref(&m), true).await.unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || relay.status().uncertain > 0).await,
+        "the held-back publish did not time out: {:?}",
+        relay.status()
+    );
+    proxy.faults().delay_ms.store(0, Ordering::SeqCst);
+    assert!(drained(&store, Duration::from_secs(30)).await);
+    stop.send(()).unwrap();
+    task.await.unwrap();
+    let st = relay.status();
+    assert_eq!(st.reconciled, 1, "{st:?}");
+    let mut stream = js.get_stream(&stream_name).await.unwrap();
+    let info = stream.info().await.unwrap();
+    assert_eq!(
+        info.state.messages, 1,
+        "the stream stored the message {} times",
+        info.state.messages
+    );
+    js.delete_stream(&stream_name).await.unwrap();
+}

@@ -27,6 +27,17 @@ struct RelayProc {
 
 impl RelayProc {
     fn start(scratch: &Scratch, name: &str, db: &str, to: &str, extra: &[&str]) -> RelayProc {
+        Self::start_with(scratch, name, db, to, extra, &[])
+    }
+
+    fn start_with(
+        scratch: &Scratch,
+        name: &str,
+        db: &str,
+        to: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> RelayProc {
         let metrics = free_port();
         let listen = format!("127.0.0.1:{metrics}");
         let mut args = vec![
@@ -51,7 +62,18 @@ impl RelayProc {
         ];
         args.extend_from_slice(extra);
         let log = scratch.path().join(format!("{name}.log"));
-        let proc = Proc::spawn(name, &ferry(), &args, &[("FERRY_LOG", "info")], &log);
+        let mut envs = vec![("FERRY_LOG", "info")];
+        envs.extend_from_slice(env);
+        let proc = Proc::spawn(name, &ferry(), &args, &envs, &log);
+        if env
+            .iter()
+            .any(|(k, _)| *k == "FERRY_OUTBOX_CRASH_BEFORE_SETTLE")
+        {
+            return RelayProc {
+                proc: Some(proc),
+                metrics,
+            };
+        }
         assert!(
             ferry_testkit::wait_until(Duration::from_secs(20), || std::net::TcpStream::connect((
                 "127.0.0.1",
@@ -312,4 +334,158 @@ async fn nats_away_longer_than_the_retry_budget_parks_nothing_and_resumes_by_its
         });
     }
     ledger.check(&got);
+}
+
+// Bad input at start-up is told apart and changes nothing: each command fails with a
+// message naming what and where, and the outbox it pointed at is untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_configuration_is_refused_at_start_up_with_what_and_where() {
+    let scratch = Scratch::new("outbox-bad");
+    let db = format!("sqlite:{}", scratch.path().join("app.db").display());
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(ferry())
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} succeeded");
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    let e = run(&["outbox", "status", "--db", &db]);
+    assert!(
+        e.contains("has no outbox schema") && e.contains("ferry outbox install"),
+        "{e}"
+    );
+    let store = install(&db).await;
+    let app = App::open(&store).await;
+    let ledger = write_workload(&app, 10, 2, 70).await;
+    let before = store.status().await.unwrap();
+    for (args, want) in [
+        (
+            vec!["outbox", "status", "--db", "mysql://x/y"],
+            "use postgres://",
+        ),
+        (
+            vec!["outbox", "relay", "--db", &db, "--to", "ftp://x"],
+            "use nats://HOST:PORT",
+        ),
+        (
+            vec!["outbox", "relay", "--db", &db, "--to", "nats://127.0.0.1:1"],
+            "cannot connect to NATS at nats://127.0.0.1:1",
+        ),
+        (
+            vec![
+                "outbox",
+                "relay",
+                "--db",
+                &db,
+                "--to",
+                &nats_url(),
+                "--stream",
+                "NO_SUCH_STREAM",
+            ],
+            "stream \"NO_SUCH_STREAM\" is not there",
+        ),
+        (
+            vec![
+                "outbox",
+                "relay",
+                "--db",
+                "postgres://postgres@127.0.0.1:1/x",
+                "--to",
+                "http://127.0.0.1:9/",
+            ],
+            "cannot reach the database at postgres://postgres@127.0.0.1:1/x",
+        ),
+        (
+            vec![
+                "outbox",
+                "relay",
+                "--db",
+                &db,
+                "--to",
+                "http://127.0.0.1:9/",
+                "--batch",
+                "0",
+            ],
+            "--batch 0 must be between",
+        ),
+        (
+            vec![
+                "outbox",
+                "relay",
+                "--db",
+                &db,
+                "--to",
+                "http://127.0.0.1:9/",
+                "--publish-timeout-ms",
+                "20000",
+            ],
+            "must be under half of --lease-ms",
+        ),
+        (
+            vec!["outbox", "requeue", "--db", &db],
+            "say which parked messages",
+        ),
+    ] {
+        let e = run(&args);
+        assert!(e.contains(want), "{args:?}: {e:?} should say {want:?}");
+    }
+    let after = store.status().await.unwrap();
+    assert_eq!(
+        (after.pending, after.uncertain, after.leased, after.parked),
+        (
+            before.pending,
+            before.uncertain,
+            before.leased,
+            before.parked
+        ),
+        "a refused command changed the outbox"
+    );
+    assert_eq!(before.pending as usize, ledger.committed.len());
+}
+
+// Guards the exact case transports deduplicate for, on the embedded store: a relay on
+// SQLite publishes a whole batch and dies before settling it (a failpoint aborts the
+// process there). The next relay finds the batch's lease run out, presents every
+// message again under the same id, and the endpoint recognises each one: nothing lost,
+// nothing stored twice, order per key kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sqlite_relay_dying_between_publish_and_settle_loses_nothing_and_stores_nothing_twice() {
+    let scratch = Scratch::new("outbox-settle-crash");
+    let db = format!("sqlite:{}", scratch.path().join("app.db").display());
+    let store = install(&db).await;
+    let app = App::open(&store).await;
+    let sink = RunningSink::start(None).await;
+    let ledger = write_workload(&app, 120, 6, 80).await;
+    let mut doomed = RelayProc::start_with(
+        &scratch,
+        "doomed",
+        &db,
+        &sink.url,
+        &["--lanes", "1"],
+        &[("FERRY_OUTBOX_CRASH_BEFORE_SETTLE", "1")],
+    );
+    assert!(
+        eventually(Duration::from_secs(20), || sink.sink.received_count() > 0).await,
+        "the doomed relay published nothing"
+    );
+    // It aborts right after its first batch.
+    assert!(
+        eventually(Duration::from_secs(10), || doomed
+            .proc
+            .as_mut()
+            .is_some_and(|p| p.exited().is_some()))
+        .await
+    );
+    let published_by_doomed = sink.sink.received_count();
+    doomed.kill9();
+    let relay = RelayProc::start(&scratch, "relay", &db, &sink.url, &[]);
+    assert!(drained(&store, Duration::from_secs(60)).await);
+    relay.stop();
+    ledger.check(&sink.sink.received());
+    assert_eq!(
+        sink.sink.duplicates() as usize,
+        published_by_doomed,
+        "every message of the unsettled batch was presented again and recognised"
+    );
 }
