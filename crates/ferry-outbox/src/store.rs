@@ -227,7 +227,7 @@ impl Store {
                 .bind(lease.as_millis() as i64)
                 .fetch_all(p)
                 .await?;
-                rows.iter().map(leased_pg).collect()
+                rows.iter().map(leased_of).collect()
             }
             Store::Sqlite(p) => {
                 let now = now_ms();
@@ -251,8 +251,7 @@ impl Store {
                 .bind(batch as i64)
                 .fetch_all(p)
                 .await?;
-                let mut out: Vec<Leased> =
-                    rows.iter().map(leased_sqlite).collect::<Result<_, _>>()?;
+                let mut out: Vec<Leased> = rows.iter().map(leased_of).collect::<Result<_, _>>()?;
                 // RETURNING order is unspecified in SQLite; keep the claim order.
                 out.sort_by_key(|m| m.id);
                 Ok(out)
@@ -490,32 +489,17 @@ impl Store {
                 .bind(STATUS_PARKED_MAX)
                 .fetch_all(p)
                 .await?;
-                Ok(Status {
-                    pending: c.try_get(0)?,
-                    uncertain: c.try_get(1)?,
-                    leased: c.try_get(2)?,
-                    parked: c.try_get(3)?,
-                    oldest_uncertain_secs: c.try_get(4)?,
-                    oldest_claimable_secs: oldest,
-                    parked_messages: parked
-                        .iter()
-                        .map(|r| {
-                            Ok(ParkedMessage {
-                                id: r.try_get(0)?,
-                                message_id: r.try_get(1)?,
-                                topic: r.try_get(2)?,
-                                key: r.try_get(3)?,
-                                attempts: r.try_get(4)?,
-                                last_error: r.try_get(5)?,
-                            })
-                        })
-                        .collect::<Result<_, sqlx::Error>>()?,
-                    paused_topics: sqlx::query_scalar(
-                        "SELECT topic FROM ferry_outbox.paused_topics ORDER BY topic",
-                    )
-                    .fetch_all(p)
-                    .await?,
-                })
+                let paused = sqlx::query_scalar(
+                    "SELECT topic FROM ferry_outbox.paused_topics ORDER BY topic",
+                )
+                .fetch_all(p)
+                .await?;
+                Ok(status_from(
+                    counts_of(&c)?,
+                    oldest,
+                    parked.iter().map(parked_of).collect::<Result<_, _>>()?,
+                    paused,
+                ))
             }
             Store::Sqlite(p) => {
                 let now = now_ms();
@@ -546,32 +530,17 @@ impl Store {
                 .bind(STATUS_PARKED_MAX)
                 .fetch_all(p)
                 .await?;
-                Ok(Status {
-                    pending: c.try_get(0)?,
-                    uncertain: c.try_get(1)?,
-                    leased: c.try_get(2)?,
-                    parked: c.try_get(3)?,
-                    oldest_uncertain_secs: c.try_get(4)?,
-                    oldest_claimable_secs: oldest,
-                    parked_messages: parked
-                        .iter()
-                        .map(|r| {
-                            Ok(ParkedMessage {
-                                id: r.try_get(0)?,
-                                message_id: r.try_get(1)?,
-                                topic: r.try_get(2)?,
-                                key: r.try_get(3)?,
-                                attempts: r.try_get(4)?,
-                                last_error: r.try_get(5)?,
-                            })
-                        })
-                        .collect::<Result<_, sqlx::Error>>()?,
-                    paused_topics: sqlx::query_scalar(
-                        "SELECT topic FROM ferry_outbox_paused_topics ORDER BY topic",
-                    )
-                    .fetch_all(p)
-                    .await?,
-                })
+                let paused = sqlx::query_scalar(
+                    "SELECT topic FROM ferry_outbox_paused_topics ORDER BY topic",
+                )
+                .fetch_all(p)
+                .await?;
+                Ok(status_from(
+                    counts_of(&c)?,
+                    oldest,
+                    parked.iter().map(parked_of).collect::<Result<_, _>>()?,
+                    paused,
+                ))
             }
         }
     }
@@ -735,36 +704,97 @@ impl SettleColumns {
     }
 }
 
-fn leased_pg(r: &sqlx::postgres::PgRow) -> Result<Leased, sqlx::Error> {
-    let headers: String = r.try_get("headers")?;
-    Ok(Leased {
-        id: r.try_get("id")?,
-        generation: r.try_get("generation")?,
-        message_id: r.try_get("message_id")?,
-        topic: r.try_get("topic")?,
-        key: r.try_get("key")?,
-        seq: r.try_get("seq")?,
-        payload: r.try_get("payload")?,
-        headers: parse_headers(&headers)?,
-        attempts: r.try_get("attempts")?,
-        uncertain: r.try_get("uncertain")?,
-    })
+/// Readers of the rows the status and lease statements return, for both stores' row
+/// types (the column types are the same; sqlx's row types are not).
+macro_rules! row_readers {
+    ($row:ty) => {
+        impl RowReaders for $row {
+            fn leased(&self) -> Result<Leased, sqlx::Error> {
+                let headers: String = self.try_get("headers")?;
+                Ok(Leased {
+                    id: self.try_get("id")?,
+                    generation: self.try_get("generation")?,
+                    message_id: self.try_get("message_id")?,
+                    topic: self.try_get("topic")?,
+                    key: self.try_get("key")?,
+                    seq: self.try_get("seq")?,
+                    payload: self.try_get("payload")?,
+                    headers: parse_headers(&headers)?,
+                    attempts: self.try_get("attempts")?,
+                    uncertain: self.try_get("uncertain")?,
+                })
+            }
+
+            fn parked(&self) -> Result<ParkedMessage, sqlx::Error> {
+                Ok(ParkedMessage {
+                    id: self.try_get(0)?,
+                    message_id: self.try_get(1)?,
+                    topic: self.try_get(2)?,
+                    key: self.try_get(3)?,
+                    attempts: self.try_get(4)?,
+                    last_error: self.try_get(5)?,
+                })
+            }
+
+            fn counts(&self) -> Result<Counts, sqlx::Error> {
+                Ok(Counts {
+                    pending: self.try_get(0)?,
+                    uncertain: self.try_get(1)?,
+                    leased: self.try_get(2)?,
+                    parked: self.try_get(3)?,
+                    oldest_uncertain_secs: self.try_get(4)?,
+                })
+            }
+        }
+    };
 }
 
-fn leased_sqlite(r: &sqlx::sqlite::SqliteRow) -> Result<Leased, sqlx::Error> {
-    let headers: String = r.try_get("headers")?;
-    Ok(Leased {
-        id: r.try_get("id")?,
-        generation: r.try_get("generation")?,
-        message_id: r.try_get("message_id")?,
-        topic: r.try_get("topic")?,
-        key: r.try_get("key")?,
-        seq: r.try_get("seq")?,
-        payload: r.try_get("payload")?,
-        headers: parse_headers(&headers)?,
-        attempts: r.try_get("attempts")?,
-        uncertain: r.try_get("uncertain")?,
-    })
+trait RowReaders {
+    fn leased(&self) -> Result<Leased, sqlx::Error>;
+    fn parked(&self) -> Result<ParkedMessage, sqlx::Error>;
+    fn counts(&self) -> Result<Counts, sqlx::Error>;
+}
+
+row_readers!(sqlx::postgres::PgRow);
+row_readers!(sqlx::sqlite::SqliteRow);
+
+/// The depth counts of a status.
+struct Counts {
+    pending: i64,
+    uncertain: i64,
+    leased: i64,
+    parked: i64,
+    oldest_uncertain_secs: Option<f64>,
+}
+
+fn counts_of<R: RowReaders>(r: &R) -> Result<Counts, sqlx::Error> {
+    r.counts()
+}
+
+fn parked_of<R: RowReaders>(r: &R) -> Result<ParkedMessage, sqlx::Error> {
+    r.parked()
+}
+
+fn leased_of<R: RowReaders>(r: &R) -> Result<Leased, sqlx::Error> {
+    r.leased()
+}
+
+fn status_from(
+    c: Counts,
+    oldest_claimable_secs: Option<f64>,
+    parked_messages: Vec<ParkedMessage>,
+    paused_topics: Vec<String>,
+) -> Status {
+    Status {
+        pending: c.pending,
+        uncertain: c.uncertain,
+        leased: c.leased,
+        parked: c.parked,
+        oldest_claimable_secs,
+        oldest_uncertain_secs: c.oldest_uncertain_secs,
+        parked_messages,
+        paused_topics,
+    }
 }
 
 /// Headers as stored: a JSON object of strings. Anything else was written around the

@@ -152,21 +152,7 @@ async fn three_postgres_relays_racing_to_jetstream_keep_key_order_without_duplic
         stop.send(()).unwrap();
         task.await.unwrap();
     }
-    // Read the stream back in stream order.
-    let mut stream = js.get_stream(&stream_name).await.unwrap();
-    let info = stream.info().await.unwrap();
-    let mut got = Vec::new();
-    for seq in 1..=info.state.last_sequence {
-        let m = stream.get_raw_message(seq).await.unwrap();
-        let h = m.headers;
-        got.push(ferry_outbox::sink::Received {
-            message_id: h.get("Nats-Msg-Id").unwrap().to_string(),
-            topic: m.subject.to_string(),
-            key: h.get("Ferry-Key").map(|v| v.to_string()),
-            seq: h.get("Ferry-Seq").and_then(|v| v.as_str().parse().ok()),
-            body: m.payload.to_vec(),
-        });
-    }
+    let got = stream_contents(&js, &stream_name).await;
     ledger.check(&got);
     js.delete_stream(&stream_name).await.unwrap();
 }

@@ -320,19 +320,7 @@ async fn nats_away_longer_than_the_retry_budget_parks_nothing_and_resumes_by_its
     relay.stop();
     let client = async_nats::connect(nats.url()).await.unwrap();
     let js = async_nats::jetstream::new(client);
-    let mut stream = js.get_stream("ORDERS").await.unwrap();
-    let info = stream.info().await.unwrap();
-    let mut got = Vec::new();
-    for seq in 1..=info.state.last_sequence {
-        let m = stream.get_raw_message(seq).await.unwrap();
-        got.push(ferry_outbox::sink::Received {
-            message_id: m.headers.get("Nats-Msg-Id").unwrap().to_string(),
-            topic: m.subject.to_string(),
-            key: m.headers.get("Ferry-Key").map(|v| v.to_string()),
-            seq: None,
-            body: m.payload.to_vec(),
-        });
-    }
+    let got = stream_contents(&js, "ORDERS").await;
     ledger.check(&got);
 }
 

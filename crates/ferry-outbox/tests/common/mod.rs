@@ -306,3 +306,22 @@ pub async fn write_workload(app: &App, txns: usize, keys: usize, seed: u64) -> L
     }
     ledger
 }
+
+/// What a JetStream stream holds, in stream order, as the sink would have received it.
+pub async fn stream_contents(js: &async_nats::jetstream::Context, name: &str) -> Vec<Received> {
+    let mut stream = js.get_stream(name).await.unwrap();
+    let info = stream.info().await.unwrap();
+    let mut got = Vec::new();
+    for seq in 1..=info.state.last_sequence {
+        let m = stream.get_raw_message(seq).await.unwrap();
+        let h = m.headers;
+        got.push(Received {
+            message_id: h.get("Nats-Msg-Id").unwrap().to_string(),
+            topic: m.subject.to_string(),
+            key: h.get("Ferry-Key").map(|v| v.to_string()),
+            seq: h.get("Ferry-Seq").and_then(|v| v.as_str().parse().ok()),
+            body: m.payload.to_vec(),
+        });
+    }
+    got
+}
