@@ -233,6 +233,22 @@ impl Relay {
         reclaimer.abort();
     }
 
+    /// Run on the current tokio runtime until [`Running::stop`].
+    pub fn spawn(self: &Arc<Self>) -> Running {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let r = self.clone();
+        let task = tokio::spawn(async move {
+            r.run(async {
+                let _ = stopped.await;
+            })
+            .await
+        });
+        Running {
+            stop: Some(stop),
+            task,
+        }
+    }
+
     /// Wake idle lanes (an in-process enqueue just committed).
     pub fn wake(&self) {
         self.wake.notify_waiters();
@@ -723,6 +739,23 @@ impl Relay {
                 "an uncertain message has waited longer than the transport's dedup window allows: once the transport answers again it may store that message twice; consumers must deduplicate by message id, or raise the window"
             );
         }
+    }
+}
+
+/// A relay started by [`Relay::spawn`].
+#[derive(Debug)]
+pub struct Running {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    /// Stop leasing, publish and settle the batches in flight, and return.
+    pub async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        let _ = (&mut self.task).await;
     }
 }
 

@@ -36,28 +36,17 @@ fn fast_config() -> RelayConfig {
     }
 }
 
-/// Start a relay on `store` to `to`; returns it and a stopper.
+/// Start a relay on `store` to `to`.
 async fn start_relay(
     store: &Store,
     to: &str,
     config: RelayConfig,
     options: TransportOptions,
-) -> (
-    Arc<Relay>,
-    tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<()>,
-) {
+) -> (Arc<Relay>, ferry_outbox::relay::Running) {
     let t = transport::connect(to, &options).await.unwrap();
     let relay = Relay::new(store.clone(), Arc::from(t), config).unwrap();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let r = relay.clone();
-    let task = tokio::spawn(async move {
-        r.run(async {
-            let _ = rx.await;
-        })
-        .await
-    });
-    (relay, tx, task)
+    let running = relay.spawn();
+    (relay, running)
 }
 
 async fn drained(store: &Store, limit: Duration) -> bool {
@@ -87,11 +76,10 @@ async fn sqlite_to_a_webhook_delivers_every_committed_message_once_in_key_order(
         webhook_secret: Some(b"s3cret".to_vec()),
         ..TransportOptions::default()
     };
-    let (relay, stop, task) = start_relay(&store, &sink.url, fast_config(), options).await;
+    let (relay, running) = start_relay(&store, &sink.url, fast_config(), options).await;
     let ledger = write_workload(&app, 400, 12, 1).await;
     assert!(drained(&store, Duration::from_secs(30)).await);
-    stop.send(()).unwrap();
-    task.await.unwrap();
+    running.stop().await;
     ledger.check(&sink.sink.received());
     assert_eq!(sink.sink.bad_signatures(), 0);
     let st = relay.status();
@@ -148,9 +136,8 @@ async fn three_postgres_relays_racing_to_jetstream_keep_key_order_without_duplic
         l
     };
     assert!(drained(&store, Duration::from_secs(60)).await);
-    for (_, stop, task) in relays {
-        stop.send(()).unwrap();
-        task.await.unwrap();
+    for (_, running) in relays {
+        running.stop().await;
     }
     let got = stream_contents(&js, &stream_name).await;
     ledger.check(&got);
@@ -177,7 +164,7 @@ async fn a_poison_message_is_parked_while_other_keys_flow_and_requeue_delivers_i
         max_attempts: 2,
         ..fast_config()
     };
-    let (relay, stop, task) =
+    let (relay, running) =
         start_relay(&store, &sink.url, config, TransportOptions::default()).await;
     app.write(std::slice::from_ref(&poison), true)
         .await
@@ -226,8 +213,7 @@ async fn a_poison_message_is_parked_while_other_keys_flow_and_requeue_delivers_i
     );
     relay.wake();
     assert!(drained(&store, Duration::from_secs(30)).await);
-    stop.send(()).unwrap();
-    task.await.unwrap();
+    running.stop().await;
     ledger.committed.push(poison);
     ledger.committed.push(after);
     // Received order per key: the fixed key arrives poison then after.
@@ -248,7 +234,7 @@ async fn a_transport_outage_spends_no_attempts_and_heals_by_itself() {
         max_attempts: 2,
         ..fast_config()
     };
-    let (relay, stop, task) =
+    let (relay, running) =
         start_relay(&store, &sink.url, config, TransportOptions::default()).await;
     sink.sink.set_faults(Faults {
         all: Some(503),
@@ -270,8 +256,7 @@ async fn a_transport_outage_spends_no_attempts_and_heals_by_itself() {
     s.set_faults(Faults::default());
     let sink = RunningSink::start_on(port, s).await;
     assert!(drained(&store, Duration::from_secs(60)).await);
-    stop.send(()).unwrap();
-    task.await.unwrap();
+    running.stop().await;
     ledger.check(&sink.sink.received());
     let st = relay.status();
     assert_eq!(st.parked, 0);
@@ -297,12 +282,11 @@ async fn a_lost_acknowledgement_is_resolved_by_the_same_id_without_a_duplicate()
         publish_timeout: Duration::from_millis(500),
         ..TransportOptions::default()
     };
-    let (relay, stop, task) = start_relay(&store, &sink.url, fast_config(), options).await;
+    let (relay, running) = start_relay(&store, &sink.url, fast_config(), options).await;
     app.write(std::slice::from_ref(&m), true).await.unwrap();
     let mut ledger = write_workload(&app, 20, 3, 7).await;
     assert!(drained(&store, Duration::from_secs(30)).await);
-    stop.send(()).unwrap();
-    task.await.unwrap();
+    running.stop().await;
     ledger.committed.insert(0, m);
     ledger.check(&sink.sink.received());
     assert_eq!(
@@ -329,7 +313,7 @@ async fn a_long_open_transaction_delays_only_its_own_key_and_keeps_its_order() {
         unreachable!()
     };
     let sink = RunningSink::start(None).await;
-    let (_relay, stop, task) = start_relay(
+    let (_relay, running) = start_relay(
         &store,
         &sink.url,
         fast_config(),
@@ -358,8 +342,7 @@ async fn a_long_open_transaction_delays_only_its_own_key_and_keeps_its_order() {
     ledger.committed.push(a);
     ledger.committed.push(b);
     assert!(drained(&store, Duration::from_secs(20)).await);
-    stop.send(()).unwrap();
-    task.await.unwrap();
+    running.stop().await;
     ledger.check(&sink.sink.received());
 }
 
@@ -537,11 +520,10 @@ async fn a_slow_transport_keeps_its_leases_extended_and_sends_nothing_twice() {
         publish_timeout: Duration::from_millis(450),
         ..TransportOptions::default()
     };
-    let (relay, stop, task) = start_relay(&store, &sink.url, config, options).await;
+    let (relay, running) = start_relay(&store, &sink.url, config, options).await;
     let ledger = write_workload(&app, 15, 8, 60).await;
     assert!(drained(&store, Duration::from_secs(60)).await);
-    stop.send(()).unwrap();
-    task.await.unwrap();
+    running.stop().await;
     ledger.check(&sink.sink.received());
     let st = relay.status();
     assert_eq!(
@@ -585,7 +567,7 @@ async fn a_lost_jetstream_acknowledgement_is_resolved_by_the_stream_s_dedup() {
         ..TransportOptions::default()
     };
     let url = format!("nats://127.0.0.1:{}", proxy.port());
-    let (relay, stop, task) = start_relay(&store, &url, fast_config(), options).await;
+    let (relay, running) = start_relay(&store, &url, fast_config(), options).await;
     proxy.faults().delay_ms.store(2000, Ordering::SeqCst);
     let m = Message::new(format!("{stream_name}.orders"), b"x".to_vec()).ordered_by("a");
     app.write(std::slice::from_ref(&m), true).await.unwrap();
@@ -596,8 +578,7 @@ async fn a_lost_jetstream_acknowledgement_is_resolved_by_the_stream_s_dedup() {
     );
     proxy.faults().delay_ms.store(0, Ordering::SeqCst);
     assert!(drained(&store, Duration::from_secs(30)).await);
-    stop.send(()).unwrap();
-    task.await.unwrap();
+    running.stop().await;
     let st = relay.status();
     assert_eq!(st.reconciled, 1, "{st:?}");
     let mut stream = js.get_stream(&stream_name).await.unwrap();

@@ -69,14 +69,7 @@ async fn demo(root: &Path, orders: u64) -> anyhow::Result<()> {
         },
     )
     .map_err(|e| anyhow!(e))?;
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let r = relay.clone();
-    let relay_task = tokio::spawn(async move {
-        r.run(async {
-            let _ = stop_rx.await;
-        })
-        .await
-    });
+    let running = relay.spawn();
 
     let mut rng = ferry_core::seams::SplitMix64::from_entropy();
     use ferry_core::seams::Rng;
@@ -137,8 +130,7 @@ async fn demo(root: &Path, orders: u64) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     let drain = drain_started.elapsed();
-    let _ = stop_tx.send(());
-    let _ = relay_task.await;
+    running.stop().await;
     if let Some(s) = server.take() {
         s.abort();
     }

@@ -203,19 +203,12 @@ async fn drain(args: &[String]) -> Result<serde_json::Value, String> {
     };
     let before = s.status().await.map_err(|e| e.to_string())?.pending;
     let start = Instant::now();
-    let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
-    let mut tasks = Vec::new();
+    let mut running = Vec::new();
     let mut rs = Vec::new();
     for _ in 0..relays {
         let r = Relay::new(s.clone(), t.clone(), config.clone())?;
-        rs.push(r.clone());
-        let mut rx = stop_tx.subscribe();
-        tasks.push(tokio::spawn(async move {
-            r.run(async move {
-                let _ = rx.recv().await;
-            })
-            .await
-        }));
+        running.push(r.spawn());
+        rs.push(r);
     }
     loop {
         let st = s.status().await.map_err(|e| e.to_string())?;
@@ -225,9 +218,8 @@ async fn drain(args: &[String]) -> Result<serde_json::Value, String> {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let secs = start.elapsed().as_secs_f64();
-    let _ = stop_tx.send(());
-    for t in tasks {
-        let _ = t.await;
+    for r in running {
+        r.stop().await;
     }
     let published: u64 = rs.iter().map(|r| r.status().published).sum();
     let fenced: u64 = rs.iter().map(|r| r.status().fenced).sum();
@@ -339,14 +331,7 @@ async fn latency(args: &[String]) -> Result<serde_json::Value, String> {
             ..RelayConfig::default()
         },
     )?;
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let r = relay.clone();
-    let relay_task = tokio::spawn(async move {
-        r.run(async {
-            let _ = stop_rx.await;
-        })
-        .await
-    });
+    let running = relay.spawn();
     let producers = 8;
     let mut tasks = Vec::new();
     let per = rate / producers as f64;
@@ -396,8 +381,7 @@ async fn latency(args: &[String]) -> Result<serde_json::Value, String> {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let _ = stop_tx.send(());
-    let _ = relay_task.await;
+    running.stop().await;
     let mut lat: Vec<Duration> = arrivals
         .await
         .map_err(|e| e.to_string())?
@@ -438,14 +422,7 @@ async fn sqlite_e2e(args: &[String]) -> Result<serde_json::Value, String> {
             ..RelayConfig::default()
         },
     )?;
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let r = relay.clone();
-    let relay_task = tokio::spawn(async move {
-        r.run(async {
-            let _ = stop_rx.await;
-        })
-        .await
-    });
+    let running = relay.spawn();
     let start = Instant::now();
     let Store::Sqlite(pool) = &s else {
         unreachable!()
@@ -472,8 +449,7 @@ async fn sqlite_e2e(args: &[String]) -> Result<serde_json::Value, String> {
         }
     }
     let secs = start.elapsed().as_secs_f64();
-    let _ = stop_tx.send(());
-    let _ = relay_task.await;
+    running.stop().await;
     server.abort();
     Ok(
         serde_json::json!({"messages": n, "write_secs": wrote, "secs": secs, "per_sec": n as f64 / secs, "duplicates": sink.duplicates()}),
