@@ -192,17 +192,14 @@ impl OutboxConnection for SqliteConnection {
         if msgs.is_empty() {
             return Ok(Vec::new());
         }
-        let mut counts: Vec<(&str, i64)> = Vec::new();
+        // Messages per ordered key (a map, so a caller's order cannot split a key's range).
+        let mut counts: std::collections::BTreeMap<&str, i64> = Default::default();
         for m in msgs.iter().filter(|m| m.ordered) {
             let k = m
                 .key
                 .as_deref()
                 .expect("validated: ordered messages have a key");
-            match counts.last_mut() {
-                // Sorted by key: a key's messages are adjacent.
-                Some((last, n)) if *last == k => *n += 1,
-                _ => counts.push((k, 1)),
-            }
+            *counts.entry(k).or_default() += 1;
         }
         let mut next_seq: std::collections::HashMap<String, i64> = Default::default();
         if !counts.is_empty() {
@@ -212,12 +209,15 @@ impl OutboxConnection for SqliteConnection {
                  ON CONFLICT (key) DO UPDATE SET last_seq = last_seq + excluded.last_seq \
                  RETURNING key, last_seq",
             )
-            .bind(serde_json::to_string(&counts).expect("keys and counts serialise"))
+            .bind(
+                serde_json::to_string(&counts.iter().collect::<Vec<_>>())
+                    .expect("keys and counts serialise"),
+            )
             .fetch_all(&mut *self)
             .await
             .map_err(not_installed)?;
             for (k, last) in rows {
-                let n = counts.iter().find(|(c, _)| *c == k).map_or(0, |(_, n)| *n);
+                let n = counts.get(k.as_str()).copied().unwrap_or(0);
                 next_seq.insert(k, last - n + 1);
             }
         }

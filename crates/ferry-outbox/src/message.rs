@@ -150,9 +150,9 @@ pub fn validate(m: &Message, limits: &Limits) -> Result<(), EnqueueError> {
                 "header name {k:?} is reserved for the relay"
             )));
         }
-        if v.bytes().any(|b| b == b'\r' || b == b'\n') {
+        if v.chars().any(|c| c.is_control() && c != '\t') {
             return Err(invalid(format!(
-                "header {k:?} has a line break in its value"
+                "header {k:?} has a control character (a line break, NUL…) in its value"
             )));
         }
     }
@@ -231,7 +231,7 @@ mod tests {
             ),
             (
                 Message::new("t", b"x".to_vec()).with_header("a", "b\r\nc: d"),
-                "line break",
+                "control character",
             ),
             (
                 Message::new("t", b"x".to_vec()).with_id(""),

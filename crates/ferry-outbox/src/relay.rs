@@ -498,6 +498,24 @@ impl Relay {
         let started = Instant::now();
         let outcome = self.transport.publish(m).await;
         self.publish_latency.observe(started.elapsed());
+        // A 5xx while the endpoint was confirming other messages right before is this
+        // message's own failure: decided now, before this failure resets the count.
+        let outcome = match outcome {
+            Outcome::Unavailable {
+                reason,
+                server_error: true,
+                ..
+            } if self
+                .breaker
+                .lock()
+                .expect("breaker lock")
+                .confirmed_since_failure
+                > 0 =>
+            {
+                Outcome::Refused(reason)
+            }
+            other => other,
+        };
         self.record(&outcome);
         outcome
     }
@@ -532,7 +550,6 @@ impl Relay {
 
     /// What to write back for each outcome (docs/outbox.md §4 step 4).
     fn decide(&self, m: &Leased, o: Outcome) -> Settle {
-        let attributable_5xx = |b: &Breaker| b.confirmed_since_failure > 0;
         let refused = |error: String| {
             let attempts = m.attempts + 1;
             if attempts >= self.config.max_attempts {
@@ -555,11 +572,8 @@ impl Relay {
             Outcome::Unavailable {
                 reason,
                 retry_after,
-                server_error,
+                ..
             } => {
-                if server_error && attributable_5xx(&self.breaker.lock().expect("breaker lock")) {
-                    return refused(reason);
-                }
                 let pause = {
                     let b = self.breaker.lock().expect("breaker lock");
                     b.open_until
@@ -669,6 +683,8 @@ impl Relay {
                         if let Err(e) = l.listen("ferry_outbox").await {
                             tracing::warn!("LISTEN failed: {e}; relying on the poll");
                         } else {
+                            // Commits made while the listener was away notified no one.
+                            self.wake.notify_waiters();
                             while l.recv().await.is_ok() {
                                 self.wake.notify_waiters();
                             }
@@ -679,8 +695,14 @@ impl Relay {
                 tokio::time::sleep(Duration::from_secs(1)).await;
             },
             Store::Sqlite(pool) => {
-                let Ok(mut conn) = pool.acquire().await else {
-                    return;
+                let mut conn = loop {
+                    match pool.acquire().await {
+                        Ok(c) => break c,
+                        Err(e) => {
+                            tracing::debug!("the commit watcher cannot get a connection yet: {e}");
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                        }
+                    }
                 };
                 let mut last: Option<i64> = None;
                 loop {
@@ -742,8 +764,10 @@ impl Relay {
     }
 }
 
-/// A relay started by [`Relay::spawn`].
+/// A relay started by [`Relay::spawn`]. Dropping it stops the relay at once, without
+/// finishing the batches in flight: call [`Running::stop`].
 #[derive(Debug)]
+#[must_use = "dropping it stops the relay; call stop().await"]
 pub struct Running {
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<()>,

@@ -73,6 +73,22 @@ BEGIN
         RAISE EXCEPTION 'ferry_outbox: message %: topic % is not a valid subject', p_message_id, p_topic
             USING ERRCODE = '22023';
     END IF;
+    IF p_message_id IS NULL OR p_message_id = '' OR octet_length(p_message_id) > 255
+       OR p_message_id !~ '^[!-~]+$' THEN
+        RAISE EXCEPTION 'ferry_outbox: message id % must be 1 to 255 bytes of printable ASCII', p_message_id
+            USING ERRCODE = '22023';
+    END IF;
+    IF p_key IS NOT NULL AND (p_key = '' OR octet_length(p_key) > 255 OR p_key !~ '^[!-~]+$') THEN
+        RAISE EXCEPTION 'ferry_outbox: message %: key % must be 1 to 255 bytes of printable ASCII', p_message_id, p_key
+            USING ERRCODE = '22023';
+    END IF;
+    IF p_headers IS NOT NULL AND (jsonb_typeof(p_headers) <> 'object'
+       OR EXISTS (SELECT 1 FROM jsonb_each(p_headers) e WHERE jsonb_typeof(e.value) <> 'string')
+       OR (SELECT count(*) FROM jsonb_object_keys(p_headers)) > 32
+       OR octet_length(p_headers::text) > 8192) THEN
+        RAISE EXCEPTION 'ferry_outbox: message %: headers must be a JSON object of at most 32 string values, 4 KiB in all', p_message_id
+            USING ERRCODE = '22023';
+    END IF;
     IF p_ordered AND p_key IS NULL THEN
         RAISE EXCEPTION 'ferry_outbox: message %: ordered messages need a key', p_message_id
             USING ERRCODE = '22023';

@@ -119,6 +119,8 @@ pub enum Select {
 
 /// Connections a store keeps: enough for every relay loop plus a listener and status.
 const POOL_CONNECTIONS_MAX: u32 = 16;
+/// Characters of a message's `last_error` kept.
+const ERROR_CHARS_MAX: usize = 1000;
 /// Parked messages listed in a status.
 const STATUS_PARKED_MAX: i64 = 20;
 
@@ -694,6 +696,18 @@ impl SettleColumns {
             ),
             Settle::Park { error } => (2, 1, 0, 0, Some(error.clone())),
         };
+        // Error texts come from transports (response bodies): no NUL (Postgres text
+        // refuses it, failing the whole batch's settle) and no unbounded length.
+        let error = error.map(|e: String| {
+            let clean: String = e
+                .chars()
+                .map(|c| if c.is_control() && c != '\t' { ' ' } else { c })
+                .collect();
+            match clean.char_indices().nth(ERROR_CHARS_MAX) {
+                Some((at, _)) => format!("{}…", &clean[..at]),
+                None => clean,
+            }
+        });
         self.ids.push(id);
         self.generations.push(generation);
         self.actions.push(action);
@@ -797,14 +811,25 @@ fn status_from(
     }
 }
 
-/// Headers as stored: a JSON object of strings. Anything else was written around the
-/// enqueue function and is reported, not guessed at.
+/// Headers as stored: a JSON object of strings (the enqueue paths check it). A row
+/// written around them with other JSON values keeps them as their JSON text rather than
+/// failing the whole lease; anything but an object is reported.
 fn parse_headers(s: &str) -> Result<BTreeMap<String, String>, sqlx::Error> {
-    serde_json::from_str(s).map_err(|e| {
-        sqlx::Error::Decode(
-            format!("outbox headers {s:?} are not an object of strings: {e}").into(),
-        )
-    })
+    let v: serde_json::Value = serde_json::from_str(s).map_err(|e| {
+        sqlx::Error::Decode(format!("outbox headers {s:?} are not JSON: {e}").into())
+    })?;
+    let serde_json::Value::Object(map) = v else {
+        return Err(sqlx::Error::Decode(
+            format!("outbox headers {s:?} are not an object").into(),
+        ));
+    };
+    Ok(map
+        .into_iter()
+        .map(|(k, v)| match v {
+            serde_json::Value::String(s) => (k, s),
+            other => (k, other.to_string()),
+        })
+        .collect())
 }
 
 /// `url` without its password, for messages.

@@ -439,6 +439,23 @@ async fn bad_messages_are_refused_at_enqueue_and_nothing_is_written() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("over the limit of 1000000 bytes"), "{e}");
+    for headers in ["[]", r#"{"n": 1}"#] {
+        let e = sqlx::query("SELECT ferry_outbox.enqueue('m2', 't', NULL, false, 'x', $1::jsonb)")
+            .bind(headers)
+            .execute(pool)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("headers must be a JSON object"),
+            "{headers}: {e}"
+        );
+    }
+    assert_eq!(
+        store.status().await.unwrap().pending,
+        1,
+        "a refused enqueue wrote"
+    );
     // Enqueue before install says what to do.
     let fresh = TestDb::create().await;
     let s2 = Store::connect(&fresh.url).await.unwrap();

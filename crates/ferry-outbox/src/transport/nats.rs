@@ -139,7 +139,9 @@ fn classify(url: &str, e: async_nats::jetstream::context::PublishError, sent: bo
                 // without a leader: an operator fixes those; the message is fine.
                 Some(ErrorCode::STREAM_STORE_FAILED)
                 | Some(ErrorCode::ACCOUNT_RESOURCES_EXCEEDED)
-                | Some(ErrorCode::CLUSTER_NOT_AVAILABLE) => {
+                | Some(ErrorCode::CLUSTER_NOT_AVAILABLE)
+                // Other resource and availability errors of the server.
+                | Some(ErrorCode(10023 | 10028 | 10039 | 10047)) => {
                     unavailable(format!("NATS at {url}: {e}"))
                 }
                 Some(_) => Outcome::Refused(format!("NATS at {url} refused it: {e}")),

@@ -5,7 +5,9 @@
 //! and, with a secret, `Ferry-Signature: v1=HEX` where HEX is HMAC-SHA256 over
 //! `TIMESTAMP "." MESSAGE_ID "." BODY`. The message's own headers are sent as they are.
 //!
-//! Answers: 2xx confirmed; 408, 429 and 5xx unavailable (429/503 honour `Retry-After`);
+//! Answers: 2xx confirmed; 408, 429 and 5xx unavailable (429/503 honour `Retry-After`;
+//! another 5xx counts against the message when other messages were confirmed just
+//! before it);
 //! other 4xx and 3xx refused (redirects are not followed: a POST must not turn into a
 //! GET); connection refused unavailable; a timeout or cut after the request went out
 //! unknown.
@@ -104,7 +106,8 @@ impl Webhook {
             .to_string();
         let reason = format!("HTTP {status} from {}: {excerpt}", self.describe());
         match status.as_u16() {
-            408 | 429 => Outcome::Unavailable {
+            // The endpoint (or what stands in front of it) says it is away or overloaded.
+            408 | 429 | 502..=504 => Outcome::Unavailable {
                 reason,
                 retry_after,
                 server_error: false,
