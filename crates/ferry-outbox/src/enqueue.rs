@@ -115,21 +115,19 @@ impl OutboxConnection for PgConnection {
         msg: &Message,
         limits: &Limits,
     ) -> Result<Enqueued, EnqueueError> {
-        {
-            validate(msg, limits)?;
-            let id: Option<i64> =
-                sqlx::query_scalar("SELECT ferry_outbox.enqueue($1, $2, $3, $4, $5, $6::jsonb)")
-                    .bind(&msg.message_id)
-                    .bind(&msg.topic)
-                    .bind(&msg.key)
-                    .bind(msg.ordered)
-                    .bind(&msg.payload)
-                    .bind(headers_json(msg))
-                    .fetch_one(&mut *self)
-                    .await
-                    .map_err(not_installed)?;
-            Ok(id.map_or(Enqueued::AlreadyThere, |id| Enqueued::New { id }))
-        }
+        validate(msg, limits)?;
+        let id: Option<i64> =
+            sqlx::query_scalar("SELECT ferry_outbox.enqueue($1, $2, $3, $4, $5, $6::jsonb)")
+                .bind(&msg.message_id)
+                .bind(&msg.topic)
+                .bind(&msg.key)
+                .bind(msg.ordered)
+                .bind(&msg.payload)
+                .bind(headers_json(msg))
+                .fetch_one(&mut *self)
+                .await
+                .map_err(not_installed)?;
+        Ok(id.map_or(Enqueued::AlreadyThere, |id| Enqueued::New { id }))
     }
 }
 
@@ -139,47 +137,9 @@ impl OutboxConnection for SqliteConnection {
         msg: &Message,
         limits: &Limits,
     ) -> Result<Enqueued, EnqueueError> {
-        {
-            validate(msg, limits)?;
-            // Writes only, first statement a write: a deferred SQLite transaction that
-            // read first could not upgrade to the write lock while a relay writes (it
-            // fails at once with "database is locked" instead of waiting).
-            let seq: Option<i64> = if msg.ordered {
-                // A repeated message id still takes a number: a gap in a key's seqs is
-                // harmless (order compares seqs, it never counts them).
-                Some(
-                    sqlx::query_scalar(
-                        "INSERT INTO ferry_outbox_key_seqs (key, last_seq) VALUES (?, 1) \
-                         ON CONFLICT (key) DO UPDATE SET last_seq = last_seq + 1 RETURNING last_seq",
-                    )
-                    .bind(&msg.key)
-                    .fetch_one(&mut *self)
-                    .await
-                    .map_err(not_installed)?,
-                )
-            } else {
-                None
-            };
-            let now = crate::store::now_ms();
-            let id: Option<i64> = sqlx::query_scalar(
-                "INSERT INTO ferry_outbox_messages \
-                 (message_id, topic, key, ordered, seq, payload, headers, next_attempt_at, enqueued_at) \
-                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (message_id) DO NOTHING RETURNING id",
-            )
-            .bind(&msg.message_id)
-            .bind(&msg.topic)
-            .bind(&msg.key)
-            .bind(msg.ordered)
-            .bind(seq)
-            .bind(&msg.payload)
-            .bind(headers_json(msg))
-            .bind(now)
-            .bind(now)
-            .fetch_optional(&mut *self)
-            .await
-            .map_err(not_installed)?;
-            Ok(id.map_or(Enqueued::AlreadyThere, |id| Enqueued::New { id }))
-        }
+        validate(msg, limits)?;
+        let done = self.enqueue_sorted(&[msg], limits).await?;
+        Ok(done[0])
     }
 
     async fn enqueue_sorted(
@@ -189,6 +149,10 @@ impl OutboxConnection for SqliteConnection {
     ) -> Result<Vec<Enqueued>, EnqueueError> {
         // Two statements for the whole batch instead of two per message: every statement
         // is a round trip to sqlx's SQLite worker thread, which cost more than the SQL.
+        // Both are writes, the first one first: a deferred transaction that read first
+        // could not upgrade to the write lock while a relay writes ("database is
+        // locked" at once instead of waiting). A repeated message id still takes a
+        // number on its key; a gap in a key's seqs is harmless (order compares seqs).
         if msgs.is_empty() {
             return Ok(Vec::new());
         }

@@ -229,7 +229,7 @@ impl Store {
                 .bind(lease.as_millis() as i64)
                 .fetch_all(p)
                 .await?;
-                rows.iter().map(leased_of).collect()
+                rows.iter().map(RowReaders::leased).collect()
             }
             Store::Sqlite(p) => {
                 let now = now_ms();
@@ -253,7 +253,10 @@ impl Store {
                 .bind(batch as i64)
                 .fetch_all(p)
                 .await?;
-                let mut out: Vec<Leased> = rows.iter().map(leased_of).collect::<Result<_, _>>()?;
+                let mut out: Vec<Leased> = rows
+                    .iter()
+                    .map(RowReaders::leased)
+                    .collect::<Result<_, _>>()?;
                 // RETURNING order is unspecified in SQLite; keep the claim order.
                 out.sort_by_key(|m| m.id);
                 Ok(out)
@@ -497,9 +500,12 @@ impl Store {
                 .fetch_all(p)
                 .await?;
                 Ok(status_from(
-                    counts_of(&c)?,
+                    c.counts()?,
                     oldest,
-                    parked.iter().map(parked_of).collect::<Result<_, _>>()?,
+                    parked
+                        .iter()
+                        .map(RowReaders::parked)
+                        .collect::<Result<_, _>>()?,
                     paused,
                 ))
             }
@@ -538,9 +544,12 @@ impl Store {
                 .fetch_all(p)
                 .await?;
                 Ok(status_from(
-                    counts_of(&c)?,
+                    c.counts()?,
                     oldest,
-                    parked.iter().map(parked_of).collect::<Result<_, _>>()?,
+                    parked
+                        .iter()
+                        .map(RowReaders::parked)
+                        .collect::<Result<_, _>>()?,
                     paused,
                 ))
             }
@@ -779,18 +788,6 @@ struct Counts {
     leased: i64,
     parked: i64,
     oldest_uncertain_secs: Option<f64>,
-}
-
-fn counts_of<R: RowReaders>(r: &R) -> Result<Counts, sqlx::Error> {
-    r.counts()
-}
-
-fn parked_of<R: RowReaders>(r: &R) -> Result<ParkedMessage, sqlx::Error> {
-    r.parked()
-}
-
-fn leased_of<R: RowReaders>(r: &R) -> Result<Leased, sqlx::Error> {
-    r.leased()
 }
 
 fn status_from(
