@@ -5,12 +5,13 @@
 //! to a [`receiver::Receiver`], which applies each one atomically to a replica that
 //! readers may query. [`receiver::promote`] turns a replica into a primary. The contract
 //! is `docs/ship.md`.
-// One call needs `unsafe` (`shipper::lower_thread_priority`, setpriority(2)); the rest
-// of the crate may not.
+// A few calls need `unsafe` (setpriority(2), statx(2), the WAL hook's C API), each
+// allowed where it is, with its reasoning; the rest of the crate may not.
 #![deny(unsafe_code)]
 
 pub mod names;
 pub mod proto;
+pub mod quiet;
 pub mod receiver;
 pub mod shipper;
 pub mod sqlite;

@@ -58,7 +58,7 @@ impl ReadAt for std::fs::File {
         Ok(filled)
     }
     fn size(&self) -> io::Result<u64> {
-        Ok(self.metadata()?.len())
+        Ok(crate::quiet::fstat(self)?.len)
     }
 }
 

@@ -203,7 +203,7 @@ impl Receiver {
         for name in names {
             let path = self.config.dir.join(format!("{name}.db"));
             let wal = replica::sidecar(&path, "-wal");
-            if std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0) < CHECKPOINT_WAL_BYTES {
+            if crate::quiet::stat(&wal).map(|m| m.len).unwrap_or(0) < CHECKPOINT_WAL_BYTES {
                 continue;
             }
             match replica::open_for_checkpoints(&path).and_then(|c| replica::checkpoint(&c)) {

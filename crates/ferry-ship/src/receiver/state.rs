@@ -95,7 +95,10 @@ impl StateFile {
             .create(true)
             .truncate(false)
             .open(path)?;
-        if file.metadata()?.len() < (2 * SLOT_BYTES) as u64 {
+        // Opened per request: a full stat would make the next write of the record take a
+        // fine-grained timestamp, which advances every file's clock on the machine (see
+        // `crate::quiet`).
+        if crate::quiet::fstat(&file)?.len < (2 * SLOT_BYTES) as u64 {
             // Preallocate both slots so later writes never need new blocks (a full disk
             // must not stop the receiver from recording where it stands).
             file.write_all_at(&[0u8; 2 * SLOT_BYTES], 0)?;

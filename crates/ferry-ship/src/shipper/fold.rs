@@ -17,7 +17,6 @@
 use crate::wal::{self, Salts};
 use rusqlite::Connection;
 use std::collections::HashMap;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
@@ -146,7 +145,7 @@ fn fold(
     conns: &mut HashMap<PathBuf, Conns>,
     job: &Job,
 ) -> Result<(i64, i64, i64), Box<dyn std::error::Error>> {
-    let ino = std::fs::metadata(&job.path)?.ino();
+    let ino = crate::quiet::stat(&job.path)?.ino;
     if conns.get(&job.path).is_none_or(|c| c.ino != ino) {
         let main = crate::sqlite::open_primary(&job.path)?;
         let barrier = crate::sqlite::open_primary(&job.path)?;
@@ -159,7 +158,7 @@ fn fold(
         let Some(salts) = job.salts else {
             return Ok(true);
         };
-        let Ok(f) = std::fs::File::open(&job.wal) else {
+        let Ok(f) = crate::quiet::open(&job.wal) else {
             return Ok(false);
         };
         Ok(wal::read_header(&f)?

@@ -172,6 +172,10 @@ struct Entry {
     refreshed: Mutex<Instant>,
     snapshot: Mutex<DbStatus>,
     progress: Arc<BaseProgress>,
+    /// Set by an app's commit hook, cleared when a step begins: while set, a step that
+    /// will see the commit is already scheduled, so later commits skip the scheduler (its
+    /// lock, on the app's commit path, was contended by the workers on most commits).
+    woken: Arc<AtomicBool>,
     _wake: crate::sqlite::Registration,
 }
 
@@ -365,8 +369,13 @@ impl Inner {
     }
 
     fn track(self: &Arc<Self>, name: &str) {
+        // Called for every write to a main file (a fold's): answer from memory first, and
+        // never stat the file in a way that touches its timestamps (see `crate::quiet`).
+        if self.is_tracked(name) {
+            return;
+        }
         let path = self.config.dir.join(format!("{name}.db"));
-        if !path.exists() {
+        if crate::quiet::stat(&path).is_err() {
             return;
         }
         {
@@ -376,9 +385,16 @@ impl Inner {
             }
             let weak: Weak<Inner> = Arc::downgrade(self);
             let n = name.to_string();
+            let woken = Arc::new(AtomicBool::new(false));
+            let flag = woken.clone();
             let wake = crate::sqlite::register_waker(
                 &path,
                 Arc::new(move || {
+                    // SeqCst pairs with the clear in `run`: a commit that finds the flag
+                    // set happened before that clear, so before the step reads the WAL.
+                    if flag.swap(true, Ordering::SeqCst) {
+                        return;
+                    }
                     if let Some(i) = weak.upgrade() {
                         i.wake(&n);
                     }
@@ -395,6 +411,7 @@ impl Inner {
                         ..DbStatus::default()
                     }),
                     progress: Arc::new(BaseProgress::default()),
+                    woken,
                     _wake: wake,
                 }),
             );
@@ -422,7 +439,14 @@ impl Inner {
             slot.again = true;
         } else if !slot.queued {
             if let Some(at) = slot.paced(Instant::now()) {
-                slot.due = Some(slot.due.map_or(at, |d| d.min(at)));
+                // Under a stream of commits the slot is usually due already, and a worker
+                // waits for that time: only an earlier time needs one woken (a wake-up
+                // here is a syscall on the app's commit path, and the woken thread
+                // often takes the app's core right then).
+                if slot.due.is_some_and(|d| d <= at) {
+                    return;
+                }
+                slot.due = Some(at);
             } else {
                 slot.queued = true;
                 slot.due = None;
@@ -563,6 +587,7 @@ impl Inner {
             }
         }
         let track = guard.as_mut().expect("opened above");
+        entry.woken.store(false, Ordering::SeqCst);
         let next = track.step(&self.client);
         // The status snapshot is rebuilt when the database settles, and otherwise at most
         // every SNAPSHOT_INTERVAL: building it per step (per commit, under load) cost as

@@ -19,6 +19,7 @@ use super::{BATCH_BYTES_MAX, PART_BYTES_MAX, TXN_INLINE_BYTES_MAX, UNACKED_BYTES
 use crate::proto::{
     self, BaseHeader, Code, EpochQuery, Position, RecordHeader, Refusal, TxnsQuery,
 };
+use crate::quiet;
 use crate::wal::{self, Cursor, Header, Pages, ScanLimits, Stop, Txn};
 use ferry_core::backoff::Backoff;
 use ferry_core::epoch::Epoch;
@@ -263,10 +264,10 @@ impl Track {
         }
         let mut barrier = crate::sqlite::open_primary(&path)?;
         crate::sqlite::eager_busy_handler(&mut barrier)?;
-        let meta = std::fs::metadata(&path)?;
+        let meta = quiet::stat(&path)?;
         let db = FileId {
-            dev: meta.dev(),
-            ino: meta.ino(),
+            dev: meta.dev,
+            ino: meta.ino,
         };
         let state_path = state::path(dir, name);
         let loaded = match state::load(&state_path) {
@@ -363,13 +364,13 @@ impl Track {
             // (its WAL has other salts).
             self.identity_at = Instant::now();
             self.wal_stat_due = true;
-            match std::fs::metadata(&self.path) {
+            match quiet::stat(&self.path) {
                 Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Next::Gone),
                 Err(e) => return Err(e.into()),
                 Ok(m)
                     if (FileId {
-                        dev: m.dev(),
-                        ino: m.ino(),
+                        dev: m.dev,
+                        ino: m.ino,
                     }) != self.db =>
                 {
                     self.reopen()?;
@@ -503,10 +504,10 @@ impl Track {
         self.main = crate::sqlite::open_primary(&self.path)?;
         self.barrier = crate::sqlite::open_primary(&self.path)?;
         crate::sqlite::eager_busy_handler(&mut self.barrier)?;
-        let meta = std::fs::metadata(&self.path)?;
+        let meta = quiet::stat(&self.path)?;
         self.db = FileId {
-            dev: meta.dev(),
-            ino: meta.ino(),
+            dev: meta.dev,
+            ino: meta.ino,
         };
         self.header_fd = main_fd(&self.path)?;
         self.wal = None;
@@ -521,7 +522,7 @@ impl Track {
             return Ok(self.wal.as_ref().map(|(_, f)| f));
         }
         self.wal_stat_due = false;
-        let meta = match std::fs::metadata(&self.wal_path) {
+        let meta = match quiet::stat(&self.wal_path) {
             Ok(m) => m,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 self.wal = None;
@@ -530,11 +531,11 @@ impl Track {
             Err(e) => return Err(e.into()),
         };
         let id = FileId {
-            dev: meta.dev(),
-            ino: meta.ino(),
+            dev: meta.dev,
+            ino: meta.ino,
         };
         if self.wal.as_ref().is_none_or(|(have, _)| *have != id) {
-            match File::open(&self.wal_path) {
+            match quiet::open(&self.wal_path) {
                 Ok(f) => self.wal = Some((id, f)),
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
                     self.wal = None;
@@ -725,7 +726,7 @@ impl Track {
         let wal_len = self
             .wal
             .as_ref()
-            .map(|(_, f)| f.metadata().map(|m| m.len()))
+            .map(|(_, f)| quiet::fstat(f).map(|m| m.len))
             .transpose()?
             .unwrap_or(0);
         // Frames not scanned count only while the scan is held back by its budget: then
@@ -795,7 +796,7 @@ impl Track {
         }
         let page_size = self.main_page_size();
         let frames = match self.wal_file()? {
-            Some(f) => f.metadata()?.len() / wal::frame_bytes(page_size),
+            Some(f) => quiet::fstat(f)?.len / wal::frame_bytes(page_size),
             None => 0,
         };
         if frames >= self.config.fold_min_frames as u64 {
@@ -1184,9 +1185,7 @@ impl Track {
                 .unacked
                 .front()
                 .map_or(0.0, |u| now.duration_since(u.seen).as_secs_f64()),
-            wal_bytes: std::fs::metadata(&self.wal_path)
-                .map(|m| m.len())
-                .unwrap_or(0),
+            wal_bytes: quiet::stat(&self.wal_path).map(|m| m.len).unwrap_or(0),
             failures: self.stats.failures,
             last_error: self.stats.last_error.clone(),
             bases: self
@@ -1254,7 +1253,9 @@ fn prove_new_cycle(f: &File, cursor: &Cursor, h: &Header) -> io::Result<Proof> {
         ));
     }
     let p = cursor.frame;
-    let frames_in_file = (f.metadata()?.len().saturating_sub(wal::HEADER_BYTES as u64)
+    let frames_in_file = (quiet::fstat(f)?
+        .len
+        .saturating_sub(wal::HEADER_BYTES as u64)
         / cursor.frame_bytes()) as u32;
     if frames_in_file < p {
         return Ok(Proof::Unproven(
@@ -1337,7 +1338,8 @@ fn same_history(ours: u64, theirs: u64) -> bool {
     theirs == 0 || ours == theirs
 }
 
-/// The main file's size and modification time.
+/// The main file's size and modification time. Only read around a base with an empty WAL,
+/// so asking for the mtime (see `quiet`) costs the app nothing measurable.
 fn fingerprint(path: &Path) -> io::Result<Fingerprint> {
     let m = std::fs::metadata(path)?;
     Ok(Fingerprint {
@@ -1365,8 +1367,8 @@ fn main_counter(fd: &File) -> io::Result<Option<u32>> {
 fn main_fd(path: &Path) -> io::Result<Arc<File>> {
     type ByInode = BTreeMap<(u64, u64), Arc<File>>;
     static FDS: OnceLock<Mutex<ByInode>> = OnceLock::new();
-    let meta = std::fs::metadata(path)?;
-    let key = (meta.dev(), meta.ino());
+    let meta = quiet::stat(path)?;
+    let key = (meta.dev, meta.ino);
     let mut fds = FDS
         .get_or_init(Default::default)
         .lock()
@@ -1374,7 +1376,7 @@ fn main_fd(path: &Path) -> io::Result<Arc<File>> {
     if let Some(f) = fds.get(&key) {
         return Ok(f.clone());
     }
-    let f = Arc::new(File::open(path)?);
+    let f = Arc::new(quiet::open(path)?);
     fds.insert(key, f.clone());
     Ok(f)
 }
