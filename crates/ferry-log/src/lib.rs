@@ -1,0 +1,75 @@
+//! ferry-log: an append-only, segmented log of checksummed records with group commit.
+//!
+//! `append` copies a record into the open batch and returns at once with the position
+//! just past it (code runs ahead of the disk). One writer thread takes whatever batch
+//! has filled, writes it with one `write`, makes it durable with one `fdatasync`, then
+//! publishes the durable position and wakes exactly the waiters it covers. Recovery
+//! tells a torn tail (cut) from damage before the tail (an error). The contract is
+//! `docs/log.md`.
+
+mod format;
+mod log;
+pub mod sim;
+mod storage;
+
+pub use crate::log::{Config, Log, Record, Recovery, Stats};
+pub use crate::storage::{FileStorage, Storage};
+
+use ferry_core::error::{Class, Classify};
+use std::io;
+use std::sync::Arc;
+
+/// A position in the log: a byte offset in the log as a whole.
+pub type Lsn = u64;
+
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum Error {
+    #[error("the log could not {what}: {source}")]
+    Io {
+        what: &'static str,
+        #[source]
+        source: Arc<io::Error>,
+    },
+    #[error(
+        "the log refuses writes since an earlier write or sync failed ({cause}); the kernel may \
+         have dropped what that sync covered, so reopen the log to recover what is durable"
+    )]
+    PreviousIo { cause: Arc<io::Error> },
+    #[error(
+        "the log is damaged: {segment} at byte {offset}: {reason}; records after this point \
+         were made durable, so this is not a torn write: restore the log from a copy, or \
+         move it aside and start a new one"
+    )]
+    Corrupted {
+        segment: String,
+        offset: u64,
+        reason: String,
+    },
+    #[error("a record of {len} bytes exceeds the log's limit of {max} bytes")]
+    TooLarge { len: usize, max: u32 },
+    #[error("{0}")]
+    Invalid(String),
+    #[error("the log is closed")]
+    Closed,
+}
+
+impl Error {
+    pub(crate) fn io(what: &'static str, source: io::Error) -> Error {
+        Error::Io {
+            what,
+            source: Arc::new(source),
+        }
+    }
+}
+
+impl Classify for Error {
+    fn class(&self) -> Class {
+        match self {
+            // A log that failed a write or sync refuses everything until reopened: a
+            // retry on the same handle cannot succeed.
+            Error::Io { .. } | Error::PreviousIo { .. } => Class::Permanent,
+            Error::Corrupted { .. } => Class::Corrupted,
+            Error::TooLarge { .. } | Error::Invalid(_) | Error::Closed => Class::Permanent,
+        }
+    }
+}

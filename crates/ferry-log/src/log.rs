@@ -1,0 +1,832 @@
+//! The log: appends, the group-commit writer, waiting for durability, reading, recovery
+//! and retirement (docs/log.md §3-§5).
+
+use crate::format::{
+    self, BATCH_HEADER_BYTES, BatchBuf, BatchHeader, FRAME_HEADER_BYTES, SEGMENT_HEADER_BYTES,
+    SegmentHeader, align, parse_segment_name, segment_name,
+};
+use crate::storage::{FileStorage, Storage};
+use crate::{Error, Lsn};
+use std::collections::{BTreeMap, VecDeque};
+use std::io;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use tokio::sync::oneshot;
+
+/// Limits of a log.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// A batch that would pass this many bytes starts a new segment. Default 64 MiB.
+    pub segment_bytes: u64,
+    /// The largest record payload. Default 4 MiB.
+    pub record_bytes_max: u32,
+    /// Appends wait while this many bytes are appended and not yet durable (the disk is
+    /// slower than the code). Default 32 MiB.
+    pub pending_bytes_max: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            segment_bytes: 64 << 20,
+            record_bytes_max: 4 << 20,
+            pending_bytes_max: 32 << 20,
+        }
+    }
+}
+
+impl Config {
+    fn check(&self) -> Result<(), Error> {
+        let room = SEGMENT_HEADER_BYTES + BATCH_HEADER_BYTES + FRAME_HEADER_BYTES + format::ALIGN;
+        if self.segment_bytes < 1024
+            || self.segment_bytes > 1 << 30
+            || u64::from(self.record_bytes_max) + room > self.segment_bytes
+        {
+            return Err(Error::Invalid(format!(
+                "segment_bytes {} must be between 1 KiB and 1 GiB and hold the largest record \
+                 (record_bytes_max {}) with {room} bytes of headers",
+                self.segment_bytes, self.record_bytes_max
+            )));
+        }
+        if self.pending_bytes_max == 0 {
+            return Err(Error::Invalid(
+                "pending_bytes_max must be above zero".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What opening found.
+#[derive(Clone, Debug)]
+pub struct Recovery {
+    pub segments: usize,
+    pub records: u64,
+    /// Where the log ends: the next record goes here, and everything before is durable.
+    pub end: Lsn,
+    /// Bytes cut from a torn tail (a write the crash interrupted; never acknowledged).
+    pub torn_bytes: u64,
+    pub elapsed: Duration,
+}
+
+/// Counters since the log was opened.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Stats {
+    pub records: u64,
+    /// Batches written: one write each (two when a batch starts a segment).
+    pub batches: u64,
+    pub syncs: u64,
+    pub bytes_written: u64,
+    pub durable: Lsn,
+    pub end: Lsn,
+    pub segments: usize,
+}
+
+/// A record read back.
+#[derive(Clone, Copy, Debug)]
+pub struct Record<'a> {
+    /// Where the record starts (its identity in the log).
+    pub lsn: Lsn,
+    /// Where it ends: the position `append` returned for it.
+    pub end: Lsn,
+    pub kind: u8,
+    pub payload: &'a [u8],
+}
+
+/// A batch sealed and waiting for the writer.
+struct Sealed {
+    seg: Lsn,
+    creates_segment: bool,
+    offset: u64,
+    bytes: Vec<u8>,
+    end: Lsn,
+    /// Frame bytes it takes off `pending_bytes` once written.
+    pending: u64,
+}
+
+type Waiter = oneshot::Sender<Result<(), Error>>;
+
+struct Shared {
+    open: BatchBuf,
+    /// Where the open batch starts.
+    open_start: Lsn,
+    open_pending: u64,
+    /// The open batch is the first of a segment the writer has still to create.
+    open_creates_segment: bool,
+    /// The segment the open batch goes to.
+    seg: Lsn,
+    sealed: VecDeque<Sealed>,
+    /// The end of the last record appended.
+    end: Lsn,
+    pending_bytes: u64,
+    /// First positions of the segments, ascending (the newest may not exist yet).
+    segments: Vec<Lsn>,
+    poisoned: Option<Arc<io::Error>>,
+    closing: bool,
+    waiters: BTreeMap<Lsn, Vec<Waiter>>,
+    stats: Stats,
+}
+
+impl Shared {
+    /// Seal the open batch (which holds at least one record) for the writer; returns
+    /// where the next batch starts.
+    fn seal_open(&mut self) -> Lsn {
+        let batch = std::mem::take(&mut self.open);
+        let bytes = batch.seal(self.open_start);
+        let end = self.open_start + bytes.len() as u64;
+        self.sealed.push_back(Sealed {
+            seg: self.seg,
+            creates_segment: std::mem::take(&mut self.open_creates_segment),
+            offset: self.open_start - self.seg,
+            bytes,
+            end,
+            pending: std::mem::take(&mut self.open_pending),
+        });
+        self.open_start = end;
+        end
+    }
+}
+
+struct Inner {
+    storage: Arc<dyn Storage>,
+    config: Config,
+    log_id: u64,
+    shared: Mutex<Shared>,
+    /// The writer waits here for work.
+    work: Condvar,
+    /// Appenders wait here for `pending_bytes` to fall.
+    space: Condvar,
+    durable: AtomicU64,
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, Shared> {
+        self.shared.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// See the crate docs. Cheap to share behind an `Arc`; every method takes `&self`.
+pub struct Log {
+    inner: Arc<Inner>,
+    writer: Mutex<Option<JoinHandle<()>>>,
+    /// Held by `retire_below`: one retirement at a time.
+    retiring: Mutex<()>,
+}
+
+impl Log {
+    /// Open (or create) the log in `dir`, locking it against other processes.
+    pub fn open_dir(dir: &Path, config: Config) -> Result<(Log, Recovery), Error> {
+        let storage = FileStorage::open(dir).map_err(|e| Error::io("open its directory", e))?;
+        Log::open(Arc::new(storage), config)
+    }
+
+    /// Open (or create) the log on `storage`: recover (docs/log.md §4), then start the
+    /// writer.
+    pub fn open(storage: Arc<dyn Storage>, config: Config) -> Result<(Log, Recovery), Error> {
+        config.check()?;
+        let found = recover(&*storage)?;
+        let recovery = found.recovery.clone();
+        tracing::info!(
+            segments = recovery.segments,
+            records = recovery.records,
+            end = recovery.end,
+            torn_bytes = recovery.torn_bytes,
+            ms = recovery.elapsed.as_secs_f64() * 1e3,
+            "log recovered"
+        );
+        let seg = *found.segments.last().expect("recovery leaves a segment");
+        let inner = Arc::new(Inner {
+            storage,
+            config,
+            log_id: found.log_id,
+            shared: Mutex::new(Shared {
+                open: BatchBuf::default(),
+                open_start: found.recovery.end,
+                open_pending: 0,
+                open_creates_segment: false,
+                seg,
+                sealed: VecDeque::new(),
+                end: found.recovery.end,
+                pending_bytes: 0,
+                segments: found.segments,
+                poisoned: None,
+                closing: false,
+                waiters: BTreeMap::new(),
+                stats: Stats::default(),
+            }),
+            work: Condvar::new(),
+            space: Condvar::new(),
+            durable: AtomicU64::new(found.recovery.end),
+        });
+        let w = inner.clone();
+        let writer = std::thread::Builder::new()
+            .name("ferry-log-writer".into())
+            .spawn(move || write_loop(&w))
+            .map_err(|e| Error::io("start its writer thread", e))?;
+        Ok((
+            Log {
+                inner,
+                writer: Mutex::new(Some(writer)),
+                retiring: Mutex::new(()),
+            },
+            recovery,
+        ))
+    }
+
+    /// Append a record and return the position just past it, at once: it is durable
+    /// when [`Log::durable_lsn`] reaches that position. `kind` 0 is reserved. Waits
+    /// only while `pending_bytes_max` bytes are not yet written.
+    pub fn append(&self, kind: u8, payload: &[u8]) -> Result<Lsn, Error> {
+        let inner = &*self.inner;
+        if kind == 0 {
+            return Err(Error::Invalid("record kind 0 is reserved".into()));
+        }
+        if payload.len() > inner.config.record_bytes_max as usize {
+            return Err(Error::TooLarge {
+                len: payload.len(),
+                max: inner.config.record_bytes_max,
+            });
+        }
+        let frame = FRAME_HEADER_BYTES + payload.len() as u64;
+        let mut s = inner.lock();
+        loop {
+            if let Some(cause) = &s.poisoned {
+                return Err(Error::PreviousIo {
+                    cause: cause.clone(),
+                });
+            }
+            if s.closing {
+                return Err(Error::Closed);
+            }
+            if s.pending_bytes < inner.config.pending_bytes_max {
+                break;
+            }
+            s = inner.space.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+        // A batch never spans segments: if this frame (with the batch's padding) would
+        // pass the segment's end, the next segment starts where the last batch ends.
+        if s.open_start + align(s.open.len() + frame) > s.seg + inner.config.segment_bytes {
+            let next = if s.open.is_empty() {
+                s.open_start
+            } else {
+                s.seal_open()
+            };
+            s.seg = next;
+            s.segments.push(next);
+            s.open_start = next + SEGMENT_HEADER_BYTES;
+            s.open_creates_segment = true;
+        }
+        let at = s.open.push(kind, payload);
+        let end = s.open_start + at + frame;
+        s.end = end;
+        s.open_pending += frame;
+        s.pending_bytes += frame;
+        s.stats.records += 1;
+        drop(s);
+        inner.work.notify_one();
+        Ok(end)
+    }
+
+    /// Everything before this position is durable.
+    pub fn durable_lsn(&self) -> Lsn {
+        self.inner.durable.load(Ordering::SeqCst)
+    }
+
+    /// Where the oldest segment kept starts: reading from here reads everything kept.
+    pub fn start_lsn(&self) -> Lsn {
+        self.inner.lock().segments.first().copied().unwrap_or(0)
+    }
+
+    /// The end of the last record appended.
+    pub fn end_lsn(&self) -> Lsn {
+        self.inner.lock().end
+    }
+
+    /// Block until `lsn` is durable. Not from inside an async task: use [`Log::durable`].
+    pub fn wait_durable(&self, lsn: Lsn) -> Result<(), Error> {
+        match self.register(lsn)? {
+            None => Ok(()),
+            Some(rx) => rx.blocking_recv().unwrap_or(Err(Error::Closed)),
+        }
+    }
+
+    /// Resolves when `lsn` is durable, or with the error that stopped it becoming so.
+    pub fn durable(
+        &self,
+        lsn: Lsn,
+    ) -> impl std::future::Future<Output = Result<(), Error>> + Send + 'static {
+        let registered = self.register(lsn);
+        async move {
+            match registered? {
+                None => Ok(()),
+                Some(rx) => rx.await.unwrap_or(Err(Error::Closed)),
+            }
+        }
+    }
+
+    /// Block until everything appended so far is durable; returns that position.
+    pub fn flush(&self) -> Result<Lsn, Error> {
+        let end = self.end_lsn();
+        self.wait_durable(end)?;
+        Ok(end)
+    }
+
+    fn register(&self, lsn: Lsn) -> Result<Option<oneshot::Receiver<Result<(), Error>>>, Error> {
+        if self.durable_lsn() >= lsn {
+            return Ok(None);
+        }
+        let mut s = self.inner.lock();
+        // The writer publishes under this lock: checked again, no wake-up is missed.
+        if self.durable_lsn() >= lsn {
+            return Ok(None);
+        }
+        if let Some(cause) = &s.poisoned {
+            return Err(Error::PreviousIo {
+                cause: cause.clone(),
+            });
+        }
+        if lsn > s.end {
+            return Err(Error::Invalid(format!(
+                "position {lsn} is past the end of the log ({})",
+                s.end
+            )));
+        }
+        let (tx, rx) = oneshot::channel();
+        s.waiters.entry(lsn).or_default().push(tx);
+        Ok(Some(rx))
+    }
+
+    /// Call `f` with every durable record that starts at or after `from`, in order;
+    /// returns the durable position read up to. `from` below the oldest segment still
+    /// kept (see [`Log::retire_below`]) is an error.
+    pub fn read(&self, from: Lsn, mut f: impl FnMut(Record<'_>)) -> Result<Lsn, Error> {
+        let (segments, durable) = {
+            let s = self.inner.lock();
+            (s.segments.clone(), self.durable_lsn())
+        };
+        if let Some(&oldest) = segments.first()
+            && from < oldest
+        {
+            return Err(Error::Invalid(format!(
+                "position {from} was retired; the log starts at {oldest}"
+            )));
+        }
+        let st = &*self.inner.storage;
+        for (i, &seg) in segments.iter().enumerate() {
+            let limit = segments
+                .get(i + 1)
+                .copied()
+                .unwrap_or(Lsn::MAX)
+                .min(durable);
+            if seg >= durable {
+                break;
+            }
+            if limit <= from {
+                continue;
+            }
+            let name = segment_name(seg);
+            let mut off = SEGMENT_HEADER_BYTES;
+            while seg + off < limit {
+                let (frames, extent) = match read_batch(st, &name, seg, off, limit - seg)
+                    .map_err(|e| Error::io("read a segment", e))?
+                {
+                    BatchRead::Valid { frames, extent } => (frames, extent),
+                    BatchRead::Bad(reason) => {
+                        return Err(Error::Corrupted {
+                            segment: name,
+                            offset: off,
+                            reason,
+                        });
+                    }
+                };
+                let batch_lsn = seg + off;
+                for fr in format::frames(&frames).expect("read_batch checked the frames") {
+                    let lsn = batch_lsn + BATCH_HEADER_BYTES + fr.at as u64;
+                    if lsn >= from {
+                        f(Record {
+                            lsn,
+                            end: batch_lsn + BATCH_HEADER_BYTES + fr.end as u64,
+                            kind: fr.kind,
+                            payload: &frames[fr.payload],
+                        });
+                    }
+                }
+                off += extent;
+            }
+        }
+        Ok(durable)
+    }
+
+    /// Delete the segments that lie wholly below `lsn` (the caller keeps what they held
+    /// elsewhere, e.g. in a checkpoint). The newest segment is always kept. Returns how
+    /// many were deleted. A reader still reading them fails.
+    pub fn retire_below(&self, lsn: Lsn) -> Result<usize, Error> {
+        let durable = self.durable_lsn();
+        let _one_at_a_time = self.retiring.lock().unwrap_or_else(|p| p.into_inner());
+        let victims: Vec<Lsn> = {
+            let s = self.inner.lock();
+            s.segments
+                .windows(2)
+                // Only once the next segment holds a durable batch: recovery must always
+                // find the segment that holds the end, with records in it.
+                .take_while(|w| w[1] <= lsn && w[1] + SEGMENT_HEADER_BYTES < durable)
+                .map(|w| w[0])
+                .collect()
+        };
+        if victims.is_empty() {
+            return Ok(0);
+        }
+        // Oldest first, each removal made durable before the next: a crash between them
+        // leaves the log contiguous (a directory without a journal may persist removals
+        // out of order).
+        for &v in &victims {
+            self.inner
+                .storage
+                .remove(&segment_name(v))
+                .map_err(|e| Error::io("remove a retired segment", e))?;
+            self.inner.lock().segments.retain(|&f| f != v);
+            self.inner
+                .storage
+                .sync_dir()
+                .map_err(|e| Error::io("sync its directory after retiring a segment", e))?;
+        }
+        Ok(victims.len())
+    }
+
+    pub fn stats(&self) -> Stats {
+        let s = self.inner.lock();
+        Stats {
+            durable: self.durable_lsn(),
+            end: s.end,
+            segments: s.segments.len(),
+            ..s.stats
+        }
+    }
+
+    /// Write and sync what was appended, then stop the writer. An error says the last
+    /// records may not be durable.
+    pub fn close(self) -> Result<(), Error> {
+        self.shutdown();
+        match &self.inner.lock().poisoned {
+            Some(cause) => Err(Error::PreviousIo {
+                cause: cause.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn shutdown(&self) {
+        self.inner.lock().closing = true;
+        self.inner.work.notify_all();
+        self.inner.space.notify_all();
+        let handle = self.writer.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for Log {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// The writer: take what filled, write it, sync it, publish, wake who it covers.
+fn write_loop(inner: &Inner) {
+    loop {
+        let batches: Vec<Sealed> = {
+            let mut s = inner.lock();
+            loop {
+                if s.poisoned.is_none() {
+                    if !s.open.is_empty() {
+                        s.seal_open();
+                    }
+                    if !s.sealed.is_empty() {
+                        break s.sealed.drain(..).collect();
+                    }
+                }
+                if s.closing {
+                    return;
+                }
+                s = inner.work.wait(s).unwrap_or_else(|p| p.into_inner());
+            }
+        };
+        let result = write_batches(inner, &batches);
+        let end = batches.last().expect("at least one batch").end;
+        let mut s = inner.lock();
+        s.pending_bytes -= batches.iter().map(|b| b.pending).sum::<u64>();
+        match result {
+            Ok(syncs) => {
+                s.stats.batches += batches.len() as u64;
+                s.stats.syncs += syncs;
+                s.stats.bytes_written += batches.iter().map(|b| b.bytes.len() as u64).sum::<u64>();
+                inner.durable.store(end, Ordering::SeqCst);
+                let later = s.waiters.split_off(&(end + 1));
+                let done = std::mem::replace(&mut s.waiters, later);
+                drop(s);
+                for w in done.into_values().flatten() {
+                    let _ = w.send(Ok(()));
+                }
+            }
+            Err(e) => {
+                tracing::error!(
+                    "the log's write or sync failed; refusing writes until reopened: {e}"
+                );
+                let cause = Arc::new(e);
+                s.poisoned = Some(cause.clone());
+                s.sealed.clear();
+                let all = std::mem::take(&mut s.waiters);
+                drop(s);
+                for w in all.into_values().flatten() {
+                    let _ = w.send(Err(Error::Io {
+                        what: "make the record durable",
+                        source: cause.clone(),
+                    }));
+                }
+            }
+        }
+        inner.space.notify_all();
+    }
+}
+
+/// Write `batches` (creating segments as they begin) and sync every segment written.
+/// Returns the number of syncs.
+fn write_batches(inner: &Inner, batches: &[Sealed]) -> io::Result<u64> {
+    let st = &*inner.storage;
+    let mut syncs = 0;
+    let mut unsynced: Option<Lsn> = None;
+    for b in batches {
+        let name = segment_name(b.seg);
+        if b.creates_segment {
+            // The old segment is complete and synced before the new one exists, so only
+            // the newest segment can ever have a torn tail.
+            if let Some(prev) = unsynced.take() {
+                st.sync(&segment_name(prev))?;
+                syncs += 1;
+            }
+            st.create(&name)?;
+            let header = SegmentHeader {
+                first: b.seg,
+                log_id: inner.log_id,
+            };
+            st.write_at(&name, 0, &header.encode())?;
+            st.sync(&name)?;
+            st.sync_dir()?;
+            syncs += 2;
+        }
+        st.write_at(&name, b.offset, &b.bytes)?;
+        unsynced = Some(b.seg);
+    }
+    if let Some(seg) = unsynced {
+        st.sync(&segment_name(seg))?;
+        syncs += 1;
+    }
+    Ok(syncs)
+}
+
+enum BatchRead {
+    Valid { frames: Vec<u8>, extent: u64 },
+    Bad(String),
+}
+
+/// The batch at `off` of segment `seg` (`len` bytes of which count), checked whole.
+fn read_batch(st: &dyn Storage, name: &str, seg: Lsn, off: u64, len: u64) -> io::Result<BatchRead> {
+    if len.saturating_sub(off) < BATCH_HEADER_BYTES {
+        return Ok(BatchRead::Bad("a batch header is cut short".into()));
+    }
+    let mut h = [0u8; BATCH_HEADER_BYTES as usize];
+    if st.read_at(name, off, &mut h)? < h.len() {
+        return Ok(BatchRead::Bad("a batch header is cut short".into()));
+    }
+    let header = match BatchHeader::decode(&h) {
+        Ok(x) => x,
+        Err(reason) => return Ok(BatchRead::Bad(reason)),
+    };
+    if header.lsn != seg + off {
+        return Ok(BatchRead::Bad(format!(
+            "the batch header names position {}, but sits at {}",
+            header.lsn,
+            seg + off
+        )));
+    }
+    if off + header.extent() > len {
+        return Ok(BatchRead::Bad(
+            "the batch runs past the end of the segment".into(),
+        ));
+    }
+    let mut frames = vec![0u8; header.frames_len as usize];
+    if st.read_at(name, off + BATCH_HEADER_BYTES, &mut frames)? < frames.len() {
+        return Ok(BatchRead::Bad("the batch is cut short".into()));
+    }
+    if !header.matches(&h, &frames) {
+        return Ok(BatchRead::Bad("the batch fails its checksum".into()));
+    }
+    if let Err(reason) = format::frames(&frames) {
+        return Ok(BatchRead::Bad(reason));
+    }
+    Ok(BatchRead::Valid {
+        frames,
+        extent: header.extent(),
+    })
+}
+
+/// A valid batch anywhere in `name` after `off` (at an aligned offset, naming its own
+/// position, passing its checksum): its offset.
+fn valid_batch_after(
+    st: &dyn Storage,
+    name: &str,
+    seg: Lsn,
+    off: u64,
+    len: u64,
+) -> io::Result<Option<u64>> {
+    let mut tail = vec![0u8; (len - off) as usize];
+    let n = st.read_at(name, off, &mut tail)?;
+    tail.truncate(n);
+    let mut p = format::ALIGN;
+    while p + BATCH_HEADER_BYTES <= tail.len() as u64 {
+        let at = p as usize;
+        if let Ok(h) = BatchHeader::decode(&tail[at..])
+            && h.lsn == seg + off + p
+            && p + BATCH_HEADER_BYTES + h.frames_len <= tail.len() as u64
+        {
+            let frames = &tail[at + BATCH_HEADER_BYTES as usize
+                ..at + (BATCH_HEADER_BYTES + h.frames_len) as usize];
+            if h.matches(&tail[at..], frames) {
+                return Ok(Some(off + p));
+            }
+        }
+        p += format::ALIGN;
+    }
+    Ok(None)
+}
+
+struct Found {
+    recovery: Recovery,
+    segments: Vec<Lsn>,
+    log_id: u64,
+}
+
+/// docs/log.md §4.
+fn recover(st: &dyn Storage) -> Result<Found, Error> {
+    let started = Instant::now();
+    let io = |what| move |e| Error::io(what, e);
+    let mut firsts: Vec<Lsn> = st
+        .list()
+        .map_err(io("list its directory"))?
+        .iter()
+        .filter_map(|n| parse_segment_name(n))
+        .collect();
+    firsts.sort_unstable();
+    let mut torn_bytes = 0;
+    let mut log_id = None;
+    let mut unfinished = None;
+    let mut segs: Vec<(Lsn, u64)> = Vec::new();
+    for (i, &first) in firsts.iter().enumerate() {
+        let name = segment_name(first);
+        let len = st.len(&name).map_err(io("read a segment's length"))?;
+        let mut hb = [0u8; SEGMENT_HEADER_BYTES as usize];
+        let n = st
+            .read_at(&name, 0, &mut hb)
+            .map_err(io("read a segment header"))?;
+        match SegmentHeader::decode(&hb[..n]) {
+            // Records are written only after a new segment's header is synced: a newest
+            // segment with no valid header and nothing after it was being created when
+            // the process stopped, and holds nothing.
+            Err(_) if i + 1 == firsts.len() && len <= SEGMENT_HEADER_BYTES => {
+                // Removed once everything else checked out: a refused open changes nothing.
+                unfinished = Some((name, len));
+            }
+            Err(reason) => {
+                return Err(Error::Corrupted {
+                    segment: name,
+                    offset: 0,
+                    reason,
+                });
+            }
+            Ok(h) => {
+                if h.first != first {
+                    return Err(Error::Corrupted {
+                        segment: name,
+                        offset: 0,
+                        reason: format!(
+                            "the header names position {}, the file name {first}",
+                            h.first
+                        ),
+                    });
+                }
+                if *log_id.get_or_insert(h.log_id) != h.log_id {
+                    return Err(Error::Corrupted {
+                        segment: name,
+                        offset: 0,
+                        reason: "this segment belongs to another log (its log id differs)".into(),
+                    });
+                }
+                segs.push((first, len));
+            }
+        }
+    }
+    for w in segs.windows(2) {
+        let ((a, alen), (b, _)) = (w[0], w[1]);
+        if a + alen != b {
+            return Err(Error::Corrupted {
+                segment: segment_name(b),
+                offset: 0,
+                reason: format!(
+                    "the segment before ends at position {}, this one starts at {b}: a segment \
+                     is missing or was cut",
+                    a + alen
+                ),
+            });
+        }
+    }
+    let mut records = 0;
+    let count = segs.len();
+    for (i, seg) in segs.iter_mut().enumerate() {
+        let (first, len) = *seg;
+        let name = segment_name(first);
+        let mut off = SEGMENT_HEADER_BYTES;
+        while off < len {
+            match read_batch(st, &name, first, off, len).map_err(io("read a segment"))? {
+                BatchRead::Valid { frames, extent } => {
+                    records += format::frames(&frames).expect("checked").len() as u64;
+                    off += extent;
+                }
+                BatchRead::Bad(reason) => {
+                    if i + 1 < count {
+                        return Err(Error::Corrupted {
+                            segment: name,
+                            offset: off,
+                            reason,
+                        });
+                    }
+                    if let Some(at) = valid_batch_after(st, &name, first, off, len)
+                        .map_err(io("read a segment"))?
+                    {
+                        return Err(Error::Corrupted {
+                            segment: name,
+                            offset: off,
+                            reason: format!("{reason}, and a durable batch follows at byte {at}"),
+                        });
+                    }
+                    tracing::warn!(segment = %name, offset = off, bytes = len - off, "cutting a torn tail: {reason}");
+                    st.truncate(&name, off).map_err(io("cut a torn tail"))?;
+                    st.sync(&name).map_err(io("sync a segment"))?;
+                    torn_bytes += len - off;
+                    seg.1 = off;
+                    break;
+                }
+            }
+        }
+    }
+    if let Some((name, len)) = unfinished {
+        tracing::warn!(segment = %name, "removing a segment whose creation was interrupted");
+        st.remove(&name)
+            .map_err(io("remove an unfinished segment"))?;
+        torn_bytes += len;
+    }
+    let log_id = match (log_id, segs.is_empty()) {
+        (Some(id), false) => id,
+        _ => {
+            // A new log.
+            let id = ferry_core::seams::random_nonzero_u64();
+            let name = segment_name(0);
+            st.create(&name).map_err(io("create its first segment"))?;
+            st.write_at(
+                &name,
+                0,
+                &SegmentHeader {
+                    first: 0,
+                    log_id: id,
+                }
+                .encode(),
+            )
+            .map_err(io("write its first segment header"))?;
+            st.sync(&name).map_err(io("sync its first segment"))?;
+            st.sync_dir().map_err(io("sync its directory"))?;
+            segs.push((0, SEGMENT_HEADER_BYTES));
+            id
+        }
+    };
+    let &(last, last_len) = segs.last().expect("at least one segment");
+    // What a killed process wrote may sit in the page cache only: it becomes durable
+    // here, before anyone is told so, and so do the directory's entries. (Older
+    // segments were synced before the next one was created.)
+    st.sync(&segment_name(last))
+        .map_err(io("sync its newest segment"))?;
+    st.sync_dir().map_err(io("sync its directory"))?;
+    Ok(Found {
+        recovery: Recovery {
+            segments: segs.len(),
+            records,
+            end: last + last_len,
+            torn_bytes,
+            elapsed: started.elapsed(),
+        },
+        segments: segs.iter().map(|&(f, _)| f).collect(),
+        log_id,
+    })
+}

@@ -1,0 +1,254 @@
+//! A deterministic simulation of the log on `SimStorage`, from one seed per run: random
+//! appends, waits, flushes, retirements, injected write and sync failures, and crashes
+//! that keep only what was synced plus a torn part of the rest. After every recovery:
+//! every acknowledged record is there, what is there is a contiguous run of what was
+//! appended (nothing reordered, duplicated or made up), and a failed write or sync is
+//! followed only by refusals.
+//!
+//! `FERRY_LOG_SEED=N` runs one seed; `FERRY_LOG_SEEDS=N` sets how many (default 300).
+
+use ferry_core::seams::{Rng, SplitMix64};
+use ferry_log::sim::SimStorage;
+use ferry_log::{Config, Error, Log};
+use std::sync::Arc;
+
+fn config() -> Config {
+    Config {
+        segment_bytes: 4096,
+        record_bytes_max: 1024,
+        pending_bytes_max: 8 << 10,
+    }
+}
+
+/// Payload: the record's index, then filler derived from it.
+fn payload(index: u64, len: usize) -> Vec<u8> {
+    let mut p = index.to_le_bytes().to_vec();
+    p.extend((0..len).map(|i| (index as usize * 31 + i) as u8));
+    p
+}
+
+/// What a run went through, so the suite can check that its faults really happen.
+#[derive(Debug, Default)]
+struct Seen {
+    torn_tails: u64,
+    failed_writes_or_syncs: u64,
+    retired: u64,
+    segments_max: usize,
+    acked: u64,
+}
+
+fn run(seed: u64, seen: &mut Seen) -> Result<(), String> {
+    let mut rng = SplitMix64::seeded(seed);
+    let sim = Arc::new(SimStorage::new(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15)));
+    // Every record appended and not known lost, in order: (kind, payload).
+    let mut appended: Vec<(u8, Vec<u8>)> = Vec::new();
+    // appended[..acked] were reported durable and must survive.
+    let mut acked = 0usize;
+    for round in 0..10 {
+        let at = |what: &str| format!("seed {seed}, round {round}: {what}");
+        let (log, recovery) =
+            Log::open(sim.clone(), config()).map_err(|e| at(&format!("open failed: {e}")))?;
+        seen.torn_tails += u64::from(recovery.torn_bytes > 0);
+        seen.segments_max = seen.segments_max.max(recovery.segments);
+        if recovery.end != log.durable_lsn() {
+            return Err(at("recovery end differs from the durable position"));
+        }
+        // What survived: a contiguous run of indexes, ending at or after the last acked.
+        let mut got: Vec<(u64, u8, Vec<u8>)> = Vec::new();
+        log.read(log.start_lsn(), |r| {
+            let index = u64::from_le_bytes(r.payload[..8].try_into().unwrap());
+            got.push((index, r.kind, r.payload.to_vec()));
+        })
+        .map_err(|e| at(&format!("read failed: {e}")))?;
+        for w in got.windows(2) {
+            if w[1].0 != w[0].0 + 1 {
+                return Err(at(&format!(
+                    "records {} then {}: not contiguous",
+                    w[0].0, w[1].0
+                )));
+            }
+        }
+        for (index, kind, p) in &got {
+            match appended.get(*index as usize) {
+                Some((k, want)) if k == kind && want == p => {}
+                _ => return Err(at(&format!("record {index} is not what was appended"))),
+            }
+        }
+        let survived = got.last().map_or(0, |g| g.0 as usize + 1);
+        if survived < acked {
+            return Err(at(&format!(
+                "{acked} records were acknowledged, only {survived} survived"
+            )));
+        }
+        // What did not survive was never acknowledged: forget it.
+        appended.truncate(survived);
+        acked = survived;
+
+        let mut ends: Vec<(usize, u64)> = Vec::new();
+        let mut poisoned = false;
+        for _ in 0..rng.below(60) + 1 {
+            match rng.below(20) {
+                0 => sim.fail_write_after(rng.below(3) + 1),
+                1 => sim.fail_sync_after(rng.below(3) + 1),
+                2 | 3 => {
+                    if let Some(&(i, lsn)) = ends.get(rng.below(ends.len() as u64 + 1) as usize) {
+                        match log.wait_durable(lsn) {
+                            Ok(()) => {
+                                if log.durable_lsn() < lsn {
+                                    return Err(at("a waiter woke before its record was durable"));
+                                }
+                                acked = acked.max(i + 1);
+                            }
+                            Err(Error::Io { .. } | Error::PreviousIo { .. }) => {
+                                poisoned = true;
+                                break;
+                            }
+                            Err(e) => return Err(at(&format!("wait failed oddly: {e}"))),
+                        }
+                    }
+                }
+                4 => match log.flush() {
+                    Ok(_) => acked = appended.len(),
+                    Err(Error::Io { .. } | Error::PreviousIo { .. }) => {
+                        poisoned = true;
+                        break;
+                    }
+                    Err(e) => return Err(at(&format!("flush failed oddly: {e}"))),
+                },
+                5 if acked > 0 => {
+                    // Retire below an acknowledged record: as a checkpoint would.
+                    let keep_from = ends.first().map_or(0, |e| e.1);
+                    seen.retired += log.retire_below(keep_from).unwrap_or(0) as u64;
+                }
+                _ => {
+                    let index = appended.len() as u64;
+                    let len = match rng.below(10) {
+                        0 => rng.below(1016) as usize,
+                        _ => rng.below(120) as usize,
+                    };
+                    let kind = rng.below(255) as u8 + 1;
+                    let p = payload(index, len);
+                    match log.append(kind, &p) {
+                        Ok(end) => {
+                            appended.push((kind, p));
+                            ends.push((index as usize, end));
+                        }
+                        Err(Error::PreviousIo { .. }) => {
+                            poisoned = true;
+                            break;
+                        }
+                        Err(e) => return Err(at(&format!("append failed oddly: {e}"))),
+                    }
+                }
+            }
+        }
+        seen.acked += acked as u64;
+        if poisoned {
+            seen.failed_writes_or_syncs += 1;
+            // After a failed write or sync, nothing more is accepted.
+            match log.append(1, &payload(u64::MAX, 0)) {
+                Err(Error::PreviousIo { .. }) => {}
+                other => return Err(at(&format!("append after a failed sync: {other:?}"))),
+            }
+        }
+        if !poisoned && rng.below(4) == 0 {
+            // A clean close makes everything durable.
+            if log.close().is_ok() {
+                acked = appended.len();
+            }
+        } else {
+            sim.halt();
+            drop(log);
+        }
+        if rng.below(3) == 0 {
+            // Killed without a power loss: what was written stays in the page cache,
+            // unsynced; the next open must make it durable before reporting it so, or
+            // the power loss of a later round loses it.
+            sim.kill();
+        } else {
+            sim.crash();
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn simulated_crashes_never_lose_acknowledged_records() {
+    if let Ok(one) = std::env::var("FERRY_LOG_SEED") {
+        let seed = one.parse().expect("FERRY_LOG_SEED is a number");
+        if let Err(e) = run(seed, &mut Seen::default()) {
+            panic!("{e}");
+        }
+        return;
+    }
+    let seeds: u64 = std::env::var("FERRY_LOG_SEEDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(300);
+    let mut seen = Seen::default();
+    for seed in 0..seeds {
+        if let Err(e) = run(seed, &mut seen) {
+            panic!("{e}\nreproduce with: FERRY_LOG_SEED={seed} cargo test -p ferry-log --test sim");
+        }
+    }
+    eprintln!("{seeds} seeds: {seen:?}");
+    if seeds >= 100 {
+        assert!(
+            seen.torn_tails > 0
+                && seen.failed_writes_or_syncs > 0
+                && seen.retired > 0
+                && seen.segments_max > 2,
+            "the simulation did not reach every fault it is meant to: {seen:?}"
+        );
+    }
+}
+
+#[test]
+fn damage_before_a_durable_batch_is_refused_not_skipped() {
+    let sim = Arc::new(SimStorage::new(1));
+    let (log, _) = Log::open(sim.clone(), config()).unwrap();
+    for i in 0..3u64 {
+        let end = log.append(7, &payload(i, 40)).unwrap();
+        log.wait_durable(end).unwrap();
+    }
+    log.close().unwrap();
+    // The first batch starts right after the 32-byte segment header; damage its frame.
+    sim.flip_bit("00000000000000000000.seg", 32 + 24 + 12, 3);
+    match Log::open(sim.clone(), config()) {
+        Err(Error::Corrupted {
+            segment,
+            offset,
+            reason,
+        }) => {
+            assert_eq!(segment, "00000000000000000000.seg");
+            assert_eq!(offset, 32);
+            assert!(reason.contains("durable batch follows"), "{reason}");
+        }
+        Ok(_) => panic!("a damaged log opened"),
+        Err(e) => panic!("wrong error: {e}"),
+    }
+}
+
+#[test]
+fn damage_to_the_last_batch_is_a_torn_tail() {
+    let sim = Arc::new(SimStorage::new(2));
+    let (log, _) = Log::open(sim.clone(), config()).unwrap();
+    let first = log.append(7, &payload(0, 40)).unwrap();
+    log.wait_durable(first).unwrap();
+    let second = log.append(7, &payload(1, 40)).unwrap();
+    log.wait_durable(second).unwrap();
+    log.close().unwrap();
+    // The second batch starts where the first one ends, rounded up to 8 bytes: damage a
+    // byte of its record's payload (after its 24-byte header and the 9-byte frame header).
+    sim.flip_bit(
+        "00000000000000000000.seg",
+        first.div_ceil(8) * 8 + 24 + 12,
+        0,
+    );
+    let (log, recovery) = Log::open(sim.clone(), config()).unwrap();
+    assert!(recovery.torn_bytes > 0);
+    assert_eq!(recovery.end, first.div_ceil(8) * 8);
+    let mut n = 0;
+    log.read(0, |_| n += 1).unwrap();
+    assert_eq!(n, 1, "the record before the damaged last batch survives");
+}
