@@ -29,6 +29,17 @@ struct SimFile {
     unsynced: Vec<Op>,
 }
 
+impl SimFile {
+    /// A file after a crash: what is on disk is all there is, and it is durable.
+    fn settled(bytes: Vec<u8>) -> SimFile {
+        SimFile {
+            current: bytes.clone(),
+            durable: bytes,
+            unsynced: Vec::new(),
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Sim {
     files: BTreeMap<String, SimFile>,
@@ -163,26 +174,12 @@ impl SimStorage {
                     }
                 }
             }
-            after.insert(
-                name,
-                SimFile {
-                    current: bytes.clone(),
-                    durable: bytes,
-                    unsynced: Vec::new(),
-                },
-            );
+            after.insert(name, SimFile::settled(bytes));
         }
         for (name, bytes) in std::mem::take(&mut s.ghosts) {
             if s.durable_names.contains(&name) && !after.contains_key(&name) && s.rng.below(2) == 0
             {
-                after.insert(
-                    name,
-                    SimFile {
-                        current: bytes.clone(),
-                        durable: bytes,
-                        unsynced: Vec::new(),
-                    },
-                );
+                after.insert(name, SimFile::settled(bytes));
             }
         }
         s.durable_names = after.keys().cloned().collect();
