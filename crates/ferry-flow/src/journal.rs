@@ -1,0 +1,250 @@
+//! What a run records (docs/flow.md §3) and how a record is framed in ferry-log.
+//!
+//! A ferry-log record of kind [`RECORD_KIND`] carries one journal record: a small binary
+//! header (format version, generation, position, run id) then the entry as JSON. The run
+//! id comes first in the key so a reader can skip runs it does not care about without
+//! parsing JSON.
+
+use serde::{Deserialize, Serialize};
+
+/// The ferry-log record kind of journal records.
+pub const RECORD_KIND: u8 = 1;
+const FORMAT: u8 = 1;
+/// Run ids are the caller's; they are bounded so a record's header stays small.
+pub const RUN_ID_MAX: usize = 255;
+
+/// A value journaled as JSON.
+pub type Json = serde_json::Value;
+
+/// How a step, child or run ended.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    Ok(Json),
+    Err(String),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ValueKind {
+    Now,
+    Random,
+    Uuid,
+}
+
+/// One journal entry. Entries that answer a context call sit at that call's position;
+/// `Signal` and `CancelRequested` arrive from outside and take no position.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "t", rename_all = "snake_case")]
+pub enum Entry {
+    Started {
+        workflow: String,
+        input: Json,
+        parent: Option<String>,
+    },
+    Step {
+        name: String,
+        outcome: Outcome,
+        attempts: u32,
+    },
+    StepAttempt {
+        name: String,
+        attempt: u32,
+        error: String,
+        retry_at_ms: u64,
+    },
+    Value {
+        kind: ValueKind,
+        value: Json,
+    },
+    TimerSet {
+        fire_at_ms: u64,
+    },
+    TimerFired,
+    Signal {
+        name: String,
+        value: Json,
+    },
+    /// `wait_for` began; its deadline (if any) is durable so a timeout survives a crash.
+    WaitStarted {
+        name: String,
+        deadline_ms: Option<u64>,
+    },
+    /// `wait_for` resolved: the index of the signal consumed (among that name's
+    /// arrivals), or None for a timeout.
+    Waited {
+        name: String,
+        got: Option<u32>,
+    },
+    ChildStarted {
+        id: String,
+        workflow: String,
+    },
+    ChildDone {
+        outcome: Outcome,
+    },
+    Patch {
+        id: String,
+    },
+    CancelRequested,
+    CancelSeen,
+    Finished {
+        outcome: Outcome,
+    },
+    ContinuedAsNew {
+        input: Json,
+    },
+    Parked {
+        reason: String,
+    },
+}
+
+impl Entry {
+    /// A short name of what the entry answers, for nondeterminism reports: the call kind
+    /// and its name where it has one (`step "charge"`, `sleep`, `wait_for "review"`).
+    pub fn describe(&self) -> String {
+        match self {
+            Entry::Started { workflow, .. } => format!("start of {workflow:?}"),
+            Entry::Step { name, .. } | Entry::StepAttempt { name, .. } => format!("step {name:?}"),
+            Entry::Value { kind, .. } => format!("{kind:?}").to_lowercase(),
+            Entry::TimerSet { .. } | Entry::TimerFired => "sleep".into(),
+            Entry::Signal { name, .. } => format!("signal {name:?}"),
+            Entry::WaitStarted { name, .. } | Entry::Waited { name, .. } => {
+                format!("wait_for {name:?}")
+            }
+            Entry::ChildStarted { workflow, .. } => format!("child {workflow:?}"),
+            Entry::ChildDone { .. } => "child".into(),
+            Entry::Patch { id } => format!("patch {id:?}"),
+            Entry::CancelRequested | Entry::CancelSeen => "cancel".into(),
+            Entry::Finished { .. } => "finish".into(),
+            Entry::ContinuedAsNew { .. } => "continue_as_new".into(),
+            Entry::Parked { .. } => "parked".into(),
+        }
+    }
+}
+
+/// One journal record: which run, which generation of it, which position, what.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Record {
+    pub run: String,
+    pub generation: u32,
+    /// The position of the context call this answers; `None` for arrivals from outside.
+    pub pos: Option<u32>,
+    pub entry: Entry,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DecodeError {
+    #[error("a journal record is cut short")]
+    Short,
+    #[error("journal record format {0}; this build reads format {FORMAT}")]
+    Format(u8),
+    #[error("a journal record's run id is not UTF-8")]
+    RunId,
+    #[error("a journal record's entry does not parse: {0}")]
+    Entry(String),
+}
+
+impl Record {
+    /// The bytes of the ferry-log record. Run ids longer than `RUN_ID_MAX` are refused
+    /// before anything is written (`engine.start` checks).
+    pub fn encode(&self) -> Vec<u8> {
+        assert!(self.run.len() <= RUN_ID_MAX, "run ids are checked at start");
+        let json = serde_json::to_vec(&self.entry).expect("entries always serialize");
+        let mut b = Vec::with_capacity(11 + self.run.len() + json.len());
+        b.push(FORMAT);
+        b.extend_from_slice(&self.generation.to_le_bytes());
+        b.extend_from_slice(&self.pos.map_or(u32::MAX, |p| p).to_le_bytes());
+        b.push(self.run.len() as u8);
+        b.extend_from_slice(self.run.as_bytes());
+        b.extend_from_slice(&json);
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Record, DecodeError> {
+        if b.len() < 10 {
+            return Err(DecodeError::Short);
+        }
+        if b[0] != FORMAT {
+            return Err(DecodeError::Format(b[0]));
+        }
+        let generation = u32::from_le_bytes(b[1..5].try_into().expect("4 bytes"));
+        let pos = u32::from_le_bytes(b[5..9].try_into().expect("4 bytes"));
+        let n = b[9] as usize;
+        let rest = &b[10..];
+        if rest.len() < n {
+            return Err(DecodeError::Short);
+        }
+        let run = std::str::from_utf8(&rest[..n]).map_err(|_| DecodeError::RunId)?;
+        let entry =
+            serde_json::from_slice(&rest[n..]).map_err(|e| DecodeError::Entry(e.to_string()))?;
+        Ok(Record {
+            run: run.to_string(),
+            generation,
+            pos: (pos != u32::MAX).then_some(pos),
+            entry,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn records_round_trip() {
+        let records = [
+            Record {
+                run: "order-42".into(),
+                generation: 0,
+                pos: Some(0),
+                entry: Entry::Started {
+                    workflow: "checkout".into(),
+                    input: json!({"sku": "a", "qty": 2}),
+                    parent: None,
+                },
+            },
+            Record {
+                run: "order-42".into(),
+                generation: 3,
+                pos: Some(7),
+                entry: Entry::Step {
+                    name: "charge".into(),
+                    outcome: Outcome::Err("card declined".into()),
+                    attempts: 5,
+                },
+            },
+            Record {
+                run: "r".into(),
+                generation: 0,
+                pos: None,
+                entry: Entry::Signal {
+                    name: "review".into(),
+                    value: json!(true),
+                },
+            },
+        ];
+        for r in records {
+            assert_eq!(Record::decode(&r.encode()).unwrap(), r);
+        }
+    }
+
+    #[test]
+    fn bad_bytes_are_named() {
+        assert_eq!(Record::decode(&[1, 2]), Err(DecodeError::Short));
+        let mut b = Record {
+            run: "x".into(),
+            generation: 0,
+            pos: Some(1),
+            entry: Entry::TimerFired,
+        }
+        .encode();
+        b[0] = 9;
+        assert_eq!(Record::decode(&b), Err(DecodeError::Format(9)));
+        b[0] = FORMAT;
+        let last = b.len() - 1;
+        b[last] = b'!';
+        assert!(matches!(Record::decode(&b), Err(DecodeError::Entry(_))));
+    }
+}
