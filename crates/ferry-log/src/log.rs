@@ -222,9 +222,13 @@ impl Log {
             durable: AtomicU64::new(found.recovery.end),
         });
         let w = inner.clone();
+        let filled = Filled {
+            seg,
+            len: found.last_file_len,
+        };
         let writer = std::thread::Builder::new()
             .name("ferry-log-writer".into())
-            .spawn(move || write_loop(&w))
+            .spawn(move || write_loop(&w, filled))
             .map_err(|e| Error::io("start its writer thread", e))?;
         Ok((
             Log {
@@ -496,7 +500,7 @@ impl Drop for Log {
 }
 
 /// The writer: take what filled, write it, sync it, publish, wake who it covers.
-fn write_loop(inner: &Inner) {
+fn write_loop(inner: &Inner, mut filled: Filled) {
     loop {
         let batches: Vec<Sealed> = {
             let mut s = inner.lock();
@@ -515,7 +519,7 @@ fn write_loop(inner: &Inner) {
                 s = inner.work.wait(s).unwrap_or_else(|p| p.into_inner());
             }
         };
-        let result = write_batches(inner, &batches);
+        let result = write_batches(inner, &batches, &mut filled);
         let end = batches.last().expect("at least one batch").end;
         let mut s = inner.lock();
         s.pending_bytes -= batches.iter().map(|b| b.pending).sum::<u64>();
@@ -553,9 +557,22 @@ fn write_loop(inner: &Inner) {
     }
 }
 
+/// How far the newest segment's file reaches: its batches, then zeroes written ahead.
+struct Filled {
+    seg: Lsn,
+    len: u64,
+}
+
+/// The writer keeps this much zero-filled space ahead of the log's end, written in one
+/// piece (inside the same sync as a batch) whenever less than half of it is left. A
+/// batch written over zeroes the disk already holds changes no file size or extent,
+/// so its fdatasync writes the data alone; appending to the end of a file would make
+/// every sync write the inode too.
+const ZERO_AHEAD: u64 = 1 << 20;
+
 /// Write `batches` (creating segments as they begin) and sync every segment written.
 /// Returns the number of syncs.
-fn write_batches(inner: &Inner, batches: &[Sealed]) -> io::Result<u64> {
+fn write_batches(inner: &Inner, batches: &[Sealed], filled: &mut Filled) -> io::Result<u64> {
     let st = &*inner.storage;
     let mut syncs = 0;
     let mut unsynced: Option<Lsn> = None;
@@ -577,9 +594,23 @@ fn write_batches(inner: &Inner, batches: &[Sealed]) -> io::Result<u64> {
             st.sync(&name)?;
             st.sync_dir()?;
             syncs += 2;
+            *filled = Filled {
+                seg: b.seg,
+                len: SEGMENT_HEADER_BYTES,
+            };
         }
         st.write_at(&name, b.offset, &b.bytes)?;
         unsynced = Some(b.seg);
+        let end = b.offset + b.bytes.len() as u64;
+        if filled.seg == b.seg {
+            filled.len = filled.len.max(end);
+            let limit = inner.config.segment_bytes;
+            if filled.len < end + ZERO_AHEAD / 2 && filled.len < limit {
+                let upto = (end + ZERO_AHEAD).min(limit);
+                st.write_at(&name, filled.len, &vec![0u8; (upto - filled.len) as usize])?;
+                filled.len = upto;
+            }
+        }
     }
     if let Some(seg) = unsynced {
         st.sync(&segment_name(seg))?;
@@ -668,6 +699,26 @@ struct Found {
     recovery: Recovery,
     segments: Vec<Lsn>,
     log_id: u64,
+    /// The newest segment's file length (its logical end plus any zeroes ahead).
+    last_file_len: u64,
+}
+
+/// Is `name` all zeroes from `from` to `to`?
+fn all_zero(st: &dyn Storage, name: &str, from: u64, to: u64) -> io::Result<bool> {
+    let mut buf = vec![0u8; 64 << 10];
+    let mut at = from;
+    while at < to {
+        let want = ((to - at) as usize).min(buf.len());
+        let n = st.read_at(name, at, &mut buf[..want])?;
+        if n == 0 {
+            return Ok(true);
+        }
+        if buf[..n].iter().any(|&b| b != 0) {
+            return Ok(false);
+        }
+        at += n as u64;
+    }
+    Ok(true)
 }
 
 /// docs/log.md §4.
@@ -729,24 +780,14 @@ fn recover(st: &dyn Storage) -> Result<Found, Error> {
             }
         }
     }
-    for w in segs.windows(2) {
-        let ((a, alen), (b, _)) = (w[0], w[1]);
-        if a + alen != b {
-            return Err(Error::Corrupted {
-                segment: segment_name(b),
-                offset: 0,
-                reason: format!(
-                    "the segment before ends at position {}, this one starts at {b}: a segment \
-                     is missing or was cut",
-                    a + alen
-                ),
-            });
-        }
-    }
+    // Scan every segment before changing anything: a refused open changes nothing.
+    // Each segment's logical end is where its batches stop; zeroes after it are space
+    // the writer filled ahead (see `ZERO_AHEAD`).
     let mut records = 0;
     let count = segs.len();
-    for (i, seg) in segs.iter_mut().enumerate() {
-        let (first, len) = *seg;
+    let mut cut: Option<(String, u64, u64, String)> = None;
+    let mut ends = Vec::with_capacity(count);
+    for (i, &(first, len)) in segs.iter().enumerate() {
         let name = segment_name(first);
         let mut off = SEGMENT_HEADER_BYTES;
         while off < len {
@@ -756,6 +797,9 @@ fn recover(st: &dyn Storage) -> Result<Found, Error> {
                     off += extent;
                 }
                 BatchRead::Bad(reason) => {
+                    if all_zero(st, &name, off, len).map_err(io("read a segment"))? {
+                        break;
+                    }
                     if i + 1 < count {
                         return Err(Error::Corrupted {
                             segment: name,
@@ -772,15 +816,36 @@ fn recover(st: &dyn Storage) -> Result<Found, Error> {
                             reason: format!("{reason}, and a durable batch follows at byte {at}"),
                         });
                     }
-                    tracing::warn!(segment = %name, offset = off, bytes = len - off, "cutting a torn tail: {reason}");
-                    st.truncate(&name, off).map_err(io("cut a torn tail"))?;
-                    st.sync(&name).map_err(io("sync a segment"))?;
-                    torn_bytes += len - off;
-                    seg.1 = off;
+                    cut = Some((name.clone(), off, len, reason));
                     break;
                 }
             }
         }
+        ends.push(off.min(len));
+    }
+    for (i, w) in segs.windows(2).enumerate() {
+        let ((a, _), (b, _)) = (w[0], w[1]);
+        if a + ends[i] != b {
+            return Err(Error::Corrupted {
+                segment: segment_name(b),
+                offset: 0,
+                reason: format!(
+                    "the segment before ends at position {}, this one starts at {b}: a segment \
+                     is missing or was cut",
+                    a + ends[i]
+                ),
+            });
+        }
+    }
+    let mut last_file_len = segs.last().map_or(0, |s| s.1);
+    if let Some((name, off, len, reason)) = cut {
+        tracing::warn!(segment = %name, offset = off, bytes = len - off, "cutting a torn tail: {reason}");
+        st.truncate(&name, off).map_err(io("cut a torn tail"))?;
+        torn_bytes += len - off;
+        last_file_len = off;
+    }
+    for (seg, end) in segs.iter_mut().zip(&ends) {
+        seg.1 = *end;
     }
     if let Some((name, len)) = unfinished {
         tracing::warn!(segment = %name, "removing a segment whose creation was interrupted");
@@ -808,6 +873,7 @@ fn recover(st: &dyn Storage) -> Result<Found, Error> {
             st.sync(&name).map_err(io("sync its first segment"))?;
             st.sync_dir().map_err(io("sync its directory"))?;
             segs.push((0, SEGMENT_HEADER_BYTES));
+            last_file_len = SEGMENT_HEADER_BYTES;
             id
         }
     };
@@ -828,5 +894,6 @@ fn recover(st: &dyn Storage) -> Result<Found, Error> {
         },
         segments: segs.iter().map(|&(f, _)| f).collect(),
         log_id,
+        last_file_len,
     })
 }

@@ -137,22 +137,34 @@ fn async_waiters_resolve_when_durable() {
 fn a_torn_tail_on_disk_is_cut_and_damage_before_durable_records_is_refused() {
     let scratch = Scratch::new("log-torn");
     let dir = scratch.dir("log");
-    {
+    let good = {
         let (log, _) = Log::open_dir(&dir, small()).unwrap();
         for i in 0..5u8 {
             let end = log.append(3, &[i; 50]).unwrap();
             log.wait_durable(end).unwrap();
         }
-    }
+        log.durable_lsn()
+    };
     let seg = dir.join("00000000000000000000.seg");
-    let good = std::fs::metadata(&seg).unwrap().len();
-    // A write the crash cut: half a batch header and some bytes.
+    // The writer keeps zeroes ahead of the end: a clean reopen keeps them.
+    let filled = std::fs::metadata(&seg).unwrap().len();
+    assert!(filled > good);
+    {
+        let (_, rec) = Log::open_dir(&dir, small()).unwrap();
+        assert_eq!((rec.end, rec.torn_bytes, rec.records), (good, 0, 5));
+    }
+    // A write the crash cut: half a batch header and some bytes, over the zeroes.
     let mut bytes = std::fs::read(&seg).unwrap();
-    bytes.extend_from_slice(&[0x46, 0x4c, 0x42, 0x31, 9, 9, 9, 0, 1, 2, 3]);
+    bytes[good as usize..good as usize + 11]
+        .copy_from_slice(&[0x46, 0x4c, 0x42, 0x31, 9, 9, 9, 0, 1, 2, 3]);
     std::fs::write(&seg, &bytes).unwrap();
     {
         let (log, rec) = Log::open_dir(&dir, small()).unwrap();
-        assert_eq!(rec.torn_bytes, 11);
+        assert_eq!(
+            rec.torn_bytes,
+            filled - good,
+            "the torn write and the zeroes after it"
+        );
         assert_eq!(rec.records, 5);
         assert_eq!(all(&log).len(), 5);
     }
