@@ -115,6 +115,12 @@ impl Replay {
         self.positions.first().and_then(|e| e.first())
     }
 
+    /// The last entry at the highest position journaled (a generation's end, if it
+    /// ended).
+    pub fn last(&self) -> Option<&Entry> {
+        self.positions.iter().rev().find_map(|p| p.last())
+    }
+
     pub fn arrivals(&self) -> &[Entry] {
         &self.arrivals
     }

@@ -1,0 +1,673 @@
+//! The engine, first slice (docs/flow.md §4): typed workflows, runs started by id,
+//! steps journaled to one ferry-log with output holding, results awaited from anywhere,
+//! recovery by replay, nondeterminism parking. Runs are spread over shards, each a
+//! thread with a single-threaded executor; every shard appends to the one log, whose
+//! writer's fdatasync covers them all.
+//!
+//! Not yet: retries, timers, signals, children, cancellation, limits, continue-as-new,
+//! compaction (docs/flow.md).
+
+use crate::journal::{Entry, Json, Outcome, RECORD_KIND, RUN_ID_MAX, Record};
+use crate::replay::{Call, Nondeterminism, Replay, Slot};
+use ferry_log::{Config as LogConfig, Log, Lsn};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::marker::PhantomData;
+use std::path::Path;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use tokio::sync::{mpsc, oneshot};
+
+/// A workflow's name and types: `static CHECKOUT: Workflow<Order, Receipt> = Workflow::new("checkout");`
+pub struct Workflow<I, O> {
+    name: &'static str,
+    _types: PhantomData<fn(I) -> O>,
+}
+
+impl<I, O> Workflow<I, O> {
+    pub const fn new(name: &'static str) -> Self {
+        Workflow {
+            name,
+            _types: PhantomData,
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+}
+
+impl<I, O> Clone for Workflow<I, O> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<I, O> Copy for Workflow<I, O> {}
+
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum FlowError {
+    #[error("step {name:?} failed: {error}")]
+    Step { name: String, error: String },
+    #[error(transparent)]
+    Nondeterminism(#[from] Nondeterminism),
+    #[error("the run is parked: {0}")]
+    Parked(String),
+    #[error(transparent)]
+    Log(#[from] ferry_log::Error),
+    #[error("cannot encode or decode a value: {0}")]
+    Codec(String),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("the engine stopped")]
+    Stopped,
+}
+
+type Handler =
+    Arc<dyn Fn(Ctx, Json) -> Pin<Box<dyn Future<Output = Result<Json, FlowError>>>> + Send + Sync>;
+
+fn encode<T: Serialize>(v: &T) -> Result<Json, FlowError> {
+    serde_json::to_value(v).map_err(|e| FlowError::Codec(e.to_string()))
+}
+
+fn decode<T: DeserializeOwned>(v: Json) -> Result<T, FlowError> {
+    serde_json::from_value(v).map_err(|e| FlowError::Codec(e.to_string()))
+}
+
+/// Where a run stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RunStatus {
+    Running,
+    Finished(Outcome),
+    Parked(String),
+}
+
+struct RunEntry {
+    status: RunStatus,
+    waiters: Vec<oneshot::Sender<RunStatus>>,
+}
+
+struct Shared {
+    log: Arc<Log>,
+    runs: Mutex<HashMap<String, RunEntry>>,
+}
+
+impl Shared {
+    fn settle(&self, run: &str, status: RunStatus) {
+        let mut runs = self.runs.lock().unwrap_or_else(|p| p.into_inner());
+        let e = runs.entry(run.to_string()).or_insert(RunEntry {
+            status: RunStatus::Running,
+            waiters: Vec::new(),
+        });
+        e.status = status.clone();
+        for w in e.waiters.drain(..) {
+            let _ = w.send(status.clone());
+        }
+    }
+}
+
+struct Job {
+    run: String,
+    generation: u32,
+    replay: Replay,
+    input: Json,
+    handler: Handler,
+}
+
+/// Builds an [`Engine`].
+pub struct EngineBuilder {
+    dir: std::path::PathBuf,
+    storage: Option<Arc<dyn ferry_log::Storage>>,
+    shards: usize,
+    log: LogConfig,
+    handlers: HashMap<&'static str, Handler>,
+}
+
+impl EngineBuilder {
+    pub fn shards(mut self, n: usize) -> Self {
+        self.shards = n;
+        self
+    }
+
+    /// Keep the log on `storage` instead of files in the directory (the simulation).
+    pub fn storage(mut self, storage: Arc<dyn ferry_log::Storage>) -> Self {
+        self.storage = Some(storage);
+        self
+    }
+
+    pub fn log_config(mut self, c: LogConfig) -> Self {
+        self.log = c;
+        self
+    }
+
+    /// Register `f` as the code of `workflow`.
+    pub fn register<I, O, F, Fut>(mut self, workflow: Workflow<I, O>, f: F) -> Self
+    where
+        I: DeserializeOwned + 'static,
+        O: Serialize + 'static,
+        F: Fn(Ctx, I) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<O, FlowError>> + 'static,
+    {
+        let f = Arc::new(f);
+        let handler: Handler = Arc::new(move |ctx, input| {
+            let f = f.clone();
+            Box::pin(async move {
+                let input: I = decode(input)?;
+                let out = f(ctx, input).await?;
+                encode(&out)
+            })
+        });
+        self.handlers.insert(workflow.name, handler);
+        self
+    }
+
+    /// Open the log (recovering it), rebuild every run from its journal, restart the
+    /// unfinished ones.
+    pub fn open(self) -> Result<Engine, FlowError> {
+        if self.shards == 0 || self.shards > 256 {
+            return Err(FlowError::Invalid(format!(
+                "shards {} must be between 1 and 256",
+                self.shards
+            )));
+        }
+        let (log, recovery) = match self.storage {
+            Some(st) => Log::open(st, self.log)?,
+            None => Log::open_dir(&self.dir, self.log)?,
+        };
+        let log = Arc::new(log);
+        let mut by_run: BTreeMap<String, Vec<Record>> = BTreeMap::new();
+        let mut bad = None;
+        log.read(log.start_lsn(), |r| {
+            if r.kind != RECORD_KIND {
+                return;
+            }
+            match Record::decode(r.payload) {
+                Ok(rec) => by_run.entry(rec.run.clone()).or_default().push(rec),
+                Err(e) => {
+                    bad.get_or_insert(format!("record at {}: {e}", r.lsn));
+                }
+            }
+        })?;
+        if let Some(e) = bad {
+            return Err(FlowError::Codec(format!(
+                "the journal holds a record this build cannot read ({e})"
+            )));
+        }
+        let shared = Arc::new(Shared {
+            log: log.clone(),
+            runs: Mutex::new(HashMap::new()),
+        });
+        let mut shards = Vec::new();
+        for i in 0..self.shards {
+            shards.push(Shard::start(i, shared.clone()));
+        }
+        let engine = Engine {
+            shared,
+            shards,
+            handlers: self.handlers,
+        };
+        let mut resumed = 0;
+        for (run, records) in by_run {
+            let generation = records.iter().map(|r| r.generation).max().unwrap_or(0);
+            let records: Vec<Record> = records
+                .into_iter()
+                .filter(|r| r.generation == generation)
+                .collect();
+            let replay = Replay::new(records);
+            let ended = replay_end(&replay);
+            let status = match ended {
+                Some(s) => s,
+                None => match replay.started().cloned() {
+                    Some(Entry::Started {
+                        workflow, input, ..
+                    }) => match engine.handlers.get(workflow.as_str()) {
+                        Some(h) => {
+                            engine.spawn(Job {
+                                run: run.clone(),
+                                generation,
+                                replay,
+                                input,
+                                handler: h.clone(),
+                            });
+                            resumed += 1;
+                            RunStatus::Running
+                        }
+                        None => RunStatus::Parked(format!(
+                            "no workflow named {workflow:?} is registered; register it and restart"
+                        )),
+                    },
+                    _ => RunStatus::Parked("the journal has no start record".into()),
+                },
+            };
+            engine
+                .shared
+                .runs
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .entry(run)
+                .or_insert(RunEntry {
+                    status,
+                    waiters: Vec::new(),
+                });
+        }
+        tracing::info!(
+            resumed,
+            log_records = recovery.records,
+            ms = recovery.elapsed.as_secs_f64() * 1e3,
+            "flow engine open"
+        );
+        Ok(engine)
+    }
+}
+
+/// A finished or parked generation's last entry, as a status.
+fn replay_end(replay: &Replay) -> Option<RunStatus> {
+    replay.last().and_then(|e| match e {
+        Entry::Finished { outcome } => Some(RunStatus::Finished(outcome.clone())),
+        Entry::Parked { reason } => Some(RunStatus::Parked(reason.clone())),
+        _ => None,
+    })
+}
+
+/// Durable execution on one directory.
+pub struct Engine {
+    shared: Arc<Shared>,
+    shards: Vec<Shard>,
+    handlers: HashMap<&'static str, Handler>,
+}
+
+impl Engine {
+    pub fn builder(dir: impl AsRef<Path>) -> EngineBuilder {
+        EngineBuilder {
+            dir: dir.as_ref().to_path_buf(),
+            storage: None,
+            shards: 2,
+            log: LogConfig::default(),
+            handlers: HashMap::new(),
+        }
+    }
+
+    fn shard_of(&self, run: &str) -> &Shard {
+        // FNV-1a: stable across processes, so a run stays on its shard after a restart.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in run.bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+        &self.shards[(h % self.shards.len() as u64) as usize]
+    }
+
+    fn spawn(&self, job: Job) {
+        let _ = self.shard_of(&job.run).tx.send(job);
+    }
+
+    /// Start `workflow` as run `id`, or return the run that already has that id
+    /// (running, parked or finished: docs/flow.md §1.6). Returns once the start is
+    /// durable.
+    pub async fn start<I: Serialize, O: DeserializeOwned>(
+        &self,
+        workflow: Workflow<I, O>,
+        id: &str,
+        input: &I,
+    ) -> Result<RunHandle<O>, FlowError> {
+        if id.is_empty() || id.len() > RUN_ID_MAX {
+            return Err(FlowError::Invalid(format!(
+                "a run id must be 1 to {RUN_ID_MAX} bytes, not {}",
+                id.len()
+            )));
+        }
+        let handler = self
+            .handlers
+            .get(workflow.name)
+            .ok_or_else(|| {
+                FlowError::Invalid(format!(
+                    "no workflow named {:?} is registered",
+                    workflow.name
+                ))
+            })?
+            .clone();
+        let input = encode(input)?;
+        let handle = RunHandle {
+            shared: self.shared.clone(),
+            id: id.to_string(),
+            _out: PhantomData,
+        };
+        let lsn = {
+            let mut runs = self.shared.runs.lock().unwrap_or_else(|p| p.into_inner());
+            if runs.contains_key(id) {
+                return Ok(handle);
+            }
+            let rec = Record {
+                run: id.to_string(),
+                generation: 0,
+                pos: Some(0),
+                entry: Entry::Started {
+                    workflow: workflow.name.to_string(),
+                    input: input.clone(),
+                    parent: None,
+                },
+            };
+            let lsn = self.shared.log.append(RECORD_KIND, &rec.encode())?;
+            runs.insert(
+                id.to_string(),
+                RunEntry {
+                    status: RunStatus::Running,
+                    waiters: Vec::new(),
+                },
+            );
+            self.spawn(Job {
+                run: id.to_string(),
+                generation: 0,
+                replay: Replay::new([rec]),
+                input,
+                handler,
+            });
+            lsn
+        };
+        self.shared.log.durable(lsn).await?;
+        Ok(handle)
+    }
+
+    /// A handle on an existing run (for `result` after a restart).
+    pub fn run<O: DeserializeOwned>(&self, id: &str) -> Option<RunHandle<O>> {
+        let runs = self.shared.runs.lock().unwrap_or_else(|p| p.into_inner());
+        runs.contains_key(id).then(|| RunHandle {
+            shared: self.shared.clone(),
+            id: id.to_string(),
+            _out: PhantomData,
+        })
+    }
+
+    pub fn status(&self, id: &str) -> Option<RunStatus> {
+        let runs = self.shared.runs.lock().unwrap_or_else(|p| p.into_inner());
+        runs.get(id).map(|r| r.status.clone())
+    }
+
+    pub fn log_stats(&self) -> ferry_log::Stats {
+        self.shared.log.stats()
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        for s in &mut self.shards {
+            s.stop();
+        }
+    }
+}
+
+/// A run's result, awaitable from any thread.
+pub struct RunHandle<O> {
+    shared: Arc<Shared>,
+    id: String,
+    _out: PhantomData<fn() -> O>,
+}
+
+impl<O: DeserializeOwned> RunHandle<O> {
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The run's output once it finished and that is durable; its error if it failed or
+    /// is parked.
+    pub async fn result(&self) -> Result<O, FlowError> {
+        let rx = {
+            let mut runs = self.shared.runs.lock().unwrap_or_else(|p| p.into_inner());
+            let entry = runs
+                .get_mut(&self.id)
+                .ok_or_else(|| FlowError::Invalid(format!("no run {:?}", self.id)))?;
+            match &entry.status {
+                RunStatus::Running => {
+                    let (tx, rx) = oneshot::channel();
+                    entry.waiters.push(tx);
+                    Some(rx)
+                }
+                done => return status_result(done.clone()),
+            }
+        };
+        match rx {
+            Some(rx) => status_result(rx.await.map_err(|_| FlowError::Stopped)?),
+            None => unreachable!("returned above"),
+        }
+    }
+}
+
+fn status_result<O: DeserializeOwned>(s: RunStatus) -> Result<O, FlowError> {
+    match s {
+        RunStatus::Finished(Outcome::Ok(v)) => decode(v),
+        RunStatus::Finished(Outcome::Err(e)) => Err(FlowError::Step {
+            name: "workflow".into(),
+            error: e,
+        }),
+        RunStatus::Parked(reason) => Err(FlowError::Parked(reason)),
+        RunStatus::Running => Err(FlowError::Stopped),
+    }
+}
+
+struct Shard {
+    tx: mpsc::UnboundedSender<Job>,
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Shard {
+    fn start(i: usize, shared: Arc<Shared>) -> Shard {
+        let (tx, mut rx) = mpsc::unbounded_channel::<Job>();
+        let (stop_tx, mut stop_rx) = oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name(format!("ferry-flow-{i}"))
+            .spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_time()
+                    .build()
+                    .expect("a current-thread runtime builds");
+                let local = tokio::task::LocalSet::new();
+                local.block_on(&rt, async move {
+                    loop {
+                        tokio::select! {
+                            job = rx.recv() => match job {
+                                Some(job) => {
+                                    tokio::task::spawn_local(run_job(shared.clone(), job));
+                                }
+                                None => break,
+                            },
+                            _ = &mut stop_rx => break,
+                        }
+                    }
+                });
+            })
+            .expect("spawning a shard thread");
+        Shard {
+            tx,
+            stop: Some(stop_tx),
+            thread: Some(thread),
+        }
+    }
+
+    fn stop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Run (or resume) one run to its end on this shard.
+async fn run_job(shared: Arc<Shared>, job: Job) {
+    let ctx = Ctx {
+        run: Rc::new(RunCtx {
+            shared: shared.clone(),
+            run: job.run.clone(),
+            generation: job.generation,
+            replay: RefCell::new(job.replay),
+            last: Cell::new(0),
+        }),
+    };
+    let result = (job.handler)(ctx.clone(), job.input).await;
+    let run = &ctx.run;
+    let (entry, status) = match result {
+        // Not journaled: after every restart the run replays up to the same call (no
+        // step body runs while replaying) and parks again, until a deploy takes the
+        // recorded path and it resumes by itself.
+        Err(FlowError::Nondeterminism(n)) => {
+            tracing::error!(run = %run.run, "{n}");
+            shared.settle(&run.run, RunStatus::Parked(n.to_string()));
+            return;
+        }
+        Err(FlowError::Log(e)) => {
+            // The log refuses writes: nothing more can be journaled for this run in
+            // this process; it resumes after a restart.
+            tracing::error!(run = %run.run, "the journal failed: {e}");
+            return;
+        }
+        Err(FlowError::Stopped) => return,
+        Ok(v) => {
+            let o = Outcome::Ok(v);
+            (
+                Entry::Finished { outcome: o.clone() },
+                RunStatus::Finished(o),
+            )
+        }
+        Err(e) => {
+            let o = Outcome::Err(e.to_string());
+            (
+                Entry::Finished { outcome: o.clone() },
+                RunStatus::Finished(o),
+            )
+        }
+    };
+    let pos = match run.replay.borrow_mut().finish() {
+        Ok(Slot::Fresh { pos }) => Some(pos),
+        Ok(Slot::Recorded { .. }) => None,
+        Err(n) => {
+            // The code returned while its journal holds more calls: parked, as above.
+            tracing::error!(run = %run.run, "{n}");
+            shared.settle(&run.run, RunStatus::Parked(n.to_string()));
+            return;
+        }
+    };
+    if let Some(pos) = pos
+        && run.append(Some(pos), entry).is_err()
+    {
+        return;
+    }
+    // A result leaves the process only once its record is durable.
+    if shared.log.durable(run.last.get()).await.is_ok() {
+        shared.settle(&run.run, status);
+    }
+}
+
+struct RunCtx {
+    shared: Arc<Shared>,
+    run: String,
+    generation: u32,
+    replay: RefCell<Replay>,
+    /// The end of this run's last record: what anything leaving the process waits for.
+    last: Cell<Lsn>,
+}
+
+impl RunCtx {
+    fn append(&self, pos: Option<u32>, entry: Entry) -> Result<(), FlowError> {
+        let rec = Record {
+            run: self.run.clone(),
+            generation: self.generation,
+            pos,
+            entry,
+        };
+        let end = self.shared.log.append(RECORD_KIND, &rec.encode())?;
+        self.last.set(end);
+        Ok(())
+    }
+}
+
+/// What a workflow's code calls (docs/flow.md §2). Cheap to clone; not `Send` (a run
+/// lives on its shard).
+#[derive(Clone)]
+pub struct Ctx {
+    run: Rc<RunCtx>,
+}
+
+/// What a step's body gets: the key to pass to the outside world.
+pub struct StepCtx {
+    key: String,
+}
+
+impl StepCtx {
+    /// Stable across re-executions of the same step of the same run: `run/generation/position`.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+}
+
+impl Ctx {
+    pub fn run_id(&self) -> &str {
+        &self.run.run
+    }
+
+    /// Run `body` once, durably: on replay its journaled result is returned and the body
+    /// does not run. Before the body runs, everything this run journaled is durable.
+    pub async fn step<T, F, Fut>(&self, name: &str, body: F) -> Result<T, FlowError>
+    where
+        T: Serialize + DeserializeOwned,
+        F: FnOnce(StepCtx) -> Fut,
+        Fut: Future<Output = Result<T, String>>,
+    {
+        enum Found {
+            Done(Outcome),
+            Run(u32),
+        }
+        let found = {
+            let mut replay = self.run.replay.borrow_mut();
+            match replay.call(Call::Step(name))? {
+                Slot::Recorded { pos, entries } => match entries.iter().find_map(|e| match e {
+                    Entry::Step { outcome, .. } => Some(outcome.clone()),
+                    _ => None,
+                }) {
+                    Some(outcome) => Found::Done(outcome),
+                    // Only failed attempts were journaled (a crash between attempts):
+                    // run it again at the same position.
+                    None => Found::Run(pos),
+                },
+                Slot::Fresh { pos } => Found::Run(pos),
+            }
+        };
+        let pos = match found {
+            Found::Done(Outcome::Ok(v)) => return decode(v),
+            Found::Done(Outcome::Err(error)) => {
+                return Err(FlowError::Step {
+                    name: name.to_string(),
+                    error,
+                });
+            }
+            Found::Run(pos) => pos,
+        };
+        // Output holding: the body talks to the outside world, so what it follows
+        // must be durable first.
+        self.run.shared.log.durable(self.run.last.get()).await?;
+        let key = format!("{}/{}/{}", self.run.run, self.run.generation, pos);
+        let outcome = match body(StepCtx { key }).await {
+            Ok(v) => Outcome::Ok(encode(&v)?),
+            Err(e) => Outcome::Err(e),
+        };
+        self.run.append(
+            Some(pos),
+            Entry::Step {
+                name: name.to_string(),
+                outcome: outcome.clone(),
+                attempts: 1,
+            },
+        )?;
+        match outcome {
+            Outcome::Ok(v) => decode(v),
+            Outcome::Err(error) => Err(FlowError::Step {
+                name: name.to_string(),
+                error,
+            }),
+        }
+    }
+}

@@ -1,0 +1,227 @@
+//! The engine's first slice, on a real log in a real directory: a journaled step does not
+//! run again after a restart, starting an id twice gives one run, a run whose code took
+//! another path is parked (and stays parked), a failed step fails the run.
+
+use ferry_flow::{Ctx, Engine, FlowError, RunStatus, Workflow};
+use ferry_testkit::Scratch;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+static ORDER: Workflow<u32, String> = Workflow::new("order");
+
+async fn wait_for(what: &str, f: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Step "a", then a step "b" that never finishes: the run is mid-way when the engine
+/// stops.
+async fn stuck_after_a(
+    ctx: Ctx,
+    n: u32,
+    a_runs: &'static AtomicU32,
+    b_started: &'static AtomicU32,
+) -> Result<String, FlowError> {
+    let a: u32 = ctx
+        .step("a", |_| async move {
+            a_runs.fetch_add(1, Ordering::SeqCst);
+            Ok(n * 10)
+        })
+        .await?;
+    let _: u32 = ctx
+        .step("b", |_| async move {
+            b_started.fetch_add(1, Ordering::SeqCst);
+            std::future::pending::<()>().await;
+            Ok(0)
+        })
+        .await?;
+    Ok(format!("a={a}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_journaled_step_does_not_run_again_after_a_restart() {
+    static A_RUNS: AtomicU32 = AtomicU32::new(0);
+    static B_STARTED: AtomicU32 = AtomicU32::new(0);
+    static KEYS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let scratch = Scratch::new("flow-restart");
+    let dir = scratch.dir("flow");
+    {
+        let engine = Engine::builder(&dir)
+            .register(ORDER, |ctx, n| stuck_after_a(ctx, n, &A_RUNS, &B_STARTED))
+            .open()
+            .unwrap();
+        engine.start(ORDER, "order-1", &4).await.unwrap();
+        // Step b's body runs only once step a's result is durable.
+        wait_for("step b to start", || B_STARTED.load(Ordering::SeqCst) == 1).await;
+        assert_eq!(engine.status("order-1"), Some(RunStatus::Running));
+    }
+    let engine = Engine::builder(&dir)
+        .register(ORDER, |ctx: Ctx, n: u32| async move {
+            let a: u32 = ctx
+                .step("a", |_| async move {
+                    A_RUNS.fetch_add(1, Ordering::SeqCst);
+                    Ok(n * 10)
+                })
+                .await?;
+            let b: u32 = ctx
+                .step("b", |s| {
+                    KEYS.lock().unwrap().push(s.key().to_string());
+                    async { Ok(7) }
+                })
+                .await?;
+            Ok(format!("a={a} b={b}"))
+        })
+        .open()
+        .unwrap();
+    let run = engine
+        .run::<String>("order-1")
+        .expect("the run survived the restart");
+    assert_eq!(run.result().await.unwrap(), "a=40 b=7");
+    assert_eq!(A_RUNS.load(Ordering::SeqCst), 1, "step a ran again");
+    assert_eq!(*KEYS.lock().unwrap(), vec!["order-1/0/2".to_string()]);
+    // Finished runs answer from the journal after another restart, running nothing.
+    drop(run);
+    drop(engine);
+    let engine = Engine::builder(&dir)
+        .register(ORDER, |_ctx: Ctx, _n: u32| async move {
+            panic!("a finished run must not run again")
+        })
+        .open()
+        .unwrap();
+    assert_eq!(
+        engine
+            .run::<String>("order-1")
+            .unwrap()
+            .result()
+            .await
+            .unwrap(),
+        "a=40 b=7"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn starting_an_id_twice_gives_one_run() {
+    static RUNS: AtomicU32 = AtomicU32::new(0);
+    let scratch = Scratch::new("flow-idem");
+    let engine = Engine::builder(scratch.dir("flow"))
+        .register(ORDER, |ctx: Ctx, n: u32| async move {
+            ctx.step("count", |_| async {
+                RUNS.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            })
+            .await?;
+            Ok(format!("n={n}"))
+        })
+        .open()
+        .unwrap();
+    let first = engine.start(ORDER, "same", &1).await.unwrap();
+    let second = engine.start(ORDER, "same", &2).await.unwrap();
+    assert_eq!(first.result().await.unwrap(), "n=1");
+    assert_eq!(
+        second.result().await.unwrap(),
+        "n=1",
+        "the second start returned the first run"
+    );
+    assert_eq!(RUNS.load(Ordering::SeqCst), 1);
+    assert!(matches!(
+        engine.start(ORDER, &"x".repeat(300), &1).await,
+        Err(FlowError::Invalid(_))
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_code_changed_path_is_parked_until_the_code_takes_its_path_again() {
+    static A_RUNS: AtomicU32 = AtomicU32::new(0);
+    static B_STARTED: AtomicU32 = AtomicU32::new(0);
+    static OTHER: AtomicU32 = AtomicU32::new(0);
+    let scratch = Scratch::new("flow-nondet");
+    let dir = scratch.dir("flow");
+    {
+        let engine = Engine::builder(&dir)
+            .register(ORDER, |ctx, n| stuck_after_a(ctx, n, &A_RUNS, &B_STARTED))
+            .open()
+            .unwrap();
+        engine.start(ORDER, "o", &1).await.unwrap();
+        wait_for("step b to start", || B_STARTED.load(Ordering::SeqCst) == 1).await;
+    }
+    // A deploy that calls another step first.
+    let changed = |ctx: Ctx, _n: u32| async move {
+        ctx.step("fraud-check", |_| async {
+            OTHER.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        })
+        .await?;
+        Ok("done".to_string())
+    };
+    {
+        let engine = Engine::builder(&dir)
+            .register(ORDER, changed)
+            .open()
+            .unwrap();
+        let err = engine
+            .run::<String>("o")
+            .unwrap()
+            .result()
+            .await
+            .unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("nondeterminism at position 1"), "{msg}");
+        assert!(
+            msg.contains("step \"a\"") && msg.contains("step \"fraud-check\""),
+            "{msg}"
+        );
+        assert!(matches!(engine.status("o"), Some(RunStatus::Parked(_))));
+    }
+    {
+        let engine = Engine::builder(&dir)
+            .register(ORDER, changed)
+            .open()
+            .unwrap();
+        let err = engine
+            .run::<String>("o")
+            .unwrap()
+            .result()
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("nondeterminism"), "{err}");
+        assert_eq!(
+            OTHER.load(Ordering::SeqCst),
+            0,
+            "no step of a parked run runs"
+        );
+    }
+    // A deploy that takes the recorded path again: the run resumes where it stopped.
+    let engine = Engine::builder(&dir)
+        .register(ORDER, |ctx: Ctx, n: u32| async move {
+            let a: u32 = ctx.step("a", |_| async move { Ok(n * 10) }).await?;
+            let b: u32 = ctx.step("b", |_| async { Ok(5) }).await?;
+            Ok(format!("a={a} b={b}"))
+        })
+        .open()
+        .unwrap();
+    assert_eq!(
+        engine.run::<String>("o").unwrap().result().await.unwrap(),
+        "a=10 b=5"
+    );
+    assert_eq!(A_RUNS.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_step_fails_the_run_with_its_error() {
+    let scratch = Scratch::new("flow-fail");
+    let engine = Engine::builder(scratch.dir("flow"))
+        .register(ORDER, |ctx: Ctx, _n: u32| async move {
+            let _: u32 = ctx
+                .step("charge", |_| async { Err("card declined".to_string()) })
+                .await?;
+            Ok("paid".to_string())
+        })
+        .open()
+        .unwrap();
+    let run = engine.start(ORDER, "f", &1).await.unwrap();
+    let msg = run.result().await.unwrap_err().to_string();
+    assert!(msg.contains("card declined"), "{msg}");
+}
