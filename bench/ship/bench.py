@@ -489,6 +489,12 @@ def change(t, base):
     return f"{fmt(-pct_, 1)}% lost" if pct_ < 0 else f"{fmt(pct_, 1)}% faster"
 
 
+def paired(tput, name, baseline="off, default autocheckpoint"):
+    """Median over runs of (run i of `name`) / (run i of the baseline)."""
+    ratios = [r["tps"] / b["tps"] for r, b in zip(tput[name], tput[baseline]) if b.get("tps")]
+    return statistics.median(ratios) if ratios else float("nan")
+
+
 def report(lag, tput, outage, m):
     RESULTS.mkdir(parents=True, exist_ok=True)
     lines = ["# ferry-ship benchmark", ""]
@@ -525,11 +531,17 @@ def report(lag, tput, outage, m):
 
     # Throughput.
     lines += ["", "## Primary write throughput, unthrottled", "",
-              "| configuration | tx/s | vs. no shipping (default autocheckpoint) | commit p99 (µs) |", "|---|---|---|---|"]
+              "| configuration | tx/s | vs. no shipping (default autocheckpoint) | median of paired ratios | commit p99 (µs) |",
+              "|---|---|---|---|---|"]
     base = median_of(tput["off, default autocheckpoint"], "tps")
     for name, runs in tput.items():
         t = median_of(runs, "tps")
-        lines.append(f"| {name} | {fmt(t, 0)} | {fmt(100 * t / base, 1)}% | {fmt(median_of(runs, 'commit_p99_us'), 0)} |")
+        lines.append(f"| {name} | {fmt(t, 0)} | {fmt(100 * t / base, 1)}% | "
+                     f"{fmt(100 * paired(tput, name), 1)}% | {fmt(median_of(runs, 'commit_p99_us'), 0)} |")
+    lines.append("")
+    lines.append("Runs are interleaved (baseline run i, then every configuration's run i): the paired column is the "
+                 "median of each run's ratio to the baseline run just before it, which cancels the drift of the "
+                 "shared virtual disk better than a ratio of medians; the targets use it.")
 
     # CPU and bytes at 5000 tx/s (and 1000 for bytes).
     lines += ["", "## CPU and bytes on the wire", "",
@@ -580,9 +592,9 @@ def report(lag, tput, outage, m):
          "(the research note's baseline)",
          f"in-process {change(t_ship, same)}, sidecar {change(t_side, same)}",
          t_ship >= 0.95 * same),
-        ("the same, against SQLite's defaults (autocheckpoint on, no shipper)",
-         f"in-process {change(t_ship, base)}, sidecar {change(t_side, base)}",
-         t_ship >= 0.95 * base),
+        ("the same, against SQLite's defaults (autocheckpoint on, no shipper), median of paired ratios",
+         f"in-process {fmt(100 * paired(tput, 'ferry'), 1)}%, sidecar {fmt(100 * paired(tput, 'ferry sidecar'), 1)}%",
+         min(paired(tput, "ferry"), paired(tput, "ferry sidecar")) >= 0.95),
         ("replica lag p99 under 10 ms at 1,000 tx/s", f"{fmt(f99, 2)} ms", f99 < 10),
         (f"a {OUTAGES[-1]} s outage at 1,000 tx/s heals without a full base", "no base" if healed else "base needed", healed),
         ("less shipper CPU per MB than walship", f"{fmt(fcpu)} vs {fmt(wcpu)} ms/MB", fcpu < wcpu),
