@@ -120,6 +120,16 @@ impl Rig {
         if let Some(t) = &self.token_file {
             args.extend(["--token-file".into(), t.display().to_string()]);
         }
+        // Tests run crashing processes side by side on two cores. A shipper at its default
+        // niceness can then be starved for a second while the writer keeps writing, and
+        // if that falls right after a fold the writer can overwrite the end of the old
+        // cycle before the shipper proves the reset: a base, as docs/ship.md §3.1 says a
+        // starved nice shipper may need. That is not what these tests check (a base
+        // there would hide the bases they are about), so their shippers run at nice 0
+        // unless a test says otherwise.
+        if !self.ship_args.iter().any(|a| a == "--nice") {
+            args.extend(["--nice".into(), "0".into()]);
+        }
         args.extend(self.ship_args.clone());
         let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
         let log = self.scratch.path().join("shipper.log");
