@@ -7,7 +7,7 @@
 //! Not yet: retries, timers, signals, children, cancellation, limits, continue-as-new,
 //! compaction (docs/flow.md).
 
-use crate::journal::{Entry, Json, Outcome, RECORD_KIND, RUN_ID_MAX, Record};
+use crate::journal::{Entry, Json, Outcome, RECORD_KIND, RUN_ID_MAX, Record, ValueKind};
 use crate::replay::{Call, Nondeterminism, Replay, Slot};
 use ferry_log::{Config as LogConfig, Log, Lsn};
 use serde::Serialize;
@@ -607,6 +607,61 @@ impl StepCtx {
 impl Ctx {
     pub fn run_id(&self) -> &str {
         &self.run.run
+    }
+
+    /// Code changes that would change a running run's path go behind a patch:
+    /// `if ctx.patched("fraud-check")? { … new calls … }`. True for runs that reach
+    /// this point under the new code (journaled, so their replays take it again); false,
+    /// taking no position, for runs journaled before it existed.
+    pub fn patched(&self, id: &str) -> Result<bool, FlowError> {
+        let (taken, pos) = self.run.replay.borrow_mut().patched(id);
+        if let Some(pos) = pos {
+            self.run
+                .append(Some(pos), Entry::Patch { id: id.to_string() })?;
+        }
+        Ok(taken)
+    }
+
+    /// The wall clock in ms since the epoch, as the run first saw it here: replays see
+    /// the same value.
+    pub fn now_ms(&self) -> Result<u64, FlowError> {
+        let v = self.value(ValueKind::Now, || Json::from(ferry_core::seams::wall_ms()))?;
+        decode(v)
+    }
+
+    /// A random u64, the same on every replay.
+    pub fn random_u64(&self) -> Result<u64, FlowError> {
+        let v = self.value(ValueKind::Random, || {
+            use ferry_core::seams::Rng;
+            Json::from(ferry_core::seams::SplitMix64::from_entropy().next_u64())
+        })?;
+        decode(v)
+    }
+
+    /// A value drawn once and journaled. Nothing outside the process has seen it, so it
+    /// does not wait for the disk; a step that uses it waits (output holding).
+    fn value(&self, kind: ValueKind, draw: impl FnOnce() -> Json) -> Result<Json, FlowError> {
+        let pos = {
+            let mut replay = self.run.replay.borrow_mut();
+            match replay.call(Call::Value(kind))? {
+                Slot::Recorded { entries, pos } => match &entries[0] {
+                    Entry::Value { value, .. } => return Ok(value.clone()),
+                    _ => {
+                        return Err(FlowError::Codec(format!("position {pos} holds no value")));
+                    }
+                },
+                Slot::Fresh { pos } => pos,
+            }
+        };
+        let value = draw();
+        self.run.append(
+            Some(pos),
+            Entry::Value {
+                kind,
+                value: value.clone(),
+            },
+        )?;
+        Ok(value)
     }
 
     /// Run `body` once, durably: on replay its journaled result is returned and the body

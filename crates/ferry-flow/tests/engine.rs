@@ -225,3 +225,92 @@ async fn a_failed_step_fails_the_run_with_its_error() {
     let msg = run.result().await.unwrap_err().to_string();
     assert!(msg.contains("card declined"), "{msg}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn patches_and_values_replay_as_first_seen() {
+    static STARTED: AtomicU32 = AtomicU32::new(0);
+    static EXTRA: AtomicU32 = AtomicU32::new(0);
+    static SEEN: std::sync::Mutex<Vec<(u64, u64)>> = std::sync::Mutex::new(Vec::new());
+    let scratch = Scratch::new("flow-patch");
+    let dir = scratch.dir("flow");
+    // Old code: read the clock and a random number, run step "a", then wait forever.
+    {
+        let engine = Engine::builder(&dir)
+            .register(ORDER, |ctx: Ctx, _n: u32| async move {
+                let (t, r) = (ctx.now_ms()?, ctx.random_u64()?);
+                SEEN.lock().unwrap().push((t, r));
+                ctx.step("a", |_| async { Ok(()) }).await?;
+                let _: u32 = ctx
+                    .step("wait", |_| async {
+                        STARTED.fetch_add(1, Ordering::SeqCst);
+                        std::future::pending::<()>().await;
+                        Ok(0)
+                    })
+                    .await?;
+                Ok("old".to_string())
+            })
+            .open()
+            .unwrap();
+        engine.start(ORDER, "old-run", &1).await.unwrap();
+        wait_for("the old run to wait", || {
+            STARTED.load(Ordering::SeqCst) == 1
+        })
+        .await;
+    }
+    // New code: an extra step behind a patch, before step "a". The old run journaled
+    // step "a" there, so it keeps its old path; a run that has not passed the patch
+    // point yet (or a new run) takes the new one.
+    let new_code = |ctx: Ctx, _n: u32| async move {
+        let (t, r) = (ctx.now_ms()?, ctx.random_u64()?);
+        SEEN.lock().unwrap().push((t, r));
+        if ctx.patched("extra-step")? {
+            ctx.step("extra", |_| async {
+                EXTRA.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            })
+            .await?;
+        }
+        ctx.step("a", |_| async { Ok(()) }).await?;
+        let _: u32 = ctx.step("wait", |_| async { Ok(1) }).await?;
+        Ok("new".to_string())
+    };
+    {
+        let engine = Engine::builder(&dir)
+            .register(ORDER, new_code)
+            .open()
+            .unwrap();
+        // The old run keeps its old path: no extra step, and the same clock and number.
+        assert_eq!(
+            engine
+                .run::<String>("old-run")
+                .unwrap()
+                .result()
+                .await
+                .unwrap(),
+            "new"
+        );
+        assert_eq!(EXTRA.load(Ordering::SeqCst), 0);
+        let seen = SEEN.lock().unwrap().clone();
+        assert_eq!(seen.len(), 2);
+        assert_eq!(seen[0], seen[1], "replay saw other values");
+        // A new run takes the patch.
+        let run = engine.start(ORDER, "new-run", &2).await.unwrap();
+        assert_eq!(run.result().await.unwrap(), "new");
+        assert_eq!(EXTRA.load(Ordering::SeqCst), 1);
+    }
+    // Replayed again, the new run still takes the patch (and does not run it again).
+    let engine = Engine::builder(&dir)
+        .register(ORDER, new_code)
+        .open()
+        .unwrap();
+    assert_eq!(
+        engine
+            .run::<String>("new-run")
+            .unwrap()
+            .result()
+            .await
+            .unwrap(),
+        "new"
+    );
+    assert_eq!(EXTRA.load(Ordering::SeqCst), 1);
+}
