@@ -21,6 +21,7 @@ use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 
 /// A workflow's name and types: `static CHECKOUT: Workflow<Order, Receipt> = Workflow::new("checkout");`
@@ -636,6 +637,56 @@ impl Ctx {
             Json::from(ferry_core::seams::SplitMix64::from_entropy().next_u64())
         })?;
         decode(v)
+    }
+
+    /// Sleep durably: the wake-up time is journaled, so after a restart the run sleeps
+    /// until the same moment (at once if it passed while the engine was down). Never
+    /// wakes early by the wall clock.
+    pub async fn sleep(&self, d: Duration) -> Result<(), FlowError> {
+        let fresh_at = ferry_core::seams::wall_ms().saturating_add(d.as_millis() as u64);
+        self.sleep_until_ms(fresh_at).await
+    }
+
+    /// Sleep until `at_ms` (ms since the epoch, wall clock), durably: see [`Ctx::sleep`].
+    pub async fn sleep_until_ms(&self, at_ms: u64) -> Result<(), FlowError> {
+        let (pos, fire_at) = {
+            let mut replay = self.run.replay.borrow_mut();
+            match replay.call(Call::Sleep)? {
+                Slot::Recorded { pos, entries } => {
+                    if entries.iter().any(|e| matches!(e, Entry::TimerFired)) {
+                        return Ok(());
+                    }
+                    match &entries[0] {
+                        Entry::TimerSet { fire_at_ms } => (Some(pos), *fire_at_ms),
+                        other => {
+                            return Err(FlowError::Codec(format!(
+                                "position {pos} holds {} where a timer was set",
+                                other.describe()
+                            )));
+                        }
+                    }
+                }
+                Slot::Fresh { pos } => {
+                    drop(replay);
+                    self.run
+                        .append(Some(pos), Entry::TimerSet { fire_at_ms: at_ms })?;
+                    (Some(pos), at_ms)
+                }
+            }
+        };
+        loop {
+            let now = ferry_core::seams::wall_ms();
+            if now >= fire_at {
+                break;
+            }
+            // Timers sleep on the monotonic clock, which may run a little ahead of the
+            // wall clock: check again rather than fire early.
+            tokio::time::sleep(Duration::from_millis(fire_at - now)).await;
+        }
+        if let Some(pos) = pos {
+            self.run.append(Some(pos), Entry::TimerFired)?;
+        }
+        Ok(())
     }
 
     /// A value drawn once and journaled. Nothing outside the process has seen it, so it

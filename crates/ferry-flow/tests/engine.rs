@@ -314,3 +314,53 @@ async fn patches_and_values_replay_as_first_seen() {
     );
     assert_eq!(EXTRA.load(Ordering::SeqCst), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_sleep_keeps_its_wake_up_time_across_a_restart_and_never_fires_early() {
+    static TIMES: std::sync::Mutex<Vec<(&'static str, u64)>> = std::sync::Mutex::new(Vec::new());
+    fn wall_ms() -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64
+    }
+    let code = |ctx: Ctx, _n: u32| async move {
+        ctx.step("before", |_| async {
+            TIMES.lock().unwrap().push(("before", wall_ms()));
+            Ok(())
+        })
+        .await?;
+        ctx.sleep(Duration::from_millis(400)).await?;
+        ctx.step("after", |_| async {
+            TIMES.lock().unwrap().push(("after", wall_ms()));
+            Ok(())
+        })
+        .await?;
+        Ok("slept".to_string())
+    };
+    let scratch = Scratch::new("flow-sleep");
+    let dir = scratch.dir("flow");
+    {
+        let engine = Engine::builder(&dir).register(ORDER, code).open().unwrap();
+        engine.start(ORDER, "s", &1).await.unwrap();
+        wait_for("step before", || !TIMES.lock().unwrap().is_empty()).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Down past the wake-up time: the timer keeps its original time and fires at once
+    // on restart (about 700 ms after "before"), instead of 400 ms after the restart
+    // (about 1,100 ms).
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let engine = Engine::builder(&dir).register(ORDER, code).open().unwrap();
+    assert_eq!(
+        engine.run::<String>("s").unwrap().result().await.unwrap(),
+        "slept"
+    );
+    let times = TIMES.lock().unwrap().clone();
+    assert_eq!(times.len(), 2, "{times:?}");
+    let waited = times[1].1 - times[0].1;
+    assert!(waited >= 400, "the timer fired early: {waited} ms");
+    assert!(
+        waited < 1000,
+        "the timer started its delay again after the restart: {waited} ms"
+    );
+}
