@@ -593,6 +593,92 @@ pub struct Ctx {
     run: Rc<RunCtx>,
 }
 
+fn step_result<T: DeserializeOwned>(name: &str, outcome: Outcome) -> Result<T, FlowError> {
+    match outcome {
+        Outcome::Ok(v) => decode(v),
+        Outcome::Err(error) => Err(FlowError::Step {
+            name: name.to_string(),
+            error,
+        }),
+    }
+}
+
+/// How often a step is tried, and how long between tries: exponential from `first`,
+/// doubling, capped at `max`. The retry time is journaled with each failed attempt, so
+/// a restart neither retries early nor starts the count again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Retry {
+    pub max_attempts: u32,
+    pub first: Duration,
+    pub max: Duration,
+}
+
+impl Retry {
+    /// One attempt: a failure is the step's result.
+    pub fn none() -> Retry {
+        Retry {
+            max_attempts: 1,
+            first: Duration::ZERO,
+            max: Duration::ZERO,
+        }
+    }
+
+    /// Up to `max_attempts` attempts, `first` after the first failure, doubling, at most
+    /// a minute apart.
+    pub fn exponential(max_attempts: u32, first: Duration) -> Retry {
+        Retry {
+            max_attempts: max_attempts.max(1),
+            first,
+            max: Duration::from_secs(60),
+        }
+    }
+
+    fn delay(&self, failed_attempt: u32) -> Duration {
+        let factor = 1u32 << failed_attempt.saturating_sub(1).min(20);
+        (self.first * factor).min(self.max)
+    }
+}
+
+/// A step being set up; await it to run it (see [`Ctx::step`]).
+pub struct Step<'a, T, F> {
+    ctx: &'a Ctx,
+    name: String,
+    body: F,
+    retry: Retry,
+    timeout: Option<Duration>,
+    _out: PhantomData<fn() -> T>,
+}
+
+impl<T, F> Step<'_, T, F> {
+    pub fn retry(mut self, retry: Retry) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// Each attempt fails if it takes longer than `d`.
+    pub fn timeout(mut self, d: Duration) -> Self {
+        self.timeout = Some(d);
+        self
+    }
+}
+
+impl<'a, T, F, Fut> std::future::IntoFuture for Step<'a, T, F>
+where
+    T: Serialize + DeserializeOwned + 'a,
+    F: FnMut(StepCtx) -> Fut + 'a,
+    Fut: Future<Output = Result<T, String>> + 'a,
+{
+    type Output = Result<T, FlowError>;
+    type IntoFuture = Pin<Box<dyn Future<Output = Result<T, FlowError>> + 'a>>;
+
+    fn into_future(self) -> Self::IntoFuture {
+        Box::pin(
+            self.ctx
+                .run_step(self.name, self.body, self.retry, self.timeout),
+        )
+    }
+}
+
 /// What a step's body gets: the key to pass to the outside world.
 pub struct StepCtx {
     key: String,
@@ -715,65 +801,112 @@ impl Ctx {
         Ok(value)
     }
 
-    /// Run `body` once, durably: on replay its journaled result is returned and the body
-    /// does not run. Before the body runs, everything this run journaled is durable.
-    pub async fn step<T, F, Fut>(&self, name: &str, body: F) -> Result<T, FlowError>
+    /// A step: `body` runs durably, once its result is journaled never again; on
+    /// replay the journaled result is returned. Before each attempt everything this run
+    /// journaled is durable (output holding). Await it directly, or set
+    /// [`Step::retry`] and [`Step::timeout`] first. The body is called once per attempt.
+    pub fn step<'a, T, F, Fut>(&'a self, name: &str, body: F) -> Step<'a, T, F>
+    where
+        T: Serialize + DeserializeOwned + 'a,
+        F: FnMut(StepCtx) -> Fut + 'a,
+        Fut: Future<Output = Result<T, String>> + 'a,
+    {
+        Step {
+            ctx: self,
+            name: name.to_string(),
+            body,
+            retry: Retry::none(),
+            timeout: None,
+            _out: PhantomData,
+        }
+    }
+
+    async fn run_step<T, F, Fut>(
+        &self,
+        name: String,
+        mut body: F,
+        retry: Retry,
+        timeout: Option<Duration>,
+    ) -> Result<T, FlowError>
     where
         T: Serialize + DeserializeOwned,
-        F: FnOnce(StepCtx) -> Fut,
+        F: FnMut(StepCtx) -> Fut,
         Fut: Future<Output = Result<T, String>>,
     {
-        enum Found {
-            Done(Outcome),
-            Run(u32),
-        }
-        let found = {
+        // What the journal says: done, or attempts that failed and when to retry.
+        let (pos, mut attempt, mut retry_at) = {
             let mut replay = self.run.replay.borrow_mut();
-            match replay.call(Call::Step(name))? {
-                Slot::Recorded { pos, entries } => match entries.iter().find_map(|e| match e {
-                    Entry::Step { outcome, .. } => Some(outcome.clone()),
-                    _ => None,
-                }) {
-                    Some(outcome) => Found::Done(outcome),
-                    // Only failed attempts were journaled (a crash between attempts):
-                    // run it again at the same position.
-                    None => Found::Run(pos),
+            match replay.call(Call::Step(&name))? {
+                Slot::Recorded { pos, entries } => {
+                    let mut attempts = 0;
+                    let mut at = 0;
+                    for e in entries {
+                        match e {
+                            Entry::Step { outcome, .. } => {
+                                let outcome = outcome.clone();
+                                drop(replay);
+                                return step_result(&name, outcome);
+                            }
+                            Entry::StepAttempt {
+                                attempt,
+                                retry_at_ms,
+                                ..
+                            } => {
+                                attempts = attempts.max(*attempt);
+                                at = *retry_at_ms;
+                            }
+                            _ => {}
+                        }
+                    }
+                    (pos, attempts + 1, at)
+                }
+                Slot::Fresh { pos } => (pos, 1, 0),
+            }
+        };
+        loop {
+            while ferry_core::seams::wall_ms() < retry_at {
+                let wait = retry_at - ferry_core::seams::wall_ms().min(retry_at);
+                tokio::time::sleep(Duration::from_millis(wait.max(1))).await;
+            }
+            // Output holding: the body talks to the outside world, so what it follows
+            // must be durable first.
+            self.run.shared.log.durable(self.run.last.get()).await?;
+            let key = format!("{}/{}/{}", self.run.run, self.run.generation, pos);
+            let attempt_result = match timeout {
+                None => body(StepCtx { key }).await,
+                Some(d) => match tokio::time::timeout(d, body(StepCtx { key })).await {
+                    Ok(r) => r,
+                    Err(_) => Err(format!("attempt {attempt} timed out after {d:?}")),
                 },
-                Slot::Fresh { pos } => Found::Run(pos),
-            }
-        };
-        let pos = match found {
-            Found::Done(Outcome::Ok(v)) => return decode(v),
-            Found::Done(Outcome::Err(error)) => {
-                return Err(FlowError::Step {
-                    name: name.to_string(),
-                    error,
-                });
-            }
-            Found::Run(pos) => pos,
-        };
-        // Output holding: the body talks to the outside world, so what it follows
-        // must be durable first.
-        self.run.shared.log.durable(self.run.last.get()).await?;
-        let key = format!("{}/{}/{}", self.run.run, self.run.generation, pos);
-        let outcome = match body(StepCtx { key }).await {
-            Ok(v) => Outcome::Ok(encode(&v)?),
-            Err(e) => Outcome::Err(e),
-        };
-        self.run.append(
-            Some(pos),
-            Entry::Step {
-                name: name.to_string(),
-                outcome: outcome.clone(),
-                attempts: 1,
-            },
-        )?;
-        match outcome {
-            Outcome::Ok(v) => decode(v),
-            Outcome::Err(error) => Err(FlowError::Step {
-                name: name.to_string(),
-                error,
-            }),
+            };
+            let outcome = match attempt_result {
+                Ok(v) => Outcome::Ok(encode(&v)?),
+                Err(e) if attempt < retry.max_attempts => {
+                    retry_at =
+                        ferry_core::seams::wall_ms() + retry.delay(attempt).as_millis() as u64;
+                    self.run.append(
+                        Some(pos),
+                        Entry::StepAttempt {
+                            name: name.clone(),
+                            attempt,
+                            error: e,
+                            retry_at_ms: retry_at,
+                        },
+                    )?;
+                    attempt += 1;
+                    continue;
+                }
+                Err(e) => Outcome::Err(e),
+            };
+            self.run.append(
+                Some(pos),
+                Entry::Step {
+                    name: name.clone(),
+                    outcome: outcome.clone(),
+                    attempts: attempt,
+                },
+            )?;
+            return step_result(&name, outcome);
         }
     }
 }

@@ -10,4 +10,6 @@ mod engine;
 pub mod journal;
 pub mod replay;
 
-pub use engine::{Ctx, Engine, EngineBuilder, FlowError, RunHandle, RunStatus, StepCtx, Workflow};
+pub use engine::{
+    Ctx, Engine, EngineBuilder, FlowError, Retry, RunHandle, RunStatus, Step, StepCtx, Workflow,
+};

@@ -364,3 +364,73 @@ async fn a_durable_sleep_keeps_its_wake_up_time_across_a_restart_and_never_fires
         "the timer started its delay again after the restart: {waited} ms"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_back_off_time_out_and_keep_their_count_across_a_restart() {
+    use ferry_flow::Retry;
+    static ATTEMPTS: AtomicU32 = AtomicU32::new(0);
+    static GIVE_UP: AtomicU32 = AtomicU32::new(0);
+    // Attempts 1 and 2 fail (2 by timing out), 3 hangs until the engine stops, and after
+    // the restart attempt 4 succeeds: the count carried over.
+    let code = |ctx: Ctx, _n: u32| async move {
+        let v: u32 = ctx
+            .step("flaky", |s| {
+                let key = s.key().to_string();
+                async move {
+                    let n = ATTEMPTS.fetch_add(1, Ordering::SeqCst) + 1;
+                    assert_eq!(key, "r/0/1", "every attempt gets the same key");
+                    match n {
+                        1 => Err("503".to_string()),
+                        2 => {
+                            tokio::time::sleep(Duration::from_secs(5)).await;
+                            Ok(0)
+                        }
+                        3 => std::future::pending().await,
+                        _ => Ok(n),
+                    }
+                }
+            })
+            .retry(Retry::exponential(5, Duration::from_millis(20)))
+            .timeout(Duration::from_millis(200))
+            .await?;
+        Ok(format!("attempt {v}"))
+    };
+    let scratch = Scratch::new("flow-retry");
+    let dir = scratch.dir("flow");
+    {
+        let engine = Engine::builder(&dir).register(ORDER, code).open().unwrap();
+        engine.start(ORDER, "r", &1).await.unwrap();
+        wait_for("attempt 3", || ATTEMPTS.load(Ordering::SeqCst) == 3).await;
+    }
+    let engine = Engine::builder(&dir).register(ORDER, code).open().unwrap();
+    assert_eq!(
+        engine.run::<String>("r").unwrap().result().await.unwrap(),
+        "attempt 4"
+    );
+
+    // A step that always fails gives up after its attempts, with the last error.
+    let engine2_dir = scratch.dir("flow2");
+    let engine2 = Engine::builder(&engine2_dir)
+        .register(ORDER, |ctx: Ctx, _n: u32| async move {
+            let _: u32 = ctx
+                .step("down", |_| async {
+                    GIVE_UP.fetch_add(1, Ordering::SeqCst);
+                    Err("connection refused".to_string())
+                })
+                .retry(Retry::exponential(3, Duration::from_millis(1)))
+                .await?;
+            Ok(String::new())
+        })
+        .open()
+        .unwrap();
+    let msg = engine2
+        .start(ORDER, "g", &1)
+        .await
+        .unwrap()
+        .result()
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("connection refused"), "{msg}");
+    assert_eq!(GIVE_UP.load(Ordering::SeqCst), 3);
+}

@@ -50,10 +50,14 @@ fn child_runs_workflows() {
                         let l = l.clone();
                         let run = ctx.run_id().to_string();
                         acc = ctx
-                            .step(&format!("s{step}"), move |s| async move {
-                                tokio::time::sleep(Duration::from_millis(1)).await;
-                                ledger_line(&l, &format!("{run} {step} {}\n", s.key()));
-                                Ok(acc * 2 + 1)
+                            .step(&format!("s{step}"), move |s| {
+                                let line = format!("{run} {step} {}\n", s.key());
+                                let l = l.clone();
+                                async move {
+                                    tokio::time::sleep(Duration::from_millis(1)).await;
+                                    ledger_line(&l, &line);
+                                    Ok(acc * 2 + 1)
+                                }
                             })
                             .await?;
                     }

@@ -44,10 +44,13 @@ fn run(seed: u64) -> Result<(), String> {
                         let l = l.clone();
                         let run = ctx.run_id().to_string();
                         acc = ctx
-                            .step(&format!("s{step}"), move |_| async move {
-                                l.lock().unwrap().push((run, step));
-                                tokio::task::yield_now().await;
-                                Ok(acc * 3 + 1)
+                            .step(&format!("s{step}"), move |_| {
+                                let (l, run) = (l.clone(), run.clone());
+                                async move {
+                                    l.lock().unwrap().push((run, step));
+                                    tokio::task::yield_now().await;
+                                    Ok(acc * 3 + 1)
+                                }
                             })
                             .await?;
                     }
