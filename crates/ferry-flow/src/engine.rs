@@ -24,6 +24,28 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 
+/// A signal's name and payload type: `static REVIEW: Signal<Review> = Signal::new("review");`
+pub struct Signal<T> {
+    name: &'static str,
+    _types: PhantomData<fn(T)>,
+}
+
+impl<T> Signal<T> {
+    pub const fn new(name: &'static str) -> Self {
+        Signal {
+            name,
+            _types: PhantomData,
+        }
+    }
+}
+
+impl<T> Clone for Signal<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for Signal<T> {}
+
 /// A workflow's name and types: `static CHECKOUT: Workflow<Order, Receipt> = Workflow::new("checkout");`
 pub struct Workflow<I, O> {
     name: &'static str,
@@ -95,6 +117,34 @@ struct RunEntry {
 struct Shared {
     log: Arc<Log>,
     runs: Mutex<HashMap<String, RunEntry>>,
+    /// Signals each run has received, in journal order, and a wake-up for its waits.
+    inboxes: Mutex<HashMap<String, Inbox>>,
+}
+
+#[derive(Default)]
+struct Inbox {
+    signals: Vec<(String, Json)>,
+    arrived: Arc<tokio::sync::Notify>,
+}
+
+impl Shared {
+    /// The `index`th signal named `name` the run received, and the run's wake-up.
+    fn signal(
+        &self,
+        run: &str,
+        name: &str,
+        index: u32,
+    ) -> (Option<Json>, Arc<tokio::sync::Notify>) {
+        let mut inboxes = self.inboxes.lock().unwrap_or_else(|p| p.into_inner());
+        let inbox = inboxes.entry(run.to_string()).or_default();
+        let value = inbox
+            .signals
+            .iter()
+            .filter(|(n, _)| n == name)
+            .nth(index as usize)
+            .map(|(_, v)| v.clone());
+        (value, inbox.arrived.clone())
+    }
 }
 
 impl Shared {
@@ -201,6 +251,7 @@ impl EngineBuilder {
         let shared = Arc::new(Shared {
             log: log.clone(),
             runs: Mutex::new(HashMap::new()),
+            inboxes: Mutex::new(HashMap::new()),
         });
         let mut shards = Vec::new();
         for i in 0..self.shards {
@@ -219,6 +270,24 @@ impl EngineBuilder {
                 .filter(|r| r.generation == generation)
                 .collect();
             let replay = Replay::new(records);
+            let signals: Vec<(String, Json)> = replay
+                .arrivals()
+                .iter()
+                .filter_map(|e| match e {
+                    Entry::Signal { name, value } => Some((name.clone(), value.clone())),
+                    _ => None,
+                })
+                .collect();
+            if !signals.is_empty() {
+                engine
+                    .shared
+                    .inboxes
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .entry(run.clone())
+                    .or_default()
+                    .signals = signals;
+            }
             let ended = replay_end(&replay);
             let status = match ended {
                 Some(s) => s,
@@ -372,6 +441,61 @@ impl Engine {
         Ok(handle)
     }
 
+    /// Deliver `value` as signal `signal` to run `id`; returns once it is durable. The
+    /// run's `wait_for` calls consume a name's signals in arrival order.
+    pub async fn signal<T: Serialize>(
+        &self,
+        id: &str,
+        signal: Signal<T>,
+        value: &T,
+    ) -> Result<(), FlowError> {
+        let value = encode(value)?;
+        let lsn = {
+            let runs = self.shared.runs.lock().unwrap_or_else(|p| p.into_inner());
+            match runs.get(id).map(|r| &r.status) {
+                None => return Err(FlowError::Invalid(format!("no run {id:?}"))),
+                Some(RunStatus::Finished(_)) => {
+                    return Err(FlowError::Invalid(format!(
+                        "run {id:?} has finished; it takes no more signals"
+                    )));
+                }
+                _ => {}
+            }
+            let rec = Record {
+                run: id.to_string(),
+                generation: 0,
+                pos: None,
+                entry: Entry::Signal {
+                    name: signal.name.to_string(),
+                    value: value.clone(),
+                },
+            };
+            // Appended and put in the inbox under the runs lock: the journal order and
+            // the inbox order are the same.
+            let lsn = self.shared.log.append(RECORD_KIND, &rec.encode())?;
+            let mut inboxes = self
+                .shared
+                .inboxes
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let inbox = inboxes.entry(id.to_string()).or_default();
+            inbox.signals.push((signal.name.to_string(), value));
+            lsn
+        };
+        self.shared.log.durable(lsn).await?;
+        let notify = self
+            .shared
+            .inboxes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .map(|i| i.arrived.clone());
+        if let Some(n) = notify {
+            n.notify_waiters();
+        }
+        Ok(())
+    }
+
     /// A handle on an existing run (for `result` after a restart).
     pub fn run<O: DeserializeOwned>(&self, id: &str) -> Option<RunHandle<O>> {
         let runs = self.shared.runs.lock().unwrap_or_else(|p| p.into_inner());
@@ -507,6 +631,7 @@ async fn run_job(shared: Arc<Shared>, job: Job) {
             generation: job.generation,
             replay: RefCell::new(job.replay),
             last: Cell::new(0),
+            consumed: RefCell::new(HashMap::new()),
         }),
     };
     let result = (job.handler)(ctx.clone(), job.input).await;
@@ -570,6 +695,8 @@ struct RunCtx {
     replay: RefCell<Replay>,
     /// The end of this run's last record: what anything leaving the process waits for.
     last: Cell<Lsn>,
+    /// Signals consumed so far, by name (replayed waits count too).
+    consumed: RefCell<HashMap<String, u32>>,
 }
 
 impl RunCtx {
@@ -773,6 +900,110 @@ impl Ctx {
             self.run.append(Some(pos), Entry::TimerFired)?;
         }
         Ok(())
+    }
+
+    /// Wait for the next signal named `signal` (in arrival order), or until `timeout`
+    /// passes: `None`. Which of the two happened is journaled, and the deadline too, so
+    /// a restart keeps both.
+    pub async fn wait_for<T: DeserializeOwned>(
+        &self,
+        signal: Signal<T>,
+        timeout: Option<Duration>,
+    ) -> Result<Option<T>, FlowError> {
+        let name = signal.name;
+        let (pos, deadline) = {
+            let mut replay = self.run.replay.borrow_mut();
+            match replay.call(Call::WaitFor(name))? {
+                Slot::Recorded { pos, entries } => {
+                    let mut deadline = None;
+                    let mut got = None;
+                    for e in entries {
+                        match e {
+                            Entry::WaitStarted { deadline_ms, .. } => deadline = *deadline_ms,
+                            Entry::Waited { got: g, .. } => got = Some(*g),
+                            _ => {}
+                        }
+                    }
+                    match got {
+                        Some(Some(index)) => {
+                            drop(replay);
+                            *self
+                                .run
+                                .consumed
+                                .borrow_mut()
+                                .entry(name.to_string())
+                                .or_default() += 1;
+                            let (value, _) = self.run.shared.signal(&self.run.run, name, index);
+                            let value = value.ok_or_else(|| {
+                                FlowError::Codec(format!(
+                                    "the journal says signal {name:?} #{index} was consumed, but it never arrived"
+                                ))
+                            })?;
+                            return decode(value).map(Some);
+                        }
+                        Some(None) => return Ok(None),
+                        None => (pos, deadline),
+                    }
+                }
+                Slot::Fresh { pos } => {
+                    drop(replay);
+                    let deadline = timeout
+                        .map(|d| ferry_core::seams::wall_ms().saturating_add(d.as_millis() as u64));
+                    self.run.append(
+                        Some(pos),
+                        Entry::WaitStarted {
+                            name: name.to_string(),
+                            deadline_ms: deadline,
+                        },
+                    )?;
+                    (pos, deadline)
+                }
+            }
+        };
+        let index = self.run.consumed.borrow().get(name).copied().unwrap_or(0);
+        let (_, arrived) = self.run.shared.signal(&self.run.run, name, index);
+        loop {
+            // Registered before looking, so an arrival in between is not missed.
+            let notified = arrived.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let (Some(v), _) = self.run.shared.signal(&self.run.run, name, index) {
+                self.run.append(
+                    Some(pos),
+                    Entry::Waited {
+                        name: name.to_string(),
+                        got: Some(index),
+                    },
+                )?;
+                *self
+                    .run
+                    .consumed
+                    .borrow_mut()
+                    .entry(name.to_string())
+                    .or_default() += 1;
+                return decode(v).map(Some);
+            }
+            let now = ferry_core::seams::wall_ms();
+            match deadline {
+                Some(d) if now >= d => {
+                    self.run.append(
+                        Some(pos),
+                        Entry::Waited {
+                            name: name.to_string(),
+                            got: None,
+                        },
+                    )?;
+                    return Ok(None);
+                }
+                Some(d) => {
+                    tokio::select! {
+                        _ = notified => {}
+                        _ = tokio::time::sleep(Duration::from_millis(d - now)) => {}
+                    }
+                }
+                None => notified.await,
+            }
+        }
     }
 
     /// A value drawn once and journaled. Nothing outside the process has seen it, so it

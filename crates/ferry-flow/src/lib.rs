@@ -11,5 +11,6 @@ pub mod journal;
 pub mod replay;
 
 pub use engine::{
-    Ctx, Engine, EngineBuilder, FlowError, Retry, RunHandle, RunStatus, Step, StepCtx, Workflow,
+    Ctx, Engine, EngineBuilder, FlowError, Retry, RunHandle, RunStatus, Signal, Step, StepCtx,
+    Workflow,
 };

@@ -434,3 +434,64 @@ async fn retries_back_off_time_out_and_keep_their_count_across_a_restart() {
     assert!(msg.contains("connection refused"), "{msg}");
     assert_eq!(GIVE_UP.load(Ordering::SeqCst), 3);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signals_arrive_in_order_time_out_and_survive_a_restart() {
+    use ferry_flow::Signal;
+    static REVIEW: Signal<String> = Signal::new("review");
+    static WAITING: AtomicU32 = AtomicU32::new(0);
+    let code = |ctx: Ctx, _n: u32| async move {
+        // Times out: nobody signals "never".
+        static NEVER: Signal<u32> = Signal::new("never");
+        let none = ctx.wait_for(NEVER, Some(Duration::from_millis(50))).await?;
+        assert!(none.is_none());
+        let first = ctx.wait_for(REVIEW, None).await?.unwrap();
+        ctx.step("mark", |_| async {
+            WAITING.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        })
+        .await?;
+        let second = ctx
+            .wait_for(REVIEW, Some(Duration::from_secs(30)))
+            .await?
+            .unwrap();
+        Ok(format!("{first} then {second}"))
+    };
+    let scratch = Scratch::new("flow-signal");
+    let dir = scratch.dir("flow");
+    {
+        let engine = Engine::builder(&dir).register(ORDER, code).open().unwrap();
+        engine.start(ORDER, "sig", &1).await.unwrap();
+        engine
+            .signal("sig", REVIEW, &"approved".to_string())
+            .await
+            .unwrap();
+        wait_for("the first signal to be consumed", || {
+            WAITING.load(Ordering::SeqCst) == 1
+        })
+        .await;
+        // Now waiting for the second one; the engine stops.
+    }
+    let engine = Engine::builder(&dir).register(ORDER, code).open().unwrap();
+    engine
+        .signal("sig", REVIEW, &"shipped".to_string())
+        .await
+        .unwrap();
+    assert_eq!(
+        engine.run::<String>("sig").unwrap().result().await.unwrap(),
+        "approved then shipped"
+    );
+    assert_eq!(
+        WAITING.load(Ordering::SeqCst),
+        1,
+        "the step between the waits ran again"
+    );
+    assert!(matches!(
+        engine.signal("sig", REVIEW, &"late".to_string()).await,
+        Err(FlowError::Invalid(_))
+    ));
+    assert!(matches!(
+        engine.signal("nobody", REVIEW, &"x".to_string()).await,
+        Err(FlowError::Invalid(_))
+    ));
+}
