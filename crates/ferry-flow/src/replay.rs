@@ -207,16 +207,20 @@ mod tests {
         }
     }
 
+    fn started() -> Record {
+        rec(
+            Some(0),
+            Entry::Started {
+                workflow: "w".into(),
+                input: json!(1),
+                parent: None,
+            },
+        )
+    }
+
     fn journal() -> Replay {
         Replay::new([
-            rec(
-                Some(0),
-                Entry::Started {
-                    workflow: "w".into(),
-                    input: json!(1),
-                    parent: None,
-                },
-            ),
+            started(),
             rec(
                 Some(1),
                 Entry::StepAttempt {
@@ -291,24 +295,10 @@ mod tests {
         ));
 
         // A new run: true, journaled at the position handed out; replayed, true again.
-        let mut new = Replay::new([rec(
-            Some(0),
-            Entry::Started {
-                workflow: "w".into(),
-                input: json!(1),
-                parent: None,
-            },
-        )]);
+        let mut new = Replay::new([started()]);
         assert_eq!(new.patched("new-fraud-check"), (true, Some(1)));
         let mut replayed = Replay::new([
-            rec(
-                Some(0),
-                Entry::Started {
-                    workflow: "w".into(),
-                    input: json!(1),
-                    parent: None,
-                },
-            ),
+            started(),
             rec(
                 Some(1),
                 Entry::Patch {
@@ -326,14 +316,7 @@ mod tests {
     #[test]
     fn a_cancellation_seen_answers_the_suspended_call() {
         let mut r = Replay::new([
-            rec(
-                Some(0),
-                Entry::Started {
-                    workflow: "w".into(),
-                    input: json!(null),
-                    parent: None,
-                },
-            ),
+            started(),
             rec(None, Entry::CancelRequested),
             rec(Some(1), Entry::CancelSeen),
         ]);
