@@ -9,6 +9,24 @@ use std::time::{Duration, Instant};
 
 static ORDER: Workflow<u32, String> = Workflow::new("order");
 
+/// An engine on `dir` with `code` registered as ORDER.
+fn open<F, Fut>(dir: &std::path::Path, code: F) -> Engine
+where
+    F: Fn(Ctx, u32) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<String, FlowError>> + 'static,
+{
+    Engine::builder(dir).register(ORDER, code).open().unwrap()
+}
+
+/// The result of run `id`, which must exist.
+async fn result_of(engine: &Engine, id: &str) -> Result<String, FlowError> {
+    engine
+        .run::<String>(id)
+        .expect("the run exists")
+        .result()
+        .await
+}
+
 async fn wait_for(what: &str, f: impl Fn() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while !f() {
@@ -91,15 +109,7 @@ async fn a_journaled_step_does_not_run_again_after_a_restart() {
         })
         .open()
         .unwrap();
-    assert_eq!(
-        engine
-            .run::<String>("order-1")
-            .unwrap()
-            .result()
-            .await
-            .unwrap(),
-        "a=40 b=7"
-    );
+    assert_eq!(result_of(&engine, "order-1").await.unwrap(), "a=40 b=7");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -157,16 +167,8 @@ async fn a_run_whose_code_changed_path_is_parked_until_the_code_takes_its_path_a
         Ok("done".to_string())
     };
     {
-        let engine = Engine::builder(&dir)
-            .register(ORDER, changed)
-            .open()
-            .unwrap();
-        let err = engine
-            .run::<String>("o")
-            .unwrap()
-            .result()
-            .await
-            .unwrap_err();
+        let engine = open(&dir, changed);
+        let err = result_of(&engine, "o").await.unwrap_err();
         let msg = err.to_string();
         assert!(msg.contains("nondeterminism at position 1"), "{msg}");
         assert!(
@@ -176,16 +178,8 @@ async fn a_run_whose_code_changed_path_is_parked_until_the_code_takes_its_path_a
         assert!(matches!(engine.status("o"), Some(RunStatus::Parked(_))));
     }
     {
-        let engine = Engine::builder(&dir)
-            .register(ORDER, changed)
-            .open()
-            .unwrap();
-        let err = engine
-            .run::<String>("o")
-            .unwrap()
-            .result()
-            .await
-            .unwrap_err();
+        let engine = open(&dir, changed);
+        let err = result_of(&engine, "o").await.unwrap_err();
         assert!(err.to_string().contains("nondeterminism"), "{err}");
         assert_eq!(
             OTHER.load(Ordering::SeqCst),
@@ -202,10 +196,7 @@ async fn a_run_whose_code_changed_path_is_parked_until_the_code_takes_its_path_a
         })
         .open()
         .unwrap();
-    assert_eq!(
-        engine.run::<String>("o").unwrap().result().await.unwrap(),
-        "a=10 b=5"
-    );
+    assert_eq!(result_of(&engine, "o").await.unwrap(), "a=10 b=5");
     assert_eq!(A_RUNS.load(Ordering::SeqCst), 1);
 }
 
@@ -275,20 +266,9 @@ async fn patches_and_values_replay_as_first_seen() {
         Ok("new".to_string())
     };
     {
-        let engine = Engine::builder(&dir)
-            .register(ORDER, new_code)
-            .open()
-            .unwrap();
+        let engine = open(&dir, new_code);
         // The old run keeps its old path: no extra step, and the same clock and number.
-        assert_eq!(
-            engine
-                .run::<String>("old-run")
-                .unwrap()
-                .result()
-                .await
-                .unwrap(),
-            "new"
-        );
+        assert_eq!(result_of(&engine, "old-run").await.unwrap(), "new");
         assert_eq!(EXTRA.load(Ordering::SeqCst), 0);
         let seen = SEEN.lock().unwrap().clone();
         assert_eq!(seen.len(), 2);
@@ -299,19 +279,8 @@ async fn patches_and_values_replay_as_first_seen() {
         assert_eq!(EXTRA.load(Ordering::SeqCst), 1);
     }
     // Replayed again, the new run still takes the patch (and does not run it again).
-    let engine = Engine::builder(&dir)
-        .register(ORDER, new_code)
-        .open()
-        .unwrap();
-    assert_eq!(
-        engine
-            .run::<String>("new-run")
-            .unwrap()
-            .result()
-            .await
-            .unwrap(),
-        "new"
-    );
+    let engine = open(&dir, new_code);
+    assert_eq!(result_of(&engine, "new-run").await.unwrap(), "new");
     assert_eq!(EXTRA.load(Ordering::SeqCst), 1);
 }
 
@@ -341,7 +310,7 @@ async fn a_durable_sleep_keeps_its_wake_up_time_across_a_restart_and_never_fires
     let scratch = Scratch::new("flow-sleep");
     let dir = scratch.dir("flow");
     {
-        let engine = Engine::builder(&dir).register(ORDER, code).open().unwrap();
+        let engine = open(&dir, code);
         engine.start(ORDER, "s", &1).await.unwrap();
         wait_for("step before", || !TIMES.lock().unwrap().is_empty()).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -350,11 +319,8 @@ async fn a_durable_sleep_keeps_its_wake_up_time_across_a_restart_and_never_fires
     // on restart (about 700 ms after "before"), instead of 400 ms after the restart
     // (about 1,100 ms).
     tokio::time::sleep(Duration::from_millis(600)).await;
-    let engine = Engine::builder(&dir).register(ORDER, code).open().unwrap();
-    assert_eq!(
-        engine.run::<String>("s").unwrap().result().await.unwrap(),
-        "slept"
-    );
+    let engine = open(&dir, code);
+    assert_eq!(result_of(&engine, "s").await.unwrap(), "slept");
     let times = TIMES.lock().unwrap().clone();
     assert_eq!(times.len(), 2, "{times:?}");
     let waited = times[1].1 - times[0].1;
@@ -398,15 +364,12 @@ async fn retries_back_off_time_out_and_keep_their_count_across_a_restart() {
     let scratch = Scratch::new("flow-retry");
     let dir = scratch.dir("flow");
     {
-        let engine = Engine::builder(&dir).register(ORDER, code).open().unwrap();
+        let engine = open(&dir, code);
         engine.start(ORDER, "r", &1).await.unwrap();
         wait_for("attempt 3", || ATTEMPTS.load(Ordering::SeqCst) == 3).await;
     }
-    let engine = Engine::builder(&dir).register(ORDER, code).open().unwrap();
-    assert_eq!(
-        engine.run::<String>("r").unwrap().result().await.unwrap(),
-        "attempt 4"
-    );
+    let engine = open(&dir, code);
+    assert_eq!(result_of(&engine, "r").await.unwrap(), "attempt 4");
 
     // A step that always fails gives up after its attempts, with the last error.
     let engine2_dir = scratch.dir("flow2");
@@ -460,7 +423,7 @@ async fn signals_arrive_in_order_time_out_and_survive_a_restart() {
     let scratch = Scratch::new("flow-signal");
     let dir = scratch.dir("flow");
     {
-        let engine = Engine::builder(&dir).register(ORDER, code).open().unwrap();
+        let engine = open(&dir, code);
         engine.start(ORDER, "sig", &1).await.unwrap();
         engine
             .signal("sig", REVIEW, &"approved".to_string())
@@ -472,13 +435,13 @@ async fn signals_arrive_in_order_time_out_and_survive_a_restart() {
         .await;
         // Now waiting for the second one; the engine stops.
     }
-    let engine = Engine::builder(&dir).register(ORDER, code).open().unwrap();
+    let engine = open(&dir, code);
     engine
         .signal("sig", REVIEW, &"shipped".to_string())
         .await
         .unwrap();
     assert_eq!(
-        engine.run::<String>("sig").unwrap().result().await.unwrap(),
+        result_of(&engine, "sig").await.unwrap(),
         "approved then shipped"
     );
     assert_eq!(

@@ -25,14 +25,9 @@ fn ledger_line(ledger: &Path, line: &str) {
     f.sync_data().unwrap();
 }
 
-/// The child side: (re)start every run and wait for all of them.
-#[test]
-#[ignore = "run by steps_survive_repeated_sigkills as a child process"]
-fn child_runs_workflows() {
-    let Ok(dir) = std::env::var("FERRY_FLOW_CHILD_DIR") else {
-        return;
-    };
-    let dir = PathBuf::from(dir);
+/// The child side (this test binary, run again with FERRY_FLOW_CHILD_DIR set): (re)start
+/// every run and wait for all of them.
+fn child_runs_workflows(dir: PathBuf) {
     let ledger = dir.join("ledger");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -83,18 +78,16 @@ fn child_runs_workflows() {
 
 #[test]
 fn steps_survive_repeated_sigkills() {
+    if let Ok(dir) = std::env::var("FERRY_FLOW_CHILD_DIR") {
+        return child_runs_workflows(PathBuf::from(dir));
+    }
     let scratch = Scratch::new("flow-kill");
     let dir = scratch.dir("work");
     let ledger = dir.join("ledger");
     let exe = std::env::current_exe().unwrap();
     let spawn = || {
         std::process::Command::new(&exe)
-            .args([
-                "--exact",
-                "child_runs_workflows",
-                "--ignored",
-                "--nocapture",
-            ])
+            .args(["--exact", "steps_survive_repeated_sigkills", "--nocapture"])
             .env("FERRY_FLOW_CHILD_DIR", &dir)
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::null())

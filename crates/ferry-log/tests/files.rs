@@ -224,13 +224,9 @@ fn bad_requests_are_refused_and_change_nothing() {
     assert_eq!(all(&log), vec![(1, b"kept".to_vec())]);
 }
 
-/// The child side of `sigkill_mid_stream_loses_nothing_acknowledged`.
-#[test]
-#[ignore = "run by sigkill_mid_stream_loses_nothing_acknowledged as a child process"]
-fn child_appends_until_killed() {
-    let Ok(dir) = std::env::var("FERRY_LOG_CHILD_DIR") else {
-        return;
-    };
+/// The child side of `sigkill_mid_stream_loses_nothing_acknowledged` (this test binary,
+/// run again with FERRY_LOG_CHILD_DIR set).
+fn child_appends_until_killed(dir: String) {
     let (log, _) = Log::open_dir(std::path::Path::new(&dir), small()).unwrap();
     let log = Arc::new(log);
     let mut start = 0u64;
@@ -262,6 +258,9 @@ fn child_appends_until_killed() {
 
 #[test]
 fn sigkill_mid_stream_loses_nothing_acknowledged() {
+    if let Ok(dir) = std::env::var("FERRY_LOG_CHILD_DIR") {
+        return child_appends_until_killed(dir);
+    }
     let scratch = Scratch::new("log-kill");
     let dir = scratch.dir("log");
     let exe = std::env::current_exe().unwrap();
@@ -270,8 +269,7 @@ fn sigkill_mid_stream_loses_nothing_acknowledged() {
         let mut child = std::process::Command::new(&exe)
             .args([
                 "--exact",
-                "child_appends_until_killed",
-                "--ignored",
+                "sigkill_mid_stream_loses_nothing_acknowledged",
                 "--nocapture",
             ])
             .env("FERRY_LOG_CHILD_DIR", &dir)
