@@ -1,14 +1,12 @@
-//! The engine, first slice (docs/flow.md §4): typed workflows, runs started by id,
-//! steps journaled to one ferry-log with output holding, results awaited from anywhere,
-//! recovery by replay, nondeterminism parking. Runs are spread over shards, each a
-//! thread with a single-threaded executor; every shard appends to the one log, whose
-//! writer's fdatasync covers them all.
-//!
-//! Not yet: retries, timers, signals, children, cancellation, limits, continue-as-new,
-//! compaction (docs/flow.md).
+//! The engine (docs/flow.md §4): typed workflows, runs started by id, one ferry-log
+//! shared by every shard, recovery by replay, parking, cancellation, continue-as-new,
+//! child runs, limits. Runs are spread over shards, each a thread with a
+//! single-threaded executor; every shard appends to the one log, whose writer's
+//! fdatasync covers them all. What a workflow's code calls is in `ctx.rs`.
 
-use crate::journal::{Entry, Json, Outcome, RECORD_KIND, RUN_ID_MAX, Record, ValueKind};
-use crate::replay::{Call, Nondeterminism, Replay, Slot};
+use crate::ctx::Ctx;
+use crate::journal::{Entry, Json, Outcome, RECORD_KIND, RUN_ID_MAX, Record};
+use crate::replay::{Nondeterminism, Replay, Slot};
 use ferry_log::{Config as LogConfig, Log, Lsn};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -18,15 +16,13 @@ use std::future::Future;
 use std::marker::PhantomData;
 use std::path::Path;
 use std::pin::Pin;
-use std::rc::Rc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Duration;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Notify, mpsc, oneshot};
 
 /// A signal's name and payload type: `static REVIEW: Signal<Review> = Signal::new("review");`
 pub struct Signal<T> {
-    name: &'static str,
+    pub(crate) name: &'static str,
     _types: PhantomData<fn(T)>,
 }
 
@@ -76,10 +72,21 @@ impl<I, O> Copy for Workflow<I, O> {}
 pub enum FlowError {
     #[error("step {name:?} failed: {error}")]
     Step { name: String, error: String },
+    #[error("child run {id:?} failed: {error}")]
+    Child { id: String, error: String },
+    /// The run was cancelled (`engine.cancel`); returned by the suspension call that
+    /// observed it, and by `result()` of a run that ended so.
+    #[error("the run was cancelled")]
+    Cancelled,
     #[error(transparent)]
     Nondeterminism(#[from] Nondeterminism),
     #[error("the run is parked: {0}")]
     Parked(String),
+    #[error("{limit} is {value}, over the limit of {max}: {}", limit.hint())]
+    LimitExceeded { limit: Limit, value: u64, max: u64 },
+    /// What `ctx.continue_as_new` returns: return it from the workflow.
+    #[error("the run continues as new")]
+    ContinuedAsNew,
     #[error(transparent)]
     Log(#[from] ferry_log::Error),
     #[error("cannot encode or decode a value: {0}")]
@@ -90,15 +97,88 @@ pub enum FlowError {
     Stopped,
 }
 
+/// Which limit a run exceeded (docs/flow.md §6).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Limit {
+    Payload,
+    History,
+    Timers,
+    Signals,
+}
+
+impl Limit {
+    fn hint(&self) -> &'static str {
+        match self {
+            Limit::Payload => {
+                "keep large values outside the journal (a blob store) and journal a \
+                 reference, or raise Limits::payload_bytes"
+            }
+            Limit::History => {
+                "long-running workflows should ctx.continue_as_new to start a fresh \
+                 history, or raise Limits::history"
+            }
+            Limit::Timers => "await fewer sleeps at once, or raise Limits::timers",
+            Limit::Signals => {
+                "the run is not consuming its signals (wait_for); let it catch up, or \
+                 raise Limits::signals"
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for Limit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Limit::Payload => "a journal record's size in bytes",
+            Limit::History => "the run's history length (entries this generation)",
+            Limit::Timers => "the run's pending timers",
+            Limit::Signals => "the run's pending signals",
+        })
+    }
+}
+
+/// Explicit limits per run (docs/flow.md §6). A run that exceeds one fails with
+/// [`FlowError::LimitExceeded`]; other runs are unaffected. A caller exceeding one
+/// (a start input, a signal) gets the error and nothing is journaled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// The largest journal record: a step result, input, output or signal payload with
+    /// its few bytes of framing. Default 1 MiB.
+    pub payload_bytes: usize,
+    /// Entries per generation. Default 10,000.
+    pub history: u32,
+    /// Sleeps pending at once in one run. Default 1,000.
+    pub timers: u32,
+    /// Signals received and not yet consumed by one run. Default 1,000.
+    pub signals: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            payload_bytes: 1 << 20,
+            history: 10_000,
+            timers: 1_000,
+            signals: 1_000,
+        }
+    }
+}
+
 type Handler =
     Arc<dyn Fn(Ctx, Json) -> Pin<Box<dyn Future<Output = Result<Json, FlowError>>>> + Send + Sync>;
 
-fn encode<T: Serialize>(v: &T) -> Result<Json, FlowError> {
+pub(crate) fn encode<T: Serialize>(v: &T) -> Result<Json, FlowError> {
     serde_json::to_value(v).map_err(|e| FlowError::Codec(e.to_string()))
 }
 
-fn decode<T: DeserializeOwned>(v: Json) -> Result<T, FlowError> {
+pub(crate) fn decode<T: DeserializeOwned>(v: Json) -> Result<T, FlowError> {
     serde_json::from_value(v).map_err(|e| FlowError::Codec(e.to_string()))
+}
+
+/// A poisoned lock means a thread panicked while holding it; the maps it guards are
+/// updated in single statements, so they are still consistent.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Where a run stands.
@@ -109,55 +189,245 @@ pub enum RunStatus {
     Parked(String),
 }
 
-struct RunEntry {
-    status: RunStatus,
-    waiters: Vec<oneshot::Sender<RunStatus>>,
+/// One run, as `Engine::runs` lists it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunInfo {
+    pub id: String,
+    pub workflow: String,
+    pub generation: u32,
+    pub status: RunStatus,
+    pub parent: Option<String>,
 }
 
-struct Shared {
-    log: Arc<Log>,
-    runs: Mutex<HashMap<String, RunEntry>>,
-    /// Signals each run has received, in journal order, and a wake-up for its waits.
-    inboxes: Mutex<HashMap<String, Inbox>>,
+pub(crate) struct RunEntry {
+    workflow: String,
+    parent: Option<String>,
+    pub(crate) status: RunStatus,
+    pub(crate) waiters: Vec<oneshot::Sender<RunStatus>>,
+    generation: u32,
+    /// The end of the run's start record: `start` returns once it is durable.
+    start_end: Lsn,
+    /// A parked run's generation and the position after its journal, where a
+    /// cancellation journals its end.
+    parked_at: Option<(u32, u32)>,
+    pub(crate) published: Option<Json>,
 }
 
-#[derive(Default)]
-struct Inbox {
-    signals: Vec<(String, Json)>,
-    arrived: Arc<tokio::sync::Notify>,
-}
-
-impl Shared {
-    /// The `index`th signal named `name` the run received, and the run's wake-up.
-    fn signal(
-        &self,
-        run: &str,
-        name: &str,
-        index: u32,
-    ) -> (Option<Json>, Arc<tokio::sync::Notify>) {
-        let mut inboxes = self.inboxes.lock().unwrap_or_else(|p| p.into_inner());
-        let inbox = inboxes.entry(run.to_string()).or_default();
-        let value = inbox
-            .signals
-            .iter()
-            .filter(|(n, _)| n == name)
-            .nth(index as usize)
-            .map(|(_, v)| v.clone());
-        (value, inbox.arrived.clone())
+impl RunEntry {
+    fn new(workflow: &str, parent: Option<String>, generation: u32, status: RunStatus) -> Self {
+        RunEntry {
+            workflow: workflow.to_string(),
+            parent,
+            status,
+            waiters: Vec::new(),
+            generation,
+            start_end: 0,
+            parked_at: None,
+            published: None,
+        }
     }
 }
 
+/// What arrived for a run from outside: signals in journal order, a cancellation.
+#[derive(Default)]
+pub(crate) struct Inbox {
+    pub(crate) signals: Vec<(String, Json)>,
+    /// Signals consumed (all names): `signals.len() - consumed` are pending.
+    pub(crate) consumed: usize,
+    pub(crate) cancel: bool,
+    /// Woken on every arrival.
+    pub(crate) arrived: Arc<Notify>,
+}
+
+pub(crate) struct Shared {
+    pub(crate) log: Arc<Log>,
+    pub(crate) runs: Mutex<HashMap<String, RunEntry>>,
+    pub(crate) inboxes: Mutex<HashMap<String, Inbox>>,
+    handlers: HashMap<&'static str, Handler>,
+    shards: Vec<mpsc::UnboundedSender<Job>>,
+    pub(crate) limits: Limits,
+}
+
 impl Shared {
-    fn settle(&self, run: &str, status: RunStatus) {
-        let mut runs = self.runs.lock().unwrap_or_else(|p| p.into_inner());
-        let e = runs.entry(run.to_string()).or_insert(RunEntry {
-            status: RunStatus::Running,
-            waiters: Vec::new(),
-        });
-        e.status = status.clone();
-        for w in e.waiters.drain(..) {
-            let _ = w.send(status.clone());
+    fn shard_of(&self, run: &str) -> &mpsc::UnboundedSender<Job> {
+        // FNV-1a: stable across processes, so a run stays on its shard after a restart.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in run.bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
         }
+        &self.shards[(h % self.shards.len() as u64) as usize]
+    }
+
+    fn spawn(&self, job: Job) {
+        let _ = self.shard_of(&job.run).send(job);
+    }
+
+    pub(crate) fn check_payload(&self, bytes: usize) -> Result<(), FlowError> {
+        if bytes > self.limits.payload_bytes {
+            return Err(FlowError::LimitExceeded {
+                limit: Limit::Payload,
+                value: bytes as u64,
+                max: self.limits.payload_bytes as u64,
+            });
+        }
+        Ok(())
+    }
+
+    /// Start run `id` of `workflow`, unless a run has that id. Returns the end of the
+    /// id's start record (to wait for).
+    pub(crate) fn start_run(
+        &self,
+        workflow: &str,
+        id: &str,
+        input: Json,
+        parent: Option<String>,
+    ) -> Result<Lsn, FlowError> {
+        if id.is_empty() || id.len() > RUN_ID_MAX {
+            return Err(FlowError::Invalid(format!(
+                "a run id must be 1 to {RUN_ID_MAX} bytes, not {}",
+                id.len()
+            )));
+        }
+        let handler = self
+            .handlers
+            .get(workflow)
+            .ok_or_else(|| {
+                FlowError::Invalid(format!("no workflow named {workflow:?} is registered"))
+            })?
+            .clone();
+        let mut runs = lock(&self.runs);
+        if let Some(e) = runs.get(id) {
+            return Ok(e.start_end);
+        }
+        let rec = Record {
+            run: id.to_string(),
+            generation: 0,
+            pos: Some(0),
+            entry: Entry::Started {
+                workflow: workflow.to_string(),
+                input: input.clone(),
+                parent: parent.clone(),
+                consumed: BTreeMap::new(),
+                cancel_seen: false,
+            },
+        };
+        let bytes = rec.encode();
+        self.check_payload(bytes.len())?;
+        let end = self.log.append(RECORD_KIND, &bytes)?;
+        let mut entry = RunEntry::new(workflow, parent, 0, RunStatus::Running);
+        entry.start_end = end;
+        runs.insert(id.to_string(), entry);
+        self.spawn(Job {
+            run: id.to_string(),
+            generation: 0,
+            replay: Replay::new([rec]),
+            input,
+            handler,
+            last: end,
+        });
+        Ok(end)
+    }
+
+    /// Ask run `id` to cancel (docs/flow.md §2). False if it had already finished.
+    pub(crate) async fn cancel(&self, id: &str) -> Result<bool, FlowError> {
+        let (end, parked) = {
+            let mut runs = lock(&self.runs);
+            let e = runs
+                .get_mut(id)
+                .ok_or_else(|| FlowError::Invalid(format!("no run {id:?}")))?;
+            if matches!(e.status, RunStatus::Finished(_)) {
+                return Ok(false);
+            }
+            {
+                let mut inboxes = lock(&self.inboxes);
+                let inbox = inboxes.entry(id.to_string()).or_default();
+                if inbox.cancel && e.parked_at.is_none() {
+                    return Ok(true);
+                }
+                inbox.cancel = true;
+            }
+            let request = Record {
+                run: id.to_string(),
+                generation: e.generation,
+                pos: None,
+                entry: Entry::CancelRequested,
+            };
+            let mut end = self.log.append(RECORD_KIND, &request.encode())?;
+            // A parked run is not running: nothing will observe the request, so its
+            // end is journaled here.
+            let parked = e.parked_at.take();
+            if let Some((generation, pos)) = parked {
+                let fin = Record {
+                    run: id.to_string(),
+                    generation,
+                    pos: Some(pos),
+                    entry: Entry::Finished {
+                        outcome: Outcome::Cancelled,
+                    },
+                };
+                end = self.log.append(RECORD_KIND, &fin.encode())?;
+            }
+            (end, parked.is_some())
+        };
+        self.log.durable(end).await?;
+        if parked {
+            self.settle(id, RunStatus::Finished(Outcome::Cancelled));
+        } else {
+            self.wake(id);
+        }
+        Ok(true)
+    }
+
+    pub(crate) fn wake(&self, id: &str) {
+        if let Some(n) = lock(&self.inboxes).get(id).map(|i| i.arrived.clone()) {
+            n.notify_waiters();
+        }
+    }
+
+    /// The run's wake-up for arrivals (signals, cancellation).
+    pub(crate) fn arrivals(&self, run: &str) -> Arc<Notify> {
+        lock(&self.inboxes)
+            .entry(run.to_string())
+            .or_default()
+            .arrived
+            .clone()
+    }
+
+    pub(crate) fn cancel_requested(&self, run: &str) -> bool {
+        lock(&self.inboxes).get(run).is_some_and(|i| i.cancel)
+    }
+
+    /// The `index`th signal named `name` the run received.
+    pub(crate) fn signal(&self, run: &str, name: &str, index: u32) -> Option<Json> {
+        let inboxes = lock(&self.inboxes);
+        inboxes.get(run).and_then(|inbox| {
+            inbox
+                .signals
+                .iter()
+                .filter(|(n, _)| n == name)
+                .nth(index as usize)
+                .map(|(_, v)| v.clone())
+        })
+    }
+
+    pub(crate) fn settle(&self, run: &str, status: RunStatus) {
+        let mut runs = lock(&self.runs);
+        if let Some(e) = runs.get_mut(run) {
+            e.status = status.clone();
+            for w in e.waiters.drain(..) {
+                let _ = w.send(status.clone());
+            }
+        }
+    }
+
+    fn park(&self, run: &RunCtx, reason: String) {
+        tracing::error!(run = %run.run, "parked: {reason}");
+        let at = (run.generation, run.replay.borrow().len());
+        lock(&self.runs)
+            .get_mut(&run.run)
+            .expect("a running run has an entry")
+            .parked_at = Some(at);
+        self.settle(&run.run, RunStatus::Parked(reason));
     }
 }
 
@@ -167,6 +437,8 @@ struct Job {
     replay: Replay,
     input: Json,
     handler: Handler,
+    /// The end of the run's last record so far (what its first step waits for).
+    last: Lsn,
 }
 
 /// Builds an [`Engine`].
@@ -175,6 +447,7 @@ pub struct EngineBuilder {
     storage: Option<Arc<dyn ferry_log::Storage>>,
     shards: usize,
     log: LogConfig,
+    limits: Limits,
     handlers: HashMap<&'static str, Handler>,
 }
 
@@ -192,6 +465,11 @@ impl EngineBuilder {
 
     pub fn log_config(mut self, c: LogConfig) -> Self {
         self.log = c;
+        self
+    }
+
+    pub fn limits(mut self, l: Limits) -> Self {
+        self.limits = l;
         self
     }
 
@@ -225,6 +503,13 @@ impl EngineBuilder {
                 self.shards
             )));
         }
+        if self.limits.payload_bytes > self.log.record_bytes_max as usize {
+            return Err(FlowError::Invalid(format!(
+                "the payload limit ({} bytes) is over the log's largest record ({} bytes)",
+                self.limits.payload_bytes, self.log.record_bytes_max
+            )));
+        }
+        let started = std::time::Instant::now();
         let (log, recovery) = match self.storage {
             Some(st) => Log::open(st, self.log)?,
             None => Log::open_dir(&self.dir, self.log)?,
@@ -248,106 +533,199 @@ impl EngineBuilder {
                 "the journal holds a record this build cannot read ({e})"
             )));
         }
+        let mut txs = Vec::new();
+        let mut rxs = Vec::new();
+        for _ in 0..self.shards {
+            let (tx, rx) = mpsc::unbounded_channel::<Job>();
+            txs.push(tx);
+            rxs.push(rx);
+        }
         let shared = Arc::new(Shared {
             log: log.clone(),
             runs: Mutex::new(HashMap::new()),
             inboxes: Mutex::new(HashMap::new()),
-        });
-        let mut shards = Vec::new();
-        for i in 0..self.shards {
-            shards.push(Shard::start(i, shared.clone()));
-        }
-        let engine = Engine {
-            shared,
-            shards,
             handlers: self.handlers,
-        };
+            shards: txs,
+            limits: self.limits,
+        });
         let mut resumed = 0;
         for (run, records) in by_run {
-            let generation = records.iter().map(|r| r.generation).max().unwrap_or(0);
-            let records: Vec<Record> = records
-                .into_iter()
-                .filter(|r| r.generation == generation)
-                .collect();
-            let replay = Replay::new(records);
-            let signals: Vec<(String, Json)> = replay
-                .arrivals()
-                .iter()
-                .filter_map(|e| match e {
-                    Entry::Signal { name, value } => Some((name.clone(), value.clone())),
-                    _ => None,
-                })
-                .collect();
-            if !signals.is_empty() {
-                engine
-                    .shared
-                    .inboxes
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .entry(run.clone())
-                    .or_default()
-                    .signals = signals;
+            if recover_run(&shared, run, records)? {
+                resumed += 1;
             }
-            let ended = replay_end(&replay);
-            let status = match ended {
-                Some(s) => s,
-                None => match replay.started().cloned() {
-                    Some(Entry::Started {
-                        workflow, input, ..
-                    }) => match engine.handlers.get(workflow.as_str()) {
-                        Some(h) => {
-                            engine.spawn(Job {
-                                run: run.clone(),
-                                generation,
-                                replay,
-                                input,
-                                handler: h.clone(),
-                            });
-                            resumed += 1;
-                            RunStatus::Running
-                        }
-                        None => RunStatus::Parked(format!(
-                            "no workflow named {workflow:?} is registered; register it and restart"
-                        )),
-                    },
-                    _ => RunStatus::Parked("the journal has no start record".into()),
-                },
-            };
-            engine
-                .shared
-                .runs
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .entry(run)
-                .or_insert(RunEntry {
-                    status,
-                    waiters: Vec::new(),
-                });
         }
+        // The shards start after every run is known, so a resumed parent finds its
+        // children.
+        let shards = rxs
+            .into_iter()
+            .enumerate()
+            .map(|(i, rx)| Shard::start(i, shared.clone(), rx))
+            .collect();
+        let elapsed = started.elapsed();
         tracing::info!(
             resumed,
             log_records = recovery.records,
-            ms = recovery.elapsed.as_secs_f64() * 1e3,
+            ms = elapsed.as_secs_f64() * 1e3,
             "flow engine open"
         );
-        Ok(engine)
+        Ok(Engine {
+            shared,
+            shards,
+            recovery: Recovery {
+                elapsed,
+                log_records: recovery.records,
+                resumed,
+            },
+        })
     }
 }
 
-/// A finished or parked generation's last entry, as a status.
-fn replay_end(replay: &Replay) -> Option<RunStatus> {
-    replay.last().and_then(|e| match e {
-        Entry::Finished { outcome } => Some(RunStatus::Finished(outcome.clone())),
-        Entry::Parked { reason } => Some(RunStatus::Parked(reason.clone())),
-        _ => None,
-    })
+/// Rebuild one run from its records (every generation's, in log order): its inbox, its
+/// status, and a job on its shard if it is unfinished. True if it resumed.
+fn recover_run(shared: &Shared, run: String, records: Vec<Record>) -> Result<bool, FlowError> {
+    let generation = records
+        .iter()
+        .filter(|r| r.pos.is_some())
+        .map(|r| r.generation)
+        .max()
+        .unwrap_or(0);
+    // Arrivals belong to the run, whatever generation was current when they came.
+    let records: Vec<Record> = records
+        .into_iter()
+        .filter(|r| r.pos.is_none() || r.generation == generation)
+        .collect();
+    let mut replay = Replay::new(records);
+    let (workflow, input, parent, mut consumed, mut cancel_seen) = match replay.started() {
+        Some(Entry::Started {
+            workflow,
+            input,
+            parent,
+            consumed,
+            cancel_seen,
+        }) => (
+            workflow.clone(),
+            input.clone(),
+            parent.clone(),
+            consumed.clone(),
+            *cancel_seen,
+        ),
+        _ => {
+            let e = RunEntry::new(
+                "?",
+                None,
+                generation,
+                RunStatus::Parked("the journal has no start record for this generation".into()),
+            );
+            lock(&shared.runs).insert(run, e);
+            return Ok(false);
+        }
+    };
+    // What the run consumed up to its journal's end, this generation included.
+    for (name, n) in replay.consumed_by_name() {
+        *consumed.entry(name).or_default() += n;
+    }
+    cancel_seen |= replay.cancel_seen();
+    {
+        let mut inbox = Inbox {
+            consumed: consumed.values().map(|n| *n as usize).sum(),
+            ..Inbox::default()
+        };
+        for e in replay.arrivals() {
+            match e {
+                Entry::Signal { name, value } => inbox.signals.push((name.clone(), value.clone())),
+                Entry::CancelRequested => inbox.cancel = true,
+                _ => {}
+            }
+        }
+        lock(&shared.inboxes).insert(run.clone(), inbox);
+    }
+    let mut entry = RunEntry::new(&workflow, parent.clone(), generation, RunStatus::Running);
+    let mut job_generation = generation;
+    let mut job_input = input;
+    let mut last = 0;
+    match replay.last() {
+        Some(Entry::Finished { outcome }) => entry.status = RunStatus::Finished(outcome.clone()),
+        Some(Entry::Parked { reason }) => entry.status = RunStatus::Parked(reason.clone()),
+        // The generation ended but the next one's start was lost: journal it again.
+        Some(Entry::ContinuedAsNew { input }) => {
+            let next = next_start(
+                &run,
+                generation + 1,
+                &workflow,
+                input,
+                parent,
+                consumed,
+                cancel_seen,
+            );
+            last = shared.log.append(RECORD_KIND, &next.encode())?;
+            job_generation = generation + 1;
+            job_input = input.clone();
+            replay = Replay::new([next]);
+        }
+        _ => {}
+    }
+    entry.generation = job_generation;
+    let resume = entry.status == RunStatus::Running;
+    if resume {
+        match shared.handlers.get(workflow.as_str()) {
+            Some(h) => shared.spawn(Job {
+                run: run.clone(),
+                generation: job_generation,
+                replay,
+                input: job_input,
+                handler: h.clone(),
+                last,
+            }),
+            None => {
+                entry.status = RunStatus::Parked(format!(
+                    "no workflow named {workflow:?} is registered; register it and restart"
+                ));
+                entry.parked_at = Some((job_generation, replay.len()));
+            }
+        }
+    }
+    lock(&shared.runs).insert(run, entry);
+    Ok(resume)
+}
+
+/// The start record of generation `generation`, carrying what the run consumed in
+/// the generations before it.
+fn next_start(
+    run: &str,
+    generation: u32,
+    workflow: &str,
+    input: &Json,
+    parent: Option<String>,
+    consumed: BTreeMap<String, u32>,
+    cancel_seen: bool,
+) -> Record {
+    Record {
+        run: run.to_string(),
+        generation,
+        pos: Some(0),
+        entry: Entry::Started {
+            workflow: workflow.to_string(),
+            input: input.clone(),
+            parent,
+            consumed,
+            cancel_seen,
+        },
+    }
+}
+
+/// How long opening took, and what it found.
+#[derive(Clone, Copy, Debug)]
+pub struct Recovery {
+    pub elapsed: std::time::Duration,
+    pub log_records: u64,
+    pub resumed: usize,
 }
 
 /// Durable execution on one directory.
 pub struct Engine {
     shared: Arc<Shared>,
     shards: Vec<Shard>,
-    handlers: HashMap<&'static str, Handler>,
+    recovery: Recovery,
 }
 
 impl Engine {
@@ -357,21 +735,9 @@ impl Engine {
             storage: None,
             shards: 2,
             log: LogConfig::default(),
+            limits: Limits::default(),
             handlers: HashMap::new(),
         }
-    }
-
-    fn shard_of(&self, run: &str) -> &Shard {
-        // FNV-1a: stable across processes, so a run stays on its shard after a restart.
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for b in run.bytes() {
-            h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
-        }
-        &self.shards[(h % self.shards.len() as u64) as usize]
-    }
-
-    fn spawn(&self, job: Job) {
-        let _ = self.shard_of(&job.run).tx.send(job);
     }
 
     /// Start `workflow` as run `id`, or return the run that already has that id
@@ -383,62 +749,15 @@ impl Engine {
         id: &str,
         input: &I,
     ) -> Result<RunHandle<O>, FlowError> {
-        if id.is_empty() || id.len() > RUN_ID_MAX {
-            return Err(FlowError::Invalid(format!(
-                "a run id must be 1 to {RUN_ID_MAX} bytes, not {}",
-                id.len()
-            )));
-        }
-        let handler = self
-            .handlers
-            .get(workflow.name)
-            .ok_or_else(|| {
-                FlowError::Invalid(format!(
-                    "no workflow named {:?} is registered",
-                    workflow.name
-                ))
-            })?
-            .clone();
-        let input = encode(input)?;
-        let handle = RunHandle {
+        let end = self
+            .shared
+            .start_run(workflow.name, id, encode(input)?, None)?;
+        self.shared.log.durable(end).await?;
+        Ok(RunHandle {
             shared: self.shared.clone(),
             id: id.to_string(),
             _out: PhantomData,
-        };
-        let lsn = {
-            let mut runs = self.shared.runs.lock().unwrap_or_else(|p| p.into_inner());
-            if runs.contains_key(id) {
-                return Ok(handle);
-            }
-            let rec = Record {
-                run: id.to_string(),
-                generation: 0,
-                pos: Some(0),
-                entry: Entry::Started {
-                    workflow: workflow.name.to_string(),
-                    input: input.clone(),
-                    parent: None,
-                },
-            };
-            let lsn = self.shared.log.append(RECORD_KIND, &rec.encode())?;
-            runs.insert(
-                id.to_string(),
-                RunEntry {
-                    status: RunStatus::Running,
-                    waiters: Vec::new(),
-                },
-            );
-            self.spawn(Job {
-                run: id.to_string(),
-                generation: 0,
-                replay: Replay::new([rec]),
-                input,
-                handler,
-            });
-            lsn
-        };
-        self.shared.log.durable(lsn).await?;
-        Ok(handle)
+        })
     }
 
     /// Deliver `value` as signal `signal` to run `id`; returns once it is durable. The
@@ -449,56 +768,82 @@ impl Engine {
         signal: Signal<T>,
         value: &T,
     ) -> Result<(), FlowError> {
-        let value = encode(value)?;
-        let lsn = {
-            let runs = self.shared.runs.lock().unwrap_or_else(|p| p.into_inner());
-            match runs.get(id).map(|r| &r.status) {
+        self.signal_json(id, signal.name, encode(value)?).await
+    }
+
+    /// [`Engine::signal`] with an untyped value (the CLI's).
+    pub async fn signal_json(&self, id: &str, name: &str, value: Json) -> Result<(), FlowError> {
+        let shared = &self.shared;
+        let end = {
+            let runs = lock(&shared.runs);
+            let generation = match runs.get(id) {
                 None => return Err(FlowError::Invalid(format!("no run {id:?}"))),
-                Some(RunStatus::Finished(_)) => {
+                Some(RunEntry {
+                    status: RunStatus::Finished(_),
+                    ..
+                }) => {
                     return Err(FlowError::Invalid(format!(
                         "run {id:?} has finished; it takes no more signals"
                     )));
                 }
-                _ => {}
-            }
+                Some(e) => e.generation,
+            };
             let rec = Record {
                 run: id.to_string(),
-                generation: 0,
+                generation,
                 pos: None,
                 entry: Entry::Signal {
-                    name: signal.name.to_string(),
+                    name: name.to_string(),
                     value: value.clone(),
                 },
             };
+            let bytes = rec.encode();
+            shared.check_payload(bytes.len())?;
+            let mut inboxes = lock(&shared.inboxes);
+            let inbox = inboxes.entry(id.to_string()).or_default();
+            let pending = inbox.signals.len() - inbox.consumed;
+            if pending >= shared.limits.signals as usize {
+                return Err(FlowError::LimitExceeded {
+                    limit: Limit::Signals,
+                    value: pending as u64 + 1,
+                    max: u64::from(shared.limits.signals),
+                });
+            }
             // Appended and put in the inbox under the runs lock: the journal order and
             // the inbox order are the same.
-            let lsn = self.shared.log.append(RECORD_KIND, &rec.encode())?;
-            let mut inboxes = self
-                .shared
-                .inboxes
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            let inbox = inboxes.entry(id.to_string()).or_default();
-            inbox.signals.push((signal.name.to_string(), value));
-            lsn
+            let end = shared.log.append(RECORD_KIND, &bytes)?;
+            inbox.signals.push((name.to_string(), value));
+            end
         };
-        self.shared.log.durable(lsn).await?;
-        let notify = self
-            .shared
-            .inboxes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(id)
-            .map(|i| i.arrived.clone());
-        if let Some(n) = notify {
-            n.notify_waiters();
-        }
+        shared.log.durable(end).await?;
+        shared.wake(id);
         Ok(())
+    }
+
+    /// Ask run `id` to cancel; returns once the request is durable. The run's next
+    /// suspension point (`step`, `sleep`, `wait_for`, `child`) returns
+    /// [`FlowError::Cancelled`]; a parked run ends cancelled at once. False if the run
+    /// had already finished.
+    pub async fn cancel(&self, id: &str) -> Result<bool, FlowError> {
+        self.shared.cancel(id).await
+    }
+
+    /// What run `id` last published with `ctx.publish` (rebuilt by replay after a
+    /// restart), if anything.
+    pub fn query<T: DeserializeOwned>(&self, id: &str) -> Result<Option<T>, FlowError> {
+        let v = {
+            let runs = lock(&self.shared.runs);
+            let e = runs
+                .get(id)
+                .ok_or_else(|| FlowError::Invalid(format!("no run {id:?}")))?;
+            e.published.clone()
+        };
+        v.map(decode).transpose()
     }
 
     /// A handle on an existing run (for `result` after a restart).
     pub fn run<O: DeserializeOwned>(&self, id: &str) -> Option<RunHandle<O>> {
-        let runs = self.shared.runs.lock().unwrap_or_else(|p| p.into_inner());
+        let runs = lock(&self.shared.runs);
         runs.contains_key(id).then(|| RunHandle {
             shared: self.shared.clone(),
             id: id.to_string(),
@@ -507,12 +852,33 @@ impl Engine {
     }
 
     pub fn status(&self, id: &str) -> Option<RunStatus> {
-        let runs = self.shared.runs.lock().unwrap_or_else(|p| p.into_inner());
-        runs.get(id).map(|r| r.status.clone())
+        lock(&self.shared.runs).get(id).map(|r| r.status.clone())
+    }
+
+    /// Every run the engine knows, by id.
+    pub fn runs(&self) -> Vec<RunInfo> {
+        let runs = lock(&self.shared.runs);
+        let mut v: Vec<RunInfo> = runs
+            .iter()
+            .map(|(id, e)| RunInfo {
+                id: id.clone(),
+                workflow: e.workflow.clone(),
+                generation: e.generation,
+                status: e.status.clone(),
+                parent: e.parent.clone(),
+            })
+            .collect();
+        v.sort_by(|a, b| a.id.cmp(&b.id));
+        v
     }
 
     pub fn log_stats(&self) -> ferry_log::Stats {
         self.shared.log.stats()
+    }
+
+    /// What opening found, and how long it took.
+    pub fn recovery(&self) -> Recovery {
+        self.recovery
     }
 }
 
@@ -536,11 +902,11 @@ impl<O: DeserializeOwned> RunHandle<O> {
         &self.id
     }
 
-    /// The run's output once it finished and that is durable; its error if it failed or
-    /// is parked.
+    /// The run's output once it finished and that is durable; its error if it failed, was
+    /// cancelled or is parked.
     pub async fn result(&self) -> Result<O, FlowError> {
         let rx = {
-            let mut runs = self.shared.runs.lock().unwrap_or_else(|p| p.into_inner());
+            let mut runs = lock(&self.shared.runs);
             let entry = runs
                 .get_mut(&self.id)
                 .ok_or_else(|| FlowError::Invalid(format!("no run {:?}", self.id)))?;
@@ -548,15 +914,12 @@ impl<O: DeserializeOwned> RunHandle<O> {
                 RunStatus::Running => {
                     let (tx, rx) = oneshot::channel();
                     entry.waiters.push(tx);
-                    Some(rx)
+                    rx
                 }
                 done => return status_result(done.clone()),
             }
         };
-        match rx {
-            Some(rx) => status_result(rx.await.map_err(|_| FlowError::Stopped)?),
-            None => unreachable!("returned above"),
-        }
+        status_result(rx.await.map_err(|_| FlowError::Stopped)?)
     }
 }
 
@@ -567,20 +930,19 @@ fn status_result<O: DeserializeOwned>(s: RunStatus) -> Result<O, FlowError> {
             name: "workflow".into(),
             error: e,
         }),
+        RunStatus::Finished(Outcome::Cancelled) => Err(FlowError::Cancelled),
         RunStatus::Parked(reason) => Err(FlowError::Parked(reason)),
         RunStatus::Running => Err(FlowError::Stopped),
     }
 }
 
 struct Shard {
-    tx: mpsc::UnboundedSender<Job>,
     stop: Option<oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Shard {
-    fn start(i: usize, shared: Arc<Shared>) -> Shard {
-        let (tx, mut rx) = mpsc::unbounded_channel::<Job>();
+    fn start(i: usize, shared: Arc<Shared>, mut rx: mpsc::UnboundedReceiver<Job>) -> Shard {
         let (stop_tx, mut stop_rx) = oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
             .name(format!("ferry-flow-{i}"))
@@ -606,7 +968,6 @@ impl Shard {
             })
             .expect("spawning a shard thread");
         Shard {
-            tx,
             stop: Some(stop_tx),
             thread: Some(thread),
         }
@@ -622,522 +983,205 @@ impl Shard {
     }
 }
 
-/// Run (or resume) one run to its end on this shard.
-async fn run_job(shared: Arc<Shared>, job: Job) {
-    let ctx = Ctx {
-        run: Rc::new(RunCtx {
-            shared: shared.clone(),
-            run: job.run.clone(),
-            generation: job.generation,
-            replay: RefCell::new(job.replay),
-            last: Cell::new(0),
-            consumed: RefCell::new(HashMap::new()),
-        }),
-    };
-    let result = (job.handler)(ctx.clone(), job.input).await;
-    let run = &ctx.run;
-    let (entry, status) = match result {
+/// Run (or resume) one run to its end on this shard, generation after generation.
+async fn run_job(shared: Arc<Shared>, mut job: Job) {
+    while let Some(next) = run_generation(&shared, job).await {
+        job = next;
+    }
+}
+
+/// Run one generation; the next one's job if it continued as new.
+async fn run_generation(shared: &Arc<Shared>, job: Job) -> Option<Job> {
+    let Job {
+        run,
+        generation,
+        replay,
+        input,
+        handler,
+        last,
+    } = job;
+    let ctx = Ctx::new(RunCtx::new(shared.clone(), run, generation, replay, last));
+    let result = handler(ctx.clone(), input).await;
+    let run = ctx.run();
+    let mut outcome = match result {
         // Not journaled: after every restart the run replays up to the same call (no
         // step body runs while replaying) and parks again, until a deploy takes the
-        // recorded path and it resumes by itself.
+        // recorded path and it resumes by itself (or it is cancelled).
         Err(FlowError::Nondeterminism(n)) => {
-            tracing::error!(run = %run.run, "{n}");
-            shared.settle(&run.run, RunStatus::Parked(n.to_string()));
-            return;
+            shared.park(run, n.to_string());
+            return None;
         }
         Err(FlowError::Log(e)) => {
             // The log refuses writes: nothing more can be journaled for this run in
             // this process; it resumes after a restart.
             tracing::error!(run = %run.run, "the journal failed: {e}");
-            return;
+            return None;
         }
-        Err(FlowError::Stopped) => return,
-        Ok(v) => {
-            let o = Outcome::Ok(v);
-            (
-                Entry::Finished { outcome: o.clone() },
-                RunStatus::Finished(o),
-            )
-        }
-        Err(e) => {
-            let o = Outcome::Err(e.to_string());
-            (
-                Entry::Finished { outcome: o.clone() },
-                RunStatus::Finished(o),
-            )
-        }
+        Err(FlowError::Stopped) => return None,
+        Err(FlowError::ContinuedAsNew) => match run.next_input.borrow_mut().take() {
+            Some(input) => match next_generation(shared, run, handler, input) {
+                Ok(job) => return Some(job),
+                Err(FlowError::Log(_)) => return None,
+                Err(e) => Outcome::Err(e.to_string()),
+            },
+            None => Outcome::Err(
+                "the workflow returned ContinuedAsNew without calling ctx.continue_as_new".into(),
+            ),
+        },
+        Ok(v) => Outcome::Ok(v),
+        Err(FlowError::Cancelled) => Outcome::Cancelled,
+        Err(e) => Outcome::Err(e.to_string()),
     };
     let pos = match run.replay.borrow_mut().finish() {
         Ok(Slot::Fresh { pos }) => Some(pos),
         Ok(Slot::Recorded { .. }) => None,
         Err(n) => {
             // The code returned while its journal holds more calls: parked, as above.
-            tracing::error!(run = %run.run, "{n}");
-            shared.settle(&run.run, RunStatus::Parked(n.to_string()));
-            return;
+            shared.park(run, n.to_string());
+            return None;
         }
     };
-    if let Some(pos) = pos
-        && run.append(Some(pos), entry).is_err()
-    {
-        return;
+    if let Some(pos) = pos {
+        let finished = |outcome: &Outcome| Entry::Finished {
+            outcome: outcome.clone(),
+        };
+        match run.append(Some(pos), finished(&outcome)) {
+            Ok(()) => {}
+            Err(e @ FlowError::LimitExceeded { .. }) => {
+                outcome = Outcome::Err(format!("the run's output: {e}"));
+                if run.append(Some(pos), finished(&outcome)).is_err() {
+                    return None;
+                }
+            }
+            Err(_) => return None,
+        }
     }
     // A result leaves the process only once its record is durable.
     if shared.log.durable(run.last.get()).await.is_ok() {
-        shared.settle(&run.run, status);
+        shared.settle(&run.run, RunStatus::Finished(outcome));
     }
+    None
 }
 
-struct RunCtx {
-    shared: Arc<Shared>,
-    run: String,
-    generation: u32,
-    replay: RefCell<Replay>,
+/// End this generation with `ContinuedAsNew` and start the next with `input`.
+fn next_generation(
+    shared: &Shared,
+    run: &RunCtx,
+    handler: Handler,
+    input: Json,
+) -> Result<Job, FlowError> {
+    let pos = match run.replay.borrow_mut().finish()? {
+        Slot::Fresh { pos } => Some(pos),
+        Slot::Recorded { .. } => None,
+    };
+    if let Some(pos) = pos {
+        run.append(
+            Some(pos),
+            Entry::ContinuedAsNew {
+                input: input.clone(),
+            },
+        )?;
+    }
+    let (workflow, parent) = match run.replay.borrow().started() {
+        Some(Entry::Started {
+            workflow, parent, ..
+        }) => (workflow.clone(), parent.clone()),
+        _ => unreachable!("a running generation has its start record"),
+    };
+    let next = next_start(
+        &run.run,
+        run.generation + 1,
+        &workflow,
+        &input,
+        parent,
+        run.consumed.borrow().clone(),
+        run.cancel_seen.get(),
+    );
+    let last = shared.log.append(RECORD_KIND, &next.encode())?;
+    if let Some(e) = lock(&shared.runs).get_mut(&run.run) {
+        e.generation = run.generation + 1;
+    }
+    Ok(Job {
+        run: run.run.clone(),
+        generation: run.generation + 1,
+        replay: Replay::new([next]),
+        input,
+        handler,
+        last,
+    })
+}
+
+/// One generation of one run, as its code sees it from the context.
+pub(crate) struct RunCtx {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) run: String,
+    pub(crate) generation: u32,
+    pub(crate) replay: RefCell<Replay>,
     /// The end of this run's last record: what anything leaving the process waits for.
-    last: Cell<Lsn>,
-    /// Signals consumed so far, by name (replayed waits count too).
-    consumed: RefCell<HashMap<String, u32>>,
+    pub(crate) last: Cell<Lsn>,
+    /// Signals consumed so far, by name, this generation and before it.
+    pub(crate) consumed: RefCell<BTreeMap<String, u32>>,
+    /// The run observed its cancellation (journaled `CancelSeen`).
+    pub(crate) cancel_seen: Cell<bool>,
+    /// Entries at positions this generation (the history limit).
+    history: Cell<u32>,
+    /// Sleeps pending now (the timers limit).
+    pub(crate) timers: Cell<u32>,
+    /// Set by `ctx.continue_as_new`.
+    pub(crate) next_input: RefCell<Option<Json>>,
 }
 
 impl RunCtx {
-    fn append(&self, pos: Option<u32>, entry: Entry) -> Result<(), FlowError> {
+    fn new(shared: Arc<Shared>, run: String, generation: u32, replay: Replay, last: Lsn) -> RunCtx {
+        let (consumed, cancel_seen) = match replay.started() {
+            Some(Entry::Started {
+                consumed,
+                cancel_seen,
+                ..
+            }) => (consumed.clone(), *cancel_seen),
+            _ => (BTreeMap::new(), false),
+        };
+        RunCtx {
+            shared,
+            run,
+            generation,
+            history: Cell::new(replay.entries()),
+            replay: RefCell::new(replay),
+            last: Cell::new(last),
+            consumed: RefCell::new(consumed),
+            cancel_seen: Cell::new(cancel_seen),
+            timers: Cell::new(0),
+            next_input: RefCell::new(None),
+        }
+    }
+
+    /// Journal `entry` at `pos` (None: an arrival), within the run's limits.
+    pub(crate) fn append(&self, pos: Option<u32>, entry: Entry) -> Result<(), FlowError> {
+        let limits = &self.shared.limits;
+        let ends = matches!(
+            entry,
+            Entry::Finished { .. } | Entry::ContinuedAsNew { .. } | Entry::Parked { .. }
+        );
+        if pos.is_some() && !ends && self.history.get() >= limits.history {
+            return Err(FlowError::LimitExceeded {
+                limit: Limit::History,
+                value: u64::from(self.history.get()) + 1,
+                max: u64::from(limits.history),
+            });
+        }
         let rec = Record {
             run: self.run.clone(),
             generation: self.generation,
             pos,
             entry,
         };
-        let end = self.shared.log.append(RECORD_KIND, &rec.encode())?;
+        let bytes = rec.encode();
+        self.shared.check_payload(bytes.len())?;
+        let end = self.shared.log.append(RECORD_KIND, &bytes)?;
         self.last.set(end);
-        Ok(())
-    }
-}
-
-/// What a workflow's code calls (docs/flow.md §2). Cheap to clone; not `Send` (a run
-/// lives on its shard).
-#[derive(Clone)]
-pub struct Ctx {
-    run: Rc<RunCtx>,
-}
-
-fn step_result<T: DeserializeOwned>(name: &str, outcome: Outcome) -> Result<T, FlowError> {
-    match outcome {
-        Outcome::Ok(v) => decode(v),
-        Outcome::Err(error) => Err(FlowError::Step {
-            name: name.to_string(),
-            error,
-        }),
-    }
-}
-
-/// How often a step is tried, and how long between tries: exponential from `first`,
-/// doubling, capped at `max`. The retry time is journaled with each failed attempt, so
-/// a restart neither retries early nor starts the count again.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Retry {
-    pub max_attempts: u32,
-    pub first: Duration,
-    pub max: Duration,
-}
-
-impl Retry {
-    /// One attempt: a failure is the step's result.
-    pub fn none() -> Retry {
-        Retry {
-            max_attempts: 1,
-            first: Duration::ZERO,
-            max: Duration::ZERO,
-        }
-    }
-
-    /// Up to `max_attempts` attempts, `first` after the first failure, doubling, at most
-    /// a minute apart.
-    pub fn exponential(max_attempts: u32, first: Duration) -> Retry {
-        Retry {
-            max_attempts: max_attempts.max(1),
-            first,
-            max: Duration::from_secs(60),
-        }
-    }
-
-    fn delay(&self, failed_attempt: u32) -> Duration {
-        let factor = 1u32 << failed_attempt.saturating_sub(1).min(20);
-        (self.first * factor).min(self.max)
-    }
-}
-
-/// A step being set up; await it to run it (see [`Ctx::step`]).
-pub struct Step<'a, T, F> {
-    ctx: &'a Ctx,
-    name: String,
-    body: F,
-    retry: Retry,
-    timeout: Option<Duration>,
-    _out: PhantomData<fn() -> T>,
-}
-
-impl<T, F> Step<'_, T, F> {
-    pub fn retry(mut self, retry: Retry) -> Self {
-        self.retry = retry;
-        self
-    }
-
-    /// Each attempt fails if it takes longer than `d`.
-    pub fn timeout(mut self, d: Duration) -> Self {
-        self.timeout = Some(d);
-        self
-    }
-}
-
-impl<'a, T, F, Fut> std::future::IntoFuture for Step<'a, T, F>
-where
-    T: Serialize + DeserializeOwned + 'a,
-    F: FnMut(StepCtx) -> Fut + 'a,
-    Fut: Future<Output = Result<T, String>> + 'a,
-{
-    type Output = Result<T, FlowError>;
-    type IntoFuture = Pin<Box<dyn Future<Output = Result<T, FlowError>> + 'a>>;
-
-    fn into_future(self) -> Self::IntoFuture {
-        Box::pin(
-            self.ctx
-                .run_step(self.name, self.body, self.retry, self.timeout),
-        )
-    }
-}
-
-/// What a step's body gets: the key to pass to the outside world.
-pub struct StepCtx {
-    key: String,
-}
-
-impl StepCtx {
-    /// Stable across re-executions of the same step of the same run: `run/generation/position`.
-    pub fn key(&self) -> &str {
-        &self.key
-    }
-}
-
-impl Ctx {
-    pub fn run_id(&self) -> &str {
-        &self.run.run
-    }
-
-    /// Code changes that would change a running run's path go behind a patch:
-    /// `if ctx.patched("fraud-check")? { … new calls … }`. True for runs that reach
-    /// this point under the new code (journaled, so their replays take it again); false,
-    /// taking no position, for runs journaled before it existed.
-    pub fn patched(&self, id: &str) -> Result<bool, FlowError> {
-        let (taken, pos) = self.run.replay.borrow_mut().patched(id);
-        if let Some(pos) = pos {
-            self.run
-                .append(Some(pos), Entry::Patch { id: id.to_string() })?;
-        }
-        Ok(taken)
-    }
-
-    /// The wall clock in ms since the epoch, as the run first saw it here: replays see
-    /// the same value.
-    pub fn now_ms(&self) -> Result<u64, FlowError> {
-        let v = self.value(ValueKind::Now, || Json::from(ferry_core::seams::wall_ms()))?;
-        decode(v)
-    }
-
-    /// A random u64, the same on every replay.
-    pub fn random_u64(&self) -> Result<u64, FlowError> {
-        let v = self.value(ValueKind::Random, || {
-            use ferry_core::seams::Rng;
-            Json::from(ferry_core::seams::SplitMix64::from_entropy().next_u64())
-        })?;
-        decode(v)
-    }
-
-    /// Sleep durably: the wake-up time is journaled, so after a restart the run sleeps
-    /// until the same moment (at once if it passed while the engine was down). Never
-    /// wakes early by the wall clock.
-    pub async fn sleep(&self, d: Duration) -> Result<(), FlowError> {
-        let fresh_at = ferry_core::seams::wall_ms().saturating_add(d.as_millis() as u64);
-        self.sleep_until_ms(fresh_at).await
-    }
-
-    /// Sleep until `at_ms` (ms since the epoch, wall clock), durably: see [`Ctx::sleep`].
-    pub async fn sleep_until_ms(&self, at_ms: u64) -> Result<(), FlowError> {
-        let (pos, fire_at) = {
-            let mut replay = self.run.replay.borrow_mut();
-            match replay.call(Call::Sleep)? {
-                Slot::Recorded { pos, entries } => {
-                    if entries.iter().any(|e| matches!(e, Entry::TimerFired)) {
-                        return Ok(());
-                    }
-                    match &entries[0] {
-                        Entry::TimerSet { fire_at_ms } => (Some(pos), *fire_at_ms),
-                        other => {
-                            return Err(FlowError::Codec(format!(
-                                "position {pos} holds {} where a timer was set",
-                                other.describe()
-                            )));
-                        }
-                    }
-                }
-                Slot::Fresh { pos } => {
-                    drop(replay);
-                    self.run
-                        .append(Some(pos), Entry::TimerSet { fire_at_ms: at_ms })?;
-                    (Some(pos), at_ms)
-                }
-            }
-        };
-        loop {
-            let now = ferry_core::seams::wall_ms();
-            if now >= fire_at {
-                break;
-            }
-            // Timers sleep on the monotonic clock, which may run a little ahead of the
-            // wall clock: check again rather than fire early.
-            tokio::time::sleep(Duration::from_millis(fire_at - now)).await;
-        }
-        if let Some(pos) = pos {
-            self.run.append(Some(pos), Entry::TimerFired)?;
+        if pos.is_some() {
+            self.history.set(self.history.get() + 1);
         }
         Ok(())
-    }
-
-    /// Wait for the next signal named `signal` (in arrival order), or until `timeout`
-    /// passes: `None`. Which of the two happened is journaled, and the deadline too, so
-    /// a restart keeps both.
-    pub async fn wait_for<T: DeserializeOwned>(
-        &self,
-        signal: Signal<T>,
-        timeout: Option<Duration>,
-    ) -> Result<Option<T>, FlowError> {
-        let name = signal.name;
-        let (pos, deadline) = {
-            let mut replay = self.run.replay.borrow_mut();
-            match replay.call(Call::WaitFor(name))? {
-                Slot::Recorded { pos, entries } => {
-                    let mut deadline = None;
-                    let mut got = None;
-                    for e in entries {
-                        match e {
-                            Entry::WaitStarted { deadline_ms, .. } => deadline = *deadline_ms,
-                            Entry::Waited { got: g, .. } => got = Some(*g),
-                            _ => {}
-                        }
-                    }
-                    match got {
-                        Some(Some(index)) => {
-                            drop(replay);
-                            *self
-                                .run
-                                .consumed
-                                .borrow_mut()
-                                .entry(name.to_string())
-                                .or_default() += 1;
-                            let (value, _) = self.run.shared.signal(&self.run.run, name, index);
-                            let value = value.ok_or_else(|| {
-                                FlowError::Codec(format!(
-                                    "the journal says signal {name:?} #{index} was consumed, but it never arrived"
-                                ))
-                            })?;
-                            return decode(value).map(Some);
-                        }
-                        Some(None) => return Ok(None),
-                        None => (pos, deadline),
-                    }
-                }
-                Slot::Fresh { pos } => {
-                    drop(replay);
-                    let deadline = timeout
-                        .map(|d| ferry_core::seams::wall_ms().saturating_add(d.as_millis() as u64));
-                    self.run.append(
-                        Some(pos),
-                        Entry::WaitStarted {
-                            name: name.to_string(),
-                            deadline_ms: deadline,
-                        },
-                    )?;
-                    (pos, deadline)
-                }
-            }
-        };
-        let index = self.run.consumed.borrow().get(name).copied().unwrap_or(0);
-        let (_, arrived) = self.run.shared.signal(&self.run.run, name, index);
-        loop {
-            // Registered before looking, so an arrival in between is not missed.
-            let notified = arrived.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if let (Some(v), _) = self.run.shared.signal(&self.run.run, name, index) {
-                self.run.append(
-                    Some(pos),
-                    Entry::Waited {
-                        name: name.to_string(),
-                        got: Some(index),
-                    },
-                )?;
-                *self
-                    .run
-                    .consumed
-                    .borrow_mut()
-                    .entry(name.to_string())
-                    .or_default() += 1;
-                return decode(v).map(Some);
-            }
-            let now = ferry_core::seams::wall_ms();
-            match deadline {
-                Some(d) if now >= d => {
-                    self.run.append(
-                        Some(pos),
-                        Entry::Waited {
-                            name: name.to_string(),
-                            got: None,
-                        },
-                    )?;
-                    return Ok(None);
-                }
-                Some(d) => {
-                    tokio::select! {
-                        _ = notified => {}
-                        _ = tokio::time::sleep(Duration::from_millis(d - now)) => {}
-                    }
-                }
-                None => notified.await,
-            }
-        }
-    }
-
-    /// A value drawn once and journaled. Nothing outside the process has seen it, so it
-    /// does not wait for the disk; a step that uses it waits (output holding).
-    fn value(&self, kind: ValueKind, draw: impl FnOnce() -> Json) -> Result<Json, FlowError> {
-        let pos = {
-            let mut replay = self.run.replay.borrow_mut();
-            match replay.call(Call::Value(kind))? {
-                Slot::Recorded { entries, pos } => match &entries[0] {
-                    Entry::Value { value, .. } => return Ok(value.clone()),
-                    _ => {
-                        return Err(FlowError::Codec(format!("position {pos} holds no value")));
-                    }
-                },
-                Slot::Fresh { pos } => pos,
-            }
-        };
-        let value = draw();
-        self.run.append(
-            Some(pos),
-            Entry::Value {
-                kind,
-                value: value.clone(),
-            },
-        )?;
-        Ok(value)
-    }
-
-    /// A step: `body` runs durably, once its result is journaled never again; on
-    /// replay the journaled result is returned. Before each attempt everything this run
-    /// journaled is durable (output holding). Await it directly, or set
-    /// [`Step::retry`] and [`Step::timeout`] first. The body is called once per attempt.
-    pub fn step<'a, T, F, Fut>(&'a self, name: &str, body: F) -> Step<'a, T, F>
-    where
-        T: Serialize + DeserializeOwned + 'a,
-        F: FnMut(StepCtx) -> Fut + 'a,
-        Fut: Future<Output = Result<T, String>> + 'a,
-    {
-        Step {
-            ctx: self,
-            name: name.to_string(),
-            body,
-            retry: Retry::none(),
-            timeout: None,
-            _out: PhantomData,
-        }
-    }
-
-    async fn run_step<T, F, Fut>(
-        &self,
-        name: String,
-        mut body: F,
-        retry: Retry,
-        timeout: Option<Duration>,
-    ) -> Result<T, FlowError>
-    where
-        T: Serialize + DeserializeOwned,
-        F: FnMut(StepCtx) -> Fut,
-        Fut: Future<Output = Result<T, String>>,
-    {
-        // What the journal says: done, or attempts that failed and when to retry.
-        let (pos, mut attempt, mut retry_at) = {
-            let mut replay = self.run.replay.borrow_mut();
-            match replay.call(Call::Step(&name))? {
-                Slot::Recorded { pos, entries } => {
-                    let mut attempts = 0;
-                    let mut at = 0;
-                    for e in entries {
-                        match e {
-                            Entry::Step { outcome, .. } => {
-                                let outcome = outcome.clone();
-                                drop(replay);
-                                return step_result(&name, outcome);
-                            }
-                            Entry::StepAttempt {
-                                attempt,
-                                retry_at_ms,
-                                ..
-                            } => {
-                                attempts = attempts.max(*attempt);
-                                at = *retry_at_ms;
-                            }
-                            _ => {}
-                        }
-                    }
-                    (pos, attempts + 1, at)
-                }
-                Slot::Fresh { pos } => (pos, 1, 0),
-            }
-        };
-        loop {
-            while ferry_core::seams::wall_ms() < retry_at {
-                let wait = retry_at - ferry_core::seams::wall_ms().min(retry_at);
-                tokio::time::sleep(Duration::from_millis(wait.max(1))).await;
-            }
-            // Output holding: the body talks to the outside world, so what it follows
-            // must be durable first.
-            self.run.shared.log.durable(self.run.last.get()).await?;
-            let key = format!("{}/{}/{}", self.run.run, self.run.generation, pos);
-            let attempt_result = match timeout {
-                None => body(StepCtx { key }).await,
-                Some(d) => match tokio::time::timeout(d, body(StepCtx { key })).await {
-                    Ok(r) => r,
-                    Err(_) => Err(format!("attempt {attempt} timed out after {d:?}")),
-                },
-            };
-            let outcome = match attempt_result {
-                Ok(v) => Outcome::Ok(encode(&v)?),
-                Err(e) if attempt < retry.max_attempts => {
-                    retry_at =
-                        ferry_core::seams::wall_ms() + retry.delay(attempt).as_millis() as u64;
-                    self.run.append(
-                        Some(pos),
-                        Entry::StepAttempt {
-                            name: name.clone(),
-                            attempt,
-                            error: e,
-                            retry_at_ms: retry_at,
-                        },
-                    )?;
-                    attempt += 1;
-                    continue;
-                }
-                Err(e) => Outcome::Err(e),
-            };
-            self.run.append(
-                Some(pos),
-                Entry::Step {
-                    name: name.clone(),
-                    outcome: outcome.clone(),
-                    attempts: attempt,
-                },
-            )?;
-            return step_result(&name, outcome);
-        }
     }
 }

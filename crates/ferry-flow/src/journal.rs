@@ -6,6 +6,7 @@
 //! parsing JSON.
 
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 /// The ferry-log record kind of journal records.
 pub const RECORD_KIND: u8 = 1;
@@ -22,6 +23,8 @@ pub type Json = serde_json::Value;
 pub enum Outcome {
     Ok(Json),
     Err(String),
+    /// The run observed a cancellation and returned `FlowError::Cancelled`.
+    Cancelled,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -37,10 +40,16 @@ pub enum ValueKind {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "t", rename_all = "snake_case")]
 pub enum Entry {
+    /// A generation begins (pos 0). A generation after the first carries what the run
+    /// had consumed before it: signals by name, and whether it saw its cancellation.
     Started {
         workflow: String,
         input: Json,
         parent: Option<String>,
+        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+        consumed: BTreeMap<String, u32>,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        cancel_seen: bool,
     },
     Step {
         name: String,
@@ -203,6 +212,8 @@ mod tests {
                     workflow: "checkout".into(),
                     input: json!({"sku": "a", "qty": 2}),
                     parent: None,
+                    consumed: BTreeMap::from([("review".to_string(), 2)]),
+                    cancel_seen: true,
                 },
             },
             Record {

@@ -121,6 +121,40 @@ impl Replay {
         self.positions.iter().rev().find_map(|p| p.last())
     }
 
+    /// The number of positions journaled: where an entry appended after all of them
+    /// goes.
+    pub fn len(&self) -> u32 {
+        self.positions.len() as u32
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.positions.is_empty()
+    }
+
+    /// Entries journaled at positions (what the history limit counts).
+    pub fn entries(&self) -> u32 {
+        self.positions.iter().map(|p| p.len() as u32).sum()
+    }
+
+    /// Signals consumed by the waits journaled, by name.
+    pub fn consumed_by_name(&self) -> std::collections::BTreeMap<String, u32> {
+        let mut m = std::collections::BTreeMap::new();
+        for e in self.positions.iter().flatten() {
+            if let Entry::Waited { name, got: Some(_) } = e {
+                *m.entry(name.clone()).or_default() += 1;
+            }
+        }
+        m
+    }
+
+    /// Did the run observe its cancellation in this generation?
+    pub fn cancel_seen(&self) -> bool {
+        self.positions
+            .iter()
+            .flatten()
+            .any(|e| matches!(e, Entry::CancelSeen))
+    }
+
     pub fn arrivals(&self) -> &[Entry] {
         &self.arrivals
     }
@@ -179,10 +213,12 @@ impl Replay {
         let pos = self.next;
         match self.positions.get(pos as usize).and_then(|e| e.first()) {
             None => Ok(Slot::Fresh { pos }),
-            Some(Entry::Finished { .. } | Entry::Parked { .. }) => Ok(Slot::Recorded {
-                pos,
-                entries: &self.positions[pos as usize],
-            }),
+            Some(Entry::Finished { .. } | Entry::Parked { .. } | Entry::ContinuedAsNew { .. }) => {
+                Ok(Slot::Recorded {
+                    pos,
+                    entries: &self.positions[pos as usize],
+                })
+            }
             Some(other) => Err(Nondeterminism {
                 position: pos,
                 journal: other.describe(),
@@ -214,6 +250,8 @@ mod tests {
                 workflow: "w".into(),
                 input: json!(1),
                 parent: None,
+                consumed: Default::default(),
+                cancel_seen: false,
             },
         )
     }

@@ -1,0 +1,707 @@
+//! What a workflow's code calls (docs/flow.md §2): steps with retries and timeouts,
+//! durable sleeps, signals, child runs, deterministic values, patches, queries,
+//! cancellation and continue-as-new. Each call takes the next journal position; on
+//! replay it returns what the journal holds there.
+
+use crate::engine::{FlowError, Limit, RunCtx, Signal, Workflow, decode, encode, lock};
+use crate::journal::{Entry, Json, Outcome, ValueKind};
+use crate::replay::{Call, Slot};
+use ferry_core::seams::wall_ms;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::time::Duration;
+use tokio::sync::oneshot;
+
+/// What a workflow's code calls (docs/flow.md §2). Cheap to clone; not `Send` (a run
+/// lives on its shard).
+#[derive(Clone)]
+pub struct Ctx {
+    run: Rc<RunCtx>,
+}
+
+impl Ctx {
+    pub(crate) fn new(run: RunCtx) -> Ctx {
+        Ctx { run: Rc::new(run) }
+    }
+
+    pub(crate) fn run(&self) -> &RunCtx {
+        &self.run
+    }
+
+    /// A suspension call at `pos` looks for a cancellation the run has not observed:
+    /// it observes it there (journaled) and returns `Cancelled`.
+    fn observe_cancel(&self, pos: u32) -> Result<(), FlowError> {
+        if self.run.cancel_seen.get() || !self.run.shared.cancel_requested(&self.run.run) {
+            return Ok(());
+        }
+        self.run.append(Some(pos), Entry::CancelSeen)?;
+        self.run.cancel_seen.set(true);
+        Err(FlowError::Cancelled)
+    }
+
+    /// Replaying a suspension call: did it observe the cancellation?
+    fn replayed_cancel(&self, entries: &[Entry]) -> Result<(), FlowError> {
+        if entries.iter().any(|e| matches!(e, Entry::CancelSeen)) {
+            self.run.cancel_seen.set(true);
+            return Err(FlowError::Cancelled);
+        }
+        Ok(())
+    }
+}
+
+fn child_result<T: DeserializeOwned>(id: &str, outcome: Outcome) -> Result<T, FlowError> {
+    match outcome {
+        Outcome::Ok(v) => decode(v),
+        Outcome::Err(error) => Err(FlowError::Child {
+            id: id.to_string(),
+            error,
+        }),
+        Outcome::Cancelled => Err(FlowError::Child {
+            id: id.to_string(),
+            error: "it was cancelled".into(),
+        }),
+    }
+}
+
+fn step_result<T: DeserializeOwned>(name: &str, outcome: Outcome) -> Result<T, FlowError> {
+    match outcome {
+        Outcome::Ok(v) => decode(v),
+        Outcome::Err(error) => Err(FlowError::Step {
+            name: name.to_string(),
+            error,
+        }),
+        Outcome::Cancelled => Err(FlowError::Cancelled),
+    }
+}
+
+/// Counts a pending sleep while it lives.
+struct Pending<'a>(&'a std::cell::Cell<u32>);
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        self.0.set(self.0.get() - 1);
+    }
+}
+
+/// How often a step is tried, and how long between tries: exponential from `first`,
+/// doubling, capped at `max`. The retry time is journaled with each failed attempt, so
+/// a restart neither retries early nor starts the count again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Retry {
+    pub max_attempts: u32,
+    pub first: Duration,
+    pub max: Duration,
+}
+
+impl Retry {
+    /// One attempt: a failure is the step's result.
+    pub fn none() -> Retry {
+        Retry {
+            max_attempts: 1,
+            first: Duration::ZERO,
+            max: Duration::ZERO,
+        }
+    }
+
+    /// Up to `max_attempts` attempts, `first` after the first failure, doubling, at most
+    /// a minute apart.
+    pub fn exponential(max_attempts: u32, first: Duration) -> Retry {
+        Retry {
+            max_attempts: max_attempts.max(1),
+            first,
+            max: Duration::from_secs(60),
+        }
+    }
+
+    fn delay(&self, failed_attempt: u32) -> Duration {
+        let factor = 1u32 << failed_attempt.saturating_sub(1).min(20);
+        (self.first * factor).min(self.max)
+    }
+}
+
+/// A step being set up; await it to run it (see [`Ctx::step`]).
+pub struct Step<'a, T, F> {
+    ctx: &'a Ctx,
+    name: String,
+    body: F,
+    retry: Retry,
+    timeout: Option<Duration>,
+    _out: PhantomData<fn() -> T>,
+}
+
+impl<T, F> Step<'_, T, F> {
+    pub fn retry(mut self, retry: Retry) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// Each attempt fails if it takes longer than `d`.
+    pub fn timeout(mut self, d: Duration) -> Self {
+        self.timeout = Some(d);
+        self
+    }
+}
+
+impl<'a, T, F, Fut> std::future::IntoFuture for Step<'a, T, F>
+where
+    T: Serialize + DeserializeOwned + 'a,
+    F: FnMut(StepCtx) -> Fut + 'a,
+    Fut: Future<Output = Result<T, String>> + 'a,
+{
+    type Output = Result<T, FlowError>;
+    type IntoFuture = Pin<Box<dyn Future<Output = Result<T, FlowError>> + 'a>>;
+
+    fn into_future(self) -> Self::IntoFuture {
+        Box::pin(
+            self.ctx
+                .run_step(self.name, self.body, self.retry, self.timeout),
+        )
+    }
+}
+
+/// What a step's body gets: the key to pass to the outside world.
+pub struct StepCtx {
+    key: String,
+}
+
+impl StepCtx {
+    /// Stable across re-executions of the same step of the same run: `run/generation/position`.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+}
+
+impl Ctx {
+    pub fn run_id(&self) -> &str {
+        &self.run.run
+    }
+
+    /// Code changes that would change a running run's path go behind a patch:
+    /// `if ctx.patched("fraud-check")? { … new calls … }`. True for runs that reach
+    /// this point under the new code (journaled, so their replays take it again); false,
+    /// taking no position, for runs journaled before it existed.
+    pub fn patched(&self, id: &str) -> Result<bool, FlowError> {
+        let (taken, pos) = self.run.replay.borrow_mut().patched(id);
+        if let Some(pos) = pos {
+            self.run
+                .append(Some(pos), Entry::Patch { id: id.to_string() })?;
+        }
+        Ok(taken)
+    }
+
+    /// The wall clock in ms since the epoch, as the run first saw it here: replays see
+    /// the same value.
+    pub fn now_ms(&self) -> Result<u64, FlowError> {
+        let v = self.value(ValueKind::Now, || Json::from(wall_ms()))?;
+        decode(v)
+    }
+
+    /// A random u64, the same on every replay.
+    pub fn random_u64(&self) -> Result<u64, FlowError> {
+        let v = self.value(ValueKind::Random, || {
+            use ferry_core::seams::Rng;
+            Json::from(ferry_core::seams::SplitMix64::from_entropy().next_u64())
+        })?;
+        decode(v)
+    }
+
+    /// A random (version 4) UUID, the same on every replay.
+    pub fn uuid(&self) -> Result<String, FlowError> {
+        let v = self.value(ValueKind::Uuid, || {
+            use ferry_core::seams::Rng;
+            let mut rng = ferry_core::seams::SplitMix64::from_entropy();
+            let (hi, lo) = (rng.next_u64(), rng.next_u64());
+            let hi = (hi & !0xf000) | 0x4000;
+            let lo = (lo & !(0xc << 60)) | (0x8 << 60);
+            Json::from(format!(
+                "{:08x}-{:04x}-{:04x}-{:04x}-{:012x}",
+                hi >> 32,
+                (hi >> 16) & 0xffff,
+                hi & 0xffff,
+                lo >> 48,
+                lo & 0xffff_ffff_ffff
+            ))
+        })?;
+        decode(v)
+    }
+
+    /// Sleep durably: the wake-up time is journaled, so after a restart the run sleeps
+    /// until the same moment (at once if it passed while the engine was down). Never
+    /// wakes early by the wall clock.
+    pub async fn sleep(&self, d: Duration) -> Result<(), FlowError> {
+        let fresh_at = wall_ms().saturating_add(d.as_millis() as u64);
+        self.sleep_until_ms(fresh_at).await
+    }
+
+    /// Sleep until `at_ms` (ms since the epoch, wall clock), durably: see [`Ctx::sleep`].
+    pub async fn sleep_until_ms(&self, at_ms: u64) -> Result<(), FlowError> {
+        let (pos, fire_at) = {
+            let mut replay = self.run.replay.borrow_mut();
+            match replay.call(Call::Sleep)? {
+                Slot::Recorded { pos, entries } => {
+                    if entries.iter().any(|e| matches!(e, Entry::TimerFired)) {
+                        return Ok(());
+                    }
+                    self.replayed_cancel(entries)?;
+                    match &entries[0] {
+                        Entry::TimerSet { fire_at_ms } => (pos, *fire_at_ms),
+                        other => {
+                            return Err(FlowError::Codec(format!(
+                                "position {pos} holds {} where a timer was set",
+                                other.describe()
+                            )));
+                        }
+                    }
+                }
+                Slot::Fresh { pos } => {
+                    drop(replay);
+                    self.observe_cancel(pos)?;
+                    let pending = self.run.timers.get();
+                    let max = self.run.shared.limits.timers;
+                    if pending >= max {
+                        return Err(FlowError::LimitExceeded {
+                            limit: Limit::Timers,
+                            value: u64::from(pending) + 1,
+                            max: u64::from(max),
+                        });
+                    }
+                    self.run
+                        .append(Some(pos), Entry::TimerSet { fire_at_ms: at_ms })?;
+                    (pos, at_ms)
+                }
+            }
+        };
+        self.run.timers.set(self.run.timers.get() + 1);
+        let _pending = Pending(&self.run.timers);
+        let arrived = self.run.shared.arrivals(&self.run.run);
+        loop {
+            let notified = arrived.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            self.observe_cancel(pos)?;
+            let now = wall_ms();
+            if now >= fire_at {
+                break;
+            }
+            // Timers sleep on the monotonic clock, which may run a little ahead of the
+            // wall clock: check again rather than fire early.
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(fire_at - now)) => {}
+                _ = notified => {}
+            }
+        }
+        self.run.append(Some(pos), Entry::TimerFired)?;
+        Ok(())
+    }
+
+    /// Wait for the next signal named `signal` (in arrival order), or until `timeout`
+    /// passes: `None`. Which of the two happened is journaled, and the deadline too, so
+    /// a restart keeps both.
+    pub async fn wait_for<T: DeserializeOwned>(
+        &self,
+        signal: Signal<T>,
+        timeout: Option<Duration>,
+    ) -> Result<Option<T>, FlowError> {
+        let name = signal.name;
+        let (pos, deadline) = {
+            let mut replay = self.run.replay.borrow_mut();
+            match replay.call(Call::WaitFor(name))? {
+                Slot::Recorded { pos, entries } => {
+                    self.replayed_cancel(entries)?;
+                    let mut deadline = None;
+                    let mut got = None;
+                    for e in entries {
+                        match e {
+                            Entry::WaitStarted { deadline_ms, .. } => deadline = *deadline_ms,
+                            Entry::Waited { got: g, .. } => got = Some(*g),
+                            _ => {}
+                        }
+                    }
+                    match got {
+                        Some(Some(index)) => {
+                            drop(replay);
+                            self.count_consumed(name);
+                            let value = self.run.shared.signal(&self.run.run, name, index);
+                            let value = value.ok_or_else(|| {
+                                FlowError::Codec(format!(
+                                    "the journal says signal {name:?} #{index} was consumed, but it never arrived"
+                                ))
+                            })?;
+                            return decode(value).map(Some);
+                        }
+                        Some(None) => return Ok(None),
+                        None => (pos, deadline),
+                    }
+                }
+                Slot::Fresh { pos } => {
+                    drop(replay);
+                    self.observe_cancel(pos)?;
+                    let deadline = timeout.map(|d| wall_ms().saturating_add(d.as_millis() as u64));
+                    self.run.append(
+                        Some(pos),
+                        Entry::WaitStarted {
+                            name: name.to_string(),
+                            deadline_ms: deadline,
+                        },
+                    )?;
+                    (pos, deadline)
+                }
+            }
+        };
+        let index = self.run.consumed.borrow().get(name).copied().unwrap_or(0);
+        let arrived = self.run.shared.arrivals(&self.run.run);
+        loop {
+            // Registered before looking, so an arrival in between is not missed.
+            let notified = arrived.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            self.observe_cancel(pos)?;
+            if let Some(v) = self.run.shared.signal(&self.run.run, name, index) {
+                self.run.append(
+                    Some(pos),
+                    Entry::Waited {
+                        name: name.to_string(),
+                        got: Some(index),
+                    },
+                )?;
+                self.count_consumed(name);
+                if let Some(inbox) = lock(&self.run.shared.inboxes).get_mut(&self.run.run) {
+                    inbox.consumed += 1;
+                }
+                return decode(v).map(Some);
+            }
+            let now = wall_ms();
+            match deadline {
+                Some(d) if now >= d => {
+                    self.run.append(
+                        Some(pos),
+                        Entry::Waited {
+                            name: name.to_string(),
+                            got: None,
+                        },
+                    )?;
+                    return Ok(None);
+                }
+                Some(d) => {
+                    tokio::select! {
+                        _ = notified => {}
+                        _ = tokio::time::sleep(Duration::from_millis(d - now)) => {}
+                    }
+                }
+                None => notified.await,
+            }
+        }
+    }
+
+    fn count_consumed(&self, name: &str) {
+        *self
+            .run
+            .consumed
+            .borrow_mut()
+            .entry(name.to_string())
+            .or_default() += 1;
+    }
+
+    /// Run `workflow` as a child of this run, with the id `parent/generation/position`,
+    /// and wait for its result. The child is a run of its own (listed, queried and
+    /// cancelled by that id); its start and its outcome are journaled here, so a
+    /// restart neither starts it twice nor waits for it again. If this run observes its
+    /// cancellation while waiting, the child is cancelled too.
+    pub async fn child<I: Serialize, O: DeserializeOwned>(
+        &self,
+        workflow: Workflow<I, O>,
+        input: &I,
+    ) -> Result<O, FlowError> {
+        let (pos, id, fresh) = {
+            let mut replay = self.run.replay.borrow_mut();
+            match replay.call(Call::Child(workflow.name()))? {
+                Slot::Recorded { pos, entries } => {
+                    let mut id = None;
+                    for e in entries {
+                        match e {
+                            Entry::ChildStarted { id: i, .. } => id = Some(i.clone()),
+                            Entry::ChildDone { outcome } => {
+                                let id = id.unwrap_or_default();
+                                return child_result(&id, outcome.clone());
+                            }
+                            Entry::CancelSeen => {
+                                self.run.cancel_seen.set(true);
+                                if let Some(id) = id {
+                                    self.cancel_child(id);
+                                }
+                                return Err(FlowError::Cancelled);
+                            }
+                            _ => {}
+                        }
+                    }
+                    let id = id.ok_or_else(|| {
+                        FlowError::Codec(format!("position {pos} holds no child's start"))
+                    })?;
+                    (pos, id, false)
+                }
+                Slot::Fresh { pos } => {
+                    let id = format!("{}/{}/{}", self.run.run, self.run.generation, pos);
+                    (pos, id, true)
+                }
+            }
+        };
+        if fresh {
+            self.observe_cancel(pos)?;
+        }
+        // Started before it is journaled here (or again on replay, in case the child's
+        // start was lost in a crash): starting an id that exists does nothing.
+        let input = encode(input)?;
+        self.run
+            .shared
+            .start_run(workflow.name(), &id, input, Some(self.run.run.clone()))?;
+        if fresh {
+            self.run.append(
+                Some(pos),
+                Entry::ChildStarted {
+                    id: id.clone(),
+                    workflow: workflow.name().to_string(),
+                },
+            )?;
+        }
+        let arrived = self.run.shared.arrivals(&self.run.run);
+        loop {
+            let notified = arrived.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Err(e) = self.observe_cancel(pos) {
+                self.cancel_child(id);
+                return Err(e);
+            }
+            let done = {
+                let mut runs = lock(&self.run.shared.runs);
+                let child = runs
+                    .get_mut(&id)
+                    .ok_or_else(|| FlowError::Invalid(format!("child run {id:?} is gone")))?;
+                match &child.status {
+                    crate::RunStatus::Finished(outcome) => Ok(outcome.clone()),
+                    // Running, or parked (it may resume after a deploy): wait.
+                    _ => {
+                        let (tx, rx) = oneshot::channel();
+                        child.waiters.push(tx);
+                        Err(rx)
+                    }
+                }
+            };
+            match done {
+                Ok(outcome) => {
+                    self.run.append(
+                        Some(pos),
+                        Entry::ChildDone {
+                            outcome: outcome.clone(),
+                        },
+                    )?;
+                    return child_result(&id, outcome);
+                }
+                Err(rx) => {
+                    tokio::select! {
+                        r = rx => if r.is_err() { return Err(FlowError::Stopped) },
+                        _ = notified => {}
+                    }
+                }
+            }
+        }
+    }
+
+    fn cancel_child(&self, id: String) {
+        let shared = self.run.shared.clone();
+        tokio::task::spawn_local(async move {
+            if let Err(e) = shared.cancel(&id).await {
+                tracing::warn!(child = %id, "cancelling a child run: {e}");
+            }
+        });
+    }
+
+    /// Has this run observed a cancellation? True from the suspension call that
+    /// returned [`FlowError::Cancelled`] on: the code can tell cleanup apart.
+    pub fn cancelled(&self) -> bool {
+        self.run.cancel_seen.get()
+    }
+
+    /// Make `state` what `engine.query(id)` returns for this run. Not journaled: replay
+    /// publishes again as it passes the same code.
+    pub fn publish<S: Serialize>(&self, state: &S) -> Result<(), FlowError> {
+        let v = encode(state)?;
+        if let Some(e) = lock(&self.run.shared.runs).get_mut(&self.run.run) {
+            e.published = Some(v);
+        }
+        Ok(())
+    }
+
+    /// End this generation and start the next with `input` and an empty history (the
+    /// same run id, result and signals): `return Err(ctx.continue_as_new(&next))`. The
+    /// run's generation counts up; step keys include it.
+    pub fn continue_as_new<I: Serialize>(&self, input: &I) -> FlowError {
+        match encode(input) {
+            Ok(v) => {
+                *self.run.next_input.borrow_mut() = Some(v);
+                FlowError::ContinuedAsNew
+            }
+            Err(e) => e,
+        }
+    }
+
+    /// A value drawn once and journaled. Nothing outside the process has seen it, so it
+    /// does not wait for the disk; a step that uses it waits (output holding).
+    fn value(&self, kind: ValueKind, draw: impl FnOnce() -> Json) -> Result<Json, FlowError> {
+        let pos = {
+            let mut replay = self.run.replay.borrow_mut();
+            match replay.call(Call::Value(kind))? {
+                Slot::Recorded { entries, pos } => match &entries[0] {
+                    Entry::Value { value, .. } => return Ok(value.clone()),
+                    _ => {
+                        return Err(FlowError::Codec(format!("position {pos} holds no value")));
+                    }
+                },
+                Slot::Fresh { pos } => pos,
+            }
+        };
+        let value = draw();
+        self.run.append(
+            Some(pos),
+            Entry::Value {
+                kind,
+                value: value.clone(),
+            },
+        )?;
+        Ok(value)
+    }
+
+    /// A step: `body` runs durably, once its result is journaled never again; on
+    /// replay the journaled result is returned. Before each attempt everything this run
+    /// journaled is durable (output holding). Await it directly, or set
+    /// [`Step::retry`] and [`Step::timeout`] first. The body is called once per attempt.
+    pub fn step<'a, T, F, Fut>(&'a self, name: &str, body: F) -> Step<'a, T, F>
+    where
+        T: Serialize + DeserializeOwned + 'a,
+        F: FnMut(StepCtx) -> Fut + 'a,
+        Fut: Future<Output = Result<T, String>> + 'a,
+    {
+        Step {
+            ctx: self,
+            name: name.to_string(),
+            body,
+            retry: Retry::none(),
+            timeout: None,
+            _out: PhantomData,
+        }
+    }
+
+    async fn run_step<T, F, Fut>(
+        &self,
+        name: String,
+        mut body: F,
+        retry: Retry,
+        timeout: Option<Duration>,
+    ) -> Result<T, FlowError>
+    where
+        T: Serialize + DeserializeOwned,
+        F: FnMut(StepCtx) -> Fut,
+        Fut: Future<Output = Result<T, String>>,
+    {
+        // What the journal says: done, or attempts that failed and when to retry.
+        let (pos, mut attempt, mut retry_at) = {
+            let mut replay = self.run.replay.borrow_mut();
+            match replay.call(Call::Step(&name))? {
+                Slot::Recorded { pos, entries } => {
+                    let mut attempts = 0;
+                    let mut at = 0;
+                    for e in entries {
+                        match e {
+                            Entry::Step { outcome, .. } => {
+                                let outcome = outcome.clone();
+                                drop(replay);
+                                return step_result(&name, outcome);
+                            }
+                            Entry::StepAttempt {
+                                attempt,
+                                retry_at_ms,
+                                ..
+                            } => {
+                                attempts = attempts.max(*attempt);
+                                at = *retry_at_ms;
+                            }
+                            _ => {}
+                        }
+                    }
+                    self.replayed_cancel(entries)?;
+                    (pos, attempts + 1, at)
+                }
+                Slot::Fresh { pos } => (pos, 1, 0),
+            }
+        };
+        let arrived = self.run.shared.arrivals(&self.run.run);
+        loop {
+            // A cancellation is observed before an attempt, and during a backoff; an
+            // attempt under way is not interrupted.
+            loop {
+                let notified = arrived.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                self.observe_cancel(pos)?;
+                let now = wall_ms();
+                if now >= retry_at {
+                    break;
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(retry_at - now)) => {}
+                    _ = notified => {}
+                }
+            }
+            // Output holding: the body talks to the outside world, so what it follows
+            // must be durable first.
+            self.run.shared.log.durable(self.run.last.get()).await?;
+            let key = format!("{}/{}/{}", self.run.run, self.run.generation, pos);
+            let attempt_result = match timeout {
+                None => body(StepCtx { key }).await,
+                Some(d) => match tokio::time::timeout(d, body(StepCtx { key })).await {
+                    Ok(r) => r,
+                    Err(_) => Err(format!("attempt {attempt} timed out after {d:?}")),
+                },
+            };
+            let outcome = match attempt_result {
+                Ok(v) => Outcome::Ok(encode(&v)?),
+                Err(e) if attempt < retry.max_attempts => {
+                    retry_at = wall_ms() + retry.delay(attempt).as_millis() as u64;
+                    self.run.append(
+                        Some(pos),
+                        Entry::StepAttempt {
+                            name: name.clone(),
+                            attempt,
+                            error: e,
+                            retry_at_ms: retry_at,
+                        },
+                    )?;
+                    attempt += 1;
+                    continue;
+                }
+                Err(e) => Outcome::Err(e),
+            };
+            let done = |outcome: &Outcome| Entry::Step {
+                name: name.clone(),
+                outcome: outcome.clone(),
+                attempts: attempt,
+            };
+            let outcome = match self.run.append(Some(pos), done(&outcome)) {
+                Ok(()) => outcome,
+                // The body ran: journal that its result was refused, so a replay does
+                // not run it again and fails the same way.
+                Err(e @ FlowError::LimitExceeded { .. }) => {
+                    let refused = Outcome::Err(format!("its result: {e}"));
+                    self.run.append(Some(pos), done(&refused))?;
+                    refused
+                }
+                Err(e) => return Err(e),
+            };
+            return step_result(&name, outcome);
+        }
+    }
+}
