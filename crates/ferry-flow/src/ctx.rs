@@ -325,7 +325,7 @@ impl Ctx {
                         Some(Some(index)) => {
                             drop(replay);
                             self.count_consumed(name);
-                            let value = self.run.shared.signal(&self.run.run, name, index);
+                            let value = self.run.shared.signal_at(&self.run.run, name, index);
                             let value = value.ok_or_else(|| {
                                 FlowError::Codec(format!(
                                     "the journal says signal {name:?} #{index} was consumed, but it never arrived"
@@ -360,7 +360,7 @@ impl Ctx {
             tokio::pin!(notified);
             notified.as_mut().enable();
             self.observe_cancel(pos)?;
-            if let Some(v) = self.run.shared.signal(&self.run.run, name, index) {
+            if let Some(v) = self.run.shared.signal_at(&self.run.run, name, index) {
                 self.run.append(
                     Some(pos),
                     Entry::Waited {
@@ -533,6 +533,7 @@ impl Ctx {
         if let Some(e) = lock(&self.run.shared.runs).get_mut(&self.run.run) {
             e.published = Some(v);
         }
+        self.run.shared.changed();
         Ok(())
     }
 

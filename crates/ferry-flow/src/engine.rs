@@ -4,6 +4,7 @@
 //! single-threaded executor; every shard appends to the one log, whose writer's
 //! fdatasync covers them all. What a workflow's code calls is in `ctx.rs`.
 
+use crate::admin;
 use crate::ctx::Ctx;
 use crate::journal::{Entry, Json, Outcome, RECORD_KIND, RUN_ID_MAX, Record};
 use crate::replay::{Nondeterminism, Replay, Slot};
@@ -16,6 +17,7 @@ use std::future::Future;
 use std::marker::PhantomData;
 use std::path::Path;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use tokio::sync::{Notify, mpsc, oneshot};
@@ -32,6 +34,10 @@ impl<T> Signal<T> {
             name,
             _types: PhantomData,
         }
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.name
     }
 }
 
@@ -246,6 +252,8 @@ pub(crate) struct Shared {
     handlers: HashMap<&'static str, Handler>,
     shards: Vec<mpsc::UnboundedSender<Job>>,
     pub(crate) limits: Limits,
+    /// Bumped by every change the status file shows.
+    pub(crate) version: AtomicU64,
 }
 
 impl Shared {
@@ -260,6 +268,10 @@ impl Shared {
 
     fn spawn(&self, job: Job) {
         let _ = self.shard_of(&job.run).send(job);
+    }
+
+    pub(crate) fn changed(&self) {
+        self.version.fetch_add(1, Ordering::Relaxed);
     }
 
     pub(crate) fn check_payload(&self, bytes: usize) -> Result<(), FlowError> {
@@ -317,6 +329,7 @@ impl Shared {
         let mut entry = RunEntry::new(workflow, parent, 0, RunStatus::Running);
         entry.start_end = end;
         runs.insert(id.to_string(), entry);
+        self.changed();
         self.spawn(Job {
             run: id.to_string(),
             generation: 0,
@@ -370,12 +383,63 @@ impl Shared {
             (end, parked.is_some())
         };
         self.log.durable(end).await?;
+        self.changed();
         if parked {
             self.settle(id, RunStatus::Finished(Outcome::Cancelled));
         } else {
             self.wake(id);
         }
         Ok(true)
+    }
+
+    /// Journal signal `name` for run `id` and put it in the run's inbox.
+    pub(crate) async fn deliver(&self, id: &str, name: &str, value: Json) -> Result<(), FlowError> {
+        let shared = self;
+        let end = {
+            let runs = lock(&shared.runs);
+            let generation = match runs.get(id) {
+                None => return Err(FlowError::Invalid(format!("no run {id:?}"))),
+                Some(RunEntry {
+                    status: RunStatus::Finished(_),
+                    ..
+                }) => {
+                    return Err(FlowError::Invalid(format!(
+                        "run {id:?} has finished; it takes no more signals"
+                    )));
+                }
+                Some(e) => e.generation,
+            };
+            let rec = Record {
+                run: id.to_string(),
+                generation,
+                pos: None,
+                entry: Entry::Signal {
+                    name: name.to_string(),
+                    value: value.clone(),
+                },
+            };
+            let bytes = rec.encode();
+            shared.check_payload(bytes.len())?;
+            let mut inboxes = lock(&shared.inboxes);
+            let inbox = inboxes.entry(id.to_string()).or_default();
+            let pending = inbox.signals.len() - inbox.consumed;
+            if pending >= shared.limits.signals as usize {
+                return Err(FlowError::LimitExceeded {
+                    limit: Limit::Signals,
+                    value: pending as u64 + 1,
+                    max: u64::from(shared.limits.signals),
+                });
+            }
+            // Appended and put in the inbox under the runs lock: the journal order and
+            // the inbox order are the same.
+            let end = shared.log.append(RECORD_KIND, &bytes)?;
+            inbox.signals.push((name.to_string(), value));
+            end
+        };
+        shared.log.durable(end).await?;
+        shared.changed();
+        shared.wake(id);
+        Ok(())
     }
 
     pub(crate) fn wake(&self, id: &str) {
@@ -398,7 +462,7 @@ impl Shared {
     }
 
     /// The `index`th signal named `name` the run received.
-    pub(crate) fn signal(&self, run: &str, name: &str, index: u32) -> Option<Json> {
+    pub(crate) fn signal_at(&self, run: &str, name: &str, index: u32) -> Option<Json> {
         let inboxes = lock(&self.inboxes);
         inboxes.get(run).and_then(|inbox| {
             inbox
@@ -414,6 +478,7 @@ impl Shared {
         let mut runs = lock(&self.runs);
         if let Some(e) = runs.get_mut(run) {
             e.status = status.clone();
+            self.changed();
             for w in e.waiters.drain(..) {
                 let _ = w.send(status.clone());
             }
@@ -445,6 +510,7 @@ struct Job {
 pub struct EngineBuilder {
     dir: std::path::PathBuf,
     storage: Option<Arc<dyn ferry_log::Storage>>,
+    storage_is_files: bool,
     shards: usize,
     log: LogConfig,
     limits: Limits,
@@ -496,7 +562,8 @@ impl EngineBuilder {
 
     /// Open the log (recovering it), rebuild every run from its journal, restart the
     /// unfinished ones.
-    pub fn open(self) -> Result<Engine, FlowError> {
+    pub fn open(mut self) -> Result<Engine, FlowError> {
+        self.storage_is_files = self.storage.is_none();
         if self.shards == 0 || self.shards > 256 {
             return Err(FlowError::Invalid(format!(
                 "shards {} must be between 1 and 256",
@@ -510,7 +577,7 @@ impl EngineBuilder {
             )));
         }
         let started = std::time::Instant::now();
-        let (log, recovery) = match self.storage {
+        let (log, recovery) = match self.storage.take() {
             Some(st) => Log::open(st, self.log)?,
             None => Log::open_dir(&self.dir, self.log)?,
         };
@@ -547,6 +614,7 @@ impl EngineBuilder {
             handlers: self.handlers,
             shards: txs,
             limits: self.limits,
+            version: AtomicU64::new(0),
         });
         let mut resumed = 0;
         for (run, records) in by_run {
@@ -568,14 +636,23 @@ impl EngineBuilder {
             ms = elapsed.as_secs_f64() * 1e3,
             "flow engine open"
         );
+        let recovery = Recovery {
+            elapsed,
+            log_records: recovery.records,
+            resumed,
+        };
+        // An engine on files keeps a status file and takes requests in its directory;
+        // one on other storage (the simulation) has no directory of its own.
+        let admin = if self.storage_is_files {
+            Some(Admin::start(self.dir, shared.clone(), recovery))
+        } else {
+            None
+        };
         Ok(Engine {
             shared,
             shards,
-            recovery: Recovery {
-                elapsed,
-                log_records: recovery.records,
-                resumed,
-            },
+            recovery,
+            admin,
         })
     }
 }
@@ -726,6 +803,7 @@ pub struct Engine {
     shared: Arc<Shared>,
     shards: Vec<Shard>,
     recovery: Recovery,
+    admin: Option<Admin>,
 }
 
 impl Engine {
@@ -733,6 +811,7 @@ impl Engine {
         EngineBuilder {
             dir: dir.as_ref().to_path_buf(),
             storage: None,
+            storage_is_files: true,
             shards: 2,
             log: LogConfig::default(),
             limits: Limits::default(),
@@ -773,51 +852,7 @@ impl Engine {
 
     /// [`Engine::signal`] with an untyped value (the CLI's).
     pub async fn signal_json(&self, id: &str, name: &str, value: Json) -> Result<(), FlowError> {
-        let shared = &self.shared;
-        let end = {
-            let runs = lock(&shared.runs);
-            let generation = match runs.get(id) {
-                None => return Err(FlowError::Invalid(format!("no run {id:?}"))),
-                Some(RunEntry {
-                    status: RunStatus::Finished(_),
-                    ..
-                }) => {
-                    return Err(FlowError::Invalid(format!(
-                        "run {id:?} has finished; it takes no more signals"
-                    )));
-                }
-                Some(e) => e.generation,
-            };
-            let rec = Record {
-                run: id.to_string(),
-                generation,
-                pos: None,
-                entry: Entry::Signal {
-                    name: name.to_string(),
-                    value: value.clone(),
-                },
-            };
-            let bytes = rec.encode();
-            shared.check_payload(bytes.len())?;
-            let mut inboxes = lock(&shared.inboxes);
-            let inbox = inboxes.entry(id.to_string()).or_default();
-            let pending = inbox.signals.len() - inbox.consumed;
-            if pending >= shared.limits.signals as usize {
-                return Err(FlowError::LimitExceeded {
-                    limit: Limit::Signals,
-                    value: pending as u64 + 1,
-                    max: u64::from(shared.limits.signals),
-                });
-            }
-            // Appended and put in the inbox under the runs lock: the journal order and
-            // the inbox order are the same.
-            let end = shared.log.append(RECORD_KIND, &bytes)?;
-            inbox.signals.push((name.to_string(), value));
-            end
-        };
-        shared.log.durable(end).await?;
-        shared.wake(id);
-        Ok(())
+        self.shared.deliver(id, name, value).await
     }
 
     /// Ask run `id` to cancel; returns once the request is durable. The run's next
@@ -886,6 +921,147 @@ impl Drop for Engine {
     fn drop(&mut self) {
         for s in &mut self.shards {
             s.stop();
+        }
+        // After the shards: the last status shows where every run stopped.
+        if let Some(a) = self.admin.take() {
+            a.stop();
+        }
+    }
+}
+
+/// The thread that keeps the status file and answers the inbox (`admin.rs`).
+struct Admin {
+    stop: std::sync::mpsc::Sender<()>,
+    thread: JoinHandle<()>,
+}
+
+impl Admin {
+    fn start(dir: std::path::PathBuf, shared: Arc<Shared>, recovery: Recovery) -> Admin {
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("ferry-flow-admin".into())
+            .spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_time()
+                    .build()
+                    .expect("a current-thread runtime builds");
+                let mut written = None;
+                let mut wait = std::time::Duration::from_millis(100);
+                let mut pruned: Option<std::time::Instant> = None;
+                loop {
+                    if pruned.is_none_or(|t| t.elapsed() > std::time::Duration::from_secs(60)) {
+                        admin::prune_replies(&dir, std::time::Duration::from_secs(600));
+                        pruned = Some(std::time::Instant::now());
+                    }
+                    for (id, req) in admin::pending(&dir) {
+                        let reply = match req {
+                            Ok(req) => rt.block_on(shared.apply(req)),
+                            Err(e) => admin::Reply {
+                                ok: false,
+                                message: e,
+                            },
+                        };
+                        if let Err(e) = admin::answer(&dir, &id, &reply) {
+                            tracing::warn!(request = %id, "answering a request: {e}");
+                        }
+                    }
+                    let version = shared.version.load(Ordering::Relaxed);
+                    if written != Some(version) {
+                        let t = std::time::Instant::now();
+                        shared.write_status(&dir, recovery, true);
+                        written = Some(version);
+                        // Never more than a tenth of this thread's time on the file.
+                        wait = (t.elapsed() * 10).max(std::time::Duration::from_millis(100));
+                    }
+                    match stopped.recv_timeout(wait) {
+                        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                        _ => break,
+                    }
+                }
+                shared.write_status(&dir, recovery, false);
+            })
+            .expect("spawning the admin thread");
+        Admin { stop, thread }
+    }
+
+    fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = self.thread.join();
+    }
+}
+
+impl Shared {
+    /// Carry out a request from the inbox.
+    async fn apply(&self, req: admin::Request) -> admin::Reply {
+        let (ok, message) = match req {
+            admin::Request::Signal { run, name, value } => {
+                match self.deliver(&run, &name, value).await {
+                    Ok(()) => (true, format!("signal {name:?} delivered to {run:?}")),
+                    Err(e) => (false, e.to_string()),
+                }
+            }
+            admin::Request::Cancel { run } => match self.cancel(&run).await {
+                Ok(true) => (true, format!("cancellation of {run:?} requested")),
+                Ok(false) => (true, format!("{run:?} had already finished")),
+                Err(e) => (false, e.to_string()),
+            },
+        };
+        admin::Reply { ok, message }
+    }
+
+    fn write_status(&self, dir: &Path, recovery: Recovery, open: bool) {
+        let runs: Vec<admin::RunView> = {
+            let runs = lock(&self.runs);
+            let inboxes = lock(&self.inboxes);
+            let mut v: Vec<admin::RunView> = runs
+                .iter()
+                .map(|(id, e)| {
+                    let (state, detail) = match &e.status {
+                        RunStatus::Running => ("running", None),
+                        RunStatus::Finished(Outcome::Ok(v)) => ("finished", Some(v.clone())),
+                        RunStatus::Finished(Outcome::Err(err)) => {
+                            ("failed", Some(Json::from(err.clone())))
+                        }
+                        RunStatus::Finished(Outcome::Cancelled) => ("cancelled", None),
+                        RunStatus::Parked(why) => ("parked", Some(Json::from(why.clone()))),
+                    };
+                    admin::RunView {
+                        id: id.clone(),
+                        workflow: e.workflow.clone(),
+                        generation: e.generation,
+                        state: state.into(),
+                        detail,
+                        parent: e.parent.clone(),
+                        published: e.published.clone(),
+                        pending_signals: inboxes
+                            .get(id)
+                            .map_or(0, |i| i.signals.len() - i.consumed),
+                    }
+                })
+                .collect();
+            v.sort_by(|a, b| a.id.cmp(&b.id));
+            v
+        };
+        let stats = self.log.stats();
+        let status = admin::Status {
+            pid: std::process::id(),
+            open,
+            written_ms: ferry_core::seams::wall_ms(),
+            recovery_ms: recovery.elapsed.as_secs_f64() * 1e3,
+            recovered_records: recovery.log_records,
+            resumed: recovery.resumed,
+            log: admin::LogView {
+                records: stats.records,
+                syncs: stats.syncs,
+                durable: stats.durable,
+                end: stats.end,
+                segments: stats.segments,
+            },
+            runs,
+        };
+        let bytes = serde_json::to_vec(&status).expect("the status serializes");
+        if let Err(e) = admin::write_quietly(&dir.join(admin::STATUS_FILE), &bytes) {
+            tracing::warn!("writing the status file: {e}");
         }
     }
 }
@@ -1101,6 +1277,7 @@ fn next_generation(
     if let Some(e) = lock(&shared.runs).get_mut(&run.run) {
         e.generation = run.generation + 1;
     }
+    shared.changed();
     Ok(Job {
         run: run.run.clone(),
         generation: run.generation + 1,

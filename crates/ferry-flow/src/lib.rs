@@ -5,6 +5,7 @@
 //! cancellation, continue-as-new, limits; `ctx`: what workflow code calls. docs/flow.md
 //! marks what is planned.
 
+pub mod admin;
 mod ctx;
 mod engine;
 pub mod journal;

@@ -39,6 +39,9 @@ pub struct DemoArgs {
     /// Orders the outbox part writes.
     #[arg(long, default_value_t = 3000)]
     outbox_orders: u64,
+    /// Order workflows the flow part runs.
+    #[arg(long, default_value_t = 200)]
+    flow_orders: u32,
 }
 
 pub fn run(a: DemoArgs) -> anyhow::Result<()> {
@@ -53,6 +56,10 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
     ensure!(
         a.outbox_orders >= 30 && a.outbox_orders <= 1_000_000,
         "--outbox-orders must be between 30 and 1000000"
+    );
+    ensure!(
+        a.flow_orders >= 2 && a.flow_orders <= 10_000,
+        "--flow-orders must be between 2 and 10000"
     );
     let (root, temporary) = match &a.dir {
         Some(d) => (d.clone(), false),
@@ -240,6 +247,7 @@ fn demo(root: &Path, a: &DemoArgs) -> anyhow::Result<()> {
         "expected exactly one base, got {bases:?}"
     );
     crate::demo_outbox::run(root, a.outbox_orders)?;
+    crate::demo_flow::run(root, a.flow_orders)?;
     println!("OK");
     Ok(())
 }

@@ -2,7 +2,9 @@
 //! to stderr through `tracing` (filter with `FERRY_LOG`, e.g. `FERRY_LOG=debug`).
 
 mod demo;
+mod demo_flow;
 mod demo_outbox;
+mod flow;
 mod outbox;
 mod ship;
 mod table;
@@ -27,7 +29,8 @@ enum Command {
     /// Run ferry's main jobs on a temporary directory and report what happened: a live
     /// database shipped to a standby, the standby killed and restarted, then promoted
     /// and checked equal to the primary; then orders and their events written in one
-    /// transaction and relayed to a webhook that goes down and comes back.
+    /// transaction and relayed to a webhook that goes down and comes back; then order
+    /// workflows run through a SIGKILL of their engine.
     Demo(demo::DemoArgs),
     /// Ship every *.db in a directory to a receiver (ferry-ship's sidecar), or show status.
     Ship(ShipCommand),
@@ -38,6 +41,12 @@ enum Command {
     /// The transactional outbox: install its schema, relay messages, inspect and repair.
     #[command(subcommand)]
     Outbox(outbox::OutboxSub),
+    /// Durable execution: list, show, signal and cancel the runs of a ferry-flow engine.
+    #[command(subcommand)]
+    Flow(flow::FlowSub),
+    /// The engine process of the demo's flow part (the demo starts and kills it).
+    #[command(hide = true)]
+    DemoFlowEngine(demo_flow::EngineArgs),
 }
 
 #[derive(Args)]
@@ -95,6 +104,8 @@ fn main() -> ExitCode {
         Command::Receive(ReceiveCommand { sub: None, run }) => ship::receive(run),
         Command::Promote(a) => ship::promote(a),
         Command::Outbox(sub) => outbox::run(sub),
+        Command::Flow(sub) => flow::run(sub),
+        Command::DemoFlowEngine(a) => demo_flow::engine(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,204 @@
+//! Operating an engine from outside its process (docs/flow.md §7). The engine owns its
+//! directory (the log's lock), so other processes never open the log: the engine keeps
+//! a status file there, and takes requests (signal, cancel) dropped into `inbox/`,
+//! answering each in `replies/`. A request left while no engine runs is applied when
+//! the next one opens the directory.
+//!
+//! The status file is advisory: renamed into place (readers never see half of it) but
+//! not fsynced, so it costs the log no disk syncs; it is rewritten when something
+//! changed, at most every 100 ms (longer when writing it takes long).
+
+use crate::journal::Json;
+use serde::{Deserialize, Serialize};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+pub const STATUS_FILE: &str = "status.json";
+pub const INBOX: &str = "inbox";
+pub const REPLIES: &str = "replies";
+
+/// What `status.json` holds.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Status {
+    /// The engine's process.
+    pub pid: u32,
+    /// False once the engine closed (the last status it wrote).
+    pub open: bool,
+    pub written_ms: u64,
+    /// How long opening took (log recovery and replay of every run's journal).
+    pub recovery_ms: f64,
+    pub recovered_records: u64,
+    pub resumed: usize,
+    pub log: LogView,
+    pub runs: Vec<RunView>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct LogView {
+    pub records: u64,
+    pub syncs: u64,
+    pub durable: u64,
+    pub end: u64,
+    pub segments: usize,
+}
+
+/// One run in the status file.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RunView {
+    pub id: String,
+    pub workflow: String,
+    pub generation: u32,
+    /// running, finished, failed, cancelled or parked.
+    pub state: String,
+    /// The output (finished), the error (failed) or the reason (parked).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<Json>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
+    /// What the run last published (`ctx.publish`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub published: Option<Json>,
+    pub pending_signals: usize,
+}
+
+/// A request to a running engine.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request {
+    Signal {
+        run: String,
+        name: String,
+        value: Json,
+    },
+    Cancel {
+        run: String,
+    },
+}
+
+/// The engine's answer to one request.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Reply {
+    pub ok: bool,
+    pub message: String,
+}
+
+/// Read `dir`'s status file.
+pub fn read_status(dir: &Path) -> Result<Status, String> {
+    let path = dir.join(STATUS_FILE);
+    let bytes = std::fs::read(&path).map_err(|e| {
+        if e.kind() == io::ErrorKind::NotFound {
+            format!(
+                "{} does not exist: no flow engine has opened {} (or it is another kind of directory)",
+                path.display(),
+                dir.display()
+            )
+        } else {
+            format!("cannot read {}: {e}", path.display())
+        }
+    })?;
+    serde_json::from_slice(&bytes).map_err(|e| format!("{} does not parse: {e}", path.display()))
+}
+
+/// Is the engine that wrote `status` still running?
+pub fn engine_alive(status: &Status) -> bool {
+    // SAFETY: kill with signal 0 only checks that the process exists.
+    status.open && unsafe { libc::kill(status.pid as libc::pid_t, 0) } == 0
+}
+
+/// Leave `req` in `dir`'s inbox (durably); returns its id, for [`wait_reply`].
+pub fn send(dir: &Path, req: &Request) -> io::Result<String> {
+    let inbox = dir.join(INBOX);
+    std::fs::create_dir_all(&inbox)?;
+    let id = format!(
+        "{:020}-{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos(),
+        std::process::id()
+    );
+    let bytes = serde_json::to_vec(req).expect("requests serialize");
+    ferry_core::fs::write_atomic(&inbox.join(format!("{id}.json")), &bytes)?;
+    Ok(id)
+}
+
+/// Wait up to `timeout` for the reply to request `id`; takes it out of `replies/`.
+pub fn wait_reply(dir: &Path, id: &str, timeout: Duration) -> Option<Reply> {
+    let path = dir.join(REPLIES).join(format!("{id}.json"));
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(bytes) = std::fs::read(&path)
+            && let Ok(reply) = serde_json::from_slice::<Reply>(&bytes)
+        {
+            let _ = std::fs::remove_file(&path);
+            return Some(reply);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The requests waiting in `dir`'s inbox, oldest first (unreadable ones answered at
+/// once with what is wrong).
+pub(crate) fn pending(dir: &Path) -> Vec<(String, Result<Request, String>)> {
+    let Ok(entries) = std::fs::read_dir(dir.join(INBOX)) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter_map(|n| n.strip_suffix(".json").map(str::to_string))
+        .collect();
+    names.sort();
+    names
+        .into_iter()
+        .map(|id| {
+            let path = dir.join(INBOX).join(format!("{id}.json"));
+            let req = std::fs::read(&path)
+                .map_err(|e| e.to_string())
+                .and_then(|b| {
+                    serde_json::from_slice(&b)
+                        .map_err(|e| format!("the request does not parse: {e}"))
+                });
+            (id, req)
+        })
+        .collect()
+}
+
+/// Answer request `id` and take it out of the inbox.
+pub(crate) fn answer(dir: &Path, id: &str, reply: &Reply) -> io::Result<()> {
+    let replies = dir.join(REPLIES);
+    std::fs::create_dir_all(&replies)?;
+    let bytes = serde_json::to_vec(reply).expect("replies serialize");
+    write_quietly(&replies.join(format!("{id}.json")), &bytes)?;
+    std::fs::remove_file(dir.join(INBOX).join(format!("{id}.json")))
+}
+
+/// Remove replies nobody collected (a CLI that timed out) once older than `age`.
+pub(crate) fn prune_replies(dir: &Path, age: Duration) {
+    let Ok(entries) = std::fs::read_dir(dir.join(REPLIES)) else {
+        return;
+    };
+    for e in entries.filter_map(|e| e.ok()) {
+        let old = e
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|a| a > age);
+        if old {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+/// Write `bytes` to `path` through a rename, without syncing (advisory files only).
+pub(crate) fn write_quietly(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let mut tmp: PathBuf = path.to_path_buf();
+    tmp.set_extension("tmp");
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)
+}

@@ -1,0 +1,383 @@
+//! The flow part of `ferry demo`, on embedded defaults:
+//!
+//! 1. A payments service (HTTP, in this process) applies each charge and notification
+//!    once per idempotency key and counts repeats.
+//! 2. An engine process (`ferry demo-flow-engine`, this binary) runs order workflows:
+//!    charge (a step calling the service with its key), a durable sleep ("packing"),
+//!    wait for a "shipped" signal, notify (another step calling the service).
+//! 3. Half the orders get their signal through the engine's inbox (as `ferry flow
+//!    signal` sends it); once half the charges are answered (each takes the service
+//!    0.2–1 s) the demo SIGKILLs the engine, starts it again, and signals the rest.
+//! 4. When every order has finished, the demo checks each finished with the charge the
+//!    service issued for it, each step's effect was applied once, and no step ran after
+//!    a later step of its order had started (a step acknowledged durable never runs
+//!    again; one cut short by the kill may, with the same key).
+
+use anyhow::{Context, bail, ensure};
+use axum::extract::{Query, State};
+use axum::routing::post;
+use clap::Args;
+use ferry_flow::admin::{self, Request};
+use ferry_flow::{Ctx, Engine, FlowError, Retry, Signal, Workflow};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+static ORDER: Workflow<u32, String> = Workflow::new("order");
+static SHIPPED: Signal<String> = Signal::new("shipped");
+
+#[derive(Args)]
+pub struct EngineArgs {
+    #[arg(long)]
+    dir: PathBuf,
+    #[arg(long)]
+    service: String,
+    #[arg(long)]
+    orders: u32,
+}
+
+/// The engine process: start every order (starting an id again returns its run), then
+/// run until every order finished or SIGTERM.
+pub fn engine(a: EngineArgs) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let service = Arc::new(a.service);
+        let engine = Engine::builder(&a.dir)
+            .register(ORDER, move |ctx: Ctx, n: u32| {
+                order(ctx, n, service.clone())
+            })
+            .open()?;
+        for n in 0..a.orders {
+            engine.start(ORDER, &format!("order-{n:03}"), &n).await?;
+        }
+        let all_done = async {
+            for n in 0..a.orders {
+                let _ = engine
+                    .run::<String>(&format!("order-{n:03}"))
+                    .expect("started above")
+                    .result()
+                    .await;
+            }
+        };
+        tokio::select! {
+            _ = all_done => {}
+            _ = crate::terminated() => {}
+        }
+        Ok(())
+    })
+}
+
+async fn order(ctx: Ctx, n: u32, service: Arc<String>) -> Result<String, FlowError> {
+    let charge: String = ctx
+        .step("charge", |s| {
+            call(&service, "charge", s.key().to_string(), n)
+        })
+        .retry(Retry::exponential(10, Duration::from_millis(50)))
+        .await?;
+    ctx.publish(&format!("charged {charge}, packing"))?;
+    ctx.sleep(Duration::from_millis(300)).await?;
+    ctx.publish(&format!("charged {charge}, waiting for shipment"))?;
+    let carrier = ctx
+        .wait_for(SHIPPED, Some(Duration::from_secs(120)))
+        .await?
+        .unwrap_or_else(|| "nobody (timed out)".into());
+    let _: String = ctx
+        .step("notify", |s| {
+            call(&service, "notify", s.key().to_string(), n)
+        })
+        .retry(Retry::exponential(10, Duration::from_millis(50)))
+        .await?;
+    Ok(format!("{charge} shipped by {carrier}"))
+}
+
+/// POST to the service; its answer is the effect's id.
+fn call(
+    service: &str,
+    what: &'static str,
+    key: String,
+    n: u32,
+) -> impl std::future::Future<Output = Result<String, String>> + use<> {
+    let url = format!("{service}/{what}?key={key}&order={n}");
+    async move {
+        tokio::task::spawn_blocking(move || {
+            ureq::post(&url)
+                .send_empty()
+                .map_err(|e| e.to_string())?
+                .body_mut()
+                .read_to_string()
+                .map_err(|e| e.to_string())
+        })
+        .await
+        .map_err(|e| e.to_string())?
+    }
+}
+
+/// The payments service: effects by key, every call in arrival order.
+#[derive(Default)]
+struct Service {
+    /// (what, key) → effect id.
+    effects: BTreeMap<(String, String), String>,
+    /// (what, order, key) for every call, repeats included.
+    calls: Vec<(String, u32, String)>,
+    /// Charge calls answered.
+    answered: usize,
+}
+
+#[derive(Deserialize)]
+struct CallQuery {
+    key: String,
+    order: u32,
+}
+
+async fn serve_call(
+    State((svc, what)): State<(Arc<Mutex<Service>>, &'static str)>,
+    Query(q): Query<CallQuery>,
+) -> String {
+    let effect = {
+        let mut s = svc.lock().unwrap_or_else(|p| p.into_inner());
+        s.calls.push((what.to_string(), q.order, q.key.clone()));
+        let next = s.effects.len();
+        s.effects
+            .entry((what.to_string(), q.key))
+            .or_insert_with(|| format!("{what}-{next:04}"))
+            .clone()
+    };
+    if what == "charge" {
+        // A card network takes its time: 0.2 to 1 s, so the kill finds charges under way.
+        let ms = 200 + u64::from(q.order) * 37 % 800;
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        svc.lock().unwrap_or_else(|p| p.into_inner()).answered += 1;
+    }
+    effect
+}
+
+/// The engine as a child process.
+struct EngineProcess {
+    child: Child,
+}
+
+impl EngineProcess {
+    fn start(dir: &Path, service: &str, orders: u32, log: &Path) -> anyhow::Result<Self> {
+        let exe = std::env::current_exe().context("finding the ferry executable")?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)?;
+        let child = Command::new(exe)
+            .args(["demo-flow-engine", "--dir"])
+            .arg(dir)
+            .args(["--service", service, "--orders", &orders.to_string()])
+            .env("FERRY_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .context("starting the flow engine")?;
+        Ok(EngineProcess { child })
+    }
+
+    fn kill(&mut self) -> anyhow::Result<()> {
+        self.child.kill()?;
+        self.child.wait()?;
+        Ok(())
+    }
+
+    fn wait(mut self, limit: Duration) -> anyhow::Result<()> {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            if let Some(st) = self.child.try_wait()? {
+                ensure!(st.success(), "the flow engine exited with {st}");
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        bail!("the flow engine did not finish within {limit:?}")
+    }
+}
+
+impl Drop for EngineProcess {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Signal "shipped" to `orders` through the running engine's inbox, as
+/// `ferry flow signal` does, and check every answer.
+fn ship(dir: &Path, orders: impl Iterator<Item = u32>) -> anyhow::Result<()> {
+    let mut sent = Vec::new();
+    for n in orders {
+        let carrier = ["post", "courier", "drone"][n as usize % 3];
+        let id = admin::send(
+            dir,
+            &Request::Signal {
+                run: format!("order-{n:03}"),
+                name: SHIPPED.name().to_string(),
+                value: serde_json::Value::from(carrier),
+            },
+        )?;
+        sent.push((n, id));
+    }
+    for (n, id) in sent {
+        match admin::wait_reply(dir, &id, Duration::from_secs(10)) {
+            Some(r) if r.ok => {}
+            Some(r) => bail!("signalling order {n}: {}", r.message),
+            None => bail!("the engine did not answer the signal for order {n} within 10 s"),
+        }
+    }
+    Ok(())
+}
+
+/// Wait until the engine's status lists `orders` runs (it started them all).
+fn wait_started(dir: &Path, orders: u32) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(st) = admin::read_status(dir)
+            && admin::engine_alive(&st)
+            && st.runs.len() == orders as usize
+        {
+            return Ok(());
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "the engine did not start its {orders} orders within 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let svc = Arc::new(Mutex::new(Service::default()));
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+    let service = format!("http://{}", listener.local_addr()?);
+    let app = axum::Router::new()
+        .route(
+            "/charge",
+            post(serve_call).with_state((svc.clone(), "charge")),
+        )
+        .route(
+            "/notify",
+            post(serve_call).with_state((svc.clone(), "notify")),
+        );
+    rt.spawn(async move { axum::serve(listener, app).await });
+
+    println!();
+    println!(
+        "ferry demo: ferry-flow runs {orders} order workflows (charge, packing timer, shipment signal, notify) through a SIGKILL"
+    );
+    let dir = root.join("flow");
+    std::fs::create_dir_all(&dir)?;
+    let log = root.join("flow-engine.log");
+    let started = Instant::now();
+    let mut engine = EngineProcess::start(&dir, &service, orders, &log)?;
+    wait_started(&dir, orders)?;
+    ship(&dir, (0..orders).filter(|n| n % 2 == 0))?;
+    let charged = |svc: &Mutex<Service>| svc.lock().unwrap_or_else(|p| p.into_inner()).answered;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while charged(&svc) < orders as usize / 2 {
+        ensure!(
+            Instant::now() < deadline,
+            "the engine charged only {} orders in 30 s; see {}",
+            charged(&svc),
+            log.display()
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let at_kill = charged(&svc);
+    engine.kill()?;
+    println!(
+        "  signalled the even orders \"shipped\"; SIGKILLed the engine when {at_kill} of {orders} charges were answered; restarted it and signalled the odd orders"
+    );
+    let engine = EngineProcess::start(&dir, &service, orders, &log)?;
+    wait_started(&dir, orders)?;
+    ship(&dir, (0..orders).filter(|n| n % 2 == 1))?;
+    engine.wait(Duration::from_secs(60)).with_context(|| {
+        format!(
+            "waiting for every order to finish; `ferry flow list --dir {}` shows where they are",
+            dir.display()
+        )
+    })?;
+    let elapsed = started.elapsed();
+
+    // The status the engine left on exit, and what the service saw.
+    let status = admin::read_status(&dir).map_err(|e| anyhow::anyhow!(e))?;
+    let s = svc.lock().unwrap_or_else(|p| p.into_inner());
+    let finished = status.runs.iter().filter(|r| r.state == "finished").count();
+    let mut bad = Vec::new();
+    for r in &status.runs {
+        let n: u32 =
+            r.id.trim_start_matches("order-")
+                .parse()
+                .unwrap_or(u32::MAX);
+        let output = r.detail.as_ref().and_then(|d| d.as_str()).unwrap_or("");
+        let charges: Vec<&String> = s
+            .effects
+            .iter()
+            .filter(|((what, key), _)| what == "charge" && key.starts_with(&format!("{}/", r.id)))
+            .map(|(_, id)| id)
+            .collect();
+        if charges.len() != 1 || !output.starts_with(charges[0].as_str()) {
+            bad.push(format!("{}: output {output:?}, charges {charges:?}", r.id));
+        }
+        // No charge call after the order's first notify call: a later step starts only
+        // once the earlier one's result is durable, so that would be an acknowledged
+        // step running again.
+        let calls: Vec<&(String, u32, String)> = s.calls.iter().filter(|c| c.1 == n).collect();
+        if let Some(first_notify) = calls.iter().position(|c| c.0 == "notify")
+            && calls[first_notify..].iter().any(|c| c.0 == "charge")
+        {
+            bad.push(format!("{}: charged again after notifying", r.id));
+        }
+    }
+    let repeats = |what: &str| {
+        s.calls.iter().filter(|c| c.0 == what).count()
+            - s.effects.keys().filter(|(w, _)| w == what).count()
+    };
+    println!(
+        "  orders finished:          {finished} of {orders} (in {:.1} s, one SIGKILL)",
+        elapsed.as_secs_f64()
+    );
+    println!(
+        "  charges applied:          {} (calls {}, {} re-run with the same key after the kill)",
+        s.effects.keys().filter(|(w, _)| w == "charge").count(),
+        s.calls.iter().filter(|c| c.0 == "charge").count(),
+        repeats("charge")
+    );
+    println!(
+        "  notifications applied:    {} (calls {}, {} repeated)",
+        s.effects.keys().filter(|(w, _)| w == "notify").count(),
+        s.calls.iter().filter(|c| c.0 == "notify").count(),
+        repeats("notify")
+    );
+    println!(
+        "  engine restart:           opened in {:.1} ms, {} log records replayed, {} runs resumed",
+        status.recovery_ms, status.recovered_records, status.resumed
+    );
+    println!(
+        "  log:                      {} records in {} fdatasyncs ({:.1} per sync)",
+        status.log.records,
+        status.log.syncs,
+        status.log.records as f64 / status.log.syncs.max(1) as f64
+    );
+    println!(
+        "  orders wrong:             {} (wrong charge in the result, or a step re-run after a later one started)",
+        bad.len()
+    );
+    ensure!(
+        finished == orders as usize,
+        "only {finished} of {orders} orders finished"
+    );
+    ensure!(bad.is_empty(), "orders that went wrong: {bad:?}");
+    Ok(())
+}
