@@ -1,0 +1,715 @@
+//! ferry-flow's benchmark harness (bench/flow/run drives it; workloads from §5.3 of
+//! shared/research/flow.md). Every subcommand prints one JSON line on stdout. Every step
+//! is a no-op returning the same 64-byte string; every engine lives in a fresh directory
+//! under `--dir`, which must be on the disk being measured.
+//!
+//!   floor --dir D [--n 2000]
+//!       Overwrite 4 KiB of a zero-filled file and fdatasync it, n times at consecutive
+//!       offsets: the pattern of ferry-log's writer (it writes over zeroes laid ahead, so
+//!       a sync carries the data alone). p50/p99/p999 in µs.
+//!   w1 --dir D [--steps 1000] [--shards 2]
+//!       The floor, then one workflow of K sequential steps: the gap between consecutive
+//!       step completions as the workflow sees them, and its ratio to the floor's p50.
+//!   w2 --dir D [--n 10000] [--steps 10] [--shards 2]
+//!       N workflows started at once: steps/s, workflows/s, the log's records per sync and
+//!       syncs per 1,000 steps, CPU-seconds per 1,000 steps (getrusage, whole process).
+//!   w3 --dir D --max-rate R [--fractions 0.25,0.5,0.8,0.95] [--seconds 5] [--steps 10]
+//!       Open-loop arrivals at each fraction of R workflows/s (a fresh engine each):
+//!       latency from the scheduled arrival to the result, p50/p99.
+//!   w4 --dir D [--n 1000] [--sleep-ms 1000]
+//!       N workflows each sleep, then run one step: how late the sleep returned, and how
+//!       late the step after it finished, p50/p99.
+//!   w5 --dir D [--n 1000] [--timeout-ms 60000]
+//!       N runs parked in `wait_for`; one at a time: signal, then await the run's result
+//!       (a step echoing the signal, durable): round trip p50/p99.
+//!   w6 --dir D [--n 1000] [--steps 10] [--kill-at 0.4]
+//!       A child process (`w6-child`) runs the load, each step appending its key to an
+//!       fsynced ledger; SIGKILL once kill-at of the steps ran. Then this process reads
+//!       which step results the log holds durably, opens the engine (recovery), restarts
+//!       every run and reports open-to-first-step and open-to-all-finished, the steps run
+//!       again (allowed: cut short) and the acknowledged steps run again (must be 0).
+//!   idle --dir D [--n 10000]
+//!       N runs parked in `wait_for` with no timeout: RSS growth per run.
+
+use ferry_flow::journal::{Entry, RECORD_KIND, Record};
+use ferry_flow::{Ctx, Engine, FlowError, Signal, Workflow};
+use serde_json::{Value, json};
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Every step's result: 64 bytes, the size §5.3 fixes for every system.
+const PAYLOAD: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+const _: () = assert!(PAYLOAD.len() == 64);
+
+static CHAIN: Workflow<u32, u32> = Workflow::new("chain");
+static NAP: Workflow<u64, u32> = Workflow::new("nap");
+static ECHO: Workflow<u32, String> = Workflow::new("echo");
+static PARK: Workflow<u32, u32> = Workflow::new("park");
+static PING: Signal<String> = Signal::new("ping");
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a current-thread runtime builds");
+    let local = tokio::task::LocalSet::new();
+    let out = local.block_on(&rt, async {
+        match args.get(1).map(String::as_str) {
+            Some("floor") => floor(&args),
+            Some("w1") => w1(&args).await,
+            Some("w2") => w2(&args).await,
+            Some("w3") => w3(&args).await,
+            Some("w4") => w4(&args).await,
+            Some("w5") => w5(&args).await,
+            Some("w6") => w6(&args).await,
+            Some("w6-child") => w6_child(&args).await,
+            Some("idle") => idle(&args).await,
+            _ => Err("usage: see the module doc of bench/flow/harness/src/main.rs".to_string()),
+        }
+    });
+    match out {
+        Ok(v) => println!("{v}"),
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
+fn flag(args: &[String], name: &str) -> Option<String> {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
+fn num<T: std::str::FromStr>(args: &[String], name: &str, default: T) -> T {
+    flag(args, name)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// `--dir`, created, with `sub` under it, which must not exist yet (a fresh engine).
+fn fresh_dir(args: &[String], sub: &str) -> Result<PathBuf, String> {
+    let base = PathBuf::from(flag(args, "--dir").ok_or("--dir DIR is required")?);
+    let dir = base.join(sub);
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).map_err(|e| format!("clearing {}: {e}", dir.display()))?;
+    }
+    std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    Ok(dir)
+}
+
+fn err(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+/// The `p`th percentile of `sorted` (nearest rank), in µs.
+fn pct(sorted: &[Duration], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
+    sorted[i].as_secs_f64() * 1e6
+}
+
+fn spread(mut v: Vec<Duration>) -> Value {
+    v.sort();
+    json!({"n": v.len(), "p50_us": pct(&v, 50.0), "p99_us": pct(&v, 99.0),
+           "p999_us": pct(&v, 99.9), "max_us": pct(&v, 100.0)})
+}
+
+/// The no-op step every workload runs.
+async fn noop(ctx: &Ctx) -> Result<String, FlowError> {
+    ctx.step("noop", |_| async { Ok(PAYLOAD.to_string()) })
+        .await
+}
+
+/// `steps` no-op steps; the output is how many ran.
+async fn chain(ctx: Ctx, steps: u32) -> Result<u32, FlowError> {
+    for _ in 0..steps {
+        let out = noop(&ctx).await?;
+        assert_eq!(out.len(), 64, "a step returns its payload");
+    }
+    Ok(steps)
+}
+
+/// The log's counters between two moments: what the workload cost the disk.
+fn log_delta(before: ferry_log::Stats, after: ferry_log::Stats, steps: u64) -> Value {
+    let records = after.records - before.records;
+    let syncs = after.syncs - before.syncs;
+    json!({
+        "records": records,
+        "batches": after.batches - before.batches,
+        "syncs": syncs,
+        "bytes_written": after.bytes_written - before.bytes_written,
+        "segments": after.segments,
+        "records_per_sync": records as f64 / syncs.max(1) as f64,
+        "steps_per_sync": steps as f64 / syncs.max(1) as f64,
+        "syncs_per_1k_steps": syncs as f64 * 1000.0 / steps.max(1) as f64,
+    })
+}
+
+/// User plus system CPU time of the whole process (every thread), in seconds.
+fn cpu_seconds() -> f64 {
+    // SAFETY: rusage is plain integers, for which all zeroes is a valid value.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage writes one rusage into the struct we own; RUSAGE_SELF is valid.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    assert_eq!(rc, 0, "getrusage(RUSAGE_SELF) cannot fail");
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// Resident memory in bytes, after giving freed heap back to the kernel: what the live
+/// objects hold, not what earlier temporaries left in malloc's free lists.
+fn rss_bytes() -> Result<u64, String> {
+    // SAFETY: malloc_trim only releases free heap pages; it touches no live allocation.
+    unsafe { libc::malloc_trim(0) };
+    let statm = std::fs::read_to_string("/proc/self/statm").map_err(err)?;
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .ok_or("cannot read /proc/self/statm")?;
+    Ok(pages * 4096)
+}
+
+fn measure_floor(dir: &Path, n: usize) -> Result<Vec<Duration>, String> {
+    let path = dir.join("floor.dat");
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .read(true)
+        .write(true)
+        .open(&path)
+        .map_err(err)?;
+    // Zeroes laid ahead and synced first, as ferry-log's writer does: the timed syncs
+    // then change no file size or extent.
+    (&f).write_all(&vec![0u8; n * 4096]).map_err(err)?;
+    f.sync_all().map_err(err)?;
+    let block = vec![0xa5u8; 4096];
+    let mut lat = Vec::with_capacity(n);
+    for i in 0..n {
+        let t = Instant::now();
+        f.write_all_at(&block, (i * 4096) as u64).map_err(err)?;
+        f.sync_data().map_err(err)?;
+        lat.push(t.elapsed());
+    }
+    drop(f);
+    std::fs::remove_file(&path).map_err(err)?;
+    Ok(lat)
+}
+
+fn floor(args: &[String]) -> Result<Value, String> {
+    let dir = fresh_dir(args, "floor")?;
+    let lat = measure_floor(&dir, num(args, "--n", 2000))?;
+    Ok(json!({"workload": "floor", "fdatasync_4k": spread(lat)}))
+}
+
+async fn w1(args: &[String]) -> Result<Value, String> {
+    let steps: u32 = num(args, "--steps", 1000);
+    let dir = fresh_dir(args, "w1")?;
+    let mut floor = measure_floor(&dir, num(args, "--floor-n", 2000))?;
+    floor.sort();
+    let floor_p50 = pct(&floor, 50.0);
+    let marks: Arc<Mutex<Vec<Instant>>> = Arc::new(Mutex::new(Vec::new()));
+    let m = marks.clone();
+    let engine = Engine::builder(dir.join("flow"))
+        .shards(num(args, "--shards", 2))
+        .register(CHAIN, move |ctx: Ctx, steps: u32| {
+            let m = m.clone();
+            async move {
+                m.lock().expect("marks").push(Instant::now());
+                for _ in 0..steps {
+                    noop(&ctx).await?;
+                    m.lock().expect("marks").push(Instant::now());
+                }
+                Ok(steps)
+            }
+        })
+        .open()
+        .map_err(err)?;
+    let before = engine.log_stats();
+    let t = Instant::now();
+    let h = engine.start(CHAIN, "w1", &steps).await.map_err(err)?;
+    h.result().await.map_err(err)?;
+    let total = t.elapsed();
+    let log = log_delta(before, engine.log_stats(), u64::from(steps));
+    let marks = marks.lock().expect("marks").clone();
+    // Between consecutive step completions: K-1 gaps (the first step also pays the start).
+    let gaps: Vec<Duration> = marks[1..].windows(2).map(|w| w[1] - w[0]).collect();
+    let g = spread(gaps);
+    Ok(json!({
+        "workload": "w1", "steps": steps, "total_ms": total.as_secs_f64() * 1e3,
+        "gap": g, "floor": spread(floor),
+        "ratio_p50_to_floor_p50": g["p50_us"].as_f64().unwrap_or(f64::NAN) / floor_p50,
+        "log": log,
+    }))
+}
+
+fn chain_engine(dir: &Path, shards: usize) -> Result<Engine, String> {
+    Engine::builder(dir)
+        .shards(shards)
+        .register(CHAIN, chain)
+        .open()
+        .map_err(err)
+}
+
+async fn w2(args: &[String]) -> Result<Value, String> {
+    let n: u32 = num(args, "--n", 10_000);
+    let steps: u32 = num(args, "--steps", 10);
+    let shards: usize = num(args, "--shards", 2);
+    let dir = fresh_dir(args, "w2")?;
+    let engine = Rc::new(chain_engine(&dir.join("flow"), shards)?);
+    let before = engine.log_stats();
+    let cpu = cpu_seconds();
+    let t = Instant::now();
+    let mut tasks = Vec::with_capacity(n as usize);
+    for i in 0..n {
+        let e = engine.clone();
+        tasks.push(tokio::task::spawn_local(async move {
+            let started = Instant::now();
+            let h = e.start(CHAIN, &format!("w2-{i}"), &steps).await?;
+            h.result().await?;
+            Ok::<_, FlowError>(started.elapsed())
+        }));
+    }
+    let mut lat = Vec::with_capacity(n as usize);
+    for task in tasks {
+        lat.push(task.await.map_err(err)?.map_err(err)?);
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let cpu = cpu_seconds() - cpu;
+    let total_steps = u64::from(n) * u64::from(steps);
+    Ok(json!({
+        "workload": "w2", "workflows": n, "steps_per_workflow": steps, "shards": shards,
+        "secs": secs,
+        "steps_per_sec": total_steps as f64 / secs,
+        "workflows_per_sec": f64::from(n) / secs,
+        "cpu_secs": cpu,
+        "cpu_secs_per_1k_steps": cpu * 1000.0 / total_steps as f64,
+        "workflow_latency": spread(lat),
+        "log": log_delta(before, engine.log_stats(), total_steps),
+    }))
+}
+
+async fn w3(args: &[String]) -> Result<Value, String> {
+    let max_rate: f64 = num(args, "--max-rate", 0.0);
+    if max_rate <= 0.0 {
+        return Err("--max-rate R (workflows/s, W2's measured maximum) is required".into());
+    }
+    let fractions: Vec<f64> = flag(args, "--fractions")
+        .unwrap_or_else(|| "0.25,0.5,0.8,0.95".into())
+        .split(',')
+        .map(|f| f.parse().map_err(err))
+        .collect::<Result<_, _>>()?;
+    let seconds: f64 = num(args, "--seconds", 5.0);
+    let steps: u32 = num(args, "--steps", 10);
+    let shards: usize = num(args, "--shards", 2);
+    let mut points = Vec::new();
+    for f in fractions {
+        let dir = fresh_dir(args, &format!("w3-{}", (f * 100.0).round()))?;
+        let engine = Rc::new(chain_engine(&dir.join("flow"), shards)?);
+        let p = open_loop(&engine, f * max_rate, seconds, steps).await?;
+        points.push(json!({"fraction": f, "point": p}));
+        // A few hundred MB at the higher rates: not left behind for the next fraction.
+        drop(engine);
+        std::fs::remove_dir_all(&dir).map_err(err)?;
+    }
+    Ok(
+        json!({"workload": "w3", "max_rate": max_rate, "steps_per_workflow": steps, "seconds": seconds, "points": points}),
+    )
+}
+
+/// Arrivals at `rate`/s on a fixed schedule for `seconds`, whatever the engine does (open
+/// loop): a slow engine shows up as latency, measured from each arrival's scheduled time.
+async fn open_loop(
+    engine: &Rc<Engine>,
+    rate: f64,
+    seconds: f64,
+    steps: u32,
+) -> Result<Value, String> {
+    let count = (rate * seconds).round().max(1.0) as u64;
+    let lat: Rc<RefCell<Vec<Duration>>> = Rc::new(RefCell::new(Vec::new()));
+    let before = engine.log_stats();
+    let t0 = Instant::now() + Duration::from_millis(20);
+    let mut tasks = Vec::with_capacity(count as usize);
+    for i in 0..count {
+        let due = t0 + Duration::from_secs_f64(i as f64 / rate);
+        if due > Instant::now() {
+            tokio::time::sleep_until(due.into()).await;
+        }
+        let (e, l) = (engine.clone(), lat.clone());
+        tasks.push(tokio::task::spawn_local(async move {
+            let h = e.start(CHAIN, &format!("w3-{i}"), &steps).await?;
+            h.result().await?;
+            l.borrow_mut().push(due.elapsed());
+            Ok::<_, FlowError>(())
+        }));
+    }
+    for task in tasks {
+        task.await.map_err(err)?.map_err(err)?;
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let lat = lat.borrow().clone();
+    Ok(json!({
+        "rate_asked": rate, "workflows": count, "achieved_per_sec": count as f64 / secs,
+        "latency": spread(lat),
+        "log": log_delta(before, engine.log_stats(), count * u64::from(steps)),
+    }))
+}
+
+async fn w4(args: &[String]) -> Result<Value, String> {
+    let n: u32 = num(args, "--n", 1000);
+    let sleep_ms: u64 = num(args, "--sleep-ms", 1000);
+    let dir = fresh_dir(args, "w4")?;
+    type Marks = Arc<Mutex<Vec<(Duration, Duration)>>>;
+    let marks: Marks = Arc::new(Mutex::new(Vec::new()));
+    let m = marks.clone();
+    let engine = Rc::new(
+        Engine::builder(dir.join("flow"))
+            .shards(num(args, "--shards", 2))
+            .register(NAP, move |ctx: Ctx, ms: u64| {
+                let m = m.clone();
+                async move {
+                    let d = Duration::from_millis(ms);
+                    let t = Instant::now();
+                    ctx.sleep(d).await?;
+                    let woke = t.elapsed();
+                    noop(&ctx).await?;
+                    let done = t.elapsed();
+                    m.lock().expect("marks").push((woke, done));
+                    Ok(1)
+                }
+            })
+            .open()
+            .map_err(err)?,
+    );
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let e = engine.clone();
+        tasks.push(tokio::task::spawn_local(async move {
+            e.start(NAP, &format!("w4-{i}"), &sleep_ms)
+                .await?
+                .result()
+                .await
+        }));
+    }
+    for task in tasks {
+        task.await.map_err(err)?.map_err(err)?;
+    }
+    let d = Duration::from_millis(sleep_ms);
+    let marks = marks.lock().expect("marks").clone();
+    // Signed: a timer is journaled in whole wall-clock ms, so by the monotonic clock it
+    // may fire up to 1 ms before `sleep_ms` after the call (never before its journaled
+    // wall-clock time).
+    let late_ms = |x: Duration| (x.as_secs_f64() - d.as_secs_f64()) * 1e3;
+    let mut woke: Vec<f64> = marks.iter().map(|(w, _)| late_ms(*w)).collect();
+    let mut done: Vec<f64> = marks.iter().map(|(_, s)| late_ms(*s)).collect();
+    woke.sort_by(f64::total_cmp);
+    done.sort_by(f64::total_cmp);
+    let p = |v: &[f64], q: f64| v[((q / 100.0) * (v.len() - 1) as f64).round() as usize];
+    Ok(json!({
+        "workload": "w4", "workflows": n, "sleep_ms": sleep_ms,
+        "woke_late_ms": {"p50": p(&woke, 50.0), "p99": p(&woke, 99.0), "min": woke[0], "max": p(&woke, 100.0)},
+        "step_done_late_ms": {"p50": p(&done, 50.0), "p99": p(&done, 99.0), "max": p(&done, 100.0)},
+    }))
+}
+
+/// Wait until every record appended is durable and the log holds `records` records in all.
+async fn settle(engine: &Engine, records: u64) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let s = engine.log_stats();
+        if (s.records >= records && s.durable >= s.end) || Instant::now() > deadline {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+async fn w5(args: &[String]) -> Result<Value, String> {
+    let n: u32 = num(args, "--n", 1000);
+    let timeout = Duration::from_millis(num(args, "--timeout-ms", 60_000));
+    let dir = fresh_dir(args, "w5")?;
+    let engine = Engine::builder(dir.join("flow"))
+        .shards(num(args, "--shards", 2))
+        .register(ECHO, move |ctx: Ctx, _: u32| async move {
+            let got = ctx.wait_for(PING, Some(timeout)).await?;
+            let v = got.ok_or_else(|| FlowError::Invalid("no signal before the timeout".into()))?;
+            ctx.step("echo", move |_| {
+                let v = v.clone();
+                async move { Ok(v) }
+            })
+            .await
+        })
+        .open()
+        .map_err(err)?;
+    // Every run parked in wait_for (Started and WaitStarted durable) before timing.
+    let base = engine.log_stats().records;
+    for i in 0..n {
+        engine
+            .start(ECHO, &format!("w5-{i}"), &i)
+            .await
+            .map_err(err)?;
+    }
+    settle(&engine, base + 2 * u64::from(n)).await;
+    let mut signal = Vec::with_capacity(n as usize);
+    let mut round = Vec::with_capacity(n as usize);
+    for i in 0..n {
+        let id = format!("w5-{i}");
+        let t = Instant::now();
+        engine
+            .signal(&id, PING, &PAYLOAD.to_string())
+            .await
+            .map_err(err)?;
+        signal.push(t.elapsed());
+        let h = engine.run::<String>(&id).ok_or("the run exists")?;
+        let out = h.result().await.map_err(err)?;
+        round.push(t.elapsed());
+        if out != PAYLOAD {
+            return Err(format!("run {id} echoed {out:?}"));
+        }
+    }
+    Ok(
+        json!({"workload": "w5", "round_trips": n, "round_trip": spread(round), "signal_durable": spread(signal)}),
+    )
+}
+
+/// The W6 workflow: `steps` steps, each appending `PHASE KEY` to the ledger and
+/// fdatasyncing it before it returns.
+fn ledger_engine(
+    dir: &Path,
+    ledger: &Path,
+    phase: &'static str,
+    first_step: Arc<OnceLock<Instant>>,
+) -> Result<Engine, String> {
+    let file = Arc::new(
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(ledger)
+            .map_err(err)?,
+    );
+    Engine::builder(dir)
+        .shards(2)
+        .register(CHAIN, move |ctx: Ctx, steps: u32| {
+            let (file, first_step) = (file.clone(), first_step.clone());
+            async move {
+                for _ in 0..steps {
+                    let (file, first_step) = (file.clone(), first_step.clone());
+                    ctx.step("noop", move |s| {
+                        let line = format!("{phase} {}\n", s.key());
+                        let (file, first_step) = (file.clone(), first_step.clone());
+                        async move {
+                            // One write(2) per line on an O_APPEND file: lines never interleave.
+                            (&*file).write_all(line.as_bytes()).expect("ledger write");
+                            file.sync_data().expect("ledger fdatasync");
+                            first_step.get_or_init(Instant::now);
+                            Ok(PAYLOAD.to_string())
+                        }
+                    })
+                    .await?;
+                }
+                Ok(steps)
+            }
+        })
+        .open()
+        .map_err(err)
+}
+
+async fn start_all(engine: &Rc<Engine>, n: u32, steps: u32) -> Result<(), String> {
+    let mut tasks = Vec::with_capacity(n as usize);
+    for i in 0..n {
+        let e = engine.clone();
+        tasks.push(tokio::task::spawn_local(async move {
+            e.start(CHAIN, &format!("w6-{i}"), &steps)
+                .await?
+                .result()
+                .await
+        }));
+    }
+    for task in tasks {
+        task.await.map_err(err)?.map_err(err)?;
+    }
+    Ok(())
+}
+
+async fn w6_child(args: &[String]) -> Result<Value, String> {
+    let dir = PathBuf::from(flag(args, "--dir").ok_or("--dir")?);
+    let engine = Rc::new(ledger_engine(
+        &dir.join("flow"),
+        &dir.join("ledger"),
+        "A",
+        Arc::new(OnceLock::new()),
+    )?);
+    start_all(&engine, num(args, "--n", 1000), num(args, "--steps", 10)).await?;
+    Ok(json!({"finished": true}))
+}
+
+fn ledger_lines(ledger: &Path) -> Vec<(String, String)> {
+    std::fs::read_to_string(ledger)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .map(|(p, k)| (p.to_string(), k.to_string()))
+        .collect()
+}
+
+/// The keys of every step whose result the log holds durably: after a crash, exactly
+/// the steps that must never run again.
+fn durable_steps(flow_dir: &Path) -> Result<BTreeSet<String>, String> {
+    let (log, _) = ferry_log::Log::open_dir(flow_dir, ferry_log::Config::default()).map_err(err)?;
+    let mut keys = BTreeSet::new();
+    log.read(log.start_lsn(), |r| {
+        if r.kind != RECORD_KIND {
+            return;
+        }
+        if let Ok(rec) = Record::decode(r.payload)
+            && let (Entry::Step { .. }, Some(pos)) = (&rec.entry, rec.pos)
+        {
+            keys.insert(format!("{}/{}/{}", rec.run, rec.generation, pos));
+        }
+    })
+    .map_err(err)?;
+    Ok(keys)
+}
+
+async fn w6(args: &[String]) -> Result<Value, String> {
+    let n: u32 = num(args, "--n", 1000);
+    let steps: u32 = num(args, "--steps", 10);
+    let kill_at: f64 = num(args, "--kill-at", 0.4);
+    let dir = fresh_dir(args, "w6")?;
+    let ledger = dir.join("ledger");
+    let exe = std::env::current_exe().map_err(err)?;
+    let mut child = std::process::Command::new(exe)
+        .args([
+            "w6-child",
+            "--n",
+            &n.to_string(),
+            "--steps",
+            &steps.to_string(),
+            "--dir",
+        ])
+        .arg(&dir)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .map_err(err)?;
+    let target = (f64::from(n * steps) * kill_at) as usize;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while ledger_lines(&ledger).len() < target {
+        if child.try_wait().map_err(err)?.is_some() || Instant::now() > deadline {
+            return Err("the W6 child ended or stalled before the kill".into());
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    child.kill().map_err(err)?; // SIGKILL
+    child.wait().map_err(err)?;
+    let before_kill = ledger_lines(&ledger).len();
+    let durable = durable_steps(&dir.join("flow"))?;
+
+    let first_step = Arc::new(OnceLock::new());
+    let t = Instant::now();
+    let engine = Rc::new(ledger_engine(
+        &dir.join("flow"),
+        &ledger,
+        "B",
+        first_step.clone(),
+    )?);
+    let open_ms = t.elapsed().as_secs_f64() * 1e3;
+    start_all(&engine, n, steps).await?;
+    let all_ms = t.elapsed().as_secs_f64() * 1e3;
+    let first_ms = first_step.get().map(|f| (*f - t).as_secs_f64() * 1e3);
+    drop(engine);
+    Ok(json!({
+        "workload": "w6", "workflows": n, "steps_per_workflow": steps,
+        "ledger_lines_at_kill": before_kill, "durable_step_results_at_kill": durable.len(),
+        "open_ms": open_ms, "open_to_first_step_ms": first_ms, "open_to_all_finished_ms": all_ms,
+        "check": check_ledger(&ledger_lines(&ledger), &durable, n, steps),
+    }))
+}
+
+/// Every step ran; none whose result was durable at the kill ran again; steps cut short
+/// (ran before the kill, result not durable) may have run again once: counted.
+fn check_ledger(
+    lines: &[(String, String)],
+    durable: &BTreeSet<String>,
+    n: u32,
+    steps: u32,
+) -> Value {
+    let mut runs: BTreeMap<&str, (u32, u32)> = BTreeMap::new();
+    for (phase, key) in lines {
+        let e = runs.entry(key).or_default();
+        if phase == "A" { e.0 += 1 } else { e.1 += 1 }
+    }
+    let acknowledged_rerun: Vec<&str> = runs
+        .iter()
+        .filter(|(k, (a, b))| *a + *b > 1 && durable.contains(**k))
+        .map(|(k, _)| *k)
+        .collect();
+    let cut_short_rerun = runs
+        .iter()
+        .filter(|(k, (a, b))| *a + *b > 1 && !durable.contains(**k))
+        .count();
+    let twice_in_one_process = runs.values().filter(|(a, b)| *a > 1 || *b > 1).count();
+    json!({
+        "distinct_steps_run": runs.len(), "steps_expected": n * steps,
+        "every_step_ran": runs.len() == (n * steps) as usize,
+        "acknowledged_steps_rerun": acknowledged_rerun.len(),
+        "acknowledged_rerun_examples": acknowledged_rerun.iter().take(5).collect::<Vec<_>>(),
+        "cut_short_steps_rerun": cut_short_rerun,
+        "steps_run_twice_in_one_process": twice_in_one_process,
+    })
+}
+
+async fn idle(args: &[String]) -> Result<Value, String> {
+    let n: u32 = num(args, "--n", 10_000);
+    let warm: u32 = 100;
+    let dir = fresh_dir(args, "idle")?;
+    let engine = Rc::new(
+        Engine::builder(dir.join("flow"))
+            .shards(num(args, "--shards", 2))
+            .register(PARK, |ctx: Ctx, _: u32| async move {
+                let got = ctx.wait_for(PING, None).await?;
+                Ok(got.map_or(0, |v| v.len() as u32))
+            })
+            .open()
+            .map_err(err)?,
+    );
+    // A few runs first so that thread stacks, the runtime and the log's buffers exist
+    // before the baseline: the delta is what each further parked run holds.
+    park_runs(&engine, "warm", warm).await?;
+    settle(&engine, 2 * u64::from(warm)).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let rss0 = rss_bytes()?;
+    park_runs(&engine, "idle", n).await?;
+    settle(&engine, 2 * u64::from(warm + n)).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let rss1 = rss_bytes()?;
+    Ok(json!({
+        "workload": "idle", "runs": n, "rss_before": rss0, "rss_after": rss1,
+        "bytes_per_run": (rss1 as f64 - rss0 as f64) / f64::from(n),
+        "records_per_run": engine.log_stats().records as f64 / f64::from(warm + n),
+    }))
+}
+
+async fn park_runs(engine: &Rc<Engine>, prefix: &str, n: u32) -> Result<(), String> {
+    let mut tasks = Vec::with_capacity(n as usize);
+    for i in 0..n {
+        let (e, id) = (engine.clone(), format!("{prefix}-{i}"));
+        tasks.push(tokio::task::spawn_local(async move {
+            e.start(PARK, &id, &i).await.map(|_| ())
+        }));
+    }
+    for task in tasks {
+        task.await.map_err(err)?.map_err(err)?;
+    }
+    Ok(())
+}
