@@ -5,8 +5,9 @@
 //! the next one opens the directory.
 //!
 //! The status file is advisory: renamed into place (readers never see half of it) but
-//! not fsynced, so it costs the log no disk syncs; it is rewritten when something
-//! changed, at most every 100 ms (longer when writing it takes long).
+//! not fsynced, so it costs the log no disk syncs. The engine writes it when it opens,
+//! when it closes, and when asked (`Request::Status`, which `ferry flow list` sends to
+//! a running engine): nothing is spent on it while nobody looks.
 
 use crate::journal::Json;
 use serde::{Deserialize, Serialize};
@@ -18,9 +19,9 @@ pub const STATUS_FILE: &str = "status.json";
 pub const INBOX: &str = "inbox";
 pub const REPLIES: &str = "replies";
 
-/// What `status.json` holds.
+/// What `status.json` holds (the engine writes it from borrowed runs).
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Status {
+pub struct Status<R = RunView> {
     /// The engine's process.
     pub pid: u32,
     /// False once the engine closed (the last status it wrote).
@@ -31,7 +32,7 @@ pub struct Status {
     pub recovered_records: u64,
     pub resumed: usize,
     pub log: LogView,
-    pub runs: Vec<RunView>,
+    pub runs: Vec<R>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -74,6 +75,10 @@ pub enum Request {
     Cancel {
         run: String,
     },
+    /// Write the status file now (the engine writes it only when asked, when it opens
+    /// and when it closes: a status kept current all the time cost the shards 5× in
+    /// p99 latency at 20,000 workflows/s).
+    Status,
 }
 
 /// The engine's answer to one request.
@@ -98,6 +103,23 @@ pub fn read_status(dir: &Path) -> Result<Status, String> {
         }
     })?;
     serde_json::from_slice(&bytes).map_err(|e| format!("{} does not parse: {e}", path.display()))
+}
+
+/// The status of `dir`: fresh from its engine if one runs (asked for and waited up to
+/// `timeout`), else the last one an engine wrote.
+pub fn fresh_status(dir: &Path, timeout: Duration) -> Result<Status, String> {
+    let st = read_status(dir)?;
+    if !engine_alive(&st) {
+        return Ok(st);
+    }
+    let id = send(dir, &Request::Status).map_err(|e| format!("cannot ask the engine: {e}"))?;
+    match wait_reply(dir, &id, timeout) {
+        Some(_) => read_status(dir),
+        None => Err(format!(
+            "the engine (pid {}) did not write its status within {timeout:?}",
+            st.pid
+        )),
+    }
 }
 
 /// Is the engine that wrote `status` still running?

@@ -13,6 +13,7 @@ use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
 use std::rc::Rc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::sync::oneshot;
 
@@ -35,7 +36,7 @@ impl Ctx {
     /// A suspension call at `pos` looks for a cancellation the run has not observed:
     /// it observes it there (journaled) and returns `Cancelled`.
     fn observe_cancel(&self, pos: u32) -> Result<(), FlowError> {
-        if self.run.cancel_seen.get() || !self.run.shared.cancel_requested(&self.run.run) {
+        if self.run.cancel_seen.get() || !self.run.wake.cancel.load(Ordering::Relaxed) {
             return Ok(());
         }
         self.run.append(Some(pos), Entry::CancelSeen)?;
@@ -277,7 +278,7 @@ impl Ctx {
         };
         self.run.timers.set(self.run.timers.get() + 1);
         let _pending = Pending(&self.run.timers);
-        let arrived = self.run.shared.arrivals(&self.run.run);
+        let arrived = &self.run.wake.arrived;
         loop {
             let notified = arrived.notified();
             tokio::pin!(notified);
@@ -290,7 +291,7 @@ impl Ctx {
             // Timers sleep on the monotonic clock, which may run a little ahead of the
             // wall clock: check again rather than fire early.
             tokio::select! {
-                _ = tokio::time::sleep(Duration::from_millis(fire_at - now)) => {}
+                _ = Box::pin(tokio::time::sleep(Duration::from_millis(fire_at - now))) => {}
                 _ = notified => {}
             }
         }
@@ -353,7 +354,7 @@ impl Ctx {
             }
         };
         let index = self.run.consumed.borrow().get(name).copied().unwrap_or(0);
-        let arrived = self.run.shared.arrivals(&self.run.run);
+        let arrived = &self.run.wake.arrived;
         loop {
             // Registered before looking, so an arrival in between is not missed.
             let notified = arrived.notified();
@@ -369,8 +370,8 @@ impl Ctx {
                     },
                 )?;
                 self.count_consumed(name);
-                if let Some(inbox) = lock(&self.run.shared.inboxes).get_mut(&self.run.run) {
-                    inbox.consumed += 1;
+                if let Some(e) = lock(&self.run.shared.runs).get_mut(&self.run.run) {
+                    e.inbox.consumed += 1;
                 }
                 return decode(v).map(Some);
             }
@@ -389,7 +390,7 @@ impl Ctx {
                 Some(d) => {
                     tokio::select! {
                         _ = notified => {}
-                        _ = tokio::time::sleep(Duration::from_millis(d - now)) => {}
+                        _ = Box::pin(tokio::time::sleep(Duration::from_millis(d - now))) => {}
                     }
                 }
                 None => notified.await,
@@ -467,7 +468,7 @@ impl Ctx {
                 },
             )?;
         }
-        let arrived = self.run.shared.arrivals(&self.run.run);
+        let arrived = &self.run.wake.arrived;
         loop {
             let notified = arrived.notified();
             tokio::pin!(notified);
@@ -533,7 +534,6 @@ impl Ctx {
         if let Some(e) = lock(&self.run.shared.runs).get_mut(&self.run.run) {
             e.published = Some(v);
         }
-        self.run.shared.changed();
         Ok(())
     }
 
@@ -639,7 +639,7 @@ impl Ctx {
                 Slot::Fresh { pos } => (pos, 1, 0),
             }
         };
-        let arrived = self.run.shared.arrivals(&self.run.run);
+        let arrived = &self.run.wake.arrived;
         loop {
             // A cancellation is observed before an attempt, and during a backoff; an
             // attempt under way is not interrupted.
@@ -653,7 +653,7 @@ impl Ctx {
                     break;
                 }
                 tokio::select! {
-                    _ = tokio::time::sleep(Duration::from_millis(retry_at - now)) => {}
+                    _ = Box::pin(tokio::time::sleep(Duration::from_millis(retry_at - now))) => {}
                     _ = notified => {}
                 }
             }

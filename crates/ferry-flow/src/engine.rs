@@ -17,7 +17,7 @@ use std::future::Future;
 use std::marker::PhantomData;
 use std::path::Path;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use tokio::sync::{Notify, mpsc, oneshot};
@@ -206,7 +206,7 @@ pub struct RunInfo {
 }
 
 pub(crate) struct RunEntry {
-    workflow: String,
+    workflow: &'static str,
     parent: Option<String>,
     pub(crate) status: RunStatus,
     pub(crate) waiters: Vec<oneshot::Sender<RunStatus>>,
@@ -217,12 +217,18 @@ pub(crate) struct RunEntry {
     /// cancellation journals its end.
     parked_at: Option<(u32, u32)>,
     pub(crate) published: Option<Json>,
+    pub(crate) inbox: Inbox,
 }
 
 impl RunEntry {
-    fn new(workflow: &str, parent: Option<String>, generation: u32, status: RunStatus) -> Self {
+    fn new(
+        workflow: &'static str,
+        parent: Option<String>,
+        generation: u32,
+        status: RunStatus,
+    ) -> Self {
         RunEntry {
-            workflow: workflow.to_string(),
+            workflow,
             parent,
             status,
             waiters: Vec::new(),
@@ -230,6 +236,7 @@ impl RunEntry {
             start_end: 0,
             parked_at: None,
             published: None,
+            inbox: Inbox::default(),
         }
     }
 }
@@ -240,20 +247,26 @@ pub(crate) struct Inbox {
     pub(crate) signals: Vec<(String, Json)>,
     /// Signals consumed (all names): `signals.len() - consumed` are pending.
     pub(crate) consumed: usize,
-    pub(crate) cancel: bool,
-    /// Woken on every arrival.
-    pub(crate) arrived: Arc<Notify>,
+    /// Shared with the run's context, which checks it without a lock.
+    pub(crate) wake: Arc<Wake>,
+}
+
+/// A run's wake-up on arrivals, and its cancellation flag.
+#[derive(Default)]
+pub(crate) struct Wake {
+    pub(crate) arrived: Notify,
+    pub(crate) cancel: std::sync::atomic::AtomicBool,
 }
 
 pub(crate) struct Shared {
     pub(crate) log: Arc<Log>,
-    pub(crate) runs: Mutex<HashMap<String, RunEntry>>,
-    pub(crate) inboxes: Mutex<HashMap<String, Inbox>>,
+    /// Every run by id. A B-tree, not a hash map: a hash map's resize moves every
+    /// entry under this lock at once, which stalled every shard for tens of
+    /// milliseconds at 30,000 runs.
+    pub(crate) runs: Mutex<BTreeMap<String, RunEntry>>,
     handlers: HashMap<&'static str, Handler>,
     shards: Vec<mpsc::UnboundedSender<Job>>,
     pub(crate) limits: Limits,
-    /// Bumped by every change the status file shows.
-    pub(crate) version: AtomicU64,
 }
 
 impl Shared {
@@ -268,10 +281,6 @@ impl Shared {
 
     fn spawn(&self, job: Job) {
         let _ = self.shard_of(&job.run).send(job);
-    }
-
-    pub(crate) fn changed(&self) {
-        self.version.fetch_add(1, Ordering::Relaxed);
     }
 
     pub(crate) fn check_payload(&self, bytes: usize) -> Result<(), FlowError> {
@@ -300,13 +309,10 @@ impl Shared {
                 id.len()
             )));
         }
-        let handler = self
-            .handlers
-            .get(workflow)
-            .ok_or_else(|| {
-                FlowError::Invalid(format!("no workflow named {workflow:?} is registered"))
-            })?
-            .clone();
+        let (&workflow, handler) = self.handlers.get_key_value(workflow).ok_or_else(|| {
+            FlowError::Invalid(format!("no workflow named {workflow:?} is registered"))
+        })?;
+        let handler = handler.clone();
         let mut runs = lock(&self.runs);
         if let Some(e) = runs.get(id) {
             return Ok(e.start_end);
@@ -329,7 +335,6 @@ impl Shared {
         let mut entry = RunEntry::new(workflow, parent, 0, RunStatus::Running);
         entry.start_end = end;
         runs.insert(id.to_string(), entry);
-        self.changed();
         self.spawn(Job {
             run: id.to_string(),
             generation: 0,
@@ -351,13 +356,8 @@ impl Shared {
             if matches!(e.status, RunStatus::Finished(_)) {
                 return Ok(false);
             }
-            {
-                let mut inboxes = lock(&self.inboxes);
-                let inbox = inboxes.entry(id.to_string()).or_default();
-                if inbox.cancel && e.parked_at.is_none() {
-                    return Ok(true);
-                }
-                inbox.cancel = true;
+            if e.inbox.wake.cancel.swap(true, Ordering::Relaxed) && e.parked_at.is_none() {
+                return Ok(true);
             }
             let request = Record {
                 run: id.to_string(),
@@ -383,7 +383,6 @@ impl Shared {
             (end, parked.is_some())
         };
         self.log.durable(end).await?;
-        self.changed();
         if parked {
             self.settle(id, RunStatus::Finished(Outcome::Cancelled));
         } else {
@@ -396,7 +395,7 @@ impl Shared {
     pub(crate) async fn deliver(&self, id: &str, name: &str, value: Json) -> Result<(), FlowError> {
         let shared = self;
         let end = {
-            let runs = lock(&shared.runs);
+            let mut runs = lock(&shared.runs);
             let generation = match runs.get(id) {
                 None => return Err(FlowError::Invalid(format!("no run {id:?}"))),
                 Some(RunEntry {
@@ -420,8 +419,7 @@ impl Shared {
             };
             let bytes = rec.encode();
             shared.check_payload(bytes.len())?;
-            let mut inboxes = lock(&shared.inboxes);
-            let inbox = inboxes.entry(id.to_string()).or_default();
+            let inbox = &mut runs.get_mut(id).expect("looked up above").inbox;
             let pending = inbox.signals.len() - inbox.consumed;
             if pending >= shared.limits.signals as usize {
                 return Err(FlowError::LimitExceeded {
@@ -437,35 +435,29 @@ impl Shared {
             end
         };
         shared.log.durable(end).await?;
-        shared.changed();
         shared.wake(id);
         Ok(())
     }
 
     pub(crate) fn wake(&self, id: &str) {
-        if let Some(n) = lock(&self.inboxes).get(id).map(|i| i.arrived.clone()) {
-            n.notify_waiters();
+        if let Some(w) = lock(&self.runs).get(id).map(|e| e.inbox.wake.clone()) {
+            w.arrived.notify_waiters();
         }
     }
 
-    /// The run's wake-up for arrivals (signals, cancellation).
-    pub(crate) fn arrivals(&self, run: &str) -> Arc<Notify> {
-        lock(&self.inboxes)
-            .entry(run.to_string())
-            .or_default()
-            .arrived
-            .clone()
-    }
-
-    pub(crate) fn cancel_requested(&self, run: &str) -> bool {
-        lock(&self.inboxes).get(run).is_some_and(|i| i.cancel)
+    /// The run's wake-up for arrivals (signals, cancellation) and cancellation flag.
+    pub(crate) fn wake_of(&self, run: &str) -> Arc<Wake> {
+        lock(&self.runs)
+            .get(run)
+            .map(|e| e.inbox.wake.clone())
+            .unwrap_or_default()
     }
 
     /// The `index`th signal named `name` the run received.
     pub(crate) fn signal_at(&self, run: &str, name: &str, index: u32) -> Option<Json> {
-        let inboxes = lock(&self.inboxes);
-        inboxes.get(run).and_then(|inbox| {
-            inbox
+        let runs = lock(&self.runs);
+        runs.get(run).and_then(|e| {
+            e.inbox
                 .signals
                 .iter()
                 .filter(|(n, _)| n == name)
@@ -478,7 +470,6 @@ impl Shared {
         let mut runs = lock(&self.runs);
         if let Some(e) = runs.get_mut(run) {
             e.status = status.clone();
-            self.changed();
             for w in e.waiters.drain(..) {
                 let _ = w.send(status.clone());
             }
@@ -609,12 +600,10 @@ impl EngineBuilder {
         }
         let shared = Arc::new(Shared {
             log: log.clone(),
-            runs: Mutex::new(HashMap::new()),
-            inboxes: Mutex::new(HashMap::new()),
+            runs: Mutex::new(BTreeMap::new()),
             handlers: self.handlers,
             shards: txs,
             limits: self.limits,
-            version: AtomicU64::new(0),
         });
         let mut resumed = 0;
         for (run, records) in by_run {
@@ -654,6 +643,20 @@ impl EngineBuilder {
             recovery,
             admin,
         })
+    }
+}
+
+impl Shared {
+    /// A workflow name as the registry spells it; a name no handler has (a run of a
+    /// workflow this build does not register) is leaked, once per distinct name.
+    fn workflow_name(&self, name: &str) -> &'static str {
+        if let Some((&k, _)) = self.handlers.get_key_value(name) {
+            return k;
+        }
+        static UNKNOWN: Mutex<BTreeMap<String, &'static str>> = Mutex::new(BTreeMap::new());
+        lock(&UNKNOWN)
+            .entry(name.to_string())
+            .or_insert_with(|| Box::leak(name.to_string().into_boxed_str()))
     }
 }
 
@@ -702,21 +705,16 @@ fn recover_run(shared: &Shared, run: String, records: Vec<Record>) -> Result<boo
         *consumed.entry(name).or_default() += n;
     }
     cancel_seen |= replay.cancel_seen();
-    {
-        let mut inbox = Inbox {
-            consumed: consumed.values().map(|n| *n as usize).sum(),
-            ..Inbox::default()
-        };
-        for e in replay.arrivals() {
-            match e {
-                Entry::Signal { name, value } => inbox.signals.push((name.clone(), value.clone())),
-                Entry::CancelRequested => inbox.cancel = true,
-                _ => {}
-            }
+    let name = shared.workflow_name(&workflow);
+    let mut entry = RunEntry::new(name, parent.clone(), generation, RunStatus::Running);
+    entry.inbox.consumed = consumed.values().map(|n| *n as usize).sum();
+    for e in replay.take_arrivals() {
+        match e {
+            Entry::Signal { name, value } => entry.inbox.signals.push((name, value)),
+            Entry::CancelRequested => entry.inbox.wake.cancel.store(true, Ordering::Relaxed),
+            _ => {}
         }
-        lock(&shared.inboxes).insert(run.clone(), inbox);
     }
-    let mut entry = RunEntry::new(&workflow, parent.clone(), generation, RunStatus::Running);
     let mut job_generation = generation;
     let mut job_input = input;
     let mut last = 0;
@@ -897,7 +895,7 @@ impl Engine {
             .iter()
             .map(|(id, e)| RunInfo {
                 id: id.clone(),
-                workflow: e.workflow.clone(),
+                workflow: e.workflow.to_string(),
                 generation: e.generation,
                 status: e.status.clone(),
                 parent: e.parent.clone(),
@@ -945,9 +943,8 @@ impl Admin {
                     .enable_time()
                     .build()
                     .expect("a current-thread runtime builds");
-                let mut written = None;
-                let mut wait = std::time::Duration::from_millis(100);
                 let mut pruned: Option<std::time::Instant> = None;
+                shared.write_status(&dir, recovery, true);
                 loop {
                     if pruned.is_none_or(|t| t.elapsed() > std::time::Duration::from_secs(60)) {
                         admin::prune_replies(&dir, std::time::Duration::from_secs(600));
@@ -955,6 +952,13 @@ impl Admin {
                     }
                     for (id, req) in admin::pending(&dir) {
                         let reply = match req {
+                            Ok(admin::Request::Status) => {
+                                shared.write_status(&dir, recovery, true);
+                                admin::Reply {
+                                    ok: true,
+                                    message: "status written".into(),
+                                }
+                            }
                             Ok(req) => rt.block_on(shared.apply(req)),
                             Err(e) => admin::Reply {
                                 ok: false,
@@ -965,15 +969,7 @@ impl Admin {
                             tracing::warn!(request = %id, "answering a request: {e}");
                         }
                     }
-                    let version = shared.version.load(Ordering::Relaxed);
-                    if written != Some(version) {
-                        let t = std::time::Instant::now();
-                        shared.write_status(&dir, recovery, true);
-                        written = Some(version);
-                        // Never more than a tenth of this thread's time on the file.
-                        wait = (t.elapsed() * 10).max(std::time::Duration::from_millis(100));
-                    }
-                    match stopped.recv_timeout(wait) {
+                    match stopped.recv_timeout(std::time::Duration::from_millis(100)) {
                         Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
                         _ => break,
                     }
@@ -1005,43 +1001,55 @@ impl Shared {
                 Ok(false) => (true, format!("{run:?} had already finished")),
                 Err(e) => (false, e.to_string()),
             },
+            admin::Request::Status => (
+                false,
+                "status requests are answered by the admin loop".into(),
+            ),
         };
         admin::Reply { ok, message }
     }
 
-    fn write_status(&self, dir: &Path, recovery: Recovery, open: bool) {
-        let runs: Vec<admin::RunView> = {
+    /// Every run's view, taken a thousand runs at a time so the shards never wait
+    /// long for the runs lock.
+    fn views(&self) -> Vec<admin::RunView> {
+        use std::ops::Bound;
+        let mut views: Vec<admin::RunView> = Vec::new();
+        loop {
             let runs = lock(&self.runs);
-            let inboxes = lock(&self.inboxes);
-            let mut v: Vec<admin::RunView> = runs
-                .iter()
-                .map(|(id, e)| {
-                    let (state, detail) = match &e.status {
-                        RunStatus::Running => ("running", None),
-                        RunStatus::Finished(Outcome::Ok(v)) => ("finished", Some(v.clone())),
-                        RunStatus::Finished(Outcome::Err(err)) => {
-                            ("failed", Some(Json::from(err.clone())))
-                        }
-                        RunStatus::Finished(Outcome::Cancelled) => ("cancelled", None),
-                        RunStatus::Parked(why) => ("parked", Some(Json::from(why.clone()))),
-                    };
-                    admin::RunView {
-                        id: id.clone(),
-                        workflow: e.workflow.clone(),
-                        generation: e.generation,
-                        state: state.into(),
-                        detail,
-                        parent: e.parent.clone(),
-                        published: e.published.clone(),
-                        pending_signals: inboxes
-                            .get(id)
-                            .map_or(0, |i| i.signals.len() - i.consumed),
+            let from = match views.last() {
+                Some(v) => Bound::Excluded(v.id.clone()),
+                None => Bound::Unbounded,
+            };
+            let before = views.len();
+            for (id, e) in runs.range((from, Bound::Unbounded)).take(1000) {
+                let (state, detail) = match &e.status {
+                    RunStatus::Running => ("running", None),
+                    RunStatus::Finished(Outcome::Ok(v)) => ("finished", Some(v.clone())),
+                    RunStatus::Finished(Outcome::Err(err)) => {
+                        ("failed", Some(Json::from(err.clone())))
                     }
-                })
-                .collect();
-            v.sort_by(|a, b| a.id.cmp(&b.id));
-            v
-        };
+                    RunStatus::Finished(Outcome::Cancelled) => ("cancelled", None),
+                    RunStatus::Parked(why) => ("parked", Some(Json::from(why.clone()))),
+                };
+                views.push(admin::RunView {
+                    id: id.clone(),
+                    workflow: e.workflow.to_string(),
+                    generation: e.generation,
+                    state: state.into(),
+                    detail,
+                    parent: e.parent.clone(),
+                    published: e.published.clone(),
+                    pending_signals: e.inbox.signals.len() - e.inbox.consumed,
+                });
+            }
+            if views.len() - before < 1000 {
+                return views;
+            }
+        }
+    }
+
+    fn write_status(&self, dir: &Path, recovery: Recovery, open: bool) {
+        let runs = self.views();
         let stats = self.log.stats();
         let status = admin::Status {
             pid: std::process::id(),
@@ -1161,23 +1169,33 @@ impl Shard {
 
 /// Run (or resume) one run to its end on this shard, generation after generation.
 async fn run_job(shared: Arc<Shared>, mut job: Job) {
-    while let Some(next) = run_generation(&shared, job).await {
-        job = next;
+    loop {
+        let Job {
+            run,
+            generation,
+            replay,
+            input,
+            handler,
+            last,
+        } = job;
+        let ctx = Ctx::new(RunCtx::new(shared.clone(), run, generation, replay, last));
+        let result = handler(ctx.clone(), input).await;
+        // What follows the code is boxed: while the code waits (a run parked for days),
+        // the task holds only the state above.
+        match Box::pin(end_generation(&shared, ctx, handler, result)).await {
+            Some(next) => job = next,
+            None => return,
+        }
     }
 }
 
-/// Run one generation; the next one's job if it continued as new.
-async fn run_generation(shared: &Arc<Shared>, job: Job) -> Option<Job> {
-    let Job {
-        run,
-        generation,
-        replay,
-        input,
-        handler,
-        last,
-    } = job;
-    let ctx = Ctx::new(RunCtx::new(shared.clone(), run, generation, replay, last));
-    let result = handler(ctx.clone(), input).await;
+/// Journal how a generation ended; the next generation's job if it continued as new.
+async fn end_generation(
+    shared: &Arc<Shared>,
+    ctx: Ctx,
+    handler: Handler,
+    result: Result<Json, FlowError>,
+) -> Option<Job> {
     let run = ctx.run();
     let mut outcome = match result {
         // Not journaled: after every restart the run replays up to the same call (no
@@ -1258,16 +1276,15 @@ fn next_generation(
             },
         )?;
     }
-    let (workflow, parent) = match run.replay.borrow().started() {
-        Some(Entry::Started {
-            workflow, parent, ..
-        }) => (workflow.clone(), parent.clone()),
-        _ => unreachable!("a running generation has its start record"),
+    let (workflow, parent) = {
+        let runs = lock(&shared.runs);
+        let e = runs.get(&run.run).expect("a running run has an entry");
+        (e.workflow, e.parent.clone())
     };
     let next = next_start(
         &run.run,
         run.generation + 1,
-        &workflow,
+        workflow,
         &input,
         parent,
         run.consumed.borrow().clone(),
@@ -1277,7 +1294,6 @@ fn next_generation(
     if let Some(e) = lock(&shared.runs).get_mut(&run.run) {
         e.generation = run.generation + 1;
     }
-    shared.changed();
     Ok(Job {
         run: run.run.clone(),
         generation: run.generation + 1,
@@ -1306,6 +1322,8 @@ pub(crate) struct RunCtx {
     pub(crate) timers: Cell<u32>,
     /// Set by `ctx.continue_as_new`.
     pub(crate) next_input: RefCell<Option<Json>>,
+    /// The run's wake-up on arrivals and its cancellation flag.
+    pub(crate) wake: Arc<Wake>,
 }
 
 impl RunCtx {
@@ -1318,7 +1336,9 @@ impl RunCtx {
             }) => (consumed.clone(), *cancel_seen),
             _ => (BTreeMap::new(), false),
         };
+        let wake = shared.wake_of(&run);
         RunCtx {
+            wake,
             shared,
             run,
             generation,

@@ -86,6 +86,9 @@ pub struct Replay {
     /// Arrivals from outside, in journal order (signals, cancellation requests).
     arrivals: Vec<Entry>,
     next: u32,
+    /// How many positions the journal held (`positions` is emptied once the cursor
+    /// has passed them all: a run parked for days keeps no copy of its journal).
+    journaled: u32,
 }
 
 impl Replay {
@@ -107,10 +110,12 @@ impl Replay {
                 }
             }
         }
+        r.journaled = r.positions.len() as u32;
         r
     }
 
-    /// The `Started` entry, if the journal has one.
+    /// The `Started` entry, if the journal has one (not after the cursor left the
+    /// journal: see `call`).
     pub fn started(&self) -> Option<&Entry> {
         self.positions.first().and_then(|e| e.first())
     }
@@ -124,11 +129,11 @@ impl Replay {
     /// The number of positions journaled: where an entry appended after all of them
     /// goes.
     pub fn len(&self) -> u32 {
-        self.positions.len() as u32
+        self.journaled
     }
 
     pub fn is_empty(&self) -> bool {
-        self.positions.is_empty()
+        self.journaled == 0
     }
 
     /// Entries journaled at positions (what the history limit counts).
@@ -159,6 +164,11 @@ impl Replay {
         &self.arrivals
     }
 
+    /// The arrivals, taken out (the engine keeps them in the run's inbox).
+    pub fn take_arrivals(&mut self) -> Vec<Entry> {
+        std::mem::take(&mut self.arrivals)
+    }
+
     /// Is the cursor still inside the journal?
     pub fn replaying(&self) -> bool {
         (self.next as usize) < self.positions.len()
@@ -168,6 +178,10 @@ impl Replay {
     pub fn call(&mut self, call: Call<'_>) -> Result<Slot<'_>, Nondeterminism> {
         let pos = self.next;
         self.next += 1;
+        if pos >= self.journaled {
+            // Past the journal: what it held is never looked at again.
+            self.positions = Vec::new();
+        }
         match self.positions.get(pos as usize) {
             None => Ok(Slot::Fresh { pos }),
             Some(entries) => match entries.first() {

@@ -241,7 +241,8 @@ fn wait_started(dir: &Path, orders: u32) -> anyhow::Result<()> {
     loop {
         if let Ok(st) = admin::read_status(dir)
             && admin::engine_alive(&st)
-            && st.runs.len() == orders as usize
+            && admin::fresh_status(dir, Duration::from_secs(5))
+                .is_ok_and(|st| st.runs.len() == orders as usize)
         {
             return Ok(());
         }

@@ -96,7 +96,7 @@ pub fn run(sub: FlowSub) -> anyhow::Result<()> {
 }
 
 fn status(dir: &Path) -> anyhow::Result<Status> {
-    admin::read_status(dir).map_err(|e| anyhow::anyhow!(e))
+    admin::fresh_status(dir, Duration::from_secs(10)).map_err(|e| anyhow::anyhow!(e))
 }
 
 fn list(a: ListArgs) -> anyhow::Result<()> {
