@@ -5,6 +5,7 @@
 //! fdatasync covers them all. What a workflow's code calls is in `ctx.rs`.
 
 use crate::admin;
+use crate::checkpoint::{self, Folded};
 use crate::ctx::Ctx;
 use crate::journal::{Entry, Json, Outcome, RECORD_KIND, RUN_ID_MAX, Record};
 use crate::replay::{Nondeterminism, Replay, Slot};
@@ -505,6 +506,9 @@ pub struct EngineBuilder {
     shards: usize,
     log: LogConfig,
     limits: Limits,
+    retention: std::time::Duration,
+    compact_bytes: Option<u64>,
+    compact_interval: std::time::Duration,
     handlers: HashMap<&'static str, Handler>,
 }
 
@@ -527,6 +531,27 @@ impl EngineBuilder {
 
     pub fn limits(mut self, l: Limits) -> Self {
         self.limits = l;
+        self
+    }
+
+    /// How long a finished run stays known (its result, `start` of its id returning
+    /// it) after compaction first saw it finished. Default a day.
+    pub fn retention(mut self, d: std::time::Duration) -> Self {
+        self.retention = d;
+        self
+    }
+
+    /// Compact once this many bytes were journaled since the last checkpoint (and at
+    /// least every minute while anything was). Default: the log's segment size.
+    pub fn compact_every(mut self, bytes: u64) -> Self {
+        self.compact_bytes = Some(bytes.max(1));
+        self
+    }
+
+    /// Never compact more often than this (a checkpoint rewrites every retained
+    /// finished run). Default 10 s.
+    pub fn compact_interval(mut self, d: std::time::Duration) -> Self {
+        self.compact_interval = d;
         self
     }
 
@@ -568,14 +593,22 @@ impl EngineBuilder {
             )));
         }
         let started = std::time::Instant::now();
+        let segment_bytes = self.log.segment_bytes;
         let (log, recovery) = match self.storage.take() {
             Some(st) => Log::open(st, self.log)?,
             None => Log::open_dir(&self.dir, self.log)?,
         };
         let log = Arc::new(log);
-        let mut by_run: BTreeMap<String, Vec<Record>> = BTreeMap::new();
+        let folded = if self.storage_is_files {
+            load_checkpoint(&self.dir, &log)?
+        } else {
+            Folded::default()
+        };
+        let mut by_run: BTreeMap<String, Vec<Record>> = folded.active_records().map_err(|e| {
+            FlowError::Codec(format!("the newest checkpoint holds a bad record ({e})"))
+        })?;
         let mut bad = None;
-        log.read(log.start_lsn(), |r| {
+        log.read(folded.lsn, |r| {
             if r.kind != RECORD_KIND {
                 return;
             }
@@ -605,6 +638,19 @@ impl EngineBuilder {
             shards: txs,
             limits: self.limits,
         });
+        {
+            let mut runs = lock(&shared.runs);
+            for (id, d) in &folded.finished {
+                let name = shared.workflow_name(&d.workflow);
+                let e = RunEntry::new(
+                    name,
+                    d.parent.clone(),
+                    d.generation,
+                    RunStatus::Finished(d.outcome.clone()),
+                );
+                runs.insert(id.clone(), e);
+            }
+        }
         let mut resumed = 0;
         for (run, records) in by_run {
             if recover_run(&shared, run, records)? {
@@ -633,7 +679,15 @@ impl EngineBuilder {
         // An engine on files keeps a status file and takes requests in its directory;
         // one on other storage (the simulation) has no directory of its own.
         let admin = if self.storage_is_files {
-            Some(Admin::start(self.dir, shared.clone(), recovery))
+            let compaction = Compaction {
+                every_bytes: self.compact_bytes.unwrap_or(segment_bytes),
+                min_interval: self.compact_interval,
+                retention_ms: self.retention.as_millis() as u64,
+                last: std::time::Instant::now(),
+                broken: false,
+                folded,
+            };
+            Some(Admin::start(self.dir, shared.clone(), recovery, compaction))
         } else {
             None
         };
@@ -813,6 +867,9 @@ impl Engine {
             shards: 2,
             log: LogConfig::default(),
             limits: Limits::default(),
+            retention: std::time::Duration::from_secs(24 * 3600),
+            compact_bytes: None,
+            compact_interval: std::time::Duration::from_secs(10),
             handlers: HashMap::new(),
         }
     }
@@ -927,6 +984,137 @@ impl Drop for Engine {
     }
 }
 
+/// The newest checkpoint in `dir` (none: an empty one), checked against the log.
+fn load_checkpoint(dir: &Path, log: &Log) -> Result<Folded, FlowError> {
+    let io = |e: std::io::Error| FlowError::Invalid(format!("reading {}: {e}", dir.display()));
+    let found = checkpoint::list(dir).map_err(io)?;
+    let folded = match found.last() {
+        None => Folded::default(),
+        Some((_, path)) => {
+            let bytes = std::fs::read(path).map_err(io)?;
+            Folded::decode(&bytes).map_err(|e| {
+                FlowError::Codec(format!(
+                    "the checkpoint {} is unreadable: {e}; the log before it was retired, so \
+                     restore the directory from a copy",
+                    path.display()
+                ))
+            })?
+        }
+    };
+    // Older checkpoints, and segments below this one, may be left by a crash between
+    // writing it and cleaning up.
+    for (lsn, path) in &found {
+        if *lsn < folded.lsn {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+    if log.start_lsn() > folded.lsn {
+        return Err(FlowError::Invalid(format!(
+            "the log in {} starts at {} but no checkpoint covers what came before it; \
+             restore the directory (with its checkpoint files) from a copy",
+            dir.display(),
+            log.start_lsn()
+        )));
+    }
+    if log.end_lsn() < folded.lsn {
+        return Err(FlowError::Invalid(format!(
+            "the checkpoint in {} covers the log up to {} but the log ends at {}: the log \
+             was replaced or cut; restore the directory from a copy",
+            dir.display(),
+            folded.lsn,
+            log.end_lsn()
+        )));
+    }
+    log.retire_below(folded.lsn)?;
+    Ok(folded)
+}
+
+/// Compaction's state: what is folded so far, and when to fold more.
+struct Compaction {
+    folded: Folded,
+    every_bytes: u64,
+    min_interval: std::time::Duration,
+    retention_ms: u64,
+    last: std::time::Instant,
+    /// A record could not be folded: compaction stops (the log keeps everything)
+    /// until the engine is reopened.
+    broken: bool,
+}
+
+impl Compaction {
+    fn maybe_run(&mut self, shared: &Shared, dir: &Path) {
+        let durable = shared.log.durable_lsn();
+        let behind = durable.saturating_sub(self.folded.lsn);
+        let since = self.last.elapsed();
+        let due = (behind >= self.every_bytes && since >= self.min_interval)
+            || (behind > 0 && since >= std::time::Duration::from_secs(60));
+        if self.broken || !due {
+            return;
+        }
+        self.last = std::time::Instant::now();
+        match self.run(shared, dir) {
+            Ok(()) => {}
+            Err(e) => tracing::warn!("compaction: {e}"),
+        }
+    }
+
+    /// Fold what became durable, expire old finished runs, write the checkpoint, then
+    /// retire the segments it covers.
+    fn run(&mut self, shared: &Shared, dir: &Path) -> Result<(), String> {
+        let t = std::time::Instant::now();
+        let now = ferry_core::seams::wall_ms();
+        let mut bad = None;
+        let folded = &mut self.folded;
+        let upto = shared
+            .log
+            .read(folded.lsn, |r| {
+                if r.kind == RECORD_KIND
+                    && bad.is_none()
+                    && let Err(e) = folded.fold(r.payload, now)
+                {
+                    bad = Some(format!("record at {}: {e}", r.lsn));
+                }
+            })
+            .map_err(|e| e.to_string())?;
+        if let Some(e) = bad {
+            self.broken = true;
+            return Err(format!("stopped: {e}"));
+        }
+        folded.lsn = upto;
+        let expired = folded.expire(now, self.retention_ms);
+        let path = checkpoint::path(dir, upto);
+        ferry_core::fs::write_atomic(&path, &folded.encode())
+            .map_err(|e| format!("writing {}: {e}", path.display()))?;
+        for (lsn, old) in checkpoint::list(dir).map_err(|e| e.to_string())? {
+            if lsn < upto {
+                let _ = std::fs::remove_file(old);
+            }
+        }
+        let retired = shared.log.retire_below(upto).map_err(|e| e.to_string())?;
+        for chunk in expired.chunks(1000) {
+            let mut runs = lock(&shared.runs);
+            for id in chunk {
+                if matches!(
+                    runs.get(id).map(|e| &e.status),
+                    Some(RunStatus::Finished(_))
+                ) {
+                    runs.remove(id);
+                }
+            }
+        }
+        tracing::info!(
+            lsn = upto,
+            active = folded.active.len(),
+            finished = folded.finished.len(),
+            expired = expired.len(),
+            retired,
+            ms = t.elapsed().as_secs_f64() * 1e3,
+            "checkpoint written"
+        );
+        Ok(())
+    }
+}
+
 /// The thread that keeps the status file and answers the inbox (`admin.rs`).
 struct Admin {
     stop: std::sync::mpsc::Sender<()>,
@@ -934,7 +1122,12 @@ struct Admin {
 }
 
 impl Admin {
-    fn start(dir: std::path::PathBuf, shared: Arc<Shared>, recovery: Recovery) -> Admin {
+    fn start(
+        dir: std::path::PathBuf,
+        shared: Arc<Shared>,
+        recovery: Recovery,
+        mut compaction: Compaction,
+    ) -> Admin {
         let (stop, stopped) = std::sync::mpsc::channel::<()>();
         let thread = std::thread::Builder::new()
             .name("ferry-flow-admin".into())
@@ -969,6 +1162,7 @@ impl Admin {
                             tracing::warn!(request = %id, "answering a request: {e}");
                         }
                     }
+                    compaction.maybe_run(&shared, &dir);
                     match stopped.recv_timeout(std::time::Duration::from_millis(100)) {
                         Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
                         _ => break,

@@ -171,6 +171,19 @@ impl Record {
     }
 
     pub fn decode(b: &[u8]) -> Result<Record, DecodeError> {
+        let p = Record::peek(b)?;
+        let entry =
+            serde_json::from_slice(p.entry_json).map_err(|e| DecodeError::Entry(e.to_string()))?;
+        Ok(Record {
+            run: p.run.to_string(),
+            generation: p.generation,
+            pos: p.pos,
+            entry,
+        })
+    }
+
+    /// The header alone, and the entry's JSON unparsed (compaction reads every record).
+    pub fn peek(b: &[u8]) -> Result<Peek<'_>, DecodeError> {
         if b.len() < 10 {
             return Err(DecodeError::Short);
         }
@@ -185,15 +198,22 @@ impl Record {
             return Err(DecodeError::Short);
         }
         let run = std::str::from_utf8(&rest[..n]).map_err(|_| DecodeError::RunId)?;
-        let entry =
-            serde_json::from_slice(&rest[n..]).map_err(|e| DecodeError::Entry(e.to_string()))?;
-        Ok(Record {
-            run: run.to_string(),
+        Ok(Peek {
+            run,
             generation,
             pos: (pos != u32::MAX).then_some(pos),
-            entry,
+            entry_json: &rest[n..],
         })
     }
+}
+
+/// A record's header, borrowed, with its entry still JSON.
+#[derive(Clone, Copy, Debug)]
+pub struct Peek<'a> {
+    pub run: &'a str,
+    pub generation: u32,
+    pub pos: Option<u32>,
+    pub entry_json: &'a [u8],
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@
 //! marks what is planned.
 
 pub mod admin;
+mod checkpoint;
 mod ctx;
 mod engine;
 pub mod journal;

@@ -36,7 +36,20 @@ fn child_runs_workflows(dir: PathBuf) {
         .unwrap();
     rt.block_on(async {
         let l = ledger.clone();
+        // Small segments, compacted at every few kilobytes: the kills also land in the
+        // middle of checkpoints and segment retirements.
         let engine = Engine::builder(dir.join("flow"))
+            .log_config(ferry_log::Config {
+                segment_bytes: 16 << 10,
+                record_bytes_max: 4 << 10,
+                ..Default::default()
+            })
+            .limits(ferry_flow::Limits {
+                payload_bytes: 4 << 10,
+                ..Default::default()
+            })
+            .compact_every(4 << 10)
+            .compact_interval(Duration::ZERO)
             .register(CHAIN, move |ctx: Ctx, n: u32| {
                 let l = l.clone();
                 async move {
@@ -152,8 +165,15 @@ fn steps_survive_repeated_sigkills() {
         }
     }
     // Steps cut short by a kill may run again (at most once per kill each); report it.
+    let flow = std::fs::read_dir(dir.join("flow"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect::<Vec<_>>();
+    let checkpoints = flow.iter().filter(|n| n.starts_with("checkpoint-")).count();
+    let segments = flow.iter().filter(|n| n.ends_with(".seg")).count();
+    assert_eq!(checkpoints, 1, "compaction ran and cleaned up: {flow:?}");
     eprintln!(
-        "{} ledger lines, {reruns} re-executions of steps cut short",
+        "{} ledger lines, {reruns} re-executions of steps cut short; {segments} segments left",
         text.lines().count()
     );
 }

@@ -1,0 +1,317 @@
+//! Compaction and retention (docs/flow.md §5). Everything the log holds before a
+//! position is folded into a checkpoint file: the records replay needs for every
+//! unfinished run (its current generation's, and every arrival), and the outcome of
+//! every run finished within the retention period. Once the checkpoint is durable, the
+//! log's segments below that position are retired. Open loads the newest checkpoint and
+//! reads the log from its position.
+//!
+//! File `checkpoint-<lsn, 20 digits>`, written whole through a rename with fsyncs:
+//! magic `FERRYCKP`, format (u32), lsn (u64), finished runs as JSON (u32 length, bytes),
+//! active records (u32 count, then each as u32 length and the journal record's bytes,
+//! exactly as the log carried them), CRC32C of everything before it (u32). All integers
+//! little-endian.
+
+use crate::journal::{Entry, Outcome, Record};
+use ferry_log::Lsn;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+const MAGIC: &[u8; 8] = b"FERRYCKP";
+const FORMAT: u32 = 1;
+const PREFIX: &str = "checkpoint-";
+
+/// A finished run kept for the retention period.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Done {
+    pub workflow: String,
+    pub parent: Option<String>,
+    pub generation: u32,
+    pub outcome: Outcome,
+    /// When compaction first saw it finished (ms since the epoch): retention counts
+    /// from here.
+    pub finished_ms: u64,
+}
+
+/// An unfinished run's records that replay needs.
+#[derive(Debug, Default)]
+pub(crate) struct Active {
+    generation: u32,
+    records: Vec<Vec<u8>>,
+}
+
+/// Everything the log held before `lsn`, folded.
+#[derive(Debug, Default)]
+pub(crate) struct Folded {
+    pub lsn: Lsn,
+    pub active: BTreeMap<String, Active>,
+    pub finished: BTreeMap<String, Done>,
+}
+
+impl Folded {
+    /// Fold one journal record (a ferry-log payload of kind `RECORD_KIND`).
+    pub fn fold(&mut self, payload: &[u8], now_ms: u64) -> Result<(), String> {
+        let rec = Record::peek(payload).map_err(|e| e.to_string())?;
+        if self.finished.contains_key(rec.run) {
+            // Nothing reaches a finished run (signals and cancellations are refused).
+            return Ok(());
+        }
+        let a = self.active.entry(rec.run.to_string()).or_default();
+        if let Some(_pos) = rec.pos {
+            if rec.generation > a.generation {
+                // A new generation: the previous one's positions are never replayed.
+                a.records
+                    .retain(|r| Record::peek(r).is_ok_and(|p| p.pos.is_none()));
+                a.generation = rec.generation;
+            } else if rec.generation < a.generation {
+                return Ok(());
+            }
+        }
+        if rec.entry_json.starts_with(br#"{"t":"finished""#) {
+            let Entry::Finished { outcome } =
+                Record::decode(payload).map_err(|e| e.to_string())?.entry
+            else {
+                return Err("a record that looks finished does not decode as such".into());
+            };
+            let generation = a.generation;
+            let started = a.records.iter().find_map(|r| {
+                let r = Record::decode(r).ok()?;
+                (r.pos == Some(0) && r.generation == generation).then_some(r.entry)
+            });
+            let (workflow, parent) = match started {
+                Some(Entry::Started {
+                    workflow, parent, ..
+                }) => (workflow, parent),
+                _ => ("?".to_string(), None),
+            };
+            let run = rec.run.to_string();
+            self.active.remove(&run);
+            self.finished.insert(
+                run,
+                Done {
+                    workflow,
+                    parent,
+                    generation,
+                    outcome,
+                    finished_ms: now_ms,
+                },
+            );
+            return Ok(());
+        }
+        a.records.push(payload.to_vec());
+        Ok(())
+    }
+
+    /// Forget finished runs older than `retention_ms`; their ids.
+    pub fn expire(&mut self, now_ms: u64, retention_ms: u64) -> Vec<String> {
+        let old: Vec<String> = self
+            .finished
+            .iter()
+            .filter(|(_, d)| now_ms.saturating_sub(d.finished_ms) >= retention_ms)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &old {
+            self.finished.remove(id);
+        }
+        old
+    }
+
+    /// Every active run's records, decoded, by run.
+    pub fn active_records(&self) -> Result<BTreeMap<String, Vec<Record>>, String> {
+        let mut out = BTreeMap::new();
+        for (run, a) in &self.active {
+            let recs = a
+                .records
+                .iter()
+                .map(|r| Record::decode(r).map_err(|e| format!("run {run:?}: {e}")))
+                .collect::<Result<Vec<_>, _>>()?;
+            out.insert(run.clone(), recs);
+        }
+        Ok(out)
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend_from_slice(MAGIC);
+        b.extend_from_slice(&FORMAT.to_le_bytes());
+        b.extend_from_slice(&self.lsn.to_le_bytes());
+        let finished = serde_json::to_vec(&self.finished).expect("outcomes serialize");
+        b.extend_from_slice(&(finished.len() as u32).to_le_bytes());
+        b.extend_from_slice(&finished);
+        let count: usize = self.active.values().map(|a| a.records.len()).sum();
+        b.extend_from_slice(&(count as u32).to_le_bytes());
+        for r in self.active.values().flat_map(|a| &a.records) {
+            b.extend_from_slice(&(r.len() as u32).to_le_bytes());
+            b.extend_from_slice(r);
+        }
+        let crc = crc32c::crc32c(&b);
+        b.extend_from_slice(&crc.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Folded, String> {
+        if b.len() < 8 + 4 + 8 + 4 + 4 + 4 || &b[..8] != MAGIC {
+            return Err("not a ferry-flow checkpoint".into());
+        }
+        let (body, crc) = b.split_at(b.len() - 4);
+        if crc32c::crc32c(body) != u32::from_le_bytes(crc.try_into().expect("4 bytes")) {
+            return Err("its checksum does not match (damaged)".into());
+        }
+        let mut r = Reader { b: body, at: 8 };
+        let format = r.u32()?;
+        if format != FORMAT {
+            return Err(format!("format {format}; this build reads format {FORMAT}"));
+        }
+        let lsn = r.u64()?;
+        let n = r.u32()? as usize;
+        let finished = serde_json::from_slice(r.take(n)?).map_err(|e| e.to_string())?;
+        let mut folded = Folded {
+            lsn,
+            active: BTreeMap::new(),
+            finished,
+        };
+        for _ in 0..r.u32()? {
+            let n = r.u32()? as usize;
+            let rec = r.take(n)?;
+            let p = Record::peek(rec).map_err(|e| e.to_string())?;
+            let a = folded.active.entry(p.run.to_string()).or_default();
+            if p.pos.is_some() {
+                a.generation = a.generation.max(p.generation);
+            }
+            a.records.push(rec.to_vec());
+        }
+        if r.at != body.len() {
+            return Err("bytes after the last record".into());
+        }
+        Ok(folded)
+    }
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.b.len());
+        let end = end.ok_or("cut short")?;
+        let s = &self.b[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+
+    fn u32(&mut self) -> Result<u32, String> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
+    }
+
+    fn u64(&mut self) -> Result<u64, String> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
+    }
+}
+
+pub(crate) fn path(dir: &Path, lsn: Lsn) -> PathBuf {
+    dir.join(format!("{PREFIX}{lsn:020}"))
+}
+
+/// The checkpoints in `dir`, oldest first.
+pub(crate) fn list(dir: &Path) -> std::io::Result<Vec<(Lsn, PathBuf)>> {
+    let mut v = Vec::new();
+    for e in std::fs::read_dir(dir)? {
+        let e = e?;
+        let Some(name) = e.file_name().to_str().map(str::to_string) else {
+            continue;
+        };
+        if let Some(lsn) = name
+            .strip_prefix(PREFIX)
+            .filter(|d| d.len() == 20)
+            .and_then(|d| d.parse::<Lsn>().ok())
+        {
+            v.push((lsn, e.path()));
+        }
+    }
+    v.sort();
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn rec(run: &str, generation: u32, pos: Option<u32>, entry: Entry) -> Vec<u8> {
+        Record {
+            run: run.into(),
+            generation,
+            pos,
+            entry,
+        }
+        .encode()
+    }
+
+    fn started(run: &str, generation: u32) -> Vec<u8> {
+        rec(
+            run,
+            generation,
+            Some(0),
+            Entry::Started {
+                workflow: "w".into(),
+                input: json!(generation),
+                parent: None,
+                consumed: Default::default(),
+                cancel_seen: false,
+            },
+        )
+    }
+
+    #[test]
+    fn folding_keeps_what_replay_needs_and_round_trips() {
+        let mut f = Folded::default();
+        let signal = rec(
+            "a",
+            0,
+            None,
+            Entry::Signal {
+                name: "s".into(),
+                value: json!(1),
+            },
+        );
+        for r in [
+            started("a", 0),
+            rec("a", 0, Some(1), Entry::TimerFired),
+            signal.clone(),
+            started("a", 1),
+            started("b", 0),
+            rec(
+                "b",
+                0,
+                Some(1),
+                Entry::Finished {
+                    outcome: Outcome::Ok(json!("done")),
+                },
+            ),
+        ] {
+            f.fold(&r, 1_000).unwrap();
+        }
+        f.lsn = 4096;
+        // a: generation 1 only, plus every arrival; b: finished.
+        assert_eq!(f.active["a"].records, vec![signal, started("a", 1)]);
+        assert_eq!(f.finished["b"].outcome, Outcome::Ok(json!("done")));
+        assert_eq!(f.finished["b"].workflow, "w");
+        let back = Folded::decode(&f.encode()).unwrap();
+        assert_eq!(back.lsn, 4096);
+        assert_eq!(back.active["a"].records, f.active["a"].records);
+        assert_eq!(back.active["a"].generation, 1);
+        assert_eq!(back.finished, f.finished);
+
+        let mut bytes = f.encode();
+        bytes[30] ^= 1;
+        assert!(Folded::decode(&bytes).unwrap_err().contains("checksum"));
+        assert_eq!(f.expire(1_000 + 59, 60), Vec::<String>::new());
+        assert_eq!(f.expire(1_000 + 60, 60), vec!["b".to_string()]);
+    }
+}
