@@ -1335,7 +1335,7 @@ impl Shard {
                         tokio::select! {
                             job = rx.recv() => match job {
                                 Some(job) => {
-                                    tokio::task::spawn_local(run_job(shared.clone(), job));
+                                    tokio::task::spawn_local(run_job(shared.clone(), Box::new(job)));
                                 }
                                 None => break,
                             },
@@ -1362,8 +1362,17 @@ impl Shard {
 }
 
 /// Run (or resume) one run to its end on this shard, generation after generation.
-async fn run_job(shared: Arc<Shared>, mut job: Job) {
+///
+/// The job comes boxed: an async fn keeps its arguments for its whole life, and a run
+/// parked for days should not keep a copy of its start.
+async fn run_job(shared: Arc<Shared>, mut job: Box<Job>) {
     loop {
+        // Moved out whole, so the box is freed here (a destructuring pattern would move
+        // the fields out and keep the box until the loop comes round).
+        let unboxed: Job = {
+            let b = job;
+            *b
+        };
         let Job {
             run,
             generation,
@@ -1371,13 +1380,13 @@ async fn run_job(shared: Arc<Shared>, mut job: Job) {
             input,
             handler,
             last,
-        } = job;
+        } = unboxed;
         let ctx = Ctx::new(RunCtx::new(shared.clone(), run, generation, replay, last));
         let result = handler(ctx.clone(), input).await;
         // What follows the code is boxed: while the code waits (a run parked for days),
         // the task holds only the state above.
         match Box::pin(end_generation(&shared, ctx, handler, result)).await {
-            Some(next) => job = next,
+            Some(next) => job = Box::new(next),
             None => return,
         }
     }

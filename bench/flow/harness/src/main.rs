@@ -40,6 +40,8 @@ use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicBool, AtomicI64};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -52,6 +54,34 @@ static NAP: Workflow<u64, u32> = Workflow::new("nap");
 static ECHO: Workflow<u32, String> = Workflow::new("echo");
 static PARK: Workflow<u32, u32> = Workflow::new("park");
 static PING: Signal<String> = Signal::new("ping");
+
+/// Counts live heap bytes while `idle` measures (off otherwise: one relaxed load per
+/// allocation), so idle memory is reported both as RSS growth, which depends on the
+/// allocator's fragmentation, and as what the engine holds.
+struct Counting;
+static COUNTING: AtomicBool = AtomicBool::new(false);
+static LIVE: AtomicI64 = AtomicI64::new(0);
+
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
+        if COUNTING.load(Relaxed) {
+            LIVE.fetch_add(l.size() as i64, Relaxed);
+        }
+        // SAFETY: the caller's layout goes to the system allocator unchanged.
+        unsafe { std::alloc::System.alloc(l) }
+    }
+
+    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
+        if COUNTING.load(Relaxed) {
+            LIVE.fetch_sub(l.size() as i64, Relaxed);
+        }
+        // SAFETY: `p` came from `alloc` above with this layout.
+        unsafe { std::alloc::System.dealloc(p, l) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -689,13 +719,19 @@ async fn idle(args: &[String]) -> Result<Value, String> {
     settle(&engine, 2 * u64::from(warm)).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     let rss0 = rss_bytes()?;
+    COUNTING.store(true, Relaxed);
     park_runs(&engine, "idle", n).await?;
     settle(&engine, 2 * u64::from(warm + n)).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     let rss1 = rss_bytes()?;
+    COUNTING.store(false, Relaxed);
+    // The net growth of the live heap while the runs were started and parked (frees of
+    // older blocks meanwhile subtract).
+    let live = LIVE.load(Relaxed);
     Ok(json!({
         "workload": "idle", "runs": n, "rss_before": rss0, "rss_after": rss1,
         "bytes_per_run": (rss1 as f64 - rss0 as f64) / f64::from(n),
+        "live_heap_per_run": live as f64 / f64::from(n),
         "records_per_run": engine.log_stats().records as f64 / f64::from(warm + n),
     }))
 }
