@@ -62,6 +62,9 @@ pub struct SignalArgs {
     /// How long to wait for the engine's answer, in milliseconds.
     #[arg(long, env = "FERRY_TIMEOUT_MS", default_value_t = 10_000)]
     pub timeout_ms: u64,
+    /// Print the answer as JSON: {"ok", "queued", "message"}.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args)]
@@ -71,6 +74,8 @@ pub struct CancelArgs {
     pub id: String,
     #[arg(long, env = "FERRY_TIMEOUT_MS", default_value_t = 10_000)]
     pub timeout_ms: u64,
+    #[arg(long)]
+    pub json: bool,
 }
 
 pub fn run(sub: FlowSub) -> anyhow::Result<()> {
@@ -89,9 +94,14 @@ pub fn run(sub: FlowSub) -> anyhow::Result<()> {
                 name: a.name,
                 value,
             };
-            request(&a.dir.dir, &req, a.timeout_ms)
+            request(&a.dir.dir, &req, a.timeout_ms, a.json)
         }
-        FlowSub::Cancel(a) => request(&a.dir.dir, &Request::Cancel { run: a.id }, a.timeout_ms),
+        FlowSub::Cancel(a) => request(
+            &a.dir.dir,
+            &Request::Cancel { run: a.id },
+            a.timeout_ms,
+            a.json,
+        ),
     }
 }
 
@@ -234,26 +244,43 @@ fn pretty(v: &serde_json::Value) -> String {
     }
 }
 
-fn request(dir: &Path, req: &Request, timeout_ms: u64) -> anyhow::Result<()> {
+fn request(dir: &Path, req: &Request, timeout_ms: u64, json: bool) -> anyhow::Result<()> {
     if !dir.is_dir() {
         anyhow::bail!("{} is not a directory", dir.display());
     }
     let live = admin::read_status(dir).ok().filter(admin::engine_alive);
     let id = admin::send(dir, req)
         .map_err(|e| anyhow::anyhow!("cannot leave the request in {}/inbox: {e}", dir.display()))?;
+    let say = |ok: bool, queued: bool, message: &str| {
+        if json {
+            let v = serde_json::json!({"ok": ok, "queued": queued, "message": message});
+            println!("{v}");
+        } else {
+            println!("{message}");
+        }
+    };
     if live.is_none() {
-        println!(
-            "queued: no engine is running on {}; the request is applied when one next opens it",
-            dir.display()
+        say(
+            true,
+            true,
+            &format!(
+                "queued: no engine is running on {}; the request is applied when one next opens it",
+                dir.display()
+            ),
         );
         return Ok(());
     }
     match admin::wait_reply(dir, &id, Duration::from_millis(timeout_ms)) {
         Some(r) if r.ok => {
-            println!("{}", r.message);
+            say(true, false, &r.message);
             Ok(())
         }
-        Some(r) => anyhow::bail!("{}", r.message),
+        Some(r) => {
+            if json {
+                say(false, false, &r.message);
+            }
+            anyhow::bail!("{}", r.message)
+        }
         None => anyhow::bail!(
             "the engine did not answer within {timeout_ms} ms; the request stays queued in {}/inbox and is applied when the engine gets to it",
             dir.display()

@@ -142,9 +142,22 @@ async fn a_request_left_while_no_engine_runs_is_applied_when_one_opens() {
     let (ok, out, err) = ferry(&["flow", "list", "--dir", d]);
     assert!(ok, "{err}");
     assert!(out.starts_with("no engine running"), "{out}");
-    let (ok, out, err) = ferry(&["flow", "signal", "--dir", d, "late", "go", "\"later\""]);
+    let (ok, out, err) = ferry(&[
+        "flow",
+        "signal",
+        "--dir",
+        d,
+        "late",
+        "go",
+        "\"later\"",
+        "--json",
+    ]);
     assert!(ok, "{err}");
-    assert!(out.starts_with("queued"), "{out}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (v["ok"].as_bool(), v["queued"].as_bool()),
+        (Some(true), Some(true))
+    );
     let engine = open(&dir);
     assert_eq!(
         engine
