@@ -278,25 +278,32 @@ impl Ctx {
         };
         self.run.timers.set(self.run.timers.get() + 1);
         let _pending = Pending(&self.run.timers);
+        self.pause_until(pos, fire_at).await?;
+        self.run.append(Some(pos), Entry::TimerFired)?;
+        Ok(())
+    }
+
+    /// Wait until `at_ms` by the wall clock, observing a cancellation at `pos` meanwhile.
+    async fn pause_until(&self, pos: u32, at_ms: u64) -> Result<(), FlowError> {
         let arrived = &self.run.wake.arrived;
         loop {
+            // Registered before looking, so an arrival in between is not missed.
             let notified = arrived.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             self.observe_cancel(pos)?;
             let now = wall_ms();
-            if now >= fire_at {
-                break;
+            if now >= at_ms {
+                return Ok(());
             }
             // Timers sleep on the monotonic clock, which may run a little ahead of the
-            // wall clock: check again rather than fire early.
+            // wall clock: check again rather than fire early. (Boxed: a run parked in a
+            // wait keeps no room for a timer it is not using.)
             tokio::select! {
-                _ = Box::pin(tokio::time::sleep(Duration::from_millis(fire_at - now))) => {}
+                _ = Box::pin(tokio::time::sleep(Duration::from_millis(at_ms - now))) => {}
                 _ = notified => {}
             }
         }
-        self.run.append(Some(pos), Entry::TimerFired)?;
-        Ok(())
     }
 
     /// Wait for the next signal named `signal` (in arrival order), or until `timeout`
@@ -639,24 +646,10 @@ impl Ctx {
                 Slot::Fresh { pos } => (pos, 1, 0),
             }
         };
-        let arrived = &self.run.wake.arrived;
         loop {
             // A cancellation is observed before an attempt, and during a backoff; an
             // attempt under way is not interrupted.
-            loop {
-                let notified = arrived.notified();
-                tokio::pin!(notified);
-                notified.as_mut().enable();
-                self.observe_cancel(pos)?;
-                let now = wall_ms();
-                if now >= retry_at {
-                    break;
-                }
-                tokio::select! {
-                    _ = Box::pin(tokio::time::sleep(Duration::from_millis(retry_at - now))) => {}
-                    _ = notified => {}
-                }
-            }
+            self.pause_until(pos, retry_at).await?;
             // Output holding: the body talks to the outside world, so what it follows
             // must be durable first.
             self.run.shared.log.durable(self.run.last.get()).await?;
