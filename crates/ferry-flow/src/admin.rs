@@ -145,6 +145,20 @@ pub fn send(dir: &Path, req: &Request) -> io::Result<String> {
     Ok(id)
 }
 
+/// How long ago request `id` was made (its id starts with the time in ns).
+pub(crate) fn age(id: &str) -> Duration {
+    let made = id
+        .split('-')
+        .next()
+        .and_then(|t| t.parse::<u128>().ok())
+        .unwrap_or(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    Duration::from_nanos(now.saturating_sub(made).min(u64::MAX as u128) as u64)
+}
+
 /// Wait up to `timeout` for the reply to request `id`; takes it out of `replies/`.
 pub fn wait_reply(dir: &Path, id: &str, timeout: Duration) -> Option<Reply> {
     let path = dir.join(REPLIES).join(format!("{id}.json"));

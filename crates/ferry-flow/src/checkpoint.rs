@@ -102,12 +102,18 @@ impl Folded {
         Ok(())
     }
 
-    /// Forget finished runs older than `retention_ms`; their ids.
+    /// Forget finished runs older than `retention_ms`; their ids. A child whose parent
+    /// is unfinished is kept: the parent's replay waits for its outcome.
     pub fn expire(&mut self, now_ms: u64, retention_ms: u64) -> Vec<String> {
         let old: Vec<String> = self
             .finished
             .iter()
             .filter(|(_, d)| now_ms.saturating_sub(d.finished_ms) >= retention_ms)
+            .filter(|(_, d)| {
+                d.parent
+                    .as_ref()
+                    .is_none_or(|p| !self.active.contains_key(p))
+            })
             .map(|(id, _)| id.clone())
             .collect();
         for id in &old {
@@ -218,6 +224,20 @@ pub(crate) fn path(dir: &Path, lsn: Lsn) -> PathBuf {
     dir.join(format!("{PREFIX}{lsn:020}"))
 }
 
+/// Remove temporary files of checkpoint writes a crash cut short.
+pub(crate) fn remove_leftovers(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.filter_map(|e| e.ok()) {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with(PREFIX) && name.contains(".tmp-") {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
 /// The checkpoints in `dir`, oldest first.
 pub(crate) fn list(dir: &Path) -> std::io::Result<Vec<(Lsn, PathBuf)>> {
     let mut v = Vec::new();
@@ -278,6 +298,7 @@ mod tests {
             Entry::Signal {
                 name: "s".into(),
                 value: json!(1),
+                key: Some("k".into()),
             },
         );
         for r in [

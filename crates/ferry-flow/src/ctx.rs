@@ -44,6 +44,22 @@ impl Ctx {
         Err(FlowError::Cancelled)
     }
 
+    /// Journal the first entry of a fresh call at `pos`. If a limit refuses it, the
+    /// position is given back, so the journal never has a hole where a call failed.
+    fn begin(&self, pos: u32, entry: Entry) -> Result<(), FlowError> {
+        let r = self.run.append(Some(pos), entry);
+        if let Err(FlowError::LimitExceeded { .. }) = r {
+            self.run.replay.borrow_mut().give_back(pos);
+        }
+        r
+    }
+
+    /// A fresh call at `pos` fails before journaling anything: give the position back.
+    fn refuse<T>(&self, pos: u32, e: FlowError) -> Result<T, FlowError> {
+        self.run.replay.borrow_mut().give_back(pos);
+        Err(e)
+    }
+
     /// Replaying a suspension call: did it observe the cancellation?
     fn replayed_cancel(&self, entries: &[Entry]) -> Result<(), FlowError> {
         if entries.iter().any(|e| matches!(e, Entry::CancelSeen)) {
@@ -188,8 +204,7 @@ impl Ctx {
     pub fn patched(&self, id: &str) -> Result<bool, FlowError> {
         let (taken, pos) = self.run.replay.borrow_mut().patched(id);
         if let Some(pos) = pos {
-            self.run
-                .append(Some(pos), Entry::Patch { id: id.to_string() })?;
+            self.begin(pos, Entry::Patch { id: id.to_string() })?;
         }
         Ok(taken)
     }
@@ -250,6 +265,13 @@ impl Ctx {
                     self.replayed_cancel(entries)?;
                     match &entries[0] {
                         Entry::TimerSet { fire_at_ms } => (pos, *fire_at_ms),
+                        Entry::TimerRefused { pending, max } => {
+                            return Err(FlowError::LimitExceeded {
+                                limit: Limit::Timers,
+                                value: u64::from(*pending) + 1,
+                                max: u64::from(*max),
+                            });
+                        }
                         other => {
                             return Err(FlowError::Codec(format!(
                                 "position {pos} holds {} where a timer was set",
@@ -264,14 +286,14 @@ impl Ctx {
                     let pending = self.run.timers.get();
                     let max = self.run.shared.limits.timers;
                     if pending >= max {
+                        self.begin(pos, Entry::TimerRefused { pending, max })?;
                         return Err(FlowError::LimitExceeded {
                             limit: Limit::Timers,
                             value: u64::from(pending) + 1,
                             max: u64::from(max),
                         });
                     }
-                    self.run
-                        .append(Some(pos), Entry::TimerSet { fire_at_ms: at_ms })?;
+                    self.begin(pos, Entry::TimerSet { fire_at_ms: at_ms })?;
                     (pos, at_ms)
                 }
             }
@@ -349,8 +371,8 @@ impl Ctx {
                     drop(replay);
                     self.observe_cancel(pos)?;
                     let deadline = timeout.map(|d| wall_ms().saturating_add(d.as_millis() as u64));
-                    self.run.append(
-                        Some(pos),
+                    self.begin(
+                        pos,
                         Entry::WaitStarted {
                             name: name.to_string(),
                             deadline_ms: deadline,
@@ -360,7 +382,6 @@ impl Ctx {
                 }
             }
         };
-        let index = self.run.consumed.borrow().get(name).copied().unwrap_or(0);
         let arrived = &self.run.wake.arrived;
         loop {
             // Registered before looking, so an arrival in between is not missed.
@@ -368,6 +389,9 @@ impl Ctx {
             tokio::pin!(notified);
             notified.as_mut().enable();
             self.observe_cancel(pos)?;
+            // Read here, not before the loop: another wait for the same name in this
+            // run may have consumed the signal this one was waiting for.
+            let index = self.run.consumed.borrow().get(name).copied().unwrap_or(0);
             if let Some(v) = self.run.shared.signal_at(&self.run.run, name, index) {
                 self.run.append(
                     Some(pos),
@@ -459,16 +483,19 @@ impl Ctx {
         };
         if fresh {
             self.observe_cancel(pos)?;
-        }
-        // Started before it is journaled here (or again on replay, in case the child's
-        // start was lost in a crash): starting an id that exists does nothing.
-        let input = encode(input)?;
-        self.run
-            .shared
-            .start_run(workflow.name(), &id, input, Some(self.run.run.clone()))?;
-        if fresh {
-            self.run.append(
-                Some(pos),
+            // Started before it is journaled here, so its start precedes this record
+            // in the log: replay finds the child whenever it finds the record. A start
+            // that fails (the input, the id) gives the position back.
+            let started = encode(input).and_then(|input| {
+                self.run
+                    .shared
+                    .start_run(workflow.name(), &id, input, Some(self.run.run.clone()))
+            });
+            if let Err(e) = started {
+                return self.refuse(pos, e);
+            }
+            self.begin(
+                pos,
                 Entry::ChildStarted {
                     id: id.clone(),
                     workflow: workflow.name().to_string(),
@@ -476,6 +503,8 @@ impl Ctx {
             )?;
         }
         let arrived = &self.run.wake.arrived;
+        // One waiter on the child at a time, kept across wake-ups for other reasons.
+        let mut waiting: Option<oneshot::Receiver<crate::RunStatus>> = None;
         loop {
             let notified = arrived.notified();
             tokio::pin!(notified);
@@ -484,37 +513,42 @@ impl Ctx {
                 self.cancel_child(id);
                 return Err(e);
             }
-            let done = {
+            if waiting.is_none() {
                 let mut runs = lock(&self.run.shared.runs);
+                // Retention never forgets a child whose parent is unfinished.
                 let child = runs
                     .get_mut(&id)
                     .ok_or_else(|| FlowError::Invalid(format!("child run {id:?} is gone")))?;
                 match &child.status {
-                    crate::RunStatus::Finished(outcome) => Ok(outcome.clone()),
+                    crate::RunStatus::Finished(outcome) => {
+                        let outcome = outcome.clone();
+                        drop(runs);
+                        self.run.append(
+                            Some(pos),
+                            Entry::ChildDone {
+                                outcome: outcome.clone(),
+                            },
+                        )?;
+                        return child_result(&id, outcome);
+                    }
                     // Running, or parked (it may resume after a deploy): wait.
                     _ => {
                         let (tx, rx) = oneshot::channel();
                         child.waiters.push(tx);
-                        Err(rx)
+                        waiting = Some(rx);
                     }
                 }
-            };
-            match done {
-                Ok(outcome) => {
-                    self.run.append(
-                        Some(pos),
-                        Entry::ChildDone {
-                            outcome: outcome.clone(),
-                        },
-                    )?;
-                    return child_result(&id, outcome);
-                }
-                Err(rx) => {
-                    tokio::select! {
-                        r = rx => if r.is_err() { return Err(FlowError::Stopped) },
-                        _ = notified => {}
+            }
+            let rx = waiting.as_mut().expect("set above");
+            tokio::select! {
+                r = rx => {
+                    // Settled (finished, or parked: then wait again).
+                    waiting = None;
+                    if r.is_err() {
+                        return Err(FlowError::Stopped);
                     }
                 }
+                _ = notified => {}
             }
         }
     }
@@ -573,8 +607,8 @@ impl Ctx {
             }
         };
         let value = draw();
-        self.run.append(
-            Some(pos),
+        self.begin(
+            pos,
             Entry::Value {
                 kind,
                 value: value.clone(),
@@ -643,7 +677,15 @@ impl Ctx {
                     self.replayed_cancel(entries)?;
                     (pos, attempts + 1, at)
                 }
-                Slot::Fresh { pos } => (pos, 1, 0),
+                Slot::Fresh { pos } => {
+                    drop(replay);
+                    // The history must have room before the body runs: once it ran,
+                    // its result is always journaled.
+                    if let Err(e) = self.run.room() {
+                        return self.refuse(pos, e);
+                    }
+                    (pos, 1, 0)
+                }
             }
         };
         loop {

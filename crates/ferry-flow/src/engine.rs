@@ -248,6 +248,8 @@ pub(crate) struct Inbox {
     pub(crate) signals: Vec<(String, Json)>,
     /// Signals consumed (all names): `signals.len() - consumed` are pending.
     pub(crate) consumed: usize,
+    /// The keys of keyed signals received (never reset: a key is delivered once).
+    pub(crate) keys: Vec<String>,
     /// Shared with the run's context, which checks it without a lock.
     pub(crate) wake: Arc<Wake>,
 }
@@ -257,6 +259,14 @@ pub(crate) struct Inbox {
 pub(crate) struct Wake {
     pub(crate) arrived: Notify,
     pub(crate) cancel: std::sync::atomic::AtomicBool,
+}
+
+/// What a cancellation does once its record is durable: nothing more (asked before),
+/// wake the run, or settle a parked run as cancelled.
+enum Then {
+    Answer,
+    Wake,
+    Settle,
 }
 
 pub(crate) struct Shared {
@@ -349,7 +359,7 @@ impl Shared {
 
     /// Ask run `id` to cancel (docs/flow.md §2). False if it had already finished.
     pub(crate) async fn cancel(&self, id: &str) -> Result<bool, FlowError> {
-        let (end, parked) = {
+        let (end, then) = {
             let mut runs = lock(&self.runs);
             let e = runs
                 .get_mut(id)
@@ -358,44 +368,66 @@ impl Shared {
                 return Ok(false);
             }
             if e.inbox.wake.cancel.swap(true, Ordering::Relaxed) && e.parked_at.is_none() {
-                return Ok(true);
+                // Asked before: answer once that request is durable.
+                (self.log.end_lsn(), Then::Answer)
+            } else {
+                self.journal_cancel(id, e)?
             }
-            let request = Record {
-                run: id.to_string(),
-                generation: e.generation,
-                pos: None,
-                entry: Entry::CancelRequested,
-            };
-            let mut end = self.log.append(RECORD_KIND, &request.encode())?;
-            // A parked run is not running: nothing will observe the request, so its
-            // end is journaled here.
-            let parked = e.parked_at.take();
-            if let Some((generation, pos)) = parked {
-                let fin = Record {
-                    run: id.to_string(),
-                    generation,
-                    pos: Some(pos),
-                    entry: Entry::Finished {
-                        outcome: Outcome::Cancelled,
-                    },
-                };
-                end = self.log.append(RECORD_KIND, &fin.encode())?;
-            }
-            (end, parked.is_some())
         };
         self.log.durable(end).await?;
-        if parked {
-            self.settle(id, RunStatus::Finished(Outcome::Cancelled));
-        } else {
-            self.wake(id);
+        match then {
+            Then::Answer => {}
+            Then::Wake => self.wake(id),
+            Then::Settle => self.settle(id, RunStatus::Finished(Outcome::Cancelled)),
         }
         Ok(true)
     }
 
-    /// Journal signal `name` for run `id` and put it in the run's inbox.
-    pub(crate) async fn deliver(&self, id: &str, name: &str, value: Json) -> Result<(), FlowError> {
+    /// Journal run `id`'s cancellation request (and a parked run's end); the end of the
+    /// last record, and whether the run was parked.
+    fn journal_cancel(&self, id: &str, e: &mut RunEntry) -> Result<(Lsn, Then), FlowError> {
+        let request = Record {
+            run: id.to_string(),
+            generation: e.generation,
+            pos: None,
+            entry: Entry::CancelRequested,
+        };
+        let mut end = self.log.append(RECORD_KIND, &request.encode())?;
+        // A parked run is not running: nothing will observe the request, so its
+        // end is journaled here.
+        let parked = e.parked_at.take();
+        if let Some((generation, pos)) = parked {
+            let fin = Record {
+                run: id.to_string(),
+                generation,
+                pos: Some(pos),
+                entry: Entry::Finished {
+                    outcome: Outcome::Cancelled,
+                },
+            };
+            end = self.log.append(RECORD_KIND, &fin.encode())?;
+        }
+        Ok((
+            end,
+            if parked.is_some() {
+                Then::Settle
+            } else {
+                Then::Wake
+            },
+        ))
+    }
+
+    /// Journal signal `name` for run `id` and put it in the run's inbox; a signal with
+    /// a `key` the run already received is not delivered again.
+    pub(crate) async fn deliver(
+        &self,
+        id: &str,
+        name: &str,
+        value: Json,
+        key: Option<&str>,
+    ) -> Result<(), FlowError> {
         let shared = self;
-        let end = {
+        let (end, fresh) = {
             let mut runs = lock(&shared.runs);
             let generation = match runs.get(id) {
                 None => return Err(FlowError::Invalid(format!("no run {id:?}"))),
@@ -416,28 +448,53 @@ impl Shared {
                 entry: Entry::Signal {
                     name: name.to_string(),
                     value: value.clone(),
+                    key: key.map(str::to_string),
                 },
             };
             let bytes = rec.encode();
             shared.check_payload(bytes.len())?;
             let inbox = &mut runs.get_mut(id).expect("looked up above").inbox;
-            let pending = inbox.signals.len() - inbox.consumed;
-            if pending >= shared.limits.signals as usize {
-                return Err(FlowError::LimitExceeded {
-                    limit: Limit::Signals,
-                    value: pending as u64 + 1,
-                    max: u64::from(shared.limits.signals),
-                });
+            if let Some(k) = key
+                && inbox.keys.iter().any(|x| x == k)
+            {
+                // Delivered before: answer once that delivery is durable (everything
+                // appended so far is).
+                (shared.log.end_lsn(), false)
+            } else {
+                shared.journal_signal(inbox, &bytes, name, value, key)?
             }
-            // Appended and put in the inbox under the runs lock: the journal order and
-            // the inbox order are the same.
-            let end = shared.log.append(RECORD_KIND, &bytes)?;
-            inbox.signals.push((name.to_string(), value));
-            end
         };
         shared.log.durable(end).await?;
-        shared.wake(id);
+        if fresh {
+            shared.wake(id);
+        }
         Ok(())
+    }
+
+    /// Append a signal's record and put it in the inbox (under the runs lock: the
+    /// journal order and the inbox order are the same).
+    fn journal_signal(
+        &self,
+        inbox: &mut Inbox,
+        bytes: &[u8],
+        name: &str,
+        value: Json,
+        key: Option<&str>,
+    ) -> Result<(Lsn, bool), FlowError> {
+        let pending = inbox.signals.len().saturating_sub(inbox.consumed);
+        if pending >= self.limits.signals as usize {
+            return Err(FlowError::LimitExceeded {
+                limit: Limit::Signals,
+                value: pending as u64 + 1,
+                max: u64::from(self.limits.signals),
+            });
+        }
+        let end = self.log.append(RECORD_KIND, bytes)?;
+        inbox.signals.push((name.to_string(), value));
+        if let Some(k) = key {
+            inbox.keys.push(k.to_string());
+        }
+        Ok((end, true))
     }
 
     pub(crate) fn wake(&self, id: &str) {
@@ -764,7 +821,10 @@ fn recover_run(shared: &Shared, run: String, records: Vec<Record>) -> Result<boo
     entry.inbox.consumed = consumed.values().map(|n| *n as usize).sum();
     for e in replay.take_arrivals() {
         match e {
-            Entry::Signal { name, value } => entry.inbox.signals.push((name, value)),
+            Entry::Signal { name, value, key } => {
+                entry.inbox.signals.push((name, value));
+                entry.inbox.keys.extend(key);
+            }
             Entry::CancelRequested => entry.inbox.wake.cancel.store(true, Ordering::Relaxed),
             _ => {}
         }
@@ -905,9 +965,23 @@ impl Engine {
         self.signal_json(id, signal.name, encode(value)?).await
     }
 
-    /// [`Engine::signal`] with an untyped value (the CLI's).
+    /// [`Engine::signal`], delivered at most once per `key`: sending again with the same
+    /// key (a retry after a timeout or a crash of the sender) returns once the first
+    /// delivery is durable and delivers nothing more.
+    pub async fn signal_once<T: Serialize>(
+        &self,
+        id: &str,
+        signal: Signal<T>,
+        value: &T,
+        key: &str,
+    ) -> Result<(), FlowError> {
+        let value = encode(value)?;
+        self.shared.deliver(id, signal.name, value, Some(key)).await
+    }
+
+    /// [`Engine::signal`] with an untyped value.
     pub async fn signal_json(&self, id: &str, name: &str, value: Json) -> Result<(), FlowError> {
-        self.shared.deliver(id, name, value).await
+        self.shared.deliver(id, name, value, None).await
     }
 
     /// Ask run `id` to cancel; returns once the request is durable. The run's next
@@ -1001,13 +1075,6 @@ fn load_checkpoint(dir: &Path, log: &Log) -> Result<Folded, FlowError> {
             })?
         }
     };
-    // Older checkpoints, and segments below this one, may be left by a crash between
-    // writing it and cleaning up.
-    for (lsn, path) in &found {
-        if *lsn < folded.lsn {
-            let _ = std::fs::remove_file(path);
-        }
-    }
     if log.start_lsn() > folded.lsn {
         return Err(FlowError::Invalid(format!(
             "the log in {} starts at {} but no checkpoint covers what came before it; \
@@ -1025,6 +1092,14 @@ fn load_checkpoint(dir: &Path, log: &Log) -> Result<Folded, FlowError> {
             log.end_lsn()
         )));
     }
+    // Older checkpoints, segments below this one and half-written checkpoints may be
+    // left by a crash between writing it and cleaning up.
+    for (lsn, path) in &found {
+        if *lsn < folded.lsn {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+    checkpoint::remove_leftovers(dir);
     log.retire_below(folded.lsn)?;
     Ok(folded)
 }
@@ -1137,6 +1212,7 @@ impl Admin {
                     .build()
                     .expect("a current-thread runtime builds");
                 let mut pruned: Option<std::time::Instant> = None;
+                let opened = std::time::Instant::now();
                 shared.write_status(&dir, recovery, true);
                 loop {
                     if pruned.is_none_or(|t| t.elapsed() > std::time::Duration::from_secs(60)) {
@@ -1152,7 +1228,18 @@ impl Admin {
                                     message: "status written".into(),
                                 }
                             }
-                            Ok(req) => rt.block_on(shared.apply(req)),
+                            // A request queued while no engine ran, for a run the
+                            // application has not started again yet: it gets ten
+                            // seconds after opening to do so.
+                            Ok(
+                                admin::Request::Signal { run, .. } | admin::Request::Cancel { run },
+                            ) if !lock(&shared.runs).contains_key(run.as_str())
+                                && admin::age(&id) > opened.elapsed()
+                                && opened.elapsed() < std::time::Duration::from_secs(10) =>
+                            {
+                                continue;
+                            }
+                            Ok(req) => rt.block_on(shared.apply(&id, req)),
                             Err(e) => admin::Reply {
                                 ok: false,
                                 message: e,
@@ -1182,10 +1269,12 @@ impl Admin {
 
 impl Shared {
     /// Carry out a request from the inbox.
-    async fn apply(&self, req: admin::Request) -> admin::Reply {
+    async fn apply(&self, request: &str, req: admin::Request) -> admin::Reply {
         let (ok, message) = match req {
             admin::Request::Signal { run, name, value } => {
-                match self.deliver(&run, &name, value).await {
+                // Keyed by the request: applied again after a crash before the request
+                // was removed, it is not delivered twice.
+                match self.deliver(&run, &name, value, Some(request)).await {
                     Ok(()) => (true, format!("signal {name:?} delivered to {run:?}")),
                     Err(e) => (false, e.to_string()),
                 }
@@ -1233,7 +1322,7 @@ impl Shared {
                     detail,
                     parent: e.parent.clone(),
                     published: e.published.clone(),
-                    pending_signals: e.inbox.signals.len() - e.inbox.consumed,
+                    pending_signals: e.inbox.signals.len().saturating_sub(e.inbox.consumed),
                 });
             }
             if views.len() - before < 1000 {
@@ -1400,6 +1489,12 @@ async fn end_generation(
     result: Result<Json, FlowError>,
 ) -> Option<Job> {
     let run = ctx.run();
+    // A mismatch with the journal parks the run whatever the code made of the error
+    // (caught it, mapped it, returned something else).
+    if let Err(n) = run.replay.borrow().check() {
+        shared.park(run, n.to_string());
+        return None;
+    }
     let mut outcome = match result {
         // Not journaled: after every restart the run replays up to the same call (no
         // step body runs while replaying) and parks again, until a deploy takes the
@@ -1429,9 +1524,13 @@ async fn end_generation(
         Err(FlowError::Cancelled) => Outcome::Cancelled,
         Err(e) => Outcome::Err(e.to_string()),
     };
-    let pos = match run.replay.borrow_mut().finish() {
-        Ok(Slot::Fresh { pos }) => Some(pos),
-        Ok(Slot::Recorded { .. }) => None,
+    // (Bound before matching: `park` borrows the replay again.)
+    let finish = run.replay.borrow_mut().finish().map(|slot| match slot {
+        Slot::Fresh { pos } => Some(pos),
+        Slot::Recorded { .. } => None,
+    });
+    let pos = match finish {
+        Ok(pos) => pos,
         Err(n) => {
             // The code returned while its journal holds more calls: parked, as above.
             shared.park(run, n.to_string());
@@ -1467,10 +1566,11 @@ fn next_generation(
     handler: Handler,
     input: Json,
 ) -> Result<Job, FlowError> {
-    let pos = match run.replay.borrow_mut().finish()? {
+    let finish = run.replay.borrow_mut().finish().map(|slot| match slot {
         Slot::Fresh { pos } => Some(pos),
         Slot::Recorded { .. } => None,
-    };
+    });
+    let pos = finish?;
     if let Some(pos) = pos {
         run.append(
             Some(pos),
@@ -1493,7 +1593,9 @@ fn next_generation(
         run.consumed.borrow().clone(),
         run.cancel_seen.get(),
     );
-    let last = shared.log.append(RECORD_KIND, &next.encode())?;
+    let bytes = next.encode();
+    shared.check_payload(bytes.len())?;
+    let last = shared.log.append(RECORD_KIND, &bytes)?;
     if let Some(e) = lock(&shared.runs).get_mut(&run.run) {
         e.generation = run.generation + 1;
     }
@@ -1555,19 +1657,36 @@ impl RunCtx {
         }
     }
 
-    /// Journal `entry` at `pos` (None: an arrival), within the run's limits.
-    pub(crate) fn append(&self, pos: Option<u32>, entry: Entry) -> Result<(), FlowError> {
-        let limits = &self.shared.limits;
-        let ends = matches!(
-            entry,
-            Entry::Finished { .. } | Entry::ContinuedAsNew { .. } | Entry::Parked { .. }
-        );
-        if pos.is_some() && !ends && self.history.get() >= limits.history {
+    /// Is there room in the history for one more call?
+    pub(crate) fn room(&self) -> Result<(), FlowError> {
+        let max = self.shared.limits.history;
+        if self.history.get() >= max {
             return Err(FlowError::LimitExceeded {
                 limit: Limit::History,
                 value: u64::from(self.history.get()) + 1,
-                max: u64::from(limits.history),
+                max: u64::from(max),
             });
+        }
+        Ok(())
+    }
+
+    /// Journal `entry` at `pos` (None: an arrival), within the run's limits.
+    pub(crate) fn append(&self, pos: Option<u32>, entry: Entry) -> Result<(), FlowError> {
+        self.replay.borrow().check()?;
+        // The history limit is checked when a call begins (its first entry; a step
+        // checks before its body runs, see `room`): what completes a call already
+        // begun, or ends the run, is always journaled.
+        let begins = matches!(
+            entry,
+            Entry::TimerSet { .. }
+                | Entry::TimerRefused { .. }
+                | Entry::WaitStarted { .. }
+                | Entry::Value { .. }
+                | Entry::Patch { .. }
+                | Entry::ChildStarted { .. }
+        );
+        if begins {
+            self.room()?;
         }
         let rec = Record {
             run: self.run.clone(),

@@ -73,6 +73,10 @@ pub enum Entry {
     Signal {
         name: String,
         value: Json,
+        /// The sender's key: a signal with a key the run already received is not
+        /// delivered again (`Engine::signal_once`, the CLI's requests).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        key: Option<String>,
     },
     /// `wait_for` began; its deadline (if any) is durable so a timeout survives a crash.
     WaitStarted {
@@ -97,6 +101,13 @@ pub enum Entry {
     },
     CancelRequested,
     CancelSeen,
+    /// A sleep refused by the timers limit. Unlike the other limits, whether it is hit
+    /// depends on how the run's concurrent calls interleaved, which a replay does not
+    /// reproduce; so the refusal is journaled and replayed.
+    TimerRefused {
+        pending: u32,
+        max: u32,
+    },
     Finished {
         outcome: Outcome,
     },
@@ -125,6 +136,7 @@ impl Entry {
             Entry::ChildDone { .. } => "child".into(),
             Entry::Patch { id } => format!("patch {id:?}"),
             Entry::CancelRequested | Entry::CancelSeen => "cancel".into(),
+            Entry::TimerRefused { .. } => "sleep".into(),
             Entry::Finished { .. } => "finish".into(),
             Entry::ContinuedAsNew { .. } => "continue_as_new".into(),
             Entry::Parked { .. } => "parked".into(),
@@ -253,6 +265,7 @@ mod tests {
                 entry: Entry::Signal {
                     name: "review".into(),
                     value: json!(true),
+                    key: Some("req-1".into()),
                 },
             },
         ];

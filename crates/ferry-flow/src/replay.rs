@@ -44,7 +44,7 @@ impl Call<'_> {
             (Call::Step(n), Entry::Step { name, .. } | Entry::StepAttempt { name, .. }) => {
                 n == name
             }
-            (Call::Sleep, Entry::TimerSet { .. }) => true,
+            (Call::Sleep, Entry::TimerSet { .. } | Entry::TimerRefused { .. }) => true,
             (Call::WaitFor(n), Entry::WaitStarted { name, .. } | Entry::Waited { name, .. }) => {
                 n == name
             }
@@ -89,6 +89,9 @@ pub struct Replay {
     /// How many positions the journal held (`positions` is emptied once the cursor
     /// has passed them all: a run parked for days keeps no copy of its journal).
     journaled: u32,
+    /// The first mismatch. It sticks: code that catches the error and goes on must
+    /// not run (or journal) anything against a journal it no longer lines up with.
+    diverged: Option<Nondeterminism>,
 }
 
 impl Replay {
@@ -176,6 +179,7 @@ impl Replay {
 
     /// Take the next position for `call`.
     pub fn call(&mut self, call: Call<'_>) -> Result<Slot<'_>, Nondeterminism> {
+        self.check()?;
         let pos = self.next;
         self.next += 1;
         if pos >= self.journaled {
@@ -186,20 +190,49 @@ impl Replay {
             None => Ok(Slot::Fresh { pos }),
             Some(entries) => match entries.first() {
                 Some(first) if call.answered_by(first) => Ok(Slot::Recorded { pos, entries }),
-                Some(first) => Err(Nondeterminism {
-                    position: pos,
-                    journal: first.describe(),
-                    code: call.describe(),
-                }),
+                Some(first) => {
+                    let n = Nondeterminism {
+                        position: pos,
+                        journal: first.describe(),
+                        code: call.describe(),
+                    };
+                    self.diverged = Some(n.clone());
+                    Err(n)
+                }
                 // A hole: positions are journaled in order, so this is a bug or damage;
                 // refuse rather than guess.
-                None => Err(Nondeterminism {
-                    position: pos,
-                    journal: "nothing (a gap in the journal)".into(),
-                    code: call.describe(),
-                }),
+                None => {
+                    let n = Nondeterminism {
+                        position: pos,
+                        journal: "nothing (a gap in the journal)".into(),
+                        code: call.describe(),
+                    };
+                    self.diverged = Some(n.clone());
+                    Err(n)
+                }
             },
         }
+    }
+
+    /// The first mismatch, if the code and the journal parted ways.
+    pub fn check(&self) -> Result<(), Nondeterminism> {
+        match &self.diverged {
+            Some(n) => Err(n.clone()),
+            None => Ok(()),
+        }
+    }
+
+    /// Give back position `pos`, just taken by a fresh call that journaled nothing (it
+    /// failed a limit): the next call takes it, so the journal has no hole.
+    pub fn give_back(&mut self, pos: u32) {
+        if self.next == pos + 1 && pos >= self.journaled {
+            self.next = pos;
+        }
+    }
+
+    /// The position the next call will take.
+    pub fn next_pos(&self) -> u32 {
+        self.next
     }
 
     /// `ctx.patched(id)`. Replaying, true if the position holds this patch (taken), else
@@ -207,6 +240,9 @@ impl Replay {
     /// patch and keeps its old path. Past the journal's end: true, at the position
     /// returned, where the engine journals `Patch { id }`.
     pub fn patched(&mut self, id: &str) -> (bool, Option<u32>) {
+        if self.diverged.is_some() {
+            return (false, None);
+        }
         let pos = self.next;
         match self.positions.get(pos as usize).and_then(|e| e.first()) {
             None if !self.replaying() => {
@@ -224,6 +260,7 @@ impl Replay {
     /// The code returned. Replaying, the journal must not hold more calls than the code
     /// made; the position of the `Finished` entry (recorded or to journal).
     pub fn finish(&mut self) -> Result<Slot<'_>, Nondeterminism> {
+        self.check()?;
         let pos = self.next;
         match self.positions.get(pos as usize).and_then(|e| e.first()) {
             None => Ok(Slot::Fresh { pos }),
@@ -233,11 +270,15 @@ impl Replay {
                     entries: &self.positions[pos as usize],
                 })
             }
-            Some(other) => Err(Nondeterminism {
-                position: pos,
-                journal: other.describe(),
-                code: "the end of the workflow".into(),
-            }),
+            Some(other) => {
+                let n = Nondeterminism {
+                    position: pos,
+                    journal: other.describe(),
+                    code: "the end of the workflow".into(),
+                };
+                self.diverged = Some(n.clone());
+                Err(n)
+            }
         }
     }
 }
@@ -295,6 +336,7 @@ mod tests {
                 Entry::Signal {
                     name: "review".into(),
                     value: json!(true),
+                    key: None,
                 },
             ),
             rec(Some(2), Entry::TimerSet { fire_at_ms: 99 }),
@@ -333,6 +375,17 @@ mod tests {
         r.call(Call::Step("charge")).unwrap();
         let e = r.finish().unwrap_err();
         assert_eq!((e.position, e.journal.as_str()), (2, "sleep"));
+    }
+
+    #[test]
+    fn a_mismatch_sticks_so_code_that_catches_it_goes_nowhere() {
+        let mut r = journal();
+        assert!(r.call(Call::Step("refund")).is_err());
+        // The code caught the error and calls on: every call, patch and the end refuse.
+        let again = r.call(Call::Sleep).unwrap_err();
+        assert_eq!(again.position, 1);
+        assert_eq!(r.patched("x"), (false, None));
+        assert_eq!(r.finish().unwrap_err().position, 1);
     }
 
     #[test]
