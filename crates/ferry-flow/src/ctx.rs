@@ -402,7 +402,7 @@ impl Ctx {
                 )?;
                 self.count_consumed(name);
                 if let Some(e) = lock(&self.run.shared.runs).get_mut(&self.run.run) {
-                    e.inbox.consumed += 1;
+                    e.inbox.consumed_one();
                 }
                 return decode(v).map(Some);
             }
@@ -534,7 +534,7 @@ impl Ctx {
                     // Running, or parked (it may resume after a deploy): wait.
                     _ => {
                         let (tx, rx) = oneshot::channel();
-                        child.waiters.push(tx);
+                        child.add_waiter(tx);
                         waiting = Some(rx);
                     }
                 }
@@ -573,7 +573,7 @@ impl Ctx {
     pub fn publish<S: Serialize>(&self, state: &S) -> Result<(), FlowError> {
         let v = encode(state)?;
         if let Some(e) = lock(&self.run.shared.runs).get_mut(&self.run.run) {
-            e.published = Some(v);
+            e.publish(v);
         }
         Ok(())
     }

@@ -206,19 +206,28 @@ pub struct RunInfo {
     pub parent: Option<String>,
 }
 
+/// One run in the runs map. Kept small (what most runs need inline, the rest boxed
+/// when first needed): a map of a million parked runs is mostly these.
 pub(crate) struct RunEntry {
     workflow: &'static str,
-    parent: Option<String>,
     pub(crate) status: RunStatus,
-    pub(crate) waiters: Vec<oneshot::Sender<RunStatus>>,
     generation: u32,
     /// The end of the run's start record: `start` returns once it is durable.
     start_end: Lsn,
+    pub(crate) inbox: Inbox,
+    extra: Option<Box<Extra>>,
+}
+
+/// What some runs have: a parent, callers waiting for the result, a park position, a
+/// published state.
+#[derive(Default)]
+struct Extra {
+    parent: Option<String>,
+    waiters: Vec<oneshot::Sender<RunStatus>>,
     /// A parked run's generation and the position after its journal, where a
     /// cancellation journals its end.
     parked_at: Option<(u32, u32)>,
-    pub(crate) published: Option<Json>,
-    pub(crate) inbox: Inbox,
+    published: Option<Json>,
 }
 
 impl RunEntry {
@@ -228,30 +237,106 @@ impl RunEntry {
         generation: u32,
         status: RunStatus,
     ) -> Self {
-        RunEntry {
+        let mut e = RunEntry {
             workflow,
-            parent,
             status,
-            waiters: Vec::new(),
             generation,
             start_end: 0,
-            parked_at: None,
-            published: None,
             inbox: Inbox::default(),
+            extra: None,
+        };
+        if parent.is_some() {
+            e.extra().parent = parent;
         }
+        e
+    }
+
+    fn extra(&mut self) -> &mut Extra {
+        self.extra.get_or_insert_with(Box::default)
+    }
+
+    pub(crate) fn parent(&self) -> Option<&String> {
+        self.extra.as_ref().and_then(|x| x.parent.as_ref())
+    }
+
+    pub(crate) fn add_waiter(&mut self, tx: oneshot::Sender<RunStatus>) {
+        self.extra().waiters.push(tx);
+    }
+
+    fn parked_at(&self) -> Option<(u32, u32)> {
+        self.extra.as_ref().and_then(|x| x.parked_at)
+    }
+
+    fn set_parked_at(&mut self, at: Option<(u32, u32)>) {
+        if at.is_some() || self.extra.is_some() {
+            self.extra().parked_at = at;
+        }
+    }
+
+    pub(crate) fn published(&self) -> Option<&Json> {
+        self.extra.as_ref().and_then(|x| x.published.as_ref())
+    }
+
+    pub(crate) fn publish(&mut self, v: Json) {
+        self.extra().published = Some(v);
     }
 }
 
 /// What arrived for a run from outside: signals in journal order, a cancellation.
 #[derive(Default)]
 pub(crate) struct Inbox {
-    pub(crate) signals: Vec<(String, Json)>,
-    /// Signals consumed (all names): `signals.len() - consumed` are pending.
-    pub(crate) consumed: usize,
-    /// The keys of keyed signals received (never reset: a key is delivered once).
-    pub(crate) keys: Vec<String>,
     /// Shared with the run's context, which checks it without a lock.
     pub(crate) wake: Arc<Wake>,
+    /// Boxed when the first signal comes.
+    mail: Option<Box<Mail>>,
+}
+
+#[derive(Default)]
+struct Mail {
+    signals: Vec<(String, Json)>,
+    /// Signals consumed (all names): `signals.len() - consumed` are pending.
+    consumed: usize,
+    /// The keys of keyed signals received (never reset: a key is delivered once).
+    keys: Vec<String>,
+}
+
+impl Inbox {
+    fn mail(&mut self) -> &mut Mail {
+        self.mail.get_or_insert_with(Box::default)
+    }
+
+    pub(crate) fn pending(&self) -> usize {
+        self.mail
+            .as_ref()
+            .map_or(0, |m| m.signals.len().saturating_sub(m.consumed))
+    }
+
+    pub(crate) fn consumed_one(&mut self) {
+        self.mail().consumed += 1;
+    }
+
+    fn has_key(&self, k: &str) -> bool {
+        self.mail
+            .as_ref()
+            .is_some_and(|m| m.keys.iter().any(|x| x == k))
+    }
+
+    fn push(&mut self, name: String, value: Json, key: Option<String>) {
+        let m = self.mail();
+        m.signals.push((name, value));
+        m.keys.extend(key);
+    }
+
+    /// The `index`th signal named `name`.
+    fn signal_at(&self, name: &str, index: u32) -> Option<Json> {
+        self.mail.as_ref().and_then(|m| {
+            m.signals
+                .iter()
+                .filter(|(n, _)| n == name)
+                .nth(index as usize)
+                .map(|(_, v)| v.clone())
+        })
+    }
 }
 
 /// A run's wake-up on arrivals, and its cancellation flag.
@@ -367,7 +452,7 @@ impl Shared {
             if matches!(e.status, RunStatus::Finished(_)) {
                 return Ok(false);
             }
-            if e.inbox.wake.cancel.swap(true, Ordering::Relaxed) && e.parked_at.is_none() {
+            if e.inbox.wake.cancel.swap(true, Ordering::Relaxed) && e.parked_at().is_none() {
                 // Asked before: answer once that request is durable.
                 (self.log.end_lsn(), Then::Answer)
             } else {
@@ -395,7 +480,8 @@ impl Shared {
         let mut end = self.log.append(RECORD_KIND, &request.encode())?;
         // A parked run is not running: nothing will observe the request, so its
         // end is journaled here.
-        let parked = e.parked_at.take();
+        let parked = e.parked_at();
+        e.set_parked_at(None);
         if let Some((generation, pos)) = parked {
             let fin = Record {
                 run: id.to_string(),
@@ -455,7 +541,7 @@ impl Shared {
             shared.check_payload(bytes.len())?;
             let inbox = &mut runs.get_mut(id).expect("looked up above").inbox;
             if let Some(k) = key
-                && inbox.keys.iter().any(|x| x == k)
+                && inbox.has_key(k)
             {
                 // Delivered before: answer once that delivery is durable (everything
                 // appended so far is).
@@ -481,7 +567,7 @@ impl Shared {
         value: Json,
         key: Option<&str>,
     ) -> Result<(Lsn, bool), FlowError> {
-        let pending = inbox.signals.len().saturating_sub(inbox.consumed);
+        let pending = inbox.pending();
         if pending >= self.limits.signals as usize {
             return Err(FlowError::LimitExceeded {
                 limit: Limit::Signals,
@@ -490,10 +576,7 @@ impl Shared {
             });
         }
         let end = self.log.append(RECORD_KIND, bytes)?;
-        inbox.signals.push((name.to_string(), value));
-        if let Some(k) = key {
-            inbox.keys.push(k.to_string());
-        }
+        inbox.push(name.to_string(), value, key.map(str::to_string));
         Ok((end, true))
     }
 
@@ -514,22 +597,17 @@ impl Shared {
     /// The `index`th signal named `name` the run received.
     pub(crate) fn signal_at(&self, run: &str, name: &str, index: u32) -> Option<Json> {
         let runs = lock(&self.runs);
-        runs.get(run).and_then(|e| {
-            e.inbox
-                .signals
-                .iter()
-                .filter(|(n, _)| n == name)
-                .nth(index as usize)
-                .map(|(_, v)| v.clone())
-        })
+        runs.get(run).and_then(|e| e.inbox.signal_at(name, index))
     }
 
     pub(crate) fn settle(&self, run: &str, status: RunStatus) {
         let mut runs = lock(&self.runs);
         if let Some(e) = runs.get_mut(run) {
             e.status = status.clone();
-            for w in e.waiters.drain(..) {
-                let _ = w.send(status.clone());
+            if let Some(x) = e.extra.as_mut() {
+                for w in x.waiters.drain(..) {
+                    let _ = w.send(status.clone());
+                }
             }
         }
     }
@@ -540,7 +618,7 @@ impl Shared {
         lock(&self.runs)
             .get_mut(&run.run)
             .expect("a running run has an entry")
-            .parked_at = Some(at);
+            .set_parked_at(Some(at));
         self.settle(&run.run, RunStatus::Parked(reason));
     }
 }
@@ -818,12 +896,14 @@ fn recover_run(shared: &Shared, run: String, records: Vec<Record>) -> Result<boo
     cancel_seen |= replay.cancel_seen();
     let name = shared.workflow_name(&workflow);
     let mut entry = RunEntry::new(name, parent.clone(), generation, RunStatus::Running);
-    entry.inbox.consumed = consumed.values().map(|n| *n as usize).sum();
+    let consumed_total: usize = consumed.values().map(|n| *n as usize).sum();
+    if consumed_total > 0 {
+        entry.inbox.mail().consumed = consumed_total;
+    }
     for e in replay.take_arrivals() {
         match e {
             Entry::Signal { name, value, key } => {
-                entry.inbox.signals.push((name, value));
-                entry.inbox.keys.extend(key);
+                entry.inbox.push(name, value, key);
             }
             Entry::CancelRequested => entry.inbox.wake.cancel.store(true, Ordering::Relaxed),
             _ => {}
@@ -869,7 +949,7 @@ fn recover_run(shared: &Shared, run: String, records: Vec<Record>) -> Result<boo
                 entry.status = RunStatus::Parked(format!(
                     "no workflow named {workflow:?} is registered; register it and restart"
                 ));
-                entry.parked_at = Some((job_generation, replay.len()));
+                entry.set_parked_at(Some((job_generation, replay.len())));
             }
         }
     }
@@ -1000,7 +1080,7 @@ impl Engine {
             let e = runs
                 .get(id)
                 .ok_or_else(|| FlowError::Invalid(format!("no run {id:?}")))?;
-            e.published.clone()
+            e.published().cloned()
         };
         v.map(decode).transpose()
     }
@@ -1029,7 +1109,7 @@ impl Engine {
                 workflow: e.workflow.to_string(),
                 generation: e.generation,
                 status: e.status.clone(),
-                parent: e.parent.clone(),
+                parent: e.parent().cloned(),
             })
             .collect();
         v.sort_by(|a, b| a.id.cmp(&b.id));
@@ -1320,9 +1400,9 @@ impl Shared {
                     generation: e.generation,
                     state: state.into(),
                     detail,
-                    parent: e.parent.clone(),
-                    published: e.published.clone(),
-                    pending_signals: e.inbox.signals.len().saturating_sub(e.inbox.consumed),
+                    parent: e.parent().cloned(),
+                    published: e.published().cloned(),
+                    pending_signals: e.inbox.pending(),
                 });
             }
             if views.len() - before < 1000 {
@@ -1380,7 +1460,7 @@ impl<O: DeserializeOwned> RunHandle<O> {
             match &entry.status {
                 RunStatus::Running => {
                     let (tx, rx) = oneshot::channel();
-                    entry.waiters.push(tx);
+                    entry.add_waiter(tx);
                     rx
                 }
                 done => return status_result(done.clone()),
@@ -1582,7 +1662,7 @@ fn next_generation(
     let (workflow, parent) = {
         let runs = lock(&shared.runs);
         let e = runs.get(&run.run).expect("a running run has an entry");
-        (e.workflow, e.parent.clone())
+        (e.workflow, e.parent().cloned())
     };
     let next = next_start(
         &run.run,
