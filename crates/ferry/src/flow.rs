@@ -45,7 +45,9 @@ pub struct ListArgs {
 pub struct ShowArgs {
     #[command(flatten)]
     pub dir: DirArg,
+    /// The run's id.
     pub id: String,
+    /// Print JSON.
     #[arg(long)]
     pub json: bool,
 }
@@ -54,7 +56,9 @@ pub struct ShowArgs {
 pub struct SignalArgs {
     #[command(flatten)]
     pub dir: DirArg,
+    /// The run's id.
     pub id: String,
+    /// The signal's name, as the workflow's `Signal::new` spells it.
     pub name: String,
     /// The signal's value, as JSON.
     #[arg(default_value = "null")]
@@ -71,9 +75,12 @@ pub struct SignalArgs {
 pub struct CancelArgs {
     #[command(flatten)]
     pub dir: DirArg,
+    /// The run's id.
     pub id: String,
+    /// How long to wait for the engine's answer, in milliseconds.
     #[arg(long, env = "FERRY_TIMEOUT_MS", default_value_t = 10_000)]
     pub timeout_ms: u64,
+    /// Print the answer as JSON: {"ok", "queued", "message"}.
     #[arg(long)]
     pub json: bool,
 }
