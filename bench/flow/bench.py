@@ -46,6 +46,7 @@ PEER_W2_N = {"dbos-sqlite": 200 if QUICK else 1000, "dbos-postgres": 200 if QUIC
              "temporal": 100 if QUICK else 1000, "restate": 200 if QUICK else 1000}
 W3_FRACTIONS = [0.25, 0.5, 0.8, 0.95]
 W3_SECONDS = 2 if QUICK else 5
+QUIET_SECONDS = 1 if QUICK else 3
 W4_N, W5_N = 1000, (300 if QUICK else 1000)
 W6_N = 500 if QUICK else 1000
 IDLE_N = 10_000
@@ -110,6 +111,14 @@ def peer_cmd(system, workload, n=None, steps=None, wrap=None):
     f = fresh_file("temporal.db")
     return [PY, ROOT / "bench/flow/temporal_arm.py", "--temporal", TEMPORAL, "--db", f,
             *(["--wrap", wrap] if wrap else []), *extra]
+
+
+def quiet():
+    """Before each system: flush what the previous one left in the page cache and let
+    the disk settle, so its writeback (a Postgres checkpoint, a SQLite file) does not
+    land on the next system's syncs."""
+    os.sync()
+    time.sleep(QUIET_SECONDS)
 
 
 def peer(system, workload):
@@ -284,7 +293,8 @@ def report(ferry, peers, fair, m):
     syncs = {s: fair[s]["per_1k_steps"] for s in fair}
     L = ["# ferry-flow benchmark", "",
          f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `bench/flow/run{' --quick' if QUICK else ''}`. "
-         f"Every figure is the median of {len(ferry)} run(s); the systems take turns in each round.",
+         f"Every figure is the median of {len(ferry)} run(s); the systems take turns in each round, each after "
+         f"`sync` and a {QUIET_SECONDS:g} s pause (so one system's writeback does not land on the next one's syncs).",
          "", "## Machine and versions", "",
          f"- cpu: {m['cpu']}, {m['cores']} cores, kernel {m['kernel']}",
          f"- bench directory `bench/.work/flow`: {m['fs']}",
@@ -483,8 +493,10 @@ def main():
     ferry, peers = [], {s: [] for s in PEERS}
     for i in range(RUNS):
         log(f"== round {i + 1} of {RUNS}")
+        quiet()
         ferry.append(ferry_round())
         for s in PEERS:
+            quiet()
             r = {"w1": peer(s, "w1")}
             log(f"{s} W1: gap p50 {r['w1']['gap']['p50_us']:,.0f} µs")
             r["w2"] = peer(s, "w2")
