@@ -131,8 +131,21 @@ async def w2(client, a, server_pid):
             "cpu_secs_per_1k_steps": (c + sc) * 1000 / steps, "workflow_latency": spread(lat)}
 
 
+async def connect(port):
+    """The dev server accepts connections before its frontend is healthy ("Frontend is not
+    healthy yet"): retry for up to a minute."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return await Client.connect(f"127.0.0.1:{port}")
+        except RuntimeError as e:
+            if time.monotonic() > deadline or "not healthy" not in str(e):
+                raise
+            await asyncio.sleep(0.5)
+
+
 async def run(a, port, server_pid):
-    client = await Client.connect(f"127.0.0.1:{port}")
+    client = await connect(port)
     async with Worker(client, task_queue=QUEUE, workflows=[Chain], activities=[noop],
                       workflow_runner=UnsandboxedWorkflowRunner()):
         await w1(client, argparse.Namespace(steps=5), "warm")  # warm-up
