@@ -19,9 +19,9 @@ import argparse
 import asyncio
 import json
 import logging
-import resource
 import time
 
+from armlib import self_cpu, spread
 from dbos import DBOS
 
 PAYLOAD = "0123456789abcdef" * 4
@@ -46,23 +46,6 @@ async def chain(steps: int, mark: bool) -> int:
     return steps
 
 
-def pct(sorted_us, p):
-    if not sorted_us:
-        return float("nan")
-    return sorted_us[round(p / 100 * (len(sorted_us) - 1))]
-
-
-def spread(us):
-    us = sorted(us)
-    return {"n": len(us), "p50_us": pct(us, 50), "p99_us": pct(us, 99), "p999_us": pct(us, 99.9),
-            "max_us": pct(us, 100)}
-
-
-def cpu():
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 async def w1(a):
     MARKS.clear()
     t = time.perf_counter()
@@ -74,7 +57,7 @@ async def w1(a):
 
 
 async def w2(a):
-    c0, t = cpu(), time.perf_counter()
+    c0, t = self_cpu(), time.perf_counter()
 
     async def one(i):
         s = time.perf_counter()
@@ -84,7 +67,7 @@ async def w2(a):
 
     lat = await asyncio.gather(*(one(i) for i in range(a.n)))
     secs = time.perf_counter() - t
-    c = cpu() - c0
+    c = self_cpu() - c0
     steps = a.n * a.steps
     return {"workload": "w2", "workflows": a.n, "steps_per_workflow": a.steps, "secs": secs,
             "steps_per_sec": steps / secs, "workflows_per_sec": a.n / secs, "cpu_secs": c,

@@ -19,15 +19,14 @@ import argparse
 import asyncio
 import json
 import os
-import resource
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
 from datetime import timedelta
 
+from armlib import free_port, proc_cpu, self_cpu, spread, wait_port
 from temporalio import activity, workflow
 from temporalio.client import Client
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
@@ -55,52 +54,6 @@ class Chain:
             if mark:
                 MARKS.append(time.perf_counter())
         return steps
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
-def wait_port(port, limit=60):
-    end = time.time() + limit
-    while time.time() < end:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"the Temporal dev server did not listen on {port} within {limit}s")
-
-
-def proc_cpu(pid):
-    """User + system seconds of a process and its reaped children, from /proc."""
-    try:
-        f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    hz = os.sysconf("SC_CLK_TCK")
-    return sum(int(x) for x in f[11:15]) / hz
-
-
-def pct(sorted_us, p):
-    if not sorted_us:
-        return float("nan")
-    return sorted_us[round(p / 100 * (len(sorted_us) - 1))]
-
-
-def spread(us):
-    us = sorted(us)
-    return {"n": len(us), "p50_us": pct(us, 50), "p99_us": pct(us, 99), "p999_us": pct(us, 99.9),
-            "max_us": pct(us, 100)}
-
-
-def self_cpu():
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 async def w1(client, a, tag):
@@ -161,7 +114,7 @@ def main(a):
     log = open(a.db + ".log", "ab")
     server = subprocess.Popen(wrap + cmd, stdout=log, stderr=log)
     try:
-        wait_port(port)
+        wait_port(port, "the Temporal dev server")
         # Under strace the server is strace's child: its pid is what /proc needs for CPU.
         pid = server.pid
         if wrap:
