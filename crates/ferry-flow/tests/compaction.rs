@@ -4,7 +4,7 @@
 //! again.
 
 use ferry_flow::{Ctx, Engine, EngineBuilder, FlowError, RunStatus, Signal, Workflow};
-use ferry_testkit::Scratch;
+use ferry_testkit::{Scratch, eventually};
 use std::path::Path;
 use std::time::{Duration, Instant};
 // (the runs started in waves below are even, so they finish without signals)
@@ -59,14 +59,6 @@ fn files(dir: &Path, suffix: &str) -> usize {
             name.ends_with(suffix) || (suffix == "checkpoint" && name.starts_with("checkpoint-"))
         })
         .count()
-}
-
-async fn eventually(what: &str, f: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

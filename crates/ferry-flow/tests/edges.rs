@@ -4,20 +4,12 @@
 //! per key.
 
 use ferry_flow::{Ctx, Engine, FlowError, Limits, RunStatus, Signal, Workflow};
-use ferry_testkit::Scratch;
+use ferry_testkit::{Scratch, eventually};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 static W: Workflow<u32, String> = Workflow::new("w");
 static GO: Signal<u32> = Signal::new("go");
-
-async fn eventually(what: &str, f: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
 
 /// Step "a" then a wait for GO, journaled; the engine stops while the run waits.
 async fn journal_a_then_wait(dir: &std::path::Path) {

@@ -3,9 +3,9 @@
 //! another path is parked (and stays parked), a failed step fails the run.
 
 use ferry_flow::{Ctx, Engine, FlowError, RunStatus, Workflow};
-use ferry_testkit::Scratch;
+use ferry_testkit::{Scratch, eventually};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 static ORDER: Workflow<u32, String> = Workflow::new("order");
 
@@ -25,14 +25,6 @@ async fn result_of(engine: &Engine, id: &str) -> Result<String, FlowError> {
         .expect("the run exists")
         .result()
         .await
-}
-
-async fn wait_for(what: &str, f: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 /// Step "a", then a step "b" that never finishes: the run is mid-way when the engine
@@ -73,7 +65,7 @@ async fn a_journaled_step_does_not_run_again_after_a_restart() {
             .unwrap();
         engine.start(ORDER, "order-1", &4).await.unwrap();
         // Step b's body runs only once step a's result is durable.
-        wait_for("step b to start", || B_STARTED.load(Ordering::SeqCst) == 1).await;
+        eventually("step b to start", || B_STARTED.load(Ordering::SeqCst) == 1).await;
         assert_eq!(engine.status("order-1"), Some(RunStatus::Running));
     }
     let engine = Engine::builder(&dir)
@@ -155,7 +147,7 @@ async fn a_run_whose_code_changed_path_is_parked_until_the_code_takes_its_path_a
             .open()
             .unwrap();
         engine.start(ORDER, "o", &1).await.unwrap();
-        wait_for("step b to start", || B_STARTED.load(Ordering::SeqCst) == 1).await;
+        eventually("step b to start", || B_STARTED.load(Ordering::SeqCst) == 1).await;
     }
     // A deploy that calls another step first.
     let changed = |ctx: Ctx, _n: u32| async move {
@@ -243,7 +235,7 @@ async fn patches_and_values_replay_as_first_seen() {
             .open()
             .unwrap();
         engine.start(ORDER, "old-run", &1).await.unwrap();
-        wait_for("the old run to wait", || {
+        eventually("the old run to wait", || {
             STARTED.load(Ordering::SeqCst) == 1
         })
         .await;
@@ -312,7 +304,7 @@ async fn a_durable_sleep_keeps_its_wake_up_time_across_a_restart_and_never_fires
     {
         let engine = open(&dir, code);
         engine.start(ORDER, "s", &1).await.unwrap();
-        wait_for("step before", || !TIMES.lock().unwrap().is_empty()).await;
+        eventually("step before", || !TIMES.lock().unwrap().is_empty()).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // Down past the wake-up time: the timer keeps its original time and fires at once
@@ -366,7 +358,7 @@ async fn retries_back_off_time_out_and_keep_their_count_across_a_restart() {
     {
         let engine = open(&dir, code);
         engine.start(ORDER, "r", &1).await.unwrap();
-        wait_for("attempt 3", || ATTEMPTS.load(Ordering::SeqCst) == 3).await;
+        eventually("attempt 3", || ATTEMPTS.load(Ordering::SeqCst) == 3).await;
     }
     let engine = open(&dir, code);
     assert_eq!(result_of(&engine, "r").await.unwrap(), "attempt 4");
@@ -429,7 +421,7 @@ async fn signals_arrive_in_order_time_out_and_survive_a_restart() {
             .signal("sig", REVIEW, &"approved".to_string())
             .await
             .unwrap();
-        wait_for("the first signal to be consumed", || {
+        eventually("the first signal to be consumed", || {
             WAITING.load(Ordering::SeqCst) == 1
         })
         .await;

@@ -2,20 +2,12 @@
 //! real log in a real directory, across restarts.
 
 use ferry_flow::{Ctx, Engine, FlowError, Limit, Limits, Outcome, RunStatus, Signal, Workflow};
-use ferry_testkit::Scratch;
+use ferry_testkit::{Scratch, eventually};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 static GO: Signal<u32> = Signal::new("go");
-
-async fn eventually(what: &str, f: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_run_cleans_up_and_ends_cancelled_also_across_a_restart() {

@@ -89,6 +89,16 @@ pub fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     }
 }
 
+/// In an async test: wait until `f` holds, polling every 5 ms; fail the test naming
+/// `what` after 20 s.
+pub async fn eventually(what: &str, f: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// A small deterministic random source for tests (SplitMix64), reproducible from a seed
 /// that failing tests print.
 #[derive(Clone, Debug)]

@@ -3,10 +3,9 @@
 //! and the same requests left while no engine runs, applied when one opens.
 
 use ferry_flow::{Ctx, Engine, FlowError, Signal, Workflow};
-use ferry_testkit::Scratch;
+use ferry_testkit::{Scratch, eventually};
 use std::path::Path;
 use std::process::Command;
-use std::time::{Duration, Instant};
 
 const FERRY: &str = env!("CARGO_BIN_EXE_ferry");
 static ORDER: Workflow<u32, String> = Workflow::new("order");
@@ -33,14 +32,6 @@ fn ferry(args: &[&str]) -> (bool, String, String) {
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
-}
-
-async fn eventually(what: &str, f: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
