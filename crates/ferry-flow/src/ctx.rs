@@ -6,7 +6,6 @@
 use crate::engine::{FlowError, Limit, RunCtx, Signal, Workflow, decode, encode, lock};
 use crate::journal::{Entry, Json, Outcome, ValueKind};
 use crate::replay::{Call, Slot};
-use ferry_core::seams::wall_ms;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::future::Future;
@@ -197,6 +196,11 @@ impl Ctx {
         &self.run.run
     }
 
+    /// The wall clock in ms by the engine's clock (a simulation's runs on tokio's time).
+    fn wall_ms(&self) -> u64 {
+        self.run.shared.clock.wall_ms()
+    }
+
     /// Code changes that would change a running run's path go behind a patch:
     /// `if ctx.patched("fraud-check")? { … new calls … }`. True for runs that reach
     /// this point under the new code (journaled, so their replays take it again); false,
@@ -212,15 +216,14 @@ impl Ctx {
     /// The wall clock in ms since the epoch, as the run first saw it here: replays see
     /// the same value.
     pub fn now_ms(&self) -> Result<u64, FlowError> {
-        let v = self.value(ValueKind::Now, || Json::from(wall_ms()))?;
+        let v = self.value(ValueKind::Now, || Json::from(self.wall_ms()))?;
         decode(v)
     }
 
     /// A random u64, the same on every replay.
     pub fn random_u64(&self) -> Result<u64, FlowError> {
         let v = self.value(ValueKind::Random, || {
-            use ferry_core::seams::Rng;
-            Json::from(ferry_core::seams::SplitMix64::from_entropy().next_u64())
+            Json::from(self.run.shared.random_u64())
         })?;
         decode(v)
     }
@@ -228,9 +231,7 @@ impl Ctx {
     /// A random (version 4) UUID, the same on every replay.
     pub fn uuid(&self) -> Result<String, FlowError> {
         let v = self.value(ValueKind::Uuid, || {
-            use ferry_core::seams::Rng;
-            let mut rng = ferry_core::seams::SplitMix64::from_entropy();
-            let (hi, lo) = (rng.next_u64(), rng.next_u64());
+            let (hi, lo) = (self.run.shared.random_u64(), self.run.shared.random_u64());
             let hi = (hi & !0xf000) | 0x4000;
             let lo = (lo & !(0xc << 60)) | (0x8 << 60);
             Json::from(format!(
@@ -249,7 +250,7 @@ impl Ctx {
     /// until the same moment (at once if it passed while the engine was down). Never
     /// wakes early by the wall clock.
     pub async fn sleep(&self, d: Duration) -> Result<(), FlowError> {
-        let fresh_at = wall_ms().saturating_add(d.as_millis() as u64);
+        let fresh_at = self.wall_ms().saturating_add(d.as_millis() as u64);
         self.sleep_until_ms(fresh_at).await
     }
 
@@ -314,7 +315,7 @@ impl Ctx {
             tokio::pin!(notified);
             notified.as_mut().enable();
             self.observe_cancel(pos)?;
-            let now = wall_ms();
+            let now = self.wall_ms();
             if now >= at_ms {
                 return Ok(());
             }
@@ -322,6 +323,7 @@ impl Ctx {
             // wall clock: check again rather than fire early. (Boxed: a run parked in a
             // wait keeps no room for a timer it is not using.)
             tokio::select! {
+                biased;
                 _ = Box::pin(tokio::time::sleep(Duration::from_millis(at_ms - now))) => {}
                 _ = notified => {}
             }
@@ -370,7 +372,8 @@ impl Ctx {
                 Slot::Fresh { pos } => {
                     drop(replay);
                     self.observe_cancel(pos)?;
-                    let deadline = timeout.map(|d| wall_ms().saturating_add(d.as_millis() as u64));
+                    let deadline =
+                        timeout.map(|d| self.wall_ms().saturating_add(d.as_millis() as u64));
                     self.begin(
                         pos,
                         Entry::WaitStarted {
@@ -406,7 +409,7 @@ impl Ctx {
                 }
                 return decode(v).map(Some);
             }
-            let now = wall_ms();
+            let now = self.wall_ms();
             match deadline {
                 Some(d) if now >= d => {
                     self.run.append(
@@ -420,9 +423,10 @@ impl Ctx {
                 }
                 Some(d) => {
                     tokio::select! {
-                        _ = notified => {}
-                        _ = Box::pin(tokio::time::sleep(Duration::from_millis(d - now))) => {}
-                    }
+                    biased;
+                            _ = notified => {}
+                            _ = Box::pin(tokio::time::sleep(Duration::from_millis(d - now))) => {}
+                        }
                 }
                 None => notified.await,
             }
@@ -541,6 +545,7 @@ impl Ctx {
             }
             let rx = waiting.as_mut().expect("set above");
             tokio::select! {
+                biased;
                 r = rx => {
                     // Settled (finished, or parked: then wait again).
                     waiting = None;
@@ -706,7 +711,7 @@ impl Ctx {
             let outcome = match attempt_result {
                 Ok(v) => Outcome::Ok(encode(&v)?),
                 Err(e) if attempt < retry.max_attempts => {
-                    retry_at = wall_ms() + retry.delay(attempt).as_millis() as u64;
+                    retry_at = self.wall_ms() + retry.delay(attempt).as_millis() as u64;
                     self.run.append(
                         Some(pos),
                         Entry::StepAttempt {

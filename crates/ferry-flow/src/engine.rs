@@ -9,6 +9,7 @@ use crate::checkpoint::{self, Folded};
 use crate::ctx::Ctx;
 use crate::journal::{Entry, Json, Outcome, RECORD_KIND, RUN_ID_MAX, Record};
 use crate::replay::{Nondeterminism, Replay, Slot};
+use ferry_core::seams::{Clock, Rng, SplitMix64, SystemClock};
 use ferry_log::{Config as LogConfig, Log, Lsn};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -363,6 +364,8 @@ pub(crate) struct Shared {
     handlers: HashMap<&'static str, Handler>,
     shards: Vec<mpsc::UnboundedSender<Job>>,
     pub(crate) limits: Limits,
+    pub(crate) clock: Arc<dyn Clock>,
+    rng: Mutex<SplitMix64>,
 }
 
 impl Shared {
@@ -373,6 +376,11 @@ impl Shared {
             h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
         }
         &self.shards[(h % self.shards.len() as u64) as usize]
+    }
+
+    /// A random u64 from the engine's generator (seeded in a simulation).
+    pub(crate) fn random_u64(&self) -> u64 {
+        lock(&self.rng).next_u64()
     }
 
     fn spawn(&self, job: Job) {
@@ -645,6 +653,9 @@ pub struct EngineBuilder {
     compact_bytes: Option<u64>,
     compact_interval: std::time::Duration,
     handlers: HashMap<&'static str, Handler>,
+    clock: Arc<dyn Clock>,
+    /// Run on the caller's thread, the disk's syncs timed from this seed.
+    on_this_thread: Option<u64>,
 }
 
 impl EngineBuilder {
@@ -656,6 +667,25 @@ impl EngineBuilder {
     /// Keep the log on `storage` instead of files in the directory (the simulation).
     pub fn storage(mut self, storage: Arc<dyn ferry_log::Storage>) -> Self {
         self.storage = Some(storage);
+        self
+    }
+
+    /// Read the wall clock (`ctx.now_ms`, timers, deadlines, retry times) from `clock`.
+    /// Default: the system's.
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Run on the caller's thread, for a deterministic simulation: `open` must then be
+    /// called inside a tokio `LocalSet` on a current-thread runtime. The shards become
+    /// tasks of that `LocalSet`, the log gets no writer thread, and a task writes and
+    /// syncs it every 20 to 500 µs of tokio time, the gaps drawn from `seed` (as are
+    /// `ctx.random_u64` and `ctx.uuid`). With tokio's clock paused and
+    /// [`EngineBuilder::clock`] reading it, everything the engine does follows from
+    /// the seed and the caller's own calls. docs/flow.md §8.
+    pub fn on_this_thread(mut self, seed: u64) -> Self {
+        self.on_this_thread = Some(seed);
         self
     }
 
@@ -730,6 +760,7 @@ impl EngineBuilder {
         let started = std::time::Instant::now();
         let segment_bytes = self.log.segment_bytes;
         let (log, recovery) = match self.storage.take() {
+            Some(st) if self.on_this_thread.is_some() => Log::open_driven(st, self.log)?,
             Some(st) => Log::open(st, self.log)?,
             None => Log::open_dir(&self.dir, self.log)?,
         };
@@ -772,6 +803,11 @@ impl EngineBuilder {
             handlers: self.handlers,
             shards: txs,
             limits: self.limits,
+            clock: self.clock,
+            rng: Mutex::new(match self.on_this_thread {
+                Some(seed) => SplitMix64::seeded(seed),
+                None => SplitMix64::from_entropy(),
+            }),
         });
         {
             let mut runs = lock(&shared.runs);
@@ -794,11 +830,21 @@ impl EngineBuilder {
         }
         // The shards start after every run is known, so a resumed parent finds its
         // children.
-        let shards = rxs
-            .into_iter()
-            .enumerate()
-            .map(|(i, rx)| Shard::start(i, shared.clone(), rx))
-            .collect();
+        let shards = match self.on_this_thread {
+            None => rxs
+                .into_iter()
+                .enumerate()
+                .map(|(i, rx)| Shard::start(i, shared.clone(), rx))
+                .collect(),
+            Some(seed) => {
+                let mut shards: Vec<Shard> = rxs
+                    .into_iter()
+                    .map(|rx| Shard::start_here(shared.clone(), rx))
+                    .collect();
+                shards.push(Shard::disk(log.clone(), seed));
+                shards
+            }
+        };
         let elapsed = started.elapsed();
         tracing::info!(
             resumed,
@@ -1011,6 +1057,8 @@ impl Engine {
             compact_bytes: None,
             compact_interval: std::time::Duration::from_secs(10),
             handlers: HashMap::new(),
+            clock: Arc::new(SystemClock),
+            on_this_thread: None,
         }
     }
 
@@ -1486,6 +1534,8 @@ fn status_result<O: DeserializeOwned>(s: RunStatus) -> Result<O, FlowError> {
 struct Shard {
     stop: Option<oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
+    /// A shard (or the disk) running as a task on the caller's thread.
+    task: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Shard {
@@ -1517,10 +1567,58 @@ impl Shard {
         Shard {
             stop: Some(stop_tx),
             thread: Some(thread),
+            task: None,
+        }
+    }
+
+    /// A shard as a task of the caller's `LocalSet` (`on_this_thread`). Its runs are
+    /// its own tasks, aborted with it when the engine is dropped, as a shard thread's
+    /// runtime drops its tasks.
+    fn start_here(shared: Arc<Shared>, mut rx: mpsc::UnboundedReceiver<Job>) -> Shard {
+        let task = tokio::task::spawn_local(async move {
+            let mut runs = tokio::task::JoinSet::new();
+            loop {
+                tokio::select! {
+                    biased;
+                    Some(_) = runs.join_next(), if !runs.is_empty() => {}
+                    job = rx.recv() => match job {
+                        Some(job) => {
+                            runs.spawn_local(run_job(shared.clone(), Box::new(job)));
+                        }
+                        None => break,
+                    },
+                }
+            }
+        });
+        Shard {
+            stop: None,
+            thread: None,
+            task: Some(task),
+        }
+    }
+
+    /// The disk of an engine on the caller's thread: write and sync what was appended
+    /// every 20 to 500 µs of tokio time, the gaps drawn from `seed`.
+    fn disk(log: Arc<Log>, seed: u64) -> Shard {
+        let task = tokio::task::spawn_local(async move {
+            let mut rng = SplitMix64::seeded(seed ^ 0xd15c);
+            loop {
+                let gap = 20 + rng.below(480);
+                tokio::time::sleep(std::time::Duration::from_micros(gap)).await;
+                log.write_pending();
+            }
+        });
+        Shard {
+            stop: None,
+            thread: None,
+            task: Some(task),
         }
     }
 
     fn stop(&mut self) {
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }

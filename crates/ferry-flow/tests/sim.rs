@@ -1,19 +1,30 @@
-//! The engine on the simulated disk: workflows run, and at a random moment one of the
-//! faults the seed picks strikes: the machine loses power (only what the log synced
-//! survives, the rest torn), the process dies (the page cache survives), a sync fails
-//! (the log refuses everything after it), or a write fails. The engine reopens and the
-//! same runs are started again, several times over. Some runs sleep durably between two
-//! steps, some wait for a signal sent while they run. The external world is a ledger of
-//! step executions. Invariants, against the model: every run finishes with the model's
-//! result; no step runs again once a later step of its run has started (that later step
-//! started only after the earlier result was durable: re-running it would re-run an
-//! acknowledged step); the step after a sleep never starts before the sleep's wake-up
-//! time by the wall clock. `FERRY_FLOW_SEED=N` replays one seed's workload and faults.
+//! The engine on the simulated disk, deterministically: one thread, tokio's clock
+//! paused (it jumps to the next timer whenever every task waits), the engine's shards
+//! as tasks on that thread and its disk syncing at moments the seed picks. So a seed
+//! fixes everything: the workload, the faults, the interleaving and every time; the
+//! same seed runs the same way twice, to the microsecond (checked below).
+//!
+//! Workflows run, and at a random moment one of the faults the seed picks strikes: the
+//! machine loses power (only what the log synced survives, the rest torn), the process
+//! dies (the page cache survives), a sync fails (the log refuses everything after it),
+//! or a write fails. The engine reopens and the same runs are started again, several
+//! times over. Some runs sleep durably between two steps, some wait for a signal sent
+//! while they run. The external world is a ledger of step executions. Invariants,
+//! against the model: every run finishes with the model's result; no step runs again
+//! once a later step of its run has started (that later step started only after the
+//! earlier result was durable: re-running it would re-run an acknowledged step); the
+//! step after a sleep never starts before the sleep's wake-up time by the engine's
+//! clock. `FERRY_FLOW_SEED=N` replays one seed; `FERRY_FLOW_SEEDS=N` sets how many
+//! (default 60).
+//!
+//! The same workload also runs on real threads (shards, the log's writer, a
+//! multi-thread runtime) for a few seeds: not reproducible, but it shakes out what only
+//! concurrency shows.
 
-use ferry_core::seams::{Rng, SplitMix64};
+use ferry_core::seams::{Clock, Rng, SplitMix64};
 use ferry_flow::{Ctx, Engine, RunStatus, Signal, Workflow};
 use ferry_log::sim::SimStorage;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -35,40 +46,98 @@ fn want(n: u32) -> u32 {
 }
 
 /// One ledger line: a step body ran (run, step, wall ms when it ran, the earliest wall
-/// ms it may run at).
-type Line = (String, u32, u64, u64);
+/// ms it may run at, µs of tokio time since the simulation began).
+type Line = (String, u32, u64, u64, u64);
 
-fn run(seed: u64) -> Result<(), String> {
+/// The wall clock on tokio's time: paused in the simulation, so it moves only when
+/// every task waits for a timer.
+struct TokioClock {
+    origin: tokio::time::Instant,
+}
+
+impl TokioClock {
+    fn micros(&self) -> u64 {
+        self.origin.elapsed().as_micros() as u64
+    }
+}
+
+impl Clock for TokioClock {
+    fn now(&self) -> std::time::Instant {
+        tokio::time::Instant::now().into_std()
+    }
+    fn wall_ms(&self) -> u64 {
+        1_800_000_000_000 + self.micros() / 1000
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    /// One thread, tokio's clock paused: reproducible from the seed.
+    Deterministic,
+    /// Shard threads, the log's writer thread, a multi-thread runtime.
+    Threads,
+}
+
+/// Run seed `seed`; the ledger it left.
+fn run(seed: u64, mode: Mode) -> Result<Vec<Line>, String> {
+    let rt = match mode {
+        Mode::Deterministic => tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build(),
+        Mode::Threads => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build(),
+    }
+    .unwrap();
+    let local = tokio::task::LocalSet::new();
+    local.block_on(&rt, async {
+        // Generous in tokio time; in the deterministic mode a stuck run would otherwise
+        // hang the test (the paused clock jumps ahead forever).
+        match tokio::time::timeout(Duration::from_secs(600), simulate(seed, mode)).await {
+            Ok(r) => r,
+            Err(_) => Err(format!(
+                "seed {seed}: still running after 600 s of tokio time"
+            )),
+        }
+    })
+}
+
+async fn simulate(seed: u64, mode: Mode) -> Result<Vec<Line>, String> {
     let mut rng = SplitMix64::seeded(seed);
     let sim = Arc::new(SimStorage::new(seed ^ 0xf10));
+    let clock = Arc::new(TokioClock {
+        origin: tokio::time::Instant::now(),
+    });
     let ledger: Arc<Mutex<Vec<Line>>> = Arc::default();
     let runs = 20 + rng.below(40) as u32;
-    let signalled: Arc<Mutex<std::collections::BTreeSet<String>>> = Arc::default();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let mut signalled = BTreeSet::new();
     for round in 0..4 {
         let last = round == 3;
-        let l = ledger.clone();
-        let engine = Engine::builder("unused")
+        let (l, c) = (ledger.clone(), clock.clone());
+        let mut builder = Engine::builder("unused")
             .storage(sim.clone())
-            .shards(1 + rng.below(3) as usize)
+            .clock(clock.clone())
+            .shards(1 + rng.below(3) as usize);
+        if mode == Mode::Deterministic {
+            builder = builder.on_this_thread(seed.wrapping_add(round));
+        }
+        let engine = builder
             .register(CHAIN, move |ctx: Ctx, n: u32| {
-                let l = l.clone();
+                let (l, c) = (l.clone(), c.clone());
                 async move {
                     let mut acc = n;
                     let mut not_before = 0;
                     for step in 0..STEPS {
-                        let l = l.clone();
+                        let (l, c) = (l.clone(), c.clone());
                         let run = ctx.run_id().to_string();
                         acc = ctx
                             .step(&format!("s{step}"), move |_| {
-                                let (l, run) = (l.clone(), run.clone());
+                                let (l, c, run) = (l.clone(), c.clone(), run.clone());
                                 async move {
-                                    let now = ferry_core::seams::wall_ms();
-                                    l.lock().unwrap().push((run, step, now, not_before));
+                                    let line = (run, step, c.wall_ms(), not_before, c.micros());
+                                    l.lock().unwrap().push(line);
                                     tokio::task::yield_now().await;
                                     Ok(acc * 3 + 1)
                                 }
@@ -98,8 +167,7 @@ fn run(seed: u64) -> Result<(), String> {
             Fault::WriteFails,
         ][rng.below(4) as usize];
         let rng_fault = rng.below(1000);
-        let signalled = signalled.clone();
-        let result = rt.block_on(async {
+        let result: Result<(), String> = async {
             let mut handles = Vec::new();
             for i in 0..runs {
                 handles.push(
@@ -113,9 +181,8 @@ fn run(seed: u64) -> Result<(), String> {
             // durable, so a run that already has one is not signalled again.
             for i in (0..runs).filter(|i| i % 4 == 2) {
                 let id = format!("r{i}");
-                let got = signalled.lock().unwrap().contains(&id);
-                if !got && engine.signal(&id, BONUS, &1000).await.is_ok() {
-                    signalled.lock().unwrap().insert(id);
+                if !signalled.contains(&id) && engine.signal(&id, BONUS, &1000).await.is_ok() {
+                    signalled.insert(id);
                 }
             }
             if last {
@@ -125,43 +192,41 @@ fn run(seed: u64) -> Result<(), String> {
                         return Err(format!("run r{i}: {got}, want {}", want(i as u32)));
                     }
                 }
-            } else {
-                // Strike once enough of the outside world has happened (or every run is
-                // done).
-                match fault {
-                    Fault::SyncFails => sim.fail_sync_after(1 + rng_fault % 20),
-                    Fault::WriteFails => sim.fail_write_after(1 + rng_fault % 20),
-                    _ => {}
+                return Ok(());
+            }
+            // Strike once enough of the outside world has happened (or every run is done).
+            match fault {
+                Fault::SyncFails => sim.fail_sync_after(1 + rng_fault % 20),
+                Fault::WriteFails => sim.fail_write_after(1 + rng_fault % 20),
+                _ => {}
+            }
+            // A failed sync or write stops the log, and with it the runs: once nothing
+            // happened for 60 ms (longer than any sleep), strike anyway.
+            let (mut seen, mut idle) = (0, 0);
+            for _ in 0..500 {
+                let done = (0..runs)
+                    .all(|i| !matches!(engine.status(&format!("r{i}")), Some(RunStatus::Running)));
+                let now = ledger.lock().unwrap().len();
+                if done || now >= cut_after || idle > 60 {
+                    break;
                 }
-                // A failed sync or write stops the log, and with it the runs: once
-                // nothing happened for 60 ms (longer than any sleep), strike anyway.
-                let (mut seen, mut idle) = (0, 0);
-                for _ in 0..500 {
-                    let done = (0..runs).all(|i| {
-                        !matches!(engine.status(&format!("r{i}")), Some(RunStatus::Running))
-                    });
-                    let now = ledger.lock().unwrap().len();
-                    if done || now >= cut_after || idle > 60 {
-                        break;
-                    }
-                    (seen, idle) = if now == seen {
-                        (seen, idle + 1)
-                    } else {
-                        (now, 0)
-                    };
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                }
-                sim.halt();
+                (seen, idle) = if now == seen {
+                    (seen, idle + 1)
+                } else {
+                    (now, 0)
+                };
+                tokio::time::sleep(Duration::from_millis(1)).await;
             }
             Ok(())
-        });
+        }
+        .await;
+        sim.halt();
         if let Err(e) = result {
             // A start refused because the power was cut is expected; anything in the
             // last round is not.
             if last {
                 return Err(format!("seed {seed} round {round}: {e}"));
             }
-            sim.halt();
         }
         drop(engine);
         if !last {
@@ -171,9 +236,9 @@ fn run(seed: u64) -> Result<(), String> {
             }
         }
     }
-    let ledger = ledger.lock().unwrap();
+    let ledger = ledger.lock().unwrap().clone();
     let mut by_run: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
-    for (run, step, at, not_before) in ledger.iter() {
+    for (run, step, at, not_before, _) in ledger.iter() {
         by_run.entry(run).or_default().push(*step);
         if at < not_before {
             return Err(format!(
@@ -191,7 +256,7 @@ fn run(seed: u64) -> Result<(), String> {
             }
         }
     }
-    Ok(())
+    Ok(ledger)
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -205,16 +270,46 @@ enum Fault {
 #[test]
 fn faults_never_rerun_an_acknowledged_step_nor_fire_a_timer_early() {
     if let Ok(one) = std::env::var("FERRY_FLOW_SEED") {
-        if let Err(e) = run(one.parse().expect("FERRY_FLOW_SEED is a number")) {
+        let seed = one.parse().expect("FERRY_FLOW_SEED is a number");
+        if let Err(e) = run(seed, Mode::Deterministic) {
             panic!("{e}");
         }
         return;
     }
-    for seed in 0..40 {
-        if let Err(e) = run(seed) {
-            panic!(
+    // Steps cut short by a fault and run again: the faults must bite.
+    let mut reruns = 0;
+    let seeds: u64 = std::env::var("FERRY_FLOW_SEEDS")
+        .map_or(60, |n| n.parse().expect("FERRY_FLOW_SEEDS is a number"));
+    for seed in 0..seeds {
+        match run(seed, Mode::Deterministic) {
+            Ok(ledger) => {
+                let once: BTreeSet<(&str, u32)> =
+                    ledger.iter().map(|l| (l.0.as_str(), l.1)).collect();
+                reruns += ledger.len() - once.len();
+            }
+            Err(e) => panic!(
                 "{e}\nreproduce with: FERRY_FLOW_SEED={seed} cargo test -p ferry-flow --test sim"
-            );
+            ),
+        }
+    }
+    assert!(reruns > 0, "no fault ever cut a step short");
+}
+
+#[test]
+fn a_seed_runs_the_same_way_twice() {
+    for seed in [3, 17, 29] {
+        let a = run(seed, Mode::Deterministic).unwrap();
+        let b = run(seed, Mode::Deterministic).unwrap();
+        assert!(a.len() > 20, "seed {seed}: only {} steps ran", a.len());
+        assert_eq!(a, b, "seed {seed}: two runs differ");
+    }
+}
+
+#[test]
+fn the_same_faults_on_real_threads() {
+    for seed in 0..8 {
+        if let Err(e) = run(seed, Mode::Threads) {
+            panic!("{e} (on real threads: the seed does not reproduce the interleaving)");
         }
     }
 }

@@ -160,6 +160,8 @@ struct Inner {
     /// Appenders wait here for `pending_bytes` to fall.
     space: Condvar,
     durable: AtomicU64,
+    /// No writer thread: whoever holds the log calls [`Log::write_pending`].
+    driven: bool,
 }
 
 impl Inner {
@@ -172,6 +174,8 @@ impl Inner {
 pub struct Log {
     inner: Arc<Inner>,
     writer: Mutex<Option<JoinHandle<()>>>,
+    /// A driven log's write position (the writer thread keeps its own).
+    filled: Mutex<Option<Filled>>,
     /// Held by `retire_below`: one retirement at a time.
     retiring: Mutex<()>,
 }
@@ -186,6 +190,25 @@ impl Log {
     /// Open (or create) the log on `storage`: recover (docs/log.md §4), then start the
     /// writer.
     pub fn open(storage: Arc<dyn Storage>, config: Config) -> Result<(Log, Recovery), Error> {
+        Log::open_with(storage, config, false)
+    }
+
+    /// [`Log::open`] without a writer thread: nothing becomes durable until the caller
+    /// calls [`Log::write_pending`], and appends never wait for the disk. For a
+    /// simulation on one thread, where the seed, not the scheduler, picks when the disk
+    /// syncs.
+    pub fn open_driven(
+        storage: Arc<dyn Storage>,
+        config: Config,
+    ) -> Result<(Log, Recovery), Error> {
+        Log::open_with(storage, config, true)
+    }
+
+    fn open_with(
+        storage: Arc<dyn Storage>,
+        config: Config,
+        driven: bool,
+    ) -> Result<(Log, Recovery), Error> {
         config.check()?;
         let found = recover(&*storage)?;
         let recovery = found.recovery.clone();
@@ -220,24 +243,47 @@ impl Log {
             work: Condvar::new(),
             space: Condvar::new(),
             durable: AtomicU64::new(found.recovery.end),
+            driven,
         });
-        let w = inner.clone();
         let filled = Filled {
             seg,
             len: found.last_file_len,
         };
-        let writer = std::thread::Builder::new()
-            .name("ferry-log-writer".into())
-            .spawn(move || write_loop(&w, filled))
-            .map_err(|e| Error::io("start its writer thread", e))?;
+        let (writer, filled) = if driven {
+            (None, Some(filled))
+        } else {
+            let w = inner.clone();
+            let writer = std::thread::Builder::new()
+                .name("ferry-log-writer".into())
+                .spawn(move || write_loop(&w, filled))
+                .map_err(|e| Error::io("start its writer thread", e))?;
+            (Some(writer), None)
+        };
         Ok((
             Log {
                 inner,
-                writer: Mutex::new(Some(writer)),
+                writer: Mutex::new(writer),
+                filled: Mutex::new(filled),
                 retiring: Mutex::new(()),
             },
             recovery,
         ))
+    }
+
+    /// A driven log ([`Log::open_driven`]): write and sync what was appended, as the
+    /// writer thread would, and wake who it covers. False if there was nothing to write
+    /// (or the log refuses writes since a failure). A no-op on a log with a writer.
+    pub fn write_pending(&self) -> bool {
+        let mut filled = self.filled.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(filled) = filled.as_mut() else {
+            return false;
+        };
+        let batches = take_batches(&mut self.inner.lock());
+        if batches.is_empty() {
+            return false;
+        }
+        write_and_publish(&self.inner, &batches, filled);
+        true
     }
 
     /// Append a record and return the position just past it, at once: it is durable
@@ -265,7 +311,7 @@ impl Log {
             if s.closing {
                 return Err(Error::Closed);
             }
-            if s.pending_bytes < inner.config.pending_bytes_max {
+            if s.pending_bytes < inner.config.pending_bytes_max || inner.driven {
                 break;
             }
             s = inner.space.wait(s).unwrap_or_else(|p| p.into_inner());
@@ -473,6 +519,7 @@ impl Log {
     /// Write and sync what was appended, then stop the writer. An error says the last
     /// records may not be durable.
     pub fn close(self) -> Result<(), Error> {
+        self.write_pending();
         self.shutdown();
         match &self.inner.lock().poisoned {
             Some(cause) => Err(Error::PreviousIo {
@@ -482,6 +529,8 @@ impl Log {
         }
     }
 
+    /// Stop the writer once it wrote what was appended. A driven log dropped writes
+    /// nothing more (its driver decided what became durable).
     fn shutdown(&self) {
         self.inner.lock().closing = true;
         self.inner.work.notify_all();
@@ -505,13 +554,9 @@ fn write_loop(inner: &Inner, mut filled: Filled) {
         let batches: Vec<Sealed> = {
             let mut s = inner.lock();
             loop {
-                if s.poisoned.is_none() {
-                    if !s.open.is_empty() {
-                        s.seal_open();
-                    }
-                    if !s.sealed.is_empty() {
-                        break s.sealed.drain(..).collect();
-                    }
+                let batches = take_batches(&mut s);
+                if !batches.is_empty() {
+                    break batches;
                 }
                 if s.closing {
                     return;
@@ -519,42 +564,57 @@ fn write_loop(inner: &Inner, mut filled: Filled) {
                 s = inner.work.wait(s).unwrap_or_else(|p| p.into_inner());
             }
         };
-        let result = write_batches(inner, &batches, &mut filled);
-        let end = batches.last().expect("at least one batch").end;
-        let mut s = inner.lock();
-        s.pending_bytes -= batches.iter().map(|b| b.pending).sum::<u64>();
-        match result {
-            Ok(syncs) => {
-                s.stats.batches += batches.len() as u64;
-                s.stats.syncs += syncs;
-                s.stats.bytes_written += batches.iter().map(|b| b.bytes.len() as u64).sum::<u64>();
-                inner.durable.store(end, Ordering::SeqCst);
-                let later = s.waiters.split_off(&(end + 1));
-                let done = std::mem::replace(&mut s.waiters, later);
-                drop(s);
-                for w in done.into_values().flatten() {
-                    let _ = w.send(Ok(()));
-                }
-            }
-            Err(e) => {
-                tracing::error!(
-                    "the log's write or sync failed; refusing writes until reopened: {e}"
-                );
-                let cause = Arc::new(e);
-                s.poisoned = Some(cause.clone());
-                s.sealed.clear();
-                let all = std::mem::take(&mut s.waiters);
-                drop(s);
-                for w in all.into_values().flatten() {
-                    let _ = w.send(Err(Error::Io {
-                        what: "make the record durable",
-                        source: cause.clone(),
-                    }));
-                }
+        write_and_publish(inner, &batches, &mut filled);
+    }
+}
+
+/// Everything appended and not yet taken, sealed (none once the log is poisoned).
+fn take_batches(s: &mut Shared) -> Vec<Sealed> {
+    if s.poisoned.is_some() {
+        return Vec::new();
+    }
+    if !s.open.is_empty() {
+        s.seal_open();
+    }
+    s.sealed.drain(..).collect()
+}
+
+/// Write and sync `batches` (at least one), then publish the durable position and wake
+/// the waiters it covers; or poison the log and fail every waiter.
+fn write_and_publish(inner: &Inner, batches: &[Sealed], filled: &mut Filled) {
+    let result = write_batches(inner, batches, filled);
+    let end = batches.last().expect("at least one batch").end;
+    let mut s = inner.lock();
+    s.pending_bytes -= batches.iter().map(|b| b.pending).sum::<u64>();
+    match result {
+        Ok(syncs) => {
+            s.stats.batches += batches.len() as u64;
+            s.stats.syncs += syncs;
+            s.stats.bytes_written += batches.iter().map(|b| b.bytes.len() as u64).sum::<u64>();
+            inner.durable.store(end, Ordering::SeqCst);
+            let later = s.waiters.split_off(&(end + 1));
+            let done = std::mem::replace(&mut s.waiters, later);
+            drop(s);
+            for w in done.into_values().flatten() {
+                let _ = w.send(Ok(()));
             }
         }
-        inner.space.notify_all();
+        Err(e) => {
+            tracing::error!("the log's write or sync failed; refusing writes until reopened: {e}");
+            let cause = Arc::new(e);
+            s.poisoned = Some(cause.clone());
+            s.sealed.clear();
+            let all = std::mem::take(&mut s.waiters);
+            drop(s);
+            for w in all.into_values().flatten() {
+                let _ = w.send(Err(Error::Io {
+                    what: "make the record durable",
+                    source: cause.clone(),
+                }));
+            }
+        }
     }
+    inner.space.notify_all();
 }
 
 /// How far the newest segment's file reaches: its batches, then zeroes written ahead.

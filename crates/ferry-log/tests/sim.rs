@@ -252,3 +252,38 @@ fn damage_to_the_last_batch_is_a_torn_tail() {
     log.read(0, |_| n += 1).unwrap();
     assert_eq!(n, 1, "the record before the damaged last batch survives");
 }
+
+#[test]
+fn a_driven_log_makes_records_durable_only_when_its_driver_writes() {
+    let sim = Arc::new(SimStorage::new(7));
+    let (log, _) = Log::open_driven(sim.clone(), config()).unwrap();
+    let start = log.durable_lsn();
+    let mut end = 0;
+    // More than pending_bytes_max: a driven log's appends never wait for the disk.
+    for i in 0..40 {
+        end = log.append(1, &payload(i, 500)).unwrap();
+    }
+    assert_eq!(
+        log.durable_lsn(),
+        start,
+        "nothing is durable before the driver writes"
+    );
+    let (writes, syncs) = sim.counts();
+    assert!(log.write_pending());
+    assert!(log.durable_lsn() >= end);
+    let durable = log.durable_lsn();
+    assert!(sim.counts().1 > syncs && sim.counts().0 > writes);
+    assert!(!log.write_pending(), "nothing left to write");
+    // Dropped without a write: what was appended since is lost to a crash; closing
+    // writes it.
+    log.append(1, &payload(40, 10)).unwrap();
+    drop(log);
+    sim.crash();
+    let (log, rec) = Log::open_driven(sim.clone(), config()).unwrap();
+    assert_eq!(rec.end, durable);
+    let after = log.append(1, &payload(40, 10)).unwrap();
+    log.close().unwrap();
+    sim.crash();
+    let (_log, rec) = Log::open(sim, config()).unwrap();
+    assert!(rec.end >= after);
+}
