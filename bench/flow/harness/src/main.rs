@@ -15,7 +15,9 @@
 //!       syncs per 1,000 steps, CPU-seconds per 1,000 steps (getrusage, whole process).
 //!   w3 --dir D --max-rate R [--fractions 0.25,0.5,0.8,0.95] [--seconds 5] [--steps 10]
 //!       Open-loop arrivals at each fraction of R workflows/s (a fresh engine each):
-//!       latency from the scheduled arrival to the result, p50/p99.
+//!       latency from the scheduled arrival to the result, p50/p99. First, the disk alone:
+//!       sums of steps+1 consecutive 4 KiB fdatasyncs (the floor's pattern, --chain-n
+//!       syncs), p50/p99: the spread of a workflow's chain of syncs with no engine.
 //!   w4 --dir D [--n 1000] [--sleep-ms 1000]
 //!       N workflows each sleep, then run one step: how late the sleep returned, and how
 //!       late the step after it finished, p50/p99.
@@ -343,6 +345,17 @@ async fn w3(args: &[String]) -> Result<Value, String> {
     let seconds: f64 = num(args, "--seconds", 5.0);
     let steps: u32 = num(args, "--steps", 10);
     let shards: usize = num(args, "--shards", 2);
+    // The disk alone: a workflow's start and steps each wait for a sync of their own
+    // (at the least), one after another. How those chains of syncs spread on this disk
+    // bounds the spread any engine that syncs per step can show here.
+    let chain = {
+        let dir = fresh_dir(args, "w3-disk")?;
+        let syncs = measure_floor(&dir, num(args, "--chain-n", 4000))?;
+        let k = steps as usize + 1;
+        let sums: Vec<Duration> = syncs.windows(k).map(|w| w.iter().sum()).collect();
+        std::fs::remove_dir_all(&dir).map_err(err)?;
+        json!({"syncs": k, "latency": spread(sums)})
+    };
     let mut points = Vec::new();
     for f in fractions {
         let dir = fresh_dir(args, &format!("w3-{}", (f * 100.0).round()))?;
@@ -354,7 +367,7 @@ async fn w3(args: &[String]) -> Result<Value, String> {
         std::fs::remove_dir_all(&dir).map_err(err)?;
     }
     Ok(
-        json!({"workload": "w3", "max_rate": max_rate, "steps_per_workflow": steps, "seconds": seconds, "points": points}),
+        json!({"workload": "w3", "max_rate": max_rate, "steps_per_workflow": steps, "seconds": seconds, "points": points, "disk_chain": chain}),
     )
 }
 
