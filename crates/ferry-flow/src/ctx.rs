@@ -560,7 +560,7 @@ impl Ctx {
 
     fn cancel_child(&self, id: String) {
         let shared = self.run.shared.clone();
-        tokio::task::spawn_local(async move {
+        self.run.shared.spawn_here(async move {
             if let Err(e) = shared.cancel(&id).await {
                 tracing::warn!(child = %id, "cancelling a child run: {e}");
             }

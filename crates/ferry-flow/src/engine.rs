@@ -366,6 +366,9 @@ pub(crate) struct Shared {
     pub(crate) limits: Limits,
     pub(crate) clock: Arc<dyn Clock>,
     rng: Mutex<SplitMix64>,
+    /// On the caller's thread (`on_this_thread`): every task the engine spawned there,
+    /// aborted when it is dropped. (A shard thread's tasks die with its runtime.)
+    here: Option<Mutex<Vec<tokio::task::AbortHandle>>>,
 }
 
 impl Shared {
@@ -381,6 +384,30 @@ impl Shared {
     /// A random u64 from the engine's generator (seeded in a simulation).
     pub(crate) fn random_u64(&self) -> u64 {
         lock(&self.rng).next_u64()
+    }
+
+    /// Spawn `task` on this thread's `LocalSet` (a shard's, or the caller's with
+    /// `on_this_thread`, where it is aborted with the engine).
+    pub(crate) fn spawn_here(&self, task: impl Future<Output = ()> + 'static) {
+        let handle = tokio::task::spawn_local(task);
+        if let Some(here) = &self.here {
+            let mut here = lock(here);
+            // Finished tasks are dropped now and then, so this stays the size of what runs.
+            if here.len() >= 64 && here.len().is_power_of_two() {
+                here.retain(|h| !h.is_finished());
+            }
+            here.push(handle.abort_handle());
+        }
+    }
+
+    /// Abort every task spawned on the caller's thread (`on_this_thread`): none is polled
+    /// again, as none of a stopped shard thread's would be.
+    fn abort_here(&self) {
+        if let Some(here) = &self.here {
+            for h in lock(here).drain(..) {
+                h.abort();
+            }
+        }
     }
 
     fn spawn(&self, job: Job) {
@@ -411,6 +438,12 @@ impl Shared {
             return Err(FlowError::Invalid(format!(
                 "a run id must be 1 to {RUN_ID_MAX} bytes, not {}",
                 id.len()
+            )));
+        }
+        if parent.is_none() && id.contains('/') {
+            return Err(FlowError::Invalid(format!(
+                "run id {id:?} contains '/', which only child runs' ids (parent/generation/\
+                 position) do; pick an id without it"
             )));
         }
         let (&workflow, handler) = self.handlers.get_key_value(workflow).ok_or_else(|| {
@@ -680,10 +713,10 @@ impl EngineBuilder {
     /// Run on the caller's thread, for a deterministic simulation: `open` must then be
     /// called inside a tokio `LocalSet` on a current-thread runtime. The shards become
     /// tasks of that `LocalSet`, the log gets no writer thread, and a task writes and
-    /// syncs it every 20 to 500 µs of tokio time, the gaps drawn from `seed` (as are
-    /// `ctx.random_u64` and `ctx.uuid`). With tokio's clock paused and
-    /// [`EngineBuilder::clock`] reading it, everything the engine does follows from
-    /// the seed and the caller's own calls. docs/flow.md §8.
+    /// syncs it at moments drawn from `seed` (as are `ctx.random_u64` and `ctx.uuid`).
+    /// Only with [`EngineBuilder::storage`]; nothing spawned outlives the engine. With
+    /// tokio's clock paused and [`EngineBuilder::clock`] reading it, everything the
+    /// engine does follows from the seed and the caller's own calls. docs/flow.md §4.
     pub fn on_this_thread(mut self, seed: u64) -> Self {
         self.on_this_thread = Some(seed);
         self
@@ -745,6 +778,11 @@ impl EngineBuilder {
     /// unfinished ones.
     pub fn open(mut self) -> Result<Engine, FlowError> {
         self.storage_is_files = self.storage.is_none();
+        if self.on_this_thread.is_some() && self.storage_is_files {
+            return Err(FlowError::Invalid(
+                "on_this_thread is for a simulation: give it its storage with .storage(..)".into(),
+            ));
+        }
         if self.shards == 0 || self.shards > 256 {
             return Err(FlowError::Invalid(format!(
                 "shards {} must be between 1 and 256",
@@ -808,6 +846,7 @@ impl EngineBuilder {
                 Some(seed) => SplitMix64::seeded(seed),
                 None => SplitMix64::from_entropy(),
             }),
+            here: self.on_this_thread.map(|_| Mutex::new(Vec::new())),
         });
         {
             let mut runs = lock(&shared.runs);
@@ -837,12 +876,12 @@ impl EngineBuilder {
                 .map(|(i, rx)| Shard::start(i, shared.clone(), rx))
                 .collect(),
             Some(seed) => {
-                let mut shards: Vec<Shard> = rxs
-                    .into_iter()
-                    .map(|rx| Shard::start_here(shared.clone(), rx))
-                    .collect();
-                shards.push(Shard::disk(log.clone(), seed));
-                shards
+                for rx in rxs {
+                    let shared2 = shared.clone();
+                    shared.spawn_here(Shard::run_here(shared2, rx));
+                }
+                shared.spawn_here(disk(log.clone(), seed));
+                Vec::new()
             }
         };
         let elapsed = started.elapsed();
@@ -925,12 +964,20 @@ fn recover_run(shared: &Shared, run: String, records: Vec<Record>) -> Result<boo
             *cancel_seen,
         ),
         _ => {
-            let e = RunEntry::new(
-                "?",
-                None,
-                generation,
-                RunStatus::Parked("the journal has no start record for this generation".into()),
-            );
+            // Only damage or a bug leaves this. A cancel ends such a run (journaled
+            // after its last position, so that end is found again on the next open).
+            let mut e = match replay.last() {
+                Some(Entry::Finished { outcome }) => {
+                    RunEntry::new("?", None, generation, RunStatus::Finished(outcome.clone()))
+                }
+                _ => {
+                    let reason = "the journal has no start record for this generation";
+                    RunEntry::new("?", None, generation, RunStatus::Parked(reason.into()))
+                }
+            };
+            if matches!(e.status, RunStatus::Parked(_)) {
+                e.set_parked_at(Some((generation, replay.len())));
+            }
             lock(&shared.runs).insert(run, e);
             return Ok(false);
         }
@@ -1179,6 +1226,7 @@ impl Drop for Engine {
         for s in &mut self.shards {
             s.stop();
         }
+        self.shared.abort_here();
         // After the shards: the last status shows where every run stopped.
         if let Some(a) = self.admin.take() {
             a.stop();
@@ -1265,7 +1313,7 @@ impl Compaction {
     /// retire the segments it covers.
     fn run(&mut self, shared: &Shared, dir: &Path) -> Result<(), String> {
         let t = std::time::Instant::now();
-        let now = ferry_core::seams::wall_ms();
+        let now = shared.clock.wall_ms();
         let mut bad = None;
         let folded = &mut self.folded;
         let upto = shared
@@ -1534,8 +1582,6 @@ fn status_result<O: DeserializeOwned>(s: RunStatus) -> Result<O, FlowError> {
 struct Shard {
     stop: Option<oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
-    /// A shard (or the disk) running as a task on the caller's thread.
-    task: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Shard {
@@ -1552,6 +1598,7 @@ impl Shard {
                 local.block_on(&rt, async move {
                     loop {
                         tokio::select! {
+                            biased;
                             job = rx.recv() => match job {
                                 Some(job) => {
                                     tokio::task::spawn_local(run_job(shared.clone(), Box::new(job)));
@@ -1567,63 +1614,43 @@ impl Shard {
         Shard {
             stop: Some(stop_tx),
             thread: Some(thread),
-            task: None,
         }
     }
 
-    /// A shard as a task of the caller's `LocalSet` (`on_this_thread`). Its runs are
-    /// its own tasks, aborted with it when the engine is dropped, as a shard thread's
-    /// runtime drops its tasks.
-    fn start_here(shared: Arc<Shared>, mut rx: mpsc::UnboundedReceiver<Job>) -> Shard {
-        let task = tokio::task::spawn_local(async move {
-            let mut runs = tokio::task::JoinSet::new();
-            loop {
-                tokio::select! {
-                    biased;
-                    Some(_) = runs.join_next(), if !runs.is_empty() => {}
-                    job = rx.recv() => match job {
-                        Some(job) => {
-                            runs.spawn_local(run_job(shared.clone(), Box::new(job)));
-                        }
-                        None => break,
-                    },
-                }
-            }
-        });
-        Shard {
-            stop: None,
-            thread: None,
-            task: Some(task),
-        }
-    }
-
-    /// The disk of an engine on the caller's thread: write and sync what was appended
-    /// every 20 to 500 µs of tokio time, the gaps drawn from `seed`.
-    fn disk(log: Arc<Log>, seed: u64) -> Shard {
-        let task = tokio::task::spawn_local(async move {
-            let mut rng = SplitMix64::seeded(seed ^ 0xd15c);
-            loop {
-                let gap = 20 + rng.below(480);
-                tokio::time::sleep(std::time::Duration::from_micros(gap)).await;
-                log.write_pending();
-            }
-        });
-        Shard {
-            stop: None,
-            thread: None,
-            task: Some(task),
+    /// A shard as a task of the caller's `LocalSet` (`on_this_thread`): each job is a
+    /// task of its own, aborted with the engine.
+    async fn run_here(shared: Arc<Shared>, mut rx: mpsc::UnboundedReceiver<Job>) {
+        while let Some(job) = rx.recv().await {
+            let s = shared.clone();
+            shared.spawn_here(run_job(s, Box::new(job)));
         }
     }
 
     fn stop(&mut self) {
-        if let Some(t) = self.task.take() {
-            t.abort();
-        }
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
         }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+        }
+    }
+}
+
+/// The disk of an engine on the caller's thread (`on_this_thread`): write and sync what
+/// was appended at moments drawn from `seed`. Tokio's timers tick in whole milliseconds,
+/// so the gaps are 1 to 3 ms, and within a tick the disk yields a drawn number of times
+/// first (letting a drawn share of the ready tasks append before the sync), up to three
+/// times per tick.
+async fn disk(log: Arc<Log>, seed: u64) {
+    let mut rng = SplitMix64::seeded(seed ^ 0xd15c);
+    loop {
+        let gap = 1 + rng.below(3);
+        tokio::time::sleep(std::time::Duration::from_millis(gap)).await;
+        for _ in 0..=rng.below(3) {
+            for _ in 0..rng.below(8) {
+                tokio::task::yield_now().await;
+            }
+            log.write_pending();
         }
     }
 }

@@ -111,3 +111,40 @@ async fn a_torn_tail_is_cut_and_the_runs_resume() {
         assert_eq!(out, i + 1 + 100);
     }
 }
+
+/// A run whose journal lacks its start record (only damage or a bug leaves that) parks
+/// with that reason; a cancel ends it, and it stays ended after a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_without_its_start_record_parks_and_a_cancel_ends_it() {
+    use ferry_flow::journal::{Entry, RECORD_KIND, Record};
+    let scratch = Scratch::new("flow-no-start");
+    let dir = scratch.dir("flow");
+    {
+        let (log, _) = ferry_log::Log::open_dir(&dir, ferry_log::Config::default()).unwrap();
+        let orphan = Record {
+            run: "orphan".into(),
+            generation: 0,
+            pos: Some(1),
+            entry: Entry::TimerFired,
+        };
+        log.append(RECORD_KIND, &orphan.encode()).unwrap();
+        log.close().unwrap();
+    }
+    let engine = open(&dir).unwrap();
+    assert!(
+        matches!(engine.status("orphan"), Some(RunStatus::Parked(r)) if r.contains("no start record")),
+        "{:?}",
+        engine.status("orphan")
+    );
+    assert!(engine.cancel("orphan").await.unwrap());
+    assert!(matches!(
+        engine.status("orphan"),
+        Some(RunStatus::Finished(ferry_flow::Outcome::Cancelled))
+    ));
+    drop(engine);
+    let engine = open(&dir).unwrap();
+    assert!(matches!(
+        engine.status("orphan"),
+        Some(RunStatus::Finished(ferry_flow::Outcome::Cancelled))
+    ));
+}

@@ -132,6 +132,12 @@ async fn starting_an_id_twice_gives_one_run() {
         engine.start(ORDER, &"x".repeat(300), &1).await,
         Err(FlowError::Invalid(_))
     ));
+    // Ids with '/' are child runs' (parent/generation/position): a caller's would
+    // collide with a child of another run.
+    assert!(matches!(
+        engine.start(ORDER, "same/0/1", &1).await,
+        Err(FlowError::Invalid(e)) if e.contains("'/'")
+    ));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -274,7 +274,11 @@ impl Log {
     /// writer thread would, and wake who it covers. False if there was nothing to write
     /// (or the log refuses writes since a failure). A no-op on a log with a writer.
     pub fn write_pending(&self) -> bool {
-        let mut filled = self.filled.lock().unwrap_or_else(|p| p.into_inner());
+        // A write that panicked took its batches with it: writing what follows would
+        // leave a hole, so a driven log whose write panicked writes nothing more.
+        let Ok(mut filled) = self.filled.lock() else {
+            return false;
+        };
         let Some(filled) = filled.as_mut() else {
             return false;
         };
