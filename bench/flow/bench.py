@@ -37,12 +37,13 @@ PG = os.environ.get("FERRY_TEST_PG", "postgres://postgres@127.0.0.1:5432")
 PG_DB = "ferry_bench_flow_dbos"
 
 # Sizes (§5.3 item 3): ferry at full size; the Python peers at K=200 for W1 and
-# 1,000 x 10 for W2 (Temporal's W2 takes minutes at that size on 2 cores).
+# 1,000 x 10 for W2, Temporal 300 x 10 (at 25 steps/s on a slow disk, 1,000 took
+# seven minutes a round).
 FERRY_W1_STEPS = 1000
 FERRY_W2_N = 10_000
 PEER_W1_STEPS = 50 if QUICK else 200
 PEER_W2_N = {"dbos-sqlite": 200 if QUICK else 1000, "dbos-postgres": 200 if QUICK else 1000,
-             "temporal": 100 if QUICK else 1000, "restate": 200 if QUICK else 1000}
+             "temporal": 100 if QUICK else 300, "restate": 200 if QUICK else 1000}
 W3_FRACTIONS = [0.25, 0.5, 0.8, 0.95]
 W3_SECONDS = 2 if QUICK else 5
 QUIET_SECONDS = 1 if QUICK else 3
@@ -123,7 +124,14 @@ def quiet():
 def peer(system, workload):
     n = PEER_W2_N[system] if workload == "w2" else None
     steps = PEER_W1_STEPS if workload == "w1" else None
-    return last_json(sh(peer_cmd(system, workload, n, steps), timeout=1800))
+    try:
+        return last_json(sh(peer_cmd(system, workload, n, steps), timeout=1800))
+    except RuntimeError as e:
+        # A peer's server can stumble once on a slow machine (a timed-out RPC): one more
+        # try, said in the log, before the whole run is given up.
+        log(f"{system} {workload} failed, trying once more: {str(e)[-300:]}")
+        quiet()
+        return last_json(sh(peer_cmd(system, workload, n, steps), timeout=1800))
 
 
 def ferry_round():
