@@ -49,3 +49,15 @@ def spread(us):
     us = sorted(us)
     return {"n": len(us), "p50_us": pct(us, 50), "p99_us": pct(us, 99), "p999_us": pct(us, 99.9),
             "max_us": pct(us, 100)}
+
+
+def parse_args(p):
+    """Parse an arm's arguments, with those every arm takes added: the workload, its
+    steps per workflow (W1 200, W2 10 unless given) and W2's number of workflows."""
+    p.add_argument("workload", choices=["w1", "w2"])
+    p.add_argument("--steps", type=int)
+    p.add_argument("--n", type=int, default=1000)
+    a = p.parse_args()
+    if a.steps is None:
+        a.steps = 200 if a.workload == "w1" else 10
+    return a

@@ -21,7 +21,7 @@ import json
 import logging
 import time
 
-from armlib import self_cpu, spread
+from armlib import parse_args, self_cpu, spread
 from dbos import DBOS
 
 PAYLOAD = "0123456789abcdef" * 4
@@ -93,10 +93,5 @@ async def main(a):
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--db", required=True)
-    p.add_argument("workload", choices=["w1", "w2"])
-    p.add_argument("--steps", type=int)
-    p.add_argument("--n", type=int, default=1000)
-    a = p.parse_args()
-    if a.steps is None:
-        a.steps = 200 if a.workload == "w1" else 10
+    a = parse_args(p)
     asyncio.run(main(a))

@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 
-from armlib import free_port, proc_cpu, self_cpu, spread, wait_port
+from armlib import free_port, parse_args, proc_cpu, self_cpu, spread, wait_port
 
 PAYLOAD = "0123456789abcdef" * 4
 assert len(PAYLOAD) == 64
@@ -272,10 +272,5 @@ if __name__ == "__main__":
     p.add_argument("--dir", required=True)
     p.add_argument("--wrap", default="")
     p.add_argument("--keep", action="store_true", help="keep the data directory and server log")
-    p.add_argument("workload", choices=["w1", "w2"])
-    p.add_argument("--steps", type=int)
-    p.add_argument("--n", type=int, default=1000)
-    a = p.parse_args()
-    if a.steps is None:
-        a.steps = 200 if a.workload == "w1" else 10
+    a = parse_args(p)
     sys.exit(main(a))

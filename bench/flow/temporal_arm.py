@@ -26,7 +26,7 @@ import sys
 import time
 from datetime import timedelta
 
-from armlib import free_port, proc_cpu, self_cpu, spread, wait_port
+from armlib import free_port, parse_args, proc_cpu, self_cpu, spread, wait_port
 from temporalio import activity, workflow
 from temporalio.client import Client
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
@@ -145,10 +145,5 @@ if __name__ == "__main__":
     p.add_argument("--temporal", required=True)
     p.add_argument("--db", required=True)
     p.add_argument("--wrap", default="")
-    p.add_argument("workload", choices=["w1", "w2"])
-    p.add_argument("--steps", type=int)
-    p.add_argument("--n", type=int, default=1000)
-    a = p.parse_args()
-    if a.steps is None:
-        a.steps = 200 if a.workload == "w1" else 10
+    a = parse_args(p)
     sys.exit(main(a))
