@@ -350,7 +350,8 @@ def report(ferry, peers, fair, m):
           "DBOS on Postgres leaves out the Postgres backends' CPU.",
           "", "## W3: open-loop arrivals at a fraction of W2's maximum (ferry)", "",
           f"Workflows of 10 steps arrive on a fixed schedule for {ferry[0]['w3']['seconds']:g} s at each fraction of the same round's W2 "
-          "workflows/s; latency runs from each scheduled arrival to its result (so a stall counts for everything behind it).", "",
+          "workflows/s, released by a clock thread that wakes at most every 100 µs; latency runs from each scheduled arrival "
+          "to its result (so a stall counts for everything behind it).", "",
           "| load | asked (workflows/s) | achieved | p50 (ms) | p99 (ms) | p99 ÷ p50 | steps per sync |", "|---|---|---|---|---|---|---|"]
     w3 = {}
     for i, f in enumerate(W3_FRACTIONS):

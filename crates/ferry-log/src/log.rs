@@ -126,6 +126,10 @@ struct Shared {
     segments: Vec<Lsn>,
     poisoned: Option<Arc<io::Error>>,
     closing: bool,
+    /// The writer sleeps on `work`: an append must wake it. While it writes, appends
+    /// leave it be (a notify is a syscall even with no one waiting), and it looks for
+    /// more before it sleeps again.
+    writer_asleep: bool,
     waiters: BTreeMap<Lsn, Vec<Waiter>>,
     stats: Stats,
 }
@@ -237,6 +241,7 @@ impl Log {
                 segments: found.segments,
                 poisoned: None,
                 closing: false,
+                writer_asleep: false,
                 waiters: BTreeMap::new(),
                 stats: Stats::default(),
             }),
@@ -339,8 +344,11 @@ impl Log {
         s.open_pending += frame;
         s.pending_bytes += frame;
         s.stats.records += 1;
+        let wake = s.writer_asleep;
         drop(s);
-        inner.work.notify_one();
+        if wake {
+            inner.work.notify_one();
+        }
         Ok(end)
     }
 
@@ -565,7 +573,9 @@ fn write_loop(inner: &Inner, mut filled: Filled) {
                 if s.closing {
                     return;
                 }
+                s.writer_asleep = true;
                 s = inner.work.wait(s).unwrap_or_else(|p| p.into_inner());
+                s.writer_asleep = false;
             }
         };
         write_and_publish(inner, &batches, &mut filled);

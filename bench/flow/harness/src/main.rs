@@ -14,8 +14,11 @@
 //!       N workflows started at once: steps/s, workflows/s, the log's records per sync and
 //!       syncs per 1,000 steps, CPU-seconds per 1,000 steps (getrusage, whole process).
 //!   w3 --dir D --max-rate R [--fractions 0.25,0.5,0.8,0.95] [--seconds 5] [--steps 10]
-//!       Open-loop arrivals at each fraction of R workflows/s (a fresh engine each):
-//!       latency from the scheduled arrival to the result, p50/p99. First, the disk alone:
+//!      [--tick-us 100]
+//!       Open-loop arrivals at each fraction of R workflows/s (a fresh engine each), kept
+//!       by a clock thread that wakes at most every tick: latency from the scheduled
+//!       arrival to the result, p50/p99, CPU per 1,000 steps and each thread's share of a
+//!       core. First, the disk alone:
 //!       sums of steps+1 consecutive 4 KiB fdatasyncs (the floor's pattern, --chain-n
 //!       syncs), p50/p99: the spread of a workflow's chain of syncs with no engine.
 //!   w4 --dir D [--n 1000] [--sleep-ms 1000]
@@ -199,6 +202,47 @@ fn cpu_seconds() -> f64 {
     tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
+/// CPU-seconds so far of each live thread of this process, summed by thread name.
+fn thread_cpu() -> BTreeMap<String, f64> {
+    let mut by_name = BTreeMap::new();
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return by_name;
+    };
+    // SAFETY: sysconf only reads a constant of the system.
+    let tick = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    for t in tasks.flatten() {
+        let Ok(stat) = std::fs::read_to_string(t.path().join("stat")) else {
+            continue;
+        };
+        // "tid (name) state ..." where the name may hold spaces: split after the last ')'.
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let name = stat[open + 1..close].to_string();
+        let fields: Vec<&str> = stat[close + 2..].split(' ').collect();
+        // Fields 14 and 15 of stat (utime, stime) are 11 and 12 after the name.
+        let ticks = |i: usize| {
+            fields
+                .get(i)
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        *by_name.entry(name).or_insert(0.0) += (ticks(11) + ticks(12)) / tick;
+    }
+    by_name
+}
+
+/// What each thread spent between two [`thread_cpu`] readings, as a share of `secs`.
+fn thread_share(before: &BTreeMap<String, f64>, secs: f64) -> Value {
+    let after = thread_cpu();
+    let share: BTreeMap<&String, f64> = after
+        .iter()
+        .map(|(k, v)| (k, (v - before.get(k).copied().unwrap_or(0.0)) / secs))
+        .filter(|(_, v)| *v > 0.005)
+        .collect();
+    json!(share)
+}
+
 /// Resident memory in bytes, after giving freed heap back to the kernel: what the live
 /// objects hold, not what earlier temporaries left in malloc's free lists.
 fn rss_bytes() -> Result<u64, String> {
@@ -345,6 +389,7 @@ async fn w3(args: &[String]) -> Result<Value, String> {
     let seconds: f64 = num(args, "--seconds", 5.0);
     let steps: u32 = num(args, "--steps", 10);
     let shards: usize = num(args, "--shards", 2);
+    let tick = Duration::from_micros(num(args, "--tick-us", 100));
     // The disk alone: a workflow's start and steps each wait for a sync of their own
     // (at the least), one after another. How those chains of syncs spread on this disk
     // bounds the spread any engine that syncs per step can show here.
@@ -360,7 +405,7 @@ async fn w3(args: &[String]) -> Result<Value, String> {
     for f in fractions {
         let dir = fresh_dir(args, &format!("w3-{}", (f * 100.0).round()))?;
         let engine = Rc::new(chain_engine(&dir.join("flow"), shards)?);
-        let p = open_loop(&engine, f * max_rate, seconds, steps).await?;
+        let p = open_loop(&engine, f * max_rate, seconds, steps, tick).await?;
         points.push(json!({"fraction": f, "point": p}));
         // A few hundred MB at the higher rates: not left behind for the next fraction.
         drop(engine);
@@ -378,17 +423,45 @@ async fn open_loop(
     rate: f64,
     seconds: f64,
     steps: u32,
+    tick: Duration,
 ) -> Result<Value, String> {
     let count = (rate * seconds).round().max(1.0) as u64;
     let lat: Rc<RefCell<Vec<Duration>>> = Rc::new(RefCell::new(Vec::new()));
     let before = engine.log_stats();
+    let cpu = thread_cpu();
+    let cpu0 = cpu_seconds();
     let t0 = Instant::now() + Duration::from_millis(20);
-    let mut tasks = Vec::with_capacity(count as usize);
-    for i in 0..count {
-        let due = t0 + Duration::from_secs_f64(i as f64 / rate);
-        if due > Instant::now() {
-            tokio::time::sleep_until(due.into()).await;
+    // The schedule is kept by an OS thread: tokio's timers tick in whole milliseconds,
+    // which would add up to 1 ms to every arrival and release them in per-millisecond
+    // bursts. It wakes at each arrival's time, but no more often than every `tick` (each
+    // wake-up costs both threads a context switch), with the kernel's timer slack cut
+    // from 50 µs to 1 µs, and hands over every arrival due by then. Latency counts from
+    // the arrival's time, so what `tick` delays is in the figures.
+    let (tx, mut arrivals) = tokio::sync::mpsc::unbounded_channel::<(u64, Instant)>();
+    let clock = std::thread::spawn(move || {
+        // SAFETY: PR_SET_TIMERSLACK sets a value of this thread only; no memory is passed.
+        unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong) };
+        let due = |i: u64| t0 + Duration::from_secs_f64(i as f64 / rate);
+        let mut i = 0;
+        let mut woke = Instant::now();
+        while i < count {
+            let now = Instant::now();
+            let wake = due(i).max(woke + tick);
+            if wake > now {
+                std::thread::sleep(wake - now);
+                continue;
+            }
+            woke = now;
+            while i < count && due(i) <= now {
+                if tx.send((i, due(i))).is_err() {
+                    return;
+                }
+                i += 1;
+            }
         }
+    });
+    let mut tasks = Vec::with_capacity(count as usize);
+    while let Some((i, due)) = arrivals.recv().await {
         let (e, l) = (engine.clone(), lat.clone());
         tasks.push(tokio::task::spawn_local(async move {
             let h = e.start(CHAIN, &format!("w3-{i}"), &steps).await?;
@@ -397,6 +470,9 @@ async fn open_loop(
             Ok::<_, FlowError>(())
         }));
     }
+    clock
+        .join()
+        .map_err(|_| "the arrival clock panicked".to_string())?;
     for task in tasks {
         task.await.map_err(err)?.map_err(err)?;
     }
@@ -405,6 +481,8 @@ async fn open_loop(
     Ok(json!({
         "rate_asked": rate, "workflows": count, "achieved_per_sec": count as f64 / secs,
         "latency": spread(lat),
+        "cpu_secs_per_1k_steps": (cpu_seconds() - cpu0) * 1000.0 / (count * u64::from(steps)) as f64,
+        "cpu_share_by_thread": thread_share(&cpu, secs),
         "log": log_delta(before, engine.log_stats(), count * u64::from(steps)),
     }))
 }
