@@ -20,7 +20,8 @@
 //!       arrival to the result, p50/p99, CPU per 1,000 steps and each thread's share of a
 //!       core. First, the disk alone:
 //!       sums of steps+1 consecutive 4 KiB fdatasyncs (the floor's pattern, --chain-n
-//!       syncs), p50/p99: the spread of a workflow's chain of syncs with no engine.
+//!       syncs, 16,000 by default: a few seconds of the disk), p50/p99: the spread of a
+//!       workflow's chain of syncs with no engine.
 //!   w4 --dir D [--n 1000] [--sleep-ms 1000]
 //!       N workflows each sleep, then run one step: how late the sleep returned, and how
 //!       late the step after it finished, p50/p99.
@@ -395,7 +396,7 @@ async fn w3(args: &[String]) -> Result<Value, String> {
     // bounds the spread any engine that syncs per step can show here.
     let chain = {
         let dir = fresh_dir(args, "w3-disk")?;
-        let syncs = measure_floor(&dir, num(args, "--chain-n", 4000))?;
+        let syncs = measure_floor(&dir, num(args, "--chain-n", 16000))?;
         let k = steps as usize + 1;
         let sums: Vec<Duration> = syncs.windows(k).map(|w| w.iter().sum()).collect();
         std::fs::remove_dir_all(&dir).map_err(err)?;
