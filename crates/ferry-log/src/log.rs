@@ -7,7 +7,7 @@ use crate::format::{
 };
 use crate::storage::{FileStorage, Storage};
 use crate::{Error, Lsn};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::io;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -130,7 +130,12 @@ struct Shared {
     /// leave it be (a notify is a syscall even with no one waiting), and it looks for
     /// more before it sleeps again.
     writer_asleep: bool,
-    waiters: BTreeMap<Lsn, Vec<Waiter>>,
+    /// Who waits for which position, ascending. Records are appended in order, so a
+    /// waiter almost always goes at the back: no allocation per waiter but its channel.
+    waiters: VecDeque<(Lsn, Waiter)>,
+    /// Buffers of batches written, kept for the next batches: a batch's buffer grows
+    /// to its size once, not in every cycle (and under the lock appends take).
+    spare: Vec<Vec<u8>>,
     stats: Stats,
 }
 
@@ -138,7 +143,13 @@ impl Shared {
     /// Seal the open batch (which holds at least one record) for the writer; returns
     /// where the next batch starts.
     fn seal_open(&mut self) -> Lsn {
-        let batch = std::mem::take(&mut self.open);
+        let batch = std::mem::replace(
+            &mut self.open,
+            BatchBuf {
+                bytes: self.spare.pop().unwrap_or_default(),
+                records: 0,
+            },
+        );
         let bytes = batch.seal(self.open_start);
         let end = self.open_start + bytes.len() as u64;
         self.sealed.push_back(Sealed {
@@ -242,7 +253,8 @@ impl Log {
                 poisoned: None,
                 closing: false,
                 writer_asleep: false,
-                waiters: BTreeMap::new(),
+                waiters: VecDeque::new(),
+                spare: Vec::new(),
                 stats: Stats::default(),
             }),
             work: Condvar::new(),
@@ -291,7 +303,7 @@ impl Log {
         if batches.is_empty() {
             return false;
         }
-        write_and_publish(&self.inner, &batches, filled);
+        write_and_publish(&self.inner, batches, filled);
         true
     }
 
@@ -417,7 +429,12 @@ impl Log {
             )));
         }
         let (tx, rx) = oneshot::channel();
-        s.waiters.entry(lsn).or_default().push(tx);
+        let at = s
+            .waiters
+            .iter()
+            .rposition(|(l, _)| *l <= lsn)
+            .map_or(0, |i| i + 1);
+        s.waiters.insert(at, (lsn, tx));
         Ok(Some(rx))
     }
 
@@ -578,7 +595,7 @@ fn write_loop(inner: &Inner, mut filled: Filled) {
                 s.writer_asleep = false;
             }
         };
-        write_and_publish(inner, &batches, &mut filled);
+        write_and_publish(inner, batches, &mut filled);
     }
 }
 
@@ -595,21 +612,30 @@ fn take_batches(s: &mut Shared) -> Vec<Sealed> {
 
 /// Write and sync `batches` (at least one), then publish the durable position and wake
 /// the waiters it covers; or poison the log and fail every waiter.
-fn write_and_publish(inner: &Inner, batches: &[Sealed], filled: &mut Filled) {
-    let result = write_batches(inner, batches, filled);
+fn write_and_publish(inner: &Inner, batches: Vec<Sealed>, filled: &mut Filled) {
+    let result = write_batches(inner, &batches, filled);
     let end = batches.last().expect("at least one batch").end;
+    let batches_n = batches.len() as u64;
+    let bytes: u64 = batches.iter().map(|b| b.bytes.len() as u64).sum();
     let mut s = inner.lock();
     s.pending_bytes -= batches.iter().map(|b| b.pending).sum::<u64>();
+    for b in batches {
+        if s.spare.len() < SPARE_MAX && b.bytes.capacity() <= SPARE_BYTES_MAX {
+            let mut bytes = b.bytes;
+            bytes.clear();
+            s.spare.push(bytes);
+        }
+    }
     match result {
         Ok(syncs) => {
-            s.stats.batches += batches.len() as u64;
+            s.stats.batches += batches_n;
             s.stats.syncs += syncs;
-            s.stats.bytes_written += batches.iter().map(|b| b.bytes.len() as u64).sum::<u64>();
+            s.stats.bytes_written += bytes;
             inner.durable.store(end, Ordering::SeqCst);
-            let later = s.waiters.split_off(&(end + 1));
-            let done = std::mem::replace(&mut s.waiters, later);
+            let n = s.waiters.partition_point(|(l, _)| *l <= end);
+            let done: Vec<Waiter> = s.waiters.drain(..n).map(|(_, w)| w).collect();
             drop(s);
-            for w in done.into_values().flatten() {
+            for w in done {
                 let _ = w.send(Ok(()));
             }
         }
@@ -620,7 +646,7 @@ fn write_and_publish(inner: &Inner, batches: &[Sealed], filled: &mut Filled) {
             s.sealed.clear();
             let all = std::mem::take(&mut s.waiters);
             drop(s);
-            for w in all.into_values().flatten() {
+            for (_, w) in all {
                 let _ = w.send(Err(Error::Io {
                     what: "make the record durable",
                     source: cause.clone(),
@@ -630,6 +656,11 @@ fn write_and_publish(inner: &Inner, batches: &[Sealed], filled: &mut Filled) {
     }
     inner.space.notify_all();
 }
+
+/// At most this many buffers of written batches are kept for reuse, each at most
+/// `SPARE_BYTES_MAX` (a burst's large batch is not held on to).
+const SPARE_MAX: usize = 4;
+const SPARE_BYTES_MAX: usize = 1 << 20;
 
 /// How far the newest segment's file reaches: its batches, then zeroes written ahead.
 struct Filled {

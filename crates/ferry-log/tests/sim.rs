@@ -287,3 +287,40 @@ fn a_driven_log_makes_records_durable_only_when_its_driver_writes() {
     let (_log, rec) = Log::open(sim, config()).unwrap();
     assert!(rec.end >= after);
 }
+
+#[test]
+fn waiters_registered_out_of_order_each_wake_once_their_position_is_durable() {
+    use std::future::Future;
+    use std::pin::Pin;
+    use std::task::{Context, Poll, Waker};
+    type Wait = Pin<Box<dyn Future<Output = Result<(), Error>> + Send>>;
+    let ready = |f: &mut Wait| {
+        matches!(
+            f.as_mut().poll(&mut Context::from_waker(Waker::noop())),
+            Poll::Ready(Ok(()))
+        )
+    };
+    let sim = Arc::new(SimStorage::new(11));
+    let (log, _) = Log::open_driven(sim, config()).unwrap();
+    let ends: Vec<u64> = (0..3)
+        .map(|i| log.append(1, &payload(i, 40)).unwrap())
+        .collect();
+    // Registered newest first, then oldest, then between: each goes to its own place.
+    let mut waits: Vec<Wait> = [2, 0, 1]
+        .map(|i| Box::pin(log.durable(ends[i])) as Wait)
+        .into();
+    assert!(
+        waits.iter_mut().all(|w| !ready(w)),
+        "nothing is durable yet"
+    );
+    assert!(log.write_pending());
+    assert!(waits.iter_mut().all(ready), "every waiter woke");
+    let later = log.append(1, &payload(3, 40)).unwrap();
+    let mut w: Wait = Box::pin(log.durable(later));
+    assert!(
+        !ready(&mut w),
+        "a record appended after the write waits for the next"
+    );
+    assert!(log.write_pending());
+    assert!(ready(&mut w));
+}

@@ -14,10 +14,11 @@
 //!       N workflows started at once: steps/s, workflows/s, the log's records per sync and
 //!       syncs per 1,000 steps, CPU-seconds per 1,000 steps (getrusage, whole process).
 //!   w3 --dir D --max-rate R [--fractions 0.25,0.5,0.8,0.95] [--seconds 5] [--steps 10]
-//!      [--tick-us 100]
+//!      [--warmup 1] [--tick-us 100]
 //!       Open-loop arrivals at each fraction of R workflows/s (a fresh engine each), kept
-//!       by a clock thread that wakes at most every tick: latency from the scheduled
-//!       arrival to the result, p50/p99, CPU per 1,000 steps and each thread's share of a
+//!       by a clock thread that wakes at most every tick, for warmup + seconds: latency
+//!       from the scheduled arrival to the result, p50/p99, of the arrivals after the
+//!       warm-up (those during it reported apart), CPU per 1,000 steps and each thread's share of a
 //!       core. First, the disk alone:
 //!       sums of steps+1 consecutive 4 KiB fdatasyncs (the floor's pattern, --chain-n
 //!       syncs, 16,000 by default: a few seconds of the disk), p50/p99: the spread of a
@@ -388,6 +389,7 @@ async fn w3(args: &[String]) -> Result<Value, String> {
         .map(|f| f.parse().map_err(err))
         .collect::<Result<_, _>>()?;
     let seconds: f64 = num(args, "--seconds", 5.0);
+    let warmup: f64 = num(args, "--warmup", 1.0);
     let steps: u32 = num(args, "--steps", 10);
     let shards: usize = num(args, "--shards", 2);
     let tick = Duration::from_micros(num(args, "--tick-us", 100));
@@ -406,28 +408,30 @@ async fn w3(args: &[String]) -> Result<Value, String> {
     for f in fractions {
         let dir = fresh_dir(args, &format!("w3-{}", (f * 100.0).round()))?;
         let engine = Rc::new(chain_engine(&dir.join("flow"), shards)?);
-        let p = open_loop(&engine, f * max_rate, seconds, steps, tick).await?;
+        let p = open_loop(&engine, f * max_rate, (warmup, seconds), steps, tick).await?;
         points.push(json!({"fraction": f, "point": p}));
         // A few hundred MB at the higher rates: not left behind for the next fraction.
         drop(engine);
         std::fs::remove_dir_all(&dir).map_err(err)?;
     }
     Ok(
-        json!({"workload": "w3", "max_rate": max_rate, "steps_per_workflow": steps, "seconds": seconds, "points": points, "disk_chain": chain}),
+        json!({"workload": "w3", "max_rate": max_rate, "steps_per_workflow": steps, "seconds": seconds, "warmup": warmup, "points": points, "disk_chain": chain}),
     )
 }
 
-/// Arrivals at `rate`/s on a fixed schedule for `seconds`, whatever the engine does (open
-/// loop): a slow engine shows up as latency, measured from each arrival's scheduled time.
+/// Arrivals at `rate`/s on a fixed schedule for `warmup` + `seconds`, whatever the engine
+/// does (open loop): a slow engine shows up as latency, measured from each arrival's
+/// scheduled time. Arrivals in the first `warmup` seconds (a fresh engine's first
+/// segment, its threads' first wake-ups, the heap growing) are reported apart.
 async fn open_loop(
     engine: &Rc<Engine>,
     rate: f64,
-    seconds: f64,
+    (warmup, seconds): (f64, f64),
     steps: u32,
     tick: Duration,
 ) -> Result<Value, String> {
-    let count = (rate * seconds).round().max(1.0) as u64;
-    let lat: Rc<RefCell<Vec<Duration>>> = Rc::new(RefCell::new(Vec::new()));
+    let count = (rate * (warmup + seconds)).round().max(1.0) as u64;
+    let lat: Rc<RefCell<Vec<(Instant, Duration)>>> = Rc::new(RefCell::new(Vec::new()));
     let before = engine.log_stats();
     let cpu = thread_cpu();
     let cpu0 = cpu_seconds();
@@ -467,7 +471,7 @@ async fn open_loop(
         tasks.push(tokio::task::spawn_local(async move {
             let h = e.start(CHAIN, &format!("w3-{i}"), &steps).await?;
             h.result().await?;
-            l.borrow_mut().push(due.elapsed());
+            l.borrow_mut().push((due, due.elapsed()));
             Ok::<_, FlowError>(())
         }));
     }
@@ -478,10 +482,17 @@ async fn open_loop(
         task.await.map_err(err)?.map_err(err)?;
     }
     let secs = t0.elapsed().as_secs_f64();
-    let lat = lat.borrow().clone();
+    let measured_from = t0 + Duration::from_secs_f64(warmup);
+    let (measured, warm): (Vec<_>, Vec<_>) = lat
+        .borrow()
+        .iter()
+        .partition(|(due, _)| *due >= measured_from);
+    let only = |v: Vec<(Instant, Duration)>| v.into_iter().map(|(_, l)| l).collect();
     Ok(json!({
         "rate_asked": rate, "workflows": count, "achieved_per_sec": count as f64 / secs,
-        "latency": spread(lat),
+        "warmup_secs": warmup, "measured_secs": seconds,
+        "latency": spread(only(measured)),
+        "warmup_latency": spread(only(warm)),
         "cpu_secs_per_1k_steps": (cpu_seconds() - cpu0) * 1000.0 / (count * u64::from(steps)) as f64,
         "cpu_share_by_thread": thread_share(&cpu, secs),
         "log": log_delta(before, engine.log_stats(), count * u64::from(steps)),
