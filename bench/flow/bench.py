@@ -365,12 +365,20 @@ def report(ferry, peers, fair, m):
     chain = {k: medians(ferry, f"w3.disk_chain.latency.{k}") / 1e3 for k in ["p50_us", "p99_us"]}
     chain_k = ferry[0]["w3"]["disk_chain"]["syncs"]
     chain_ratio = chain["p99_us"] / chain["p50_us"]
-    L += ["", f"The disk alone, in the same round: a chain of {chain_k} consecutive 4 KiB fdatasyncs (a workflow's start "
-          f"and its steps, each waiting for a sync, with no engine at all) takes p50 {chain['p50_us']:.2f} ms, "
-          f"p99 {chain['p99_us']:.2f} ms: p99 ÷ p50 = **{chain_ratio:.1f}**. That is the least spread an engine that "
-          "syncs before each step can show on this disk; "
-          + ("it is over 2, so the W3 target cannot be met here by any such engine." if chain_ratio > 2 else
-             "it is within 2, so the W3 target is attainable here.")]
+    ideal = {k: medians(ferry, f"w3.disk_chain.ideal_engine.{k}") / 1e3 for k in ["p50_us", "p99_us"]}
+    ideal_ratio = ideal["p99_us"] / ideal["p50_us"]
+    L += ["", f"The disk alone, in the same round, from {ferry[0]['w3']['disk_chain']['latency']['n'] + chain_k - 1:,} "
+          "back-to-back 4 KiB fdatasyncs:", "",
+          f"- a chain of {chain_k} consecutive syncs (a workflow's start and its steps, each waiting for a sync, with "
+          f"no engine): p50 {chain['p50_us']:.2f} ms, p99 {chain['p99_us']:.2f} ms, p99 ÷ p50 = {chain_ratio:.1f}. "
+          "One sample per sync, whatever its length: a rare long sync touches few samples.",
+          f"- an ideal group-commit engine on those syncs (no CPU time; each of a workflow's {chain_k} records made "
+          "durable by the first sync that starts after the one before it was durable), with arrivals spread evenly in "
+          f"time: p50 {ideal['p50_us']:.2f} ms, p99 {ideal['p99_us']:.2f} ms, p99 ÷ p50 = **{ideal_ratio:.1f}**. Here "
+          "a 5 ms sync delays every arrival during it, as it does every workflow in flight in a real engine: this is "
+          "the spread the disk itself puts into W3, and "
+          + ("it is over 2, so the W3 target cannot be met on this disk by an engine that syncs before each step."
+             if ideal_ratio > 2 else "it is within 2, so the W3 target is attainable on this disk.")]
     warm = []
     for i, f in enumerate(W3_FRACTIONS):
         pt = lambda k: medians([r["w3"]["points"][i]["point"] for r in ferry], k)
@@ -452,7 +460,8 @@ def report(ferry, peers, fair, m):
           f"- W1 step gap p50 ≤ 1.5× the fdatasync floor p50: {r1:.2f}× ({w1['ferry']['p50_us']:.0f} µs vs {fl:.0f} µs) — {mark(r1 <= 1.5)}",
           f"- W2 ≥ 100,000 steps/s: {fs:,.0f} — {mark(fs >= 100_000)}",
           "- W3 p99 ≤ 2× p50 up to 80% load: " + ", ".join(f"{f:.0%} {w3[f]['p99'] / w3[f]['p50']:.1f}×" for f in W3_FRACTIONS if f <= 0.8)
-          + f" — {mark(w3ok)} (the disk's own chain of {chain_k} syncs: {chain_ratio:.1f}×)",
+          + f" — {mark(w3ok)} (the disk alone: an ideal group-commit engine {ideal_ratio:.1f}×, a chain of {chain_k} syncs "
+          f"{chain_ratio:.1f}×)",
           f"- ≥ 20× DBOS steps/s at equal durability (the faster DBOS, {best_dbos:,.0f}/s): {fs / best_dbos:,.0f}× — {mark(fs >= 20 * best_dbos)}",
           f"- ≥ 50× Temporal steps/s: {fs / w2['temporal']['steps_per_sec']:,.0f}× — {mark(fs >= 50 * w2['temporal']['steps_per_sec'])}",
           f"- Restate (no target): ferry runs {fs / w2['restate']['steps_per_sec']:,.0f}× its steps/s in W2, and its W1 "

@@ -22,7 +22,8 @@
 //!       core. First, the disk alone:
 //!       sums of steps+1 consecutive 4 KiB fdatasyncs (the floor's pattern, --chain-n
 //!       syncs, 16,000 by default: a few seconds of the disk), p50/p99: the spread of a
-//!       workflow's chain of syncs with no engine.
+//!       workflow's chain of syncs with no engine; and, on the same syncs, the open-loop
+//!       latency of an ideal group-commit engine (see `ideal_engine`).
 //!   w4 --dir D [--n 1000] [--sleep-ms 1000]
 //!       N workflows each sleep, then run one step: how late the sleep returned, and how
 //!       late the step after it finished, p50/p99.
@@ -288,6 +289,44 @@ fn measure_floor(dir: &Path, n: usize) -> Result<Vec<Duration>, String> {
     Ok(lat)
 }
 
+/// Open-loop latency of an ideal group-commit engine on this disk: one writer syncing
+/// back to back (the syncs measured), no CPU time at all, each workflow's `k` records
+/// each made durable by the first sync that starts after the one before it was durable.
+/// Arrivals are spread evenly over the time the syncs took, so a sync that stalls for
+/// 5 ms delays every arrival during it: what one stall does to an engine that shares
+/// each sync among every workflow in flight, which the chain's sums (one sample per
+/// sync, whatever its length) do not show.
+fn ideal_engine(syncs: &[Duration], k: usize) -> Value {
+    // ends[i]: when sync i completed, from the start of the first.
+    let ends: Vec<Duration> = syncs
+        .iter()
+        .scan(Duration::ZERO, |t, d| {
+            *t += *d;
+            Some(*t)
+        })
+        .collect();
+    if ends.len() <= k {
+        return Value::Null;
+    }
+    // Arrivals up to the start of the sync that leaves room for k more.
+    let span = ends[ends.len() - k - 1];
+    let n = 20_000u32;
+    let mut lat = Vec::with_capacity(n as usize);
+    let mut j = 0; // the first sync starting at or after the arrival
+    for i in 0..n {
+        let t = span * i / n;
+        // Sync j starts when sync j-1 ends (sync 0 at zero).
+        while j < ends.len() && (if j == 0 { Duration::ZERO } else { ends[j - 1] }) < t {
+            j += 1;
+        }
+        if j + k > ends.len() {
+            break;
+        }
+        lat.push(ends[j + k - 1] - t);
+    }
+    spread(lat)
+}
+
 fn floor(args: &[String]) -> Result<Value, String> {
     let dir = fresh_dir(args, "floor")?;
     let lat = measure_floor(&dir, num(args, "--n", 2000))?;
@@ -405,7 +444,7 @@ async fn w3(args: &[String]) -> Result<Value, String> {
         let k = steps as usize + 1;
         let sums: Vec<Duration> = syncs.windows(k).map(|w| w.iter().sum()).collect();
         std::fs::remove_dir_all(&dir).map_err(err)?;
-        json!({"syncs": k, "latency": spread(sums)})
+        json!({"syncs": k, "latency": spread(sums), "ideal_engine": ideal_engine(&syncs, k)})
     };
     let mut points = Vec::new();
     for f in fractions {
