@@ -89,13 +89,15 @@ async def w2(client, a, server_pid):
 
 async def connect(port):
     """The dev server accepts connections before its frontend is healthy ("Frontend is not
-    healthy yet"): retry for up to a minute."""
+    healthy yet"), and under strace was seen to refuse them for a while after its port
+    first answered: retry both for up to a minute."""
     deadline = time.monotonic() + 60
     while True:
         try:
             return await Client.connect(f"127.0.0.1:{port}")
         except RuntimeError as e:
-            if time.monotonic() > deadline or "not healthy" not in str(e):
+            passing = "not healthy" in str(e) or "Connection refused" in str(e)
+            if time.monotonic() > deadline or not passing:
                 raise
             await asyncio.sleep(0.5)
 
