@@ -42,6 +42,13 @@ pub struct LogView {
     pub durable: u64,
     pub end: u64,
     pub segments: usize,
+    /// How long the log's writer took to write and sync what filled, p50 and p99 since
+    /// the engine opened (upper bounds of power-of-two buckets, µs); absent before the
+    /// first write. What the disk gives the engine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub write_p50_us: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub write_p99_us: Option<u64>,
 }
 
 /// One run in the status file.

@@ -1523,6 +1523,8 @@ impl Shared {
                 durable: stats.durable,
                 end: stats.end,
                 segments: stats.segments,
+                write_p50_us: ferry_log::Stats::write_quantile_us(&stats.write_us_log2, 0.5),
+                write_p99_us: ferry_log::Stats::write_quantile_us(&stats.write_us_log2, 0.99),
             },
             runs,
         };

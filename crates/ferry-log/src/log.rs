@@ -83,6 +83,41 @@ pub struct Stats {
     pub durable: Lsn,
     pub end: Lsn,
     pub segments: usize,
+    /// The writer's cycles (writing and syncing what filled) by how long they took:
+    /// `write_us_log2[i]` counts cycles of 2^i to 2^(i+1) µs (the first also those under
+    /// 1 µs, the last those longer). What the disk gives the log, as operators and the
+    /// benchmark read it.
+    pub write_us_log2: [u64; WRITE_BUCKETS],
+    /// Microseconds spent in those cycles, in all.
+    pub write_us: u64,
+}
+
+/// Buckets of [`Stats::write_us_log2`]: up to 2^23 µs, about 8 s.
+pub const WRITE_BUCKETS: usize = 24;
+
+impl Stats {
+    /// The bucket of a cycle that took `us` microseconds.
+    pub fn write_bucket(us: u64) -> usize {
+        (u64::BITS - us.max(1).leading_zeros() - 1).min(WRITE_BUCKETS as u32 - 1) as usize
+    }
+
+    /// The upper bound in µs of the bucket where `q` (0 to 1) of the cycles counted in
+    /// `buckets` end: `q = 0.99` says 99% of them took less. None with no cycles.
+    pub fn write_quantile_us(buckets: &[u64; WRITE_BUCKETS], q: f64) -> Option<u64> {
+        let total: u64 = buckets.iter().sum();
+        if total == 0 {
+            return None;
+        }
+        let want = (q * total as f64).ceil().max(1.0) as u64;
+        let mut seen = 0;
+        for (i, n) in buckets.iter().enumerate() {
+            seen += n;
+            if seen >= want {
+                return Some(1 << (i + 1));
+            }
+        }
+        Some(1 << WRITE_BUCKETS)
+    }
 }
 
 /// A record read back.
@@ -429,6 +464,8 @@ impl Log {
             )));
         }
         let (tx, rx) = oneshot::channel();
+        // From the back: a new record's waiter goes last, and one for an older record
+        // (a shard waiting on what it appended before) a few places from the end.
         let at = s
             .waiters
             .iter()
@@ -613,10 +650,14 @@ fn take_batches(s: &mut Shared) -> Vec<Sealed> {
 /// Write and sync `batches` (at least one), then publish the durable position and wake
 /// the waiters it covers; or poison the log and fail every waiter.
 fn write_and_publish(inner: &Inner, batches: Vec<Sealed>, filled: &mut Filled) {
+    let began = std::time::Instant::now();
     let result = write_batches(inner, &batches, filled);
+    let took = began.elapsed().as_micros() as u64;
     let end = batches.last().expect("at least one batch").end;
     let batches_n = batches.len() as u64;
     let bytes: u64 = batches.iter().map(|b| b.bytes.len() as u64).sum();
+    // Buffers not kept are freed after the lock is let go (a large one is an munmap).
+    let mut freed = Vec::new();
     let mut s = inner.lock();
     s.pending_bytes -= batches.iter().map(|b| b.pending).sum::<u64>();
     for b in batches {
@@ -624,6 +665,8 @@ fn write_and_publish(inner: &Inner, batches: Vec<Sealed>, filled: &mut Filled) {
             let mut bytes = b.bytes;
             bytes.clear();
             s.spare.push(bytes);
+        } else {
+            freed.push(b.bytes);
         }
     }
     match result {
@@ -631,6 +674,8 @@ fn write_and_publish(inner: &Inner, batches: Vec<Sealed>, filled: &mut Filled) {
             s.stats.batches += batches_n;
             s.stats.syncs += syncs;
             s.stats.bytes_written += bytes;
+            s.stats.write_us_log2[Stats::write_bucket(took)] += 1;
+            s.stats.write_us += took;
             inner.durable.store(end, Ordering::SeqCst);
             let n = s.waiters.partition_point(|(l, _)| *l <= end);
             let done: Vec<Waiter> = s.waiters.drain(..n).map(|(_, w)| w).collect();

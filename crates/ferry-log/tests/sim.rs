@@ -305,8 +305,9 @@ fn waiters_registered_out_of_order_each_wake_once_their_position_is_durable() {
     let ends: Vec<u64> = (0..3)
         .map(|i| log.append(1, &payload(i, 40)).unwrap())
         .collect();
-    // Registered newest first, then oldest, then between: each goes to its own place.
-    let mut waits: Vec<Wait> = [2, 0, 1]
+    // Registered newest first, then oldest, then between, then one position twice: each
+    // goes to its own place.
+    let mut waits: Vec<Wait> = [2, 0, 1, 1]
         .map(|i| Box::pin(log.durable(ends[i])) as Wait)
         .into();
     assert!(
@@ -323,4 +324,58 @@ fn waiters_registered_out_of_order_each_wake_once_their_position_is_durable() {
     );
     assert!(log.write_pending());
     assert!(ready(&mut w));
+}
+
+#[test]
+fn a_failed_write_fails_every_waiter_queued() {
+    use std::future::Future;
+    use std::task::{Context, Poll, Waker};
+    let sim = Arc::new(SimStorage::new(12));
+    let (log, _) = Log::open_driven(sim.clone(), config()).unwrap();
+    let ends: Vec<u64> = (0..3)
+        .map(|i| log.append(1, &payload(i, 40)).unwrap())
+        .collect();
+    let mut waits: Vec<_> = [1, 2, 0, 2].map(|i| Box::pin(log.durable(ends[i]))).into();
+    sim.fail_write_after(1);
+    log.write_pending();
+    for w in &mut waits {
+        match w.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+            Poll::Ready(Err(Error::Io { .. })) => {}
+            other => panic!("a waiter of a failed write got {other:?}"),
+        }
+    }
+    assert!(matches!(
+        log.append(1, b"after"),
+        Err(Error::PreviousIo { .. })
+    ));
+}
+
+#[test]
+fn the_writers_cycles_are_counted_by_duration() {
+    use ferry_log::{Stats, WRITE_BUCKETS};
+    assert_eq!(Stats::write_bucket(0), 0);
+    assert_eq!(Stats::write_bucket(1), 0);
+    assert_eq!(Stats::write_bucket(1023), 9);
+    assert_eq!(Stats::write_bucket(1024), 10);
+    assert_eq!(Stats::write_bucket(u64::MAX), WRITE_BUCKETS - 1);
+    let mut b = [0u64; WRITE_BUCKETS];
+    assert_eq!(Stats::write_quantile_us(&b, 0.5), None);
+    b[7] = 98; // 128-255 µs
+    b[11] = 2; // 2-4 ms
+    assert_eq!(Stats::write_quantile_us(&b, 0.5), Some(256));
+    assert_eq!(Stats::write_quantile_us(&b, 0.98), Some(256));
+    assert_eq!(Stats::write_quantile_us(&b, 0.99), Some(4096));
+
+    let sim = Arc::new(SimStorage::new(13));
+    let (log, _) = Log::open_driven(sim, config()).unwrap();
+    for i in 0..5 {
+        log.append(1, &payload(i, 40)).unwrap();
+        assert!(log.write_pending());
+    }
+    let s = log.stats();
+    assert_eq!(
+        s.write_us_log2.iter().sum::<u64>(),
+        5,
+        "one count per cycle"
+    );
 }

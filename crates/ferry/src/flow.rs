@@ -161,8 +161,12 @@ fn header(st: &Status) -> String {
     } else {
         format!("no engine running (last status from pid {})", st.pid)
     };
+    let writes = match (st.log.write_p50_us, st.log.write_p99_us) {
+        (Some(p50), Some(p99)) => format!(" (write and sync: p50 < {p50} µs, p99 < {p99} µs)"),
+        _ => String::new(),
+    };
     format!(
-        "{engine}; opened in {:.1} ms ({} log records replayed, {} runs resumed); log: {} records, {} syncs, {} segment(s)\n\
+        "{engine}; opened in {:.1} ms ({} log records replayed, {} runs resumed); log: {} records, {} syncs{writes}, {} segment(s)\n\
          {} runs: {} running, {} finished, {} failed, {} cancelled, {} parked\n\n",
         st.recovery_ms,
         st.recovered_records,

@@ -194,6 +194,25 @@ fn log_delta(before: ferry_log::Stats, after: ferry_log::Stats, steps: u64) -> V
         "records_per_sync": records as f64 / syncs.max(1) as f64,
         "steps_per_sync": steps as f64 / syncs.max(1) as f64,
         "syncs_per_1k_steps": syncs as f64 * 1000.0 / steps.max(1) as f64,
+        "writer": writer_delta(&before, &after),
+    })
+}
+
+/// The writer's cycles (write and sync) between two readings: how many, their p50 and
+/// p99 (upper bounds of power-of-two buckets), how many took 1 ms or more, and its busy
+/// time. What the disk gave the engine while it ran.
+fn writer_delta(before: &ferry_log::Stats, after: &ferry_log::Stats) -> Value {
+    let mut b = [0u64; ferry_log::WRITE_BUCKETS];
+    for (i, d) in b.iter_mut().enumerate() {
+        *d = after.write_us_log2[i] - before.write_us_log2[i];
+    }
+    json!({
+        "cycles": b.iter().sum::<u64>(),
+        "p50_us_below": ferry_log::Stats::write_quantile_us(&b, 0.5),
+        "p99_us_below": ferry_log::Stats::write_quantile_us(&b, 0.99),
+        // Bucket 10 starts at 1,024 µs.
+        "cycles_1ms_or_more": b[10..].iter().sum::<u64>(),
+        "busy_secs": (after.write_us - before.write_us) as f64 / 1e6,
     })
 }
 
