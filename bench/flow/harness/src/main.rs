@@ -18,8 +18,8 @@
 //!       Open-loop arrivals at each fraction of R workflows/s (a fresh engine each), kept
 //!       by a clock thread that wakes at most every tick, for warmup + seconds: latency
 //!       from the scheduled arrival to the result, p50/p99, of the arrivals after the
-//!       warm-up (those during it reported apart), CPU per 1,000 steps and each thread's share of a
-//!       core. First, the disk alone:
+//!       warm-up (those during it reported apart), CPU per 1,000 steps and each thread's
+//!       share of a core (the clock's own as `w3-clock`). First, the disk alone:
 //!       sums of steps+1 consecutive 4 KiB fdatasyncs (the floor's pattern, --chain-n
 //!       syncs, 16,000 by default: a few seconds of the disk), p50/p99: the spread of a
 //!       workflow's chain of syncs with no engine; and, on the same syncs, the open-loop
@@ -218,11 +218,20 @@ fn writer_delta(before: &ferry_log::Stats, after: &ferry_log::Stats) -> Value {
 
 /// User plus system CPU time of the whole process (every thread), in seconds.
 fn cpu_seconds() -> f64 {
+    rusage_seconds(libc::RUSAGE_SELF)
+}
+
+/// User plus system CPU time of `who` (RUSAGE_SELF or RUSAGE_THREAD), in seconds.
+fn rusage_seconds(who: libc::c_int) -> f64 {
     // SAFETY: rusage is plain integers, for which all zeroes is a valid value.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: getrusage writes one rusage into the struct we own; RUSAGE_SELF is valid.
-    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
-    assert_eq!(rc, 0, "getrusage(RUSAGE_SELF) cannot fail");
+    // SAFETY: getrusage writes one rusage into the struct we own; `who` is one of the two
+    // valid values above.
+    let rc = unsafe { libc::getrusage(who, &mut ru) };
+    assert_eq!(
+        rc, 0,
+        "getrusage cannot fail for RUSAGE_SELF or RUSAGE_THREAD"
+    );
     let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
     tv(ru.ru_utime) + tv(ru.ru_stime)
 }
@@ -258,8 +267,10 @@ fn thread_cpu() -> BTreeMap<String, f64> {
 }
 
 /// What each thread spent between two [`thread_cpu`] readings, as a share of `secs`.
-fn thread_share(before: &BTreeMap<String, f64>, secs: f64) -> Value {
-    let after = thread_cpu();
+/// `gone`: a thread already joined, and its CPU-seconds.
+fn thread_share(before: &BTreeMap<String, f64>, secs: f64, gone: (&str, f64)) -> Value {
+    let mut after = thread_cpu();
+    after.insert(gone.0.to_string(), gone.1);
     let share: BTreeMap<&String, f64> = after
         .iter()
         .map(|(k, v)| (k, (v - before.get(k).copied().unwrap_or(0.0)) / secs))
@@ -504,28 +515,34 @@ async fn open_loop(
     // from 50 µs to 1 µs, and hands over every arrival due by then. Latency counts from
     // the arrival's time, so what `tick` delays is in the figures.
     let (tx, mut arrivals) = tokio::sync::mpsc::unbounded_channel::<(u64, Instant)>();
-    let clock = std::thread::spawn(move || {
-        // SAFETY: PR_SET_TIMERSLACK sets a value of this thread only; no memory is passed.
-        unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong) };
-        let due = |i: u64| t0 + Duration::from_secs_f64(i as f64 / rate);
-        let mut i = 0;
-        let mut woke = Instant::now();
-        while i < count {
-            let now = Instant::now();
-            let wake = due(i).max(woke + tick);
-            if wake > now {
-                std::thread::sleep(wake - now);
-                continue;
-            }
-            woke = now;
-            while i < count && due(i) <= now {
-                if tx.send((i, due(i))).is_err() {
-                    return;
+    // It returns its own CPU time: once joined it is gone from /proc, and its share of
+    // the two cores is the harness's, not the engine's.
+    let clock = std::thread::Builder::new()
+        .name("w3-clock".into())
+        .spawn(move || {
+            // SAFETY: PR_SET_TIMERSLACK sets a value of this thread only; no memory is passed.
+            unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong) };
+            let due = |i: u64| t0 + Duration::from_secs_f64(i as f64 / rate);
+            let mut i = 0;
+            let mut woke = Instant::now();
+            'schedule: while i < count {
+                let now = Instant::now();
+                let wake = due(i).max(woke + tick);
+                if wake > now {
+                    std::thread::sleep(wake - now);
+                    continue;
                 }
-                i += 1;
+                woke = now;
+                while i < count && due(i) <= now {
+                    if tx.send((i, due(i))).is_err() {
+                        break 'schedule;
+                    }
+                    i += 1;
+                }
             }
-        }
-    });
+            rusage_seconds(libc::RUSAGE_THREAD)
+        })
+        .map_err(err)?;
     let mut tasks = Vec::with_capacity(count as usize);
     while let Some((i, due)) = arrivals.recv().await {
         let (e, l) = (engine.clone(), lat.clone());
@@ -536,7 +553,7 @@ async fn open_loop(
             Ok::<_, FlowError>(())
         }));
     }
-    clock
+    let clock_cpu = clock
         .join()
         .map_err(|_| "the arrival clock panicked".to_string())?;
     for task in tasks {
@@ -555,7 +572,7 @@ async fn open_loop(
         "latency": spread(only(measured)),
         "warmup_latency": spread(only(warm)),
         "cpu_secs_per_1k_steps": (cpu_seconds() - cpu0) * 1000.0 / (count * u64::from(steps)) as f64,
-        "cpu_share_by_thread": thread_share(&cpu, secs),
+        "cpu_share_by_thread": thread_share(&cpu, secs, ("w3-clock", clock_cpu)),
         "log": log_delta(before, engine.log_stats(), count * u64::from(steps)),
     }))
 }
