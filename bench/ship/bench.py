@@ -34,7 +34,9 @@ QUICK = "--quick" in sys.argv
 RUNS = 1 if QUICK else 3
 # Unthrottled throughput varies by ±10% from run to run on a shared virtual disk, more
 # than the 5% the target is about: it gets more runs, interleaved across configurations.
-TPUT_RUNS = 1 if QUICK else 5
+# With 5, the median of paired ratios still moved by 5 points between two runs of the
+# bench on one machine; 9 halve the chance that one slow stretch of the disk decides it.
+TPUT_RUNS = 1 if QUICK else 9
 LAG_SECONDS = 6 if QUICK else 20
 WARMUP_SECONDS = 2.0
 THROUGHPUT_SECONDS = 5 if QUICK else 15
@@ -489,10 +491,20 @@ def change(t, base):
     return f"{fmt(-pct_, 1)}% lost" if pct_ < 0 else f"{fmt(pct_, 1)}% faster"
 
 
-def paired(tput, name, baseline="off, default autocheckpoint"):
-    """Median over runs of (run i of `name`) / (run i of the baseline)."""
-    ratios = [r["tps"] / b["tps"] for r, b in zip(tput[name], tput[baseline]) if b.get("tps")]
+def paired_ratios(tput, name, baseline="off, default autocheckpoint"):
+    """(run i of `name`) / (run i of the baseline), for every run."""
+    return [r["tps"] / b["tps"] for r, b in zip(tput[name], tput[baseline]) if b.get("tps")]
+
+
+def paired(tput, name):
+    """Median over runs of the paired ratios."""
+    ratios = paired_ratios(tput, name)
     return statistics.median(ratios) if ratios else float("nan")
+
+
+def paired_range(tput, name):
+    ratios = paired_ratios(tput, name)
+    return f"{fmt(100 * min(ratios), 1)}% to {fmt(100 * max(ratios), 1)}%" if ratios else "–"
 
 
 def report(lag, tput, outage, m):
@@ -531,13 +543,15 @@ def report(lag, tput, outage, m):
 
     # Throughput.
     lines += ["", "## Primary write throughput, unthrottled", "",
-              "| configuration | tx/s | vs. no shipping (default autocheckpoint) | median of paired ratios | commit p99 (µs) |",
-              "|---|---|---|---|---|"]
+              "| configuration | tx/s | vs. no shipping (default autocheckpoint) | median of paired ratios "
+              "| paired ratios, lowest to highest | commit p99 (µs) |",
+              "|---|---|---|---|---|---|"]
     base = median_of(tput["off, default autocheckpoint"], "tps")
     for name, runs in tput.items():
         t = median_of(runs, "tps")
         lines.append(f"| {name} | {fmt(t, 0)} | {fmt(100 * t / base, 1)}% | "
-                     f"{fmt(100 * paired(tput, name), 1)}% | {fmt(median_of(runs, 'commit_p99_us'), 0)} |")
+                     f"{fmt(100 * paired(tput, name), 1)}% | {paired_range(tput, name)} | "
+                     f"{fmt(median_of(runs, 'commit_p99_us'), 0)} |")
     lines.append("")
     lines.append("Runs are interleaved (baseline run i, then every configuration's run i): the paired column is the "
                  "median of each run's ratio to the baseline run just before it, which cancels the drift of the "
