@@ -210,8 +210,7 @@ fn writer_delta(before: &ferry_log::Stats, after: &ferry_log::Stats) -> Value {
         "cycles": b.iter().sum::<u64>(),
         "p50_us_below": ferry_log::Stats::write_quantile_us(&b, 0.5),
         "p99_us_below": ferry_log::Stats::write_quantile_us(&b, 0.99),
-        // Bucket 10 starts at 1,024 µs.
-        "cycles_1ms_or_more": b[10..].iter().sum::<u64>(),
+        "cycles_1ms_or_more": b[ferry_log::Stats::write_bucket(1024)..].iter().sum::<u64>(),
         "busy_secs": (after.write_us - before.write_us) as f64 / 1e6,
     })
 }
