@@ -233,3 +233,89 @@ fn a_request_from_a_forked_history_is_refused() {
     drop(receiver);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+// Guards against a replica's WAL growing for as long as transactions keep arriving: a
+// checkpoint on a connection of its own never reaches the WAL's end while groups commit,
+// and SQLite restarts a WAL only from there. Under a steady stream, with a reader polling,
+// the WAL must restart again and again and stay a small multiple of the checkpoint size.
+#[test]
+fn a_replica_wal_restarts_under_a_steady_stream_of_transactions() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::{Duration, Instant};
+
+    let dir = scratch("restart");
+    let (base, size) = base_stream(&dir, 3, 40);
+    let receiver = Receiver::open(ReceiverConfig::new(dir.join("standby"))).unwrap();
+    receiver
+        .apply_base("a", Epoch(0), 3, &mut base.as_slice())
+        .unwrap();
+    receiver.start_checkpointer();
+    let q = TxnsQuery {
+        epoch: 0,
+        generation: 3,
+        page_size: 4096,
+    };
+    let db = dir.join("standby").join("a.db");
+    let wal = dir.join("standby").join("a.db-wal");
+    let stop = Arc::new(AtomicBool::new(false));
+    let reader = {
+        let (db, stop) = (db.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let c = Connection::open(&db).unwrap();
+            while !stop.load(Ordering::Relaxed) {
+                let _: Vec<u8> = c
+                    .query_row("SELECT data FROM sqlite_dbpage WHERE pgno = 1", [], |r| {
+                        r.get(0)
+                    })
+                    .unwrap();
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        })
+    };
+
+    // Back to back, eight pages a transaction, for three seconds and at least six
+    // checkpoints' worth of pages. The WAL header's checkpoint sequence (bytes 12..16)
+    // counts its restarts.
+    let limit = ferry_ship::receiver::replica::CHECKPOINT_BYTES;
+    let restarts_of = |wal: &Path| -> Option<[u8; 4]> {
+        use std::os::unix::fs::FileExt;
+        let mut seq = [0u8; 4];
+        let f = std::fs::File::open(wal).ok()?;
+        f.read_exact_at(&mut seq, 12).ok()?;
+        Some(seq)
+    };
+    let (mut seq, mut written, mut wal_max, mut restarts) = (0u64, 0u64, 0u64, 0);
+    let mut last = restarts_of(&wal);
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(3) || written < 6 * limit {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "applying is stuck"
+        );
+        seq += 1;
+        let pages: Vec<(u32, u8)> = (0..8)
+            .map(|i| (2 + (seq as u32 * 8 + i) % (size - 2), seq as u8))
+            .collect();
+        let mut body = Vec::new();
+        record(&mut body, seq, 0, true, size, &pages);
+        receiver.apply_txns("a", q, &body).unwrap();
+        written += 8 * 4096;
+        wal_max = wal_max.max(std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0));
+        let now = restarts_of(&wal);
+        if now != last {
+            restarts += 1;
+            last = now;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    reader.join().unwrap();
+    assert!(
+        restarts >= 3,
+        "the replica's WAL restarted {restarts} times in {:?} of back-to-back transactions \
+         ({written} bytes of pages; the WAL reached {wal_max} bytes)",
+        start.elapsed()
+    );
+    drop(receiver);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -25,20 +25,15 @@ use std::io::{self, Read};
 use std::os::unix::fs::FileExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, mpsc};
+use std::time::Instant;
 
 /// Default largest `txns` body: the shipper sends at most 8 MiB of pages per request, so
 /// this leaves room for a receiver shared with shippers configured larger.
 pub const BODY_BYTES_MAX: u64 = 64 << 20;
 /// Default largest base.
 pub const BASE_BYTES_MAX: u64 = 64 << 30;
-/// WAL size above which the background checkpointer folds a replica's WAL.
-const CHECKPOINT_WAL_BYTES: u64 = 4 << 20;
-/// How often the background checkpointer looks.
-const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(500);
-
 /// How a receiver is set up. Checked by [`Receiver::open`].
 #[derive(Clone, Debug)]
 pub struct ReceiverConfig {
@@ -122,6 +117,10 @@ pub struct Receiver {
     ferry_dir: PathBuf,
     _lock: DirLock,
     slots: Mutex<HashMap<String, Arc<Mutex<Slot>>>>,
+    /// Bulk checkpoints for the checkpointer thread (see [`Receiver::checkpoint_step`]), and
+    /// the other end until the thread takes it.
+    bulk_tx: mpsc::Sender<BulkJob>,
+    bulk_rx: Mutex<Option<mpsc::Receiver<BulkJob>>>,
     pub(crate) apply_latency: Histogram,
     started: Instant,
     requests_refused: AtomicU64,
@@ -151,11 +150,14 @@ impl Receiver {
         })?;
         let lock = DirLock::try_acquire(&ferry_dir.join("receiver.lock"), "another ferry receiver")
             .map_err(|e| e.to_string())?;
+        let (bulk_tx, bulk_rx) = mpsc::channel();
         let receiver = Arc::new(Receiver {
             config,
             ferry_dir,
             _lock: lock,
             slots: Mutex::new(HashMap::new()),
+            bulk_tx,
+            bulk_rx: Mutex::new(Some(bulk_rx)),
             apply_latency: Histogram::latency(),
             started: Instant::now(),
             requests_refused: AtomicU64::new(0),
@@ -164,9 +166,12 @@ impl Receiver {
             let slot = receiver.slot(&name, false).map_err(|e| e.to_string())?;
             if let Some(slot) = slot {
                 let mut s = lock_slot(&slot);
-                if let Err(e) = s.sync() {
-                    tracing::error!(db = %name, error = %e, "replica not usable until fixed");
-                    s.stats.last_error = Some(e.to_string());
+                match s.sync() {
+                    Ok(_flock) => receiver.checkpoint_step(&mut s),
+                    Err(e) => {
+                        tracing::error!(db = %name, error = %e, "replica not usable until fixed");
+                        s.stats.last_error = Some(e.to_string());
+                    }
                 }
             }
         }
@@ -177,39 +182,72 @@ impl Receiver {
         &self.config
     }
 
-    /// Start the background checkpointer; it stops when the receiver is dropped.
+    /// Start the background checkpointer; it stops when the receiver is dropped. Without
+    /// it, replicas are never checkpointed.
     pub fn start_checkpointer(self: &Arc<Self>) {
-        let weak = Arc::downgrade(self);
+        let Some(rx) = self.bulk_rx.lock().expect("checkpointer lock").take() else {
+            return;
+        };
         std::thread::Builder::new()
             .name("ferry-ckpt".into())
             .spawn(move || {
-                while let Some(r) = weak.upgrade() {
-                    r.checkpoint_all();
-                    drop(r);
-                    std::thread::sleep(CHECKPOINT_INTERVAL);
+                // Ends when the receiver, and with it the sender, is dropped.
+                for (path, bulk) in rx {
+                    let outcome =
+                        replica::open_for_checkpoints(&path).and_then(|c| replica::checkpoint(&c));
+                    match outcome {
+                        Ok((log, done)) => {
+                            tracing::debug!(db = %path.display(), log, done, "replica checkpoint, bulk");
+                            bulk.store(BULK_DONE, Ordering::Release);
+                        }
+                        Err(e) => {
+                            tracing::warn!(db = %path.display(), error = %e, "replica checkpoint failed");
+                            bulk.store(BULK_IDLE, Ordering::Release);
+                        }
+                    }
                 }
             })
             .expect("spawning a thread only fails when the process is out of resources");
     }
 
-    fn checkpoint_all(&self) {
-        let names: Vec<String> = self
-            .slots
-            .lock()
-            .expect("slot map lock")
-            .keys()
-            .cloned()
-            .collect();
-        for name in names {
-            let path = self.config.dir.join(format!("{name}.db"));
-            let wal = replica::sidecar(&path, "-wal");
-            if crate::quiet::stat(&wal).map(|m| m.len).unwrap_or(0) < CHECKPOINT_WAL_BYTES {
-                continue;
+    /// After a write to `s`'s replica: checkpoint it if due, in two halves, so that its
+    /// WAL restarts from the start instead of growing for as long as transactions keep
+    /// arriving.
+    ///
+    /// SQLite restarts a WAL only when a writer begins with every frame checkpointed. A
+    /// checkpoint beside a stream of groups never ends there: some always commit while it
+    /// runs. So the bulk is handed to the checkpointer thread, which copies it on a
+    /// connection of its own while groups go on applying, and once it is done the next
+    /// call, between two groups, copies on the applying connection the few frames
+    /// committed meanwhile (`Replica::checkpoint_tail`). The next group then restarts the
+    /// WAL, and the WAL file keeps its size, its frames rewritten in place.
+    fn checkpoint_step(&self, s: &mut Slot) {
+        let Some(r) = s.replica.as_mut() else {
+            return;
+        };
+        if !r.checkpoint_due() {
+            return;
+        }
+        match s.bulk.load(Ordering::Acquire) {
+            BULK_IDLE => {
+                s.bulk.store(BULK_QUEUED, Ordering::Release);
+                let job = (s.paths.replica.clone(), s.bulk.clone());
+                if self.bulk_tx.send(job).is_err() {
+                    s.bulk.store(BULK_IDLE, Ordering::Release);
+                }
             }
-            match replica::open_for_checkpoints(&path).and_then(|c| replica::checkpoint(&c)) {
-                Ok((log, done)) => tracing::debug!(db = %name, log, done, "replica checkpoint"),
-                Err(e) => tracing::debug!(db = %name, error = %e, "replica checkpoint skipped"),
+            BULK_DONE => {
+                s.bulk.store(BULK_IDLE, Ordering::Release);
+                match r.checkpoint_tail() {
+                    Ok((log, done)) => {
+                        tracing::debug!(db = %s.name, log, done, "replica checkpoint, tail")
+                    }
+                    Err(e) => {
+                        tracing::warn!(db = %s.name, error = %e, "replica checkpoint failed")
+                    }
+                }
             }
+            _ => {}
         }
     }
 
@@ -297,6 +335,7 @@ impl Receiver {
             self.apply_latency.observe(started.elapsed());
         }
         outcome.map_err(|e| self.refused(e))?;
+        self.checkpoint_step(&mut s);
         Ok(s.position())
     }
 
@@ -349,6 +388,7 @@ impl Receiver {
         }
         s.install_base(body, &header, self.config.base_quick_check)
             .map_err(|e| self.refused(e))?;
+        self.checkpoint_step(&mut s);
         Ok(s.position())
     }
 
@@ -675,7 +715,16 @@ pub struct Slot {
     replica: Option<Replica>,
     pending: Option<Pending>,
     stats: Stats,
+    /// Where the bulk half of the replica's checkpoint stands: `BULK_*`.
+    bulk: Arc<AtomicU8>,
 }
+
+/// A replica to checkpoint, and its slot's `bulk`.
+type BulkJob = (PathBuf, Arc<AtomicU8>);
+
+const BULK_IDLE: u8 = 0;
+const BULK_QUEUED: u8 = 1;
+const BULK_DONE: u8 = 2;
 
 #[derive(Default)]
 struct Stats {
@@ -720,6 +769,7 @@ impl Slot {
             replica: None,
             pending: None,
             stats: Stats::default(),
+            bulk: Arc::default(),
         }
     }
 

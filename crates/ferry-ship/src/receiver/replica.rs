@@ -22,6 +22,10 @@ use std::path::{Path, PathBuf};
 /// that readers of the replica are never held up for long.
 const BACKUP_PAGES_PER_STEP: i32 = 1024;
 
+/// Frames in a replica's WAL, in bytes of pages, above which the background checkpointer
+/// folds it (see `Receiver::checkpoint_step`).
+pub const CHECKPOINT_BYTES: u64 = 4 << 20;
+
 /// What went wrong with a replica operation.
 #[derive(Debug, thiserror::Error)]
 pub enum ReplicaError {
@@ -48,6 +52,9 @@ pub struct Replica {
     conn: Connection,
     path: PathBuf,
     page_size: u32,
+    /// Pages written since the WAL was last checkpointed to its end; unknown (so, due) at
+    /// open.
+    wal_pages: u64,
 }
 
 /// Where a page of a group comes from.
@@ -78,6 +85,7 @@ impl Replica {
             conn,
             path: path.to_path_buf(),
             page_size,
+            wal_pages: u64::MAX / 2,
         })
     }
 
@@ -165,7 +173,9 @@ impl Replica {
                 insert.execute(params![group.size + 1, rusqlite::types::Null])?;
             }
         }
-        tx.commit()
+        tx.commit()?;
+        self.wal_pages = self.wal_pages.saturating_add(group.pages.len() as u64);
+        Ok(())
     }
 
     /// Replace the replica's content with the staged base at `staged` (built and checked
@@ -230,7 +240,26 @@ impl Replica {
                 insert.execute(params![count + 1, rusqlite::types::Null])?;
             }
         }
-        tx.commit()
+        tx.commit()?;
+        self.wal_pages = self.wal_pages.saturating_add(count.into());
+        Ok(())
+    }
+
+    /// Is the WAL due for a checkpoint?
+    pub fn checkpoint_due(&self) -> bool {
+        self.wal_pages.saturating_mul(self.page_size.into()) >= CHECKPOINT_BYTES
+    }
+
+    /// Copy to the database what the WAL holds beyond the last checkpoint, on this
+    /// connection, between two groups: with nothing committing meanwhile it reaches the
+    /// WAL's end (unless a reader still uses an older snapshot), and the next group
+    /// restarts the WAL from its start. Returns the frames in the WAL and those copied.
+    pub fn checkpoint_tail(&mut self) -> rusqlite::Result<(i64, i64)> {
+        let (log, done) = checkpoint(&self.conn)?;
+        if done >= log {
+            self.wal_pages = 0;
+        }
+        Ok((log, done))
     }
 
     /// Did the group behind `w` commit? `Some(true)` yes, `Some(false)` no, `None` if the
