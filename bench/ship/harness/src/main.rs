@@ -249,17 +249,20 @@ fn proxy(args: &[String]) -> Result<(), String> {
     let stop = Arc::new(AtomicBool::new(false));
     {
         let (up, down, stats) = (up.clone(), down.clone(), stats.clone());
+        // Written aside and renamed over: a reader never sees the file empty between a
+        // truncation and the write.
+        let staged = stats.with_extension("next");
         std::thread::spawn(move || {
             loop {
                 std::thread::sleep(Duration::from_millis(200));
-                let _ = std::fs::write(
-                    &stats,
-                    format!(
-                        "{} {}\n",
-                        up.load(Ordering::Relaxed),
-                        down.load(Ordering::Relaxed)
-                    ),
+                let line = format!(
+                    "{} {}\n",
+                    up.load(Ordering::Relaxed),
+                    down.load(Ordering::Relaxed)
                 );
+                if std::fs::write(&staged, line).is_ok() {
+                    let _ = std::fs::rename(&staged, &stats);
+                }
             }
         });
     }
