@@ -22,8 +22,8 @@ use std::path::{Path, PathBuf};
 /// that readers of the replica are never held up for long.
 const BACKUP_PAGES_PER_STEP: i32 = 1024;
 
-/// Frames in a replica's WAL, in bytes of pages, above which the background checkpointer
-/// folds it (see `Receiver::checkpoint_step`).
+/// Bytes of pages written to a replica's WAL after which it is checkpointed (see
+/// `Receiver::checkpoint_step`).
 pub const CHECKPOINT_BYTES: u64 = 4 << 20;
 
 /// What went wrong with a replica operation.
@@ -470,8 +470,9 @@ pub fn remove_with_sidecars(path: &Path) -> io::Result<()> {
     Ok(())
 }
 
-/// A PASSIVE checkpoint of the replica at `path` on a connection of its own, so the
-/// applying connection never waits for it. Returns the frames left in the WAL.
+/// A PASSIVE checkpoint on `conn`: the checkpointer's own connection for the bulk (see
+/// `Receiver::checkpoint_step`), the applying one for the tail. Returns the frames in the
+/// WAL and the frames copied.
 pub fn checkpoint(conn: &Connection) -> rusqlite::Result<(i64, i64)> {
     conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| {
         Ok((r.get(1)?, r.get(2)?))
