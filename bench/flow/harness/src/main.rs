@@ -10,9 +10,11 @@
 //!   w1 --dir D [--steps 1000] [--shards 2]
 //!       The floor, then one workflow of K sequential steps: the gap between consecutive
 //!       step completions as the workflow sees them, and its ratio to the floor's p50.
-//!   w2 --dir D [--n 10000] [--steps 10] [--shards 2]
+//!   w2 --dir D [--n 10000] [--steps 10] [--shards 2] [--rounds 1]
 //!       N workflows started at once: steps/s, workflows/s, the log's records per sync and
 //!       syncs per 1,000 steps, CPU-seconds per 1,000 steps (getrusage, whole process).
+//!       With rounds > 1, the same engine runs the load that many times and the last is
+//!       measured; the earlier rounds' steps/s and CPU are listed too.
 //!   w3 --dir D --max-rate R [--fractions 0.25,0.5,0.8,0.95] [--seconds 5] [--steps 10]
 //!      [--warmup 1] [--tick-us 100]
 //!       Open-loop arrivals at each fraction of R workflows/s (a fresh engine each), kept
@@ -20,10 +22,12 @@
 //!       from the scheduled arrival to the result, p50/p99, of the arrivals after the
 //!       warm-up (those during it reported apart), CPU per 1,000 steps and each thread's
 //!       share of a core (the clock's own as `w3-clock`). First, the disk alone:
-//!       sums of steps+1 consecutive 4 KiB fdatasyncs (the floor's pattern, --chain-n
-//!       syncs, 16,000 by default: a few seconds of the disk), p50/p99: the spread of a
-//!       workflow's chain of syncs with no engine; and, on the same syncs, the open-loop
-//!       latency of an ideal group-commit engine (see `ideal_engine`).
+//!       sums of steps+1 consecutive 4 KiB fdatasyncs (the floor's pattern, for as long as
+//!       a point is measured and at least --chain-n syncs, 16,000 by default), p50/p99:
+//!       the spread of a workflow's chain of syncs with no engine; and, on the same
+//!       syncs, the open-loop latency of an ideal group-commit engine (see
+//!       `ideal_engine`). As long as a point: this disk slows down for a few hundred ms
+//!       every second or two, and a shorter sample can miss what the engine meets.
 //!   w4 --dir D [--n 1000] [--sleep-ms 1000]
 //!       N workflows each sleep, then run one step: how late the sleep returned, and how
 //!       late the step after it finished, p50/p99.
@@ -49,7 +53,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::atomic::{AtomicBool, AtomicI64};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU8};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -70,21 +74,57 @@ struct Counting;
 static COUNTING: AtomicBool = AtomicBool::new(false);
 static LIVE: AtomicI64 = AtomicI64::new(0);
 
+/// The heap is mimalloc's, as a Rust service tuned for throughput would link it; with
+/// `FERRY_BENCH_MALLOC=system` it is the C library's malloc. Under glibc's malloc the
+/// engine's CPU per step grows by a third to a half once the heap holds finished runs
+/// (`w2 --rounds`), and sustained load falls behind a burst's pace. Decided at the first
+/// allocation, reading the environment without allocating.
+fn system_malloc() -> bool {
+    static CHOICE: AtomicU8 = AtomicU8::new(0);
+    match CHOICE.load(Relaxed) {
+        1 => true,
+        2 => false,
+        _ => {
+            // SAFETY: getenv returns null or a NUL-terminated string that lives as long
+            // as the environment, which nothing here changes; it does not allocate.
+            let system = unsafe {
+                let v = libc::getenv(c"FERRY_BENCH_MALLOC".as_ptr());
+                !v.is_null() && std::ffi::CStr::from_ptr(v) == c"system"
+            };
+            CHOICE.store(if system { 1 } else { 2 }, Relaxed);
+            system
+        }
+    }
+}
+
 unsafe impl std::alloc::GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
         if COUNTING.load(Relaxed) {
             LIVE.fetch_add(l.size() as i64, Relaxed);
         }
-        // SAFETY: the caller's layout goes to the system allocator unchanged.
-        unsafe { std::alloc::System.alloc(l) }
+        // SAFETY: the caller's layout goes to the allocator unchanged.
+        unsafe {
+            if system_malloc() {
+                std::alloc::System.alloc(l)
+            } else {
+                mimalloc::MiMalloc.alloc(l)
+            }
+        }
     }
 
     unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
         if COUNTING.load(Relaxed) {
             LIVE.fetch_sub(l.size() as i64, Relaxed);
         }
-        // SAFETY: `p` came from `alloc` above with this layout.
-        unsafe { std::alloc::System.dealloc(p, l) }
+        // SAFETY: `p` came from `alloc` above with this layout, and so from the same
+        // allocator (the choice never changes).
+        unsafe {
+            if system_malloc() {
+                std::alloc::System.dealloc(p, l)
+            } else {
+                mimalloc::MiMalloc.dealloc(p, l)
+            }
+        }
     }
 }
 
@@ -281,8 +321,18 @@ fn thread_share(before: &BTreeMap<String, f64>, secs: f64, gone: (&str, f64)) ->
 /// Resident memory in bytes, after giving freed heap back to the kernel: what the live
 /// objects hold, not what earlier temporaries left in malloc's free lists.
 fn rss_bytes() -> Result<u64, String> {
-    // SAFETY: malloc_trim only releases free heap pages; it touches no live allocation.
-    unsafe { libc::malloc_trim(0) };
+    unsafe extern "C" {
+        /// mimalloc's own: return this thread's free pages (and abandoned ones) to the OS.
+        fn mi_collect(force: bool);
+    }
+    // SAFETY: both only release free heap pages; neither touches a live allocation.
+    unsafe {
+        if system_malloc() {
+            libc::malloc_trim(0);
+        } else {
+            mi_collect(true);
+        }
+    }
     let statm = std::fs::read_to_string("/proc/self/statm").map_err(err)?;
     let pages: u64 = statm
         .split_whitespace()
@@ -292,7 +342,7 @@ fn rss_bytes() -> Result<u64, String> {
     Ok(pages * 4096)
 }
 
-fn measure_floor(dir: &Path, n: usize) -> Result<Vec<Duration>, String> {
+fn measure_floor(dir: &Path, n: usize, at_least: Duration) -> Result<Vec<Duration>, String> {
     let path = dir.join("floor.dat");
     let f = std::fs::OpenOptions::new()
         .create(true)
@@ -302,14 +352,17 @@ fn measure_floor(dir: &Path, n: usize) -> Result<Vec<Duration>, String> {
         .open(&path)
         .map_err(err)?;
     // Zeroes laid ahead and synced first, as ferry-log's writer does: the timed syncs
-    // then change no file size or extent.
+    // then change no file size or extent. Past n, the syncs go round the same blocks
+    // again (allocated, so still no size or extent changes).
     (&f).write_all(&vec![0u8; n * 4096]).map_err(err)?;
     f.sync_all().map_err(err)?;
     let block = vec![0xa5u8; 4096];
     let mut lat = Vec::with_capacity(n);
-    for i in 0..n {
+    let began = Instant::now();
+    while lat.len() < n || began.elapsed() < at_least {
         let t = Instant::now();
-        f.write_all_at(&block, (i * 4096) as u64).map_err(err)?;
+        f.write_all_at(&block, ((lat.len() % n) * 4096) as u64)
+            .map_err(err)?;
         f.sync_data().map_err(err)?;
         lat.push(t.elapsed());
     }
@@ -358,14 +411,14 @@ fn ideal_engine(syncs: &[Duration], k: usize) -> Value {
 
 fn floor(args: &[String]) -> Result<Value, String> {
     let dir = fresh_dir(args, "floor")?;
-    let lat = measure_floor(&dir, num(args, "--n", 2000))?;
+    let lat = measure_floor(&dir, num(args, "--n", 2000), Duration::ZERO)?;
     Ok(json!({"workload": "floor", "fdatasync_4k": spread(lat)}))
 }
 
 async fn w1(args: &[String]) -> Result<Value, String> {
     let steps: u32 = num(args, "--steps", 1000);
     let dir = fresh_dir(args, "w1")?;
-    let mut floor = measure_floor(&dir, num(args, "--floor-n", 2000))?;
+    let mut floor = measure_floor(&dir, num(args, "--floor-n", 2000), Duration::ZERO)?;
     floor.sort();
     let floor_p50 = pct(&floor, 50.0);
     let marks: Arc<Mutex<Vec<Instant>>> = Arc::new(Mutex::new(Vec::new()));
@@ -417,6 +470,32 @@ async fn w2(args: &[String]) -> Result<Value, String> {
     let shards: usize = num(args, "--shards", 2);
     let dir = fresh_dir(args, "w2")?;
     let engine = Rc::new(chain_engine(&dir.join("flow"), shards)?);
+    // Rounds before the measured one, on the same engine: how the pace holds once the
+    // heap and the runs map hold finished runs.
+    let mut earlier = Vec::new();
+    for r in 1..num(args, "--rounds", 1u32) {
+        let cpu = cpu_seconds();
+        let t = Instant::now();
+        let tasks: Vec<_> = (0..n)
+            .map(|i| {
+                let e = engine.clone();
+                tokio::task::spawn_local(async move {
+                    e.start(CHAIN, &format!("w2-{r}-{i}"), &steps)
+                        .await?
+                        .result()
+                        .await
+                })
+            })
+            .collect();
+        for task in tasks {
+            task.await.map_err(err)?.map_err(err)?;
+        }
+        let total = f64::from(n * steps);
+        earlier.push(json!({
+            "steps_per_sec": total / t.elapsed().as_secs_f64(),
+            "cpu_secs_per_1k_steps": (cpu_seconds() - cpu) * 1000.0 / total,
+        }));
+    }
     let before = engine.log_stats();
     let cpu = cpu_seconds();
     let t = Instant::now();
@@ -445,6 +524,7 @@ async fn w2(args: &[String]) -> Result<Value, String> {
         "cpu_secs": cpu,
         "cpu_secs_per_1k_steps": cpu * 1000.0 / total_steps as f64,
         "workflow_latency": spread(lat),
+        "earlier_rounds": earlier,
         "log": log_delta(before, engine.log_stats(), total_steps),
     }))
 }
@@ -469,7 +549,11 @@ async fn w3(args: &[String]) -> Result<Value, String> {
     // bounds the spread any engine that syncs per step can show here.
     let chain = {
         let dir = fresh_dir(args, "w3-disk")?;
-        let syncs = measure_floor(&dir, num(args, "--chain-n", 16000))?;
+        let syncs = measure_floor(
+            &dir,
+            num(args, "--chain-n", 16000),
+            Duration::from_secs_f64(seconds),
+        )?;
         let k = steps as usize + 1;
         let sums: Vec<Duration> = syncs.windows(k).map(|w| w.iter().sum()).collect();
         std::fs::remove_dir_all(&dir).map_err(err)?;
