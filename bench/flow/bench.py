@@ -419,10 +419,11 @@ def report(ferry, peers, fair, m):
           + "; ".join(f"{f:.0%} p50 {medians([r['w3_tmpfs']['points'][i]['point'] for r in ferry], 'latency.p50_us') / 1e3:.2f} ms, "
                       f"p99 {medians([r['w3_tmpfs']['points'][i]['point'] for r in ferry], 'latency.p99_us') / 1e3:.2f} ms"
                       for i, f in enumerate(W3_TMPFS_FRACTIONS))
-          + ". What is left of the tail without a disk is not the disk's: on this machine the whole "
-          "process stalls for 15-100 ms every second or two, at any load down to 5% and under either allocator "
-          "(in one run a thread that only spun in the same process stopped for 16 ms at the same moment), while "
-          "a lone `pwrite`+`fdatasync` loop on tmpfs does not. The cause is not yet found."]
+          + ". What is left of the tail without a disk is not the disk's. Workflows stop completing for "
+          "15-100 ms every second or two, at any load down to 5% and under either allocator, while a lone "
+          "`pwrite`+`fdatasync` loop on tmpfs never stalls; in such a window both cores run ferry's own threads "
+          "(shards, log writer, client) nearly all the time (a system-wide `perf` record of the scheduler), so the "
+          "time goes to work inside the process that completes no workflow. Its cause is not yet found."]
     warm = []
     for i, f in enumerate(W3_FRACTIONS):
         pt = lambda k: medians([r["w3"]["points"][i]["point"] for r in ferry], k)
