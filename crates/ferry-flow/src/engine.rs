@@ -450,6 +450,10 @@ impl Shared {
             FlowError::Invalid(format!("no workflow named {workflow:?} is registered"))
         })?;
         let handler = handler.clone();
+        let mut runs = lock(&self.runs);
+        if let Some(e) = runs.get(id) {
+            return Ok(e.start_end);
+        }
         let rec = Record {
             run: id.to_string(),
             generation: 0,
@@ -464,17 +468,11 @@ impl Shared {
         };
         let bytes = rec.encode();
         self.check_payload(bytes.len())?;
-        // The check and the append under the runs lock, so a second start of the id
-        // finds the first; the shard's wake-up after it, so the woken shard does not
-        // find the lock still held.
-        let mut runs = lock(&self.runs);
-        if let Some(e) = runs.get(id) {
-            return Ok(e.start_end);
-        }
         let end = self.log.append(RECORD_KIND, &bytes)?;
         let mut entry = RunEntry::new(workflow, parent, 0, RunStatus::Running);
         entry.start_end = end;
         runs.insert(id.to_string(), entry);
+        // The shard's wake-up after letting go: its first act takes this lock.
         drop(runs);
         self.spawn(Job {
             run: id.to_string(),

@@ -476,20 +476,7 @@ async fn w2(args: &[String]) -> Result<Value, String> {
     for r in 1..num(args, "--rounds", 1u32) {
         let cpu = cpu_seconds();
         let t = Instant::now();
-        let tasks: Vec<_> = (0..n)
-            .map(|i| {
-                let e = engine.clone();
-                tokio::task::spawn_local(async move {
-                    e.start(CHAIN, &format!("w2-{r}-{i}"), &steps)
-                        .await?
-                        .result()
-                        .await
-                })
-            })
-            .collect();
-        for task in tasks {
-            task.await.map_err(err)?.map_err(err)?;
-        }
+        burst(&engine, &format!("w2-{r}"), n, steps).await?;
         let total = f64::from(n * steps);
         earlier.push(json!({
             "steps_per_sec": total / t.elapsed().as_secs_f64(),
@@ -499,20 +486,7 @@ async fn w2(args: &[String]) -> Result<Value, String> {
     let before = engine.log_stats();
     let cpu = cpu_seconds();
     let t = Instant::now();
-    let mut tasks = Vec::with_capacity(n as usize);
-    for i in 0..n {
-        let e = engine.clone();
-        tasks.push(tokio::task::spawn_local(async move {
-            let started = Instant::now();
-            let h = e.start(CHAIN, &format!("w2-{i}"), &steps).await?;
-            h.result().await?;
-            Ok::<_, FlowError>(started.elapsed())
-        }));
-    }
-    let mut lat = Vec::with_capacity(n as usize);
-    for task in tasks {
-        lat.push(task.await.map_err(err)?.map_err(err)?);
-    }
+    let lat = burst(&engine, "w2", n, steps).await?;
     let secs = t.elapsed().as_secs_f64();
     let cpu = cpu_seconds() - cpu;
     let total_steps = u64::from(n) * u64::from(steps);
@@ -819,21 +793,28 @@ fn ledger_engine(
         .map_err(err)
 }
 
-async fn start_all(engine: &Rc<Engine>, n: u32, steps: u32) -> Result<(), String> {
+/// Start runs `{prefix}-0` to `{prefix}-(n-1)` of CHAIN all at once and await every
+/// result; each one's time from its start call to its result.
+async fn burst(
+    engine: &Rc<Engine>,
+    prefix: &str,
+    n: u32,
+    steps: u32,
+) -> Result<Vec<Duration>, String> {
     let mut tasks = Vec::with_capacity(n as usize);
     for i in 0..n {
-        let e = engine.clone();
+        let (e, id) = (engine.clone(), format!("{prefix}-{i}"));
         tasks.push(tokio::task::spawn_local(async move {
-            e.start(CHAIN, &format!("w6-{i}"), &steps)
-                .await?
-                .result()
-                .await
+            let started = Instant::now();
+            e.start(CHAIN, &id, &steps).await?.result().await?;
+            Ok::<_, FlowError>(started.elapsed())
         }));
     }
+    let mut lat = Vec::with_capacity(n as usize);
     for task in tasks {
-        task.await.map_err(err)?.map_err(err)?;
+        lat.push(task.await.map_err(err)?.map_err(err)?);
     }
-    Ok(())
+    Ok(lat)
 }
 
 async fn w6_child(args: &[String]) -> Result<Value, String> {
@@ -844,7 +825,13 @@ async fn w6_child(args: &[String]) -> Result<Value, String> {
         "A",
         Arc::new(OnceLock::new()),
     )?);
-    start_all(&engine, num(args, "--n", 1000), num(args, "--steps", 10)).await?;
+    burst(
+        &engine,
+        "w6",
+        num(args, "--n", 1000),
+        num(args, "--steps", 10),
+    )
+    .await?;
     Ok(json!({"finished": true}))
 }
 
@@ -918,7 +905,7 @@ async fn w6(args: &[String]) -> Result<Value, String> {
         first_step.clone(),
     )?);
     let open_ms = t.elapsed().as_secs_f64() * 1e3;
-    start_all(&engine, n, steps).await?;
+    burst(&engine, "w6", n, steps).await?;
     let all_ms = t.elapsed().as_secs_f64() * 1e3;
     let first_ms = first_step.get().map(|f| (*f - t).as_secs_f64() * 1e3);
     drop(engine);
