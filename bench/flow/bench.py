@@ -383,19 +383,22 @@ def report(ferry, peers, fair, m):
           "warm-up (a fresh engine's first segment and first wake-ups; reported below, not counted in the table); latency "
           "runs from each scheduled arrival to its result (so a stall counts for everything behind it). The last column "
           "counts the log writer's cycles (write and fdatasync of what filled) that took 1 ms or more, warm-up included: "
-          "each delays every workflow in flight.", "",
-          "| load | asked (workflows/s) | achieved | p50 (ms) | p99 (ms) | p99 ÷ p50 | steps per sync | writer's cycles of ≥ 1 ms per s |",
-          "|---|---|---|---|---|---|---|---|"]
+          "each delays every workflow in flight. The host's steal is the CPU time the hypervisor gave to something else "
+          "while this VM's vCPUs wanted to run, summed over both (`/proc/stat`, in steps of 10 ms), during the point.", "",
+          "| load | asked (workflows/s) | achieved | p50 (ms) | p99 (ms) | p99 ÷ p50 | steps per sync | writer's cycles of ≥ 1 ms per s | host's steal (ms) |",
+          "|---|---|---|---|---|---|---|---|---|"]
     w3 = {}
     for i, f in enumerate(W3_FRACTIONS):
         pt = lambda k: medians([r["w3"]["points"][i]["point"] for r in ferry], k)
         w3[f] = {"asked": pt("rate_asked"), "achieved": pt("achieved_per_sec"), "p50": pt("latency.p50_us") / 1e3,
                  "p99": pt("latency.p99_us") / 1e3, "steps_per_sync": pt("log.steps_per_sync"),
                  "slow": med([r["w3"]["points"][i]["point"]["log"]["writer"]["cycles_1ms_or_more"]
-                              / (r["w3"]["warmup"] + r["w3"]["seconds"]) for r in ferry])}
+                              / (r["w3"]["warmup"] + r["w3"]["seconds"]) for r in ferry]),
+                 "steal": [r["w3"]["points"][i].get("host_steal_ms") for r in ferry]}
         v = w3[f]
+        steal = ", ".join("?" if x is None else f"{x:.0f}" for x in v["steal"])
         L.append(f"| {f:.0%} | {v['asked']:,.0f} | {v['achieved']:,.0f} | {v['p50']:.2f} | {v['p99']:.2f} | "
-                 f"{v['p99'] / v['p50']:.1f} | {v['steps_per_sync']:.1f} | {v['slow']:.0f} |")
+                 f"{v['p99'] / v['p50']:.1f} | {v['steps_per_sync']:.1f} | {v['slow']:.0f} | {steal} |")
     chain = {k: medians(ferry, f"w3.disk_chain.latency.{k}") / 1e3 for k in ["p50_us", "p99_us"]}
     chain_k = ferry[0]["w3"]["disk_chain"]["syncs"]
     chain_ratio = chain["p99_us"] / chain["p50_us"]
@@ -403,8 +406,7 @@ def report(ferry, peers, fair, m):
     ideal_ratio = ideal["p99_us"] / ideal["p50_us"]
     L += ["", f"The disk alone, in the same round, from {ferry[0]['w3']['disk_chain']['latency']['n'] + chain_k - 1:,} "
           f"back-to-back 4 KiB fdatasyncs over {ferry[0]['w3']['seconds']:g} s, as long as each point is measured "
-          "(this disk slows down for a few hundred milliseconds every second or two; a shorter sample can miss what "
-          "the engine meets):", "",
+          "(so that it meets what a point meets):", "",
           f"- a chain of {chain_k} consecutive syncs (a workflow's start and its steps, each waiting for a sync, with "
           f"no engine): p50 {chain['p50_us']:.2f} ms, p99 {chain['p99_us']:.2f} ms, p99 ÷ p50 = {chain_ratio:.1f}. "
           "One sample per sync, whatever its length: a rare long sync touches few samples.",
@@ -419,11 +421,18 @@ def report(ferry, peers, fair, m):
           + "; ".join(f"{f:.0%} p50 {medians([r['w3_tmpfs']['points'][i]['point'] for r in ferry], 'latency.p50_us') / 1e3:.2f} ms, "
                       f"p99 {medians([r['w3_tmpfs']['points'][i]['point'] for r in ferry], 'latency.p99_us') / 1e3:.2f} ms"
                       for i, f in enumerate(W3_TMPFS_FRACTIONS))
-          + ". What is left of the tail without a disk is not the disk's. Workflows stop completing for "
-          "15-100 ms every second or two, at any load down to 5% and under either allocator, while a lone "
-          "`pwrite`+`fdatasync` loop on tmpfs never stalls; in such a window both cores run ferry's own threads "
-          "(shards, log writer, client) nearly all the time (a system-wide `perf` record of the scheduler), so the "
-          "time goes to work inside the process that completes no workflow. Its cause is not yet found."]
+          + ". What is left of the tail without a disk is not the disk's.",
+          "", "**The host stops this VM.** On the VMs this bench was built on, the whole VM stops now and then for "
+          "10-30 ms: in a system-wide `perf` record of the scheduler, neither CPU switches a thread or even fires a "
+          "timer for that long; `/proc/stat` counts the gap as steal on both CPUs; and it comes within tens of "
+          "milliseconds of the guest handing freed memory back to the host (free page reporting, "
+          "`/sys/module/page_reporting`), which it does in passes some seconds after the memory was freed. An "
+          "earlier version of this harness freed hundreds of MB between points (every finished task's memory, kept "
+          "until the point ended; each point's log and the disk's samples, freed before the next point), and the "
+          "host's passes then fell inside the next point. It now frees nothing in bulk until its last point, and "
+          f"before the first it waits until the guest has made no reporting pass for 5 s (here {med([r['w3']['settled_secs'] for r in ferry]):.0f} s, "
+          "median of the rounds). Each point's steal is in the table above: a point with tens of ms of it had such "
+          "a stop inside it, and its tail is the host's."]
     warm = []
     for i, f in enumerate(W3_FRACTIONS):
         pt = lambda k: medians([r["w3"]["points"][i]["point"] for r in ferry], k)

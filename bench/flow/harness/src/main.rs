@@ -16,7 +16,7 @@
 //!       With rounds > 1, the same engine runs the load that many times and the last is
 //!       measured; the earlier rounds' steps/s and CPU are listed too.
 //!   w3 --dir D --max-rate R [--fractions 0.25,0.5,0.8,0.95] [--seconds 5] [--steps 10]
-//!      [--warmup 1] [--tick-us 100]
+//!      [--warmup 1] [--tick-us 100] [--dump PREFIX]
 //!       Open-loop arrivals at each fraction of R workflows/s (a fresh engine each), kept
 //!       by a clock thread that wakes at most every tick, for warmup + seconds: latency
 //!       from the scheduled arrival to the result, p50/p99, of the arrivals after the
@@ -26,8 +26,11 @@
 //!       a point is measured and at least --chain-n syncs, 16,000 by default), p50/p99:
 //!       the spread of a workflow's chain of syncs with no engine; and, on the same
 //!       syncs, the open-loop latency of an ideal group-commit engine (see
-//!       `ideal_engine`). As long as a point: this disk slows down for a few hundred ms
-//!       every second or two, and a shorter sample can miss what the engine meets.
+//!       `ideal_engine`). As long as a point, so that it meets what a point meets.
+//!       Before the first point it waits for the host to take back the memory freed so
+//!       far (`settle_host`), and reports each point's `host_steal_ms`: time the host
+//!       did not run this VM while it wanted to run. `--dump PREFIX` writes every
+//!       arrival's time and latency to PREFIX.<percent> (`dump_arrivals`).
 //!   w4 --dir D [--n 1000] [--sleep-ms 1000]
 //!       N workflows each sleep, then run one step: how late the sleep returned, and how
 //!       late the step after it finished, p50/p99.
@@ -342,6 +345,49 @@ fn rss_bytes() -> Result<u64, String> {
     Ok(pages * 4096)
 }
 
+/// The host's take: CPU time the hypervisor ran something else while this VM's vCPUs
+/// wanted to run (`steal` in /proc/stat, summed over CPUs), in ms; None off Linux/VMs.
+fn steal_ms() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let cpu = stat.lines().next()?;
+    let steal: f64 = cpu.split_whitespace().nth(8)?.parse().ok()?;
+    // SAFETY: sysconf reads a constant.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    Some(steal * 1000.0 / hz)
+}
+
+/// Free page reporting: a guest hands memory it freed back to the host, in passes some
+/// seconds later, and a pass that hands back much of it stops the whole VM for 10-30 ms
+/// on the machines this bench was built on (seen as `steal` in /proc/stat, and as no
+/// thread of any process running). Their kernels count the passes here.
+const PAGE_REPORTING: &str = "/sys/module/page_reporting/parameters";
+
+/// Wait, at most `max`, until the guest has made no reporting pass for `quiet`: memory
+/// freed before a measurement (by an earlier process, or this one's own preparation)
+/// goes back to the host before its clock starts rather than during it. Returns how
+/// long it waited; zero where the kernel does not count its passes.
+fn settle_host(quiet: Duration, max: Duration) -> Duration {
+    let began = Instant::now();
+    let read = || {
+        std::fs::read_to_string(format!("{PAGE_REPORTING}/passes"))
+            .ok()
+            .zip(std::fs::read_to_string(format!("{PAGE_REPORTING}/reported_kib")).ok())
+    };
+    let Some(mut last) = read() else {
+        return Duration::ZERO;
+    };
+    let mut since = Instant::now();
+    while since.elapsed() < quiet && began.elapsed() < max {
+        std::thread::sleep(Duration::from_millis(100));
+        let now = read();
+        if now.as_ref() != Some(&last) {
+            last = now.unwrap_or_default();
+            since = Instant::now();
+        }
+    }
+    began.elapsed()
+}
+
 fn measure_floor(dir: &Path, n: usize, at_least: Duration) -> Result<Vec<Duration>, String> {
     let path = dir.join("floor.dat");
     let f = std::fs::OpenOptions::new()
@@ -518,10 +564,16 @@ async fn w3(args: &[String]) -> Result<Value, String> {
     let steps: u32 = num(args, "--steps", 10);
     let shards: usize = num(args, "--shards", 2);
     let tick = Duration::from_micros(num(args, "--tick-us", 100));
+    // What W3 frees in bulk (the disk's samples, each point's log) stays allocated until
+    // its last point: on the VMs this bench was built on, memory a guest frees is handed
+    // back to the host some seconds later, in passes that stop the whole VM for 10-30 ms
+    // each (`settle_host`). Freed between points, it would stall the next point for
+    // reasons that are not the engine's.
+    let mut dirs = Vec::new();
     // The disk alone: a workflow's start and steps each wait for a sync of their own
     // (at the least), one after another. How those chains of syncs spread on this disk
     // bounds the spread any engine that syncs per step can show here.
-    let chain = {
+    let (chain, samples) = {
         let dir = fresh_dir(args, "w3-disk")?;
         let syncs = measure_floor(
             &dir,
@@ -530,21 +582,41 @@ async fn w3(args: &[String]) -> Result<Value, String> {
         )?;
         let k = steps as usize + 1;
         let sums: Vec<Duration> = syncs.windows(k).map(|w| w.iter().sum()).collect();
-        std::fs::remove_dir_all(&dir).map_err(err)?;
-        json!({"syncs": k, "latency": spread(sums), "ideal_engine": ideal_engine(&syncs, k)})
+        let chain = json!({"syncs": k, "latency": spread(sums.clone()), "ideal_engine": ideal_engine(&syncs, k)});
+        dirs.push(dir);
+        (chain, (syncs, sums))
     };
+    // What this process's start, or the process run before it, freed: handed back now.
+    let settled = settle_host(Duration::from_secs(5), Duration::from_secs(30));
     let mut points = Vec::new();
     for f in fractions {
         let dir = fresh_dir(args, &format!("w3-{}", (f * 100.0).round()))?;
         let engine = Rc::new(chain_engine(&dir.join("flow"), shards)?);
-        let p = open_loop(&engine, f * max_rate, (warmup, seconds), steps, tick).await?;
-        points.push(json!({"fraction": f, "point": p}));
-        // A few hundred MB at the higher rates: not left behind for the next fraction.
+        let steal = steal_ms();
+        let dump =
+            flag(args, "--dump").map(|d| PathBuf::from(format!("{d}.{}", (f * 100.0).round())));
+        let p = open_loop(
+            &engine,
+            f * max_rate,
+            (warmup, seconds),
+            steps,
+            tick,
+            dump.as_deref(),
+        )
+        .await?;
+        let steal = steal.zip(steal_ms()).map(|(a, b)| b - a);
+        points.push(json!({"fraction": f, "point": p, "host_steal_ms": steal}));
+        // Closed, not kept: a live engine compacts its log in the background, which
+        // would take CPU from the next point.
         drop(engine);
+        dirs.push(dir);
+    }
+    drop(samples);
+    for dir in dirs {
         std::fs::remove_dir_all(&dir).map_err(err)?;
     }
     Ok(
-        json!({"workload": "w3", "max_rate": max_rate, "steps_per_workflow": steps, "seconds": seconds, "warmup": warmup, "points": points, "disk_chain": chain}),
+        json!({"workload": "w3", "max_rate": max_rate, "settled_secs": settled.as_secs_f64(), "steps_per_workflow": steps, "seconds": seconds, "warmup": warmup, "points": points, "disk_chain": chain}),
     )
 }
 
@@ -558,6 +630,7 @@ async fn open_loop(
     (warmup, seconds): (f64, f64),
     steps: u32,
     tick: Duration,
+    dump: Option<&Path>,
 ) -> Result<Value, String> {
     let count = (rate * (warmup + seconds)).round().max(1.0) as u64;
     let lat: Rc<RefCell<Vec<(Instant, Duration)>>> = Rc::new(RefCell::new(Vec::new()));
@@ -600,21 +673,31 @@ async fn open_loop(
             rusage_seconds(libc::RUSAGE_THREAD)
         })
         .map_err(err)?;
-    let mut tasks = Vec::with_capacity(count as usize);
+    // Each arrival's task reports its end on `done` and is gone: a JoinHandle kept per
+    // arrival would keep every finished task's memory until the end of the point.
+    let (done_tx, mut done) = tokio::sync::mpsc::unbounded_channel::<Result<(), FlowError>>();
+    let mut started = 0u64;
     while let Some((i, due)) = arrivals.recv().await {
-        let (e, l) = (engine.clone(), lat.clone());
-        tasks.push(tokio::task::spawn_local(async move {
-            let h = e.start(CHAIN, &format!("w3-{i}"), &steps).await?;
-            h.result().await?;
-            l.borrow_mut().push((due, due.elapsed()));
-            Ok::<_, FlowError>(())
-        }));
+        let (e, l, done_tx) = (engine.clone(), lat.clone(), done_tx.clone());
+        started += 1;
+        tokio::task::spawn_local(async move {
+            let r = async {
+                let h = e.start(CHAIN, &format!("w3-{i}"), &steps).await?;
+                h.result().await?;
+                l.borrow_mut().push((due, due.elapsed()));
+                Ok(())
+            };
+            let _ = done_tx.send(r.await);
+        });
     }
     let clock_cpu = clock
         .join()
         .map_err(|_| "the arrival clock panicked".to_string())?;
-    for task in tasks {
-        task.await.map_err(err)?.map_err(err)?;
+    for _ in 0..started {
+        done.recv()
+            .await
+            .ok_or("a workflow's task vanished")?
+            .map_err(err)?;
     }
     let secs = t0.elapsed().as_secs_f64();
     let measured_from = t0 + Duration::from_secs_f64(warmup);
@@ -622,6 +705,9 @@ async fn open_loop(
         .borrow()
         .iter()
         .partition(|(due, _)| *due >= measured_from);
+    if let Some(path) = dump {
+        dump_arrivals(path, t0, &lat.borrow()).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
     let only = |v: Vec<(Instant, Duration)>| v.into_iter().map(|(_, l)| l).collect();
     Ok(json!({
         "rate_asked": rate, "workflows": count, "achieved_per_sec": count as f64 / secs,
@@ -632,6 +718,28 @@ async fn open_loop(
         "cpu_share_by_thread": thread_share(&cpu, secs, ("w3-clock", clock_cpu)),
         "log": log_delta(before, engine.log_stats(), count * u64::from(steps)),
     }))
+}
+
+/// One line per arrival, `due_ms latency_ms` from the point's start; the first line
+/// gives that start on CLOCK_MONOTONIC (seconds), to line stalls up with `perf record
+/// -k mono` or anything else that stamps its events with that clock.
+fn dump_arrivals(path: &Path, t0: Instant, lat: &[(Instant, Duration)]) -> std::io::Result<()> {
+    // SAFETY: timespec is plain integers; clock_gettime writes one into the struct we own.
+    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; CLOCK_MONOTONIC is valid.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    let now = ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9;
+    let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
+    writeln!(
+        f,
+        "# start {:.6} CLOCK_MONOTONIC",
+        now - t0.elapsed().as_secs_f64()
+    )?;
+    for (due, l) in lat {
+        let at = due.saturating_duration_since(t0).as_secs_f64() * 1e3;
+        writeln!(f, "{at:.3} {:.3}", l.as_secs_f64() * 1e3)?;
+    }
+    f.flush()
 }
 
 async fn w4(args: &[String]) -> Result<Value, String> {
