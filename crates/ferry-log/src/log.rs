@@ -713,12 +713,19 @@ struct Filled {
     len: u64,
 }
 
-/// The writer keeps this much zero-filled space ahead of the log's end, written in one
-/// piece (inside the same sync as a batch) whenever less than half of it is left. A
-/// batch written over zeroes the disk already holds changes no file size or extent,
-/// so its fdatasync writes the data alone; appending to the end of a file would make
-/// every sync write the inode too.
+/// The writer keeps this much zero-filled space ahead of the log's end. A batch written
+/// over zeroes the disk already holds changes no file size or extent, so its fdatasync
+/// writes the data alone; appending to the end of a file would make every sync write
+/// the inode too.
 const ZERO_AHEAD: u64 = 1 << 20;
+
+/// The zeroes are topped up inside the same sync as a batch, as soon as this much of
+/// them is used, by this much to twice it: that sync carries them, and one that
+/// carried half a MiB took 1-2.5 ms (docs/log.md §3).
+const ZERO_STEP: u64 = 64 << 10;
+
+/// What a top-up writes from (never allocated per top-up).
+static ZEROES: [u8; 2 * ZERO_STEP as usize] = [0; 2 * ZERO_STEP as usize];
 
 /// Write `batches` (creating segments as they begin) and sync every segment written.
 /// Returns the number of syncs.
@@ -755,9 +762,11 @@ fn write_batches(inner: &Inner, batches: &[Sealed], filled: &mut Filled) -> io::
         if filled.seg == b.seg {
             filled.len = filled.len.max(end);
             let limit = inner.config.segment_bytes;
-            if filled.len < end + ZERO_AHEAD / 2 && filled.len < limit {
-                let upto = (end + ZERO_AHEAD).min(limit);
-                st.write_at(&name, filled.len, &vec![0u8; (upto - filled.len) as usize])?;
+            if filled.len + ZERO_STEP <= end + ZERO_AHEAD && filled.len < limit {
+                let upto = (end + ZERO_AHEAD)
+                    .min(limit)
+                    .min(filled.len + 2 * ZERO_STEP);
+                st.write_at(&name, filled.len, &ZEROES[..(upto - filled.len) as usize])?;
                 filled.len = upto;
             }
         }
