@@ -699,7 +699,7 @@ impl Ctx {
             self.pause_until(pos, retry_at).await?;
             // Output holding: the body talks to the outside world, so what it follows
             // must be durable first.
-            self.run.shared.log.durable(self.run.last.get()).await?;
+            crate::durable::durable(&self.run.shared.log, self.run.last.get()).await?;
             let key = format!("{}/{}/{}", self.run.run, self.run.generation, pos);
             let attempt_result = match timeout {
                 None => body(StepCtx { key }).await,

@@ -1599,7 +1599,9 @@ impl Shard {
                     .build()
                     .expect("a current-thread runtime builds");
                 let local = tokio::task::LocalSet::new();
+                let watcher = crate::durable::Waits::install(shared.log.clone());
                 local.block_on(&rt, async move {
+                    tokio::task::spawn_local(watcher);
                     loop {
                         tokio::select! {
                             biased;
@@ -1762,7 +1764,10 @@ async fn end_generation(
         }
     }
     // A result leaves the process only once its record is durable.
-    if shared.log.durable(run.last.get()).await.is_ok() {
+    if crate::durable::durable(&shared.log, run.last.get())
+        .await
+        .is_ok()
+    {
         shared.settle(&run.run, RunStatus::Finished(outcome));
     }
     None

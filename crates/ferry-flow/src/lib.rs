@@ -2,12 +2,13 @@
 //!
 //! `journal`: what a run records and how it is framed in ferry-log; `replay`: the
 //! cursor that checks a run's code against its journal; `engine`: runs, shards, recovery,
-//! cancellation, continue-as-new, limits; `ctx`: what workflow code calls. docs/flow.md
-//! marks what is planned.
+//! cancellation, continue-as-new, limits; `ctx`: what workflow code calls; `durable`:
+//! how a shard's tasks wait for the log. docs/flow.md marks what is planned.
 
 pub mod admin;
 mod checkpoint;
 mod ctx;
+mod durable;
 mod engine;
 pub mod journal;
 pub mod replay;
