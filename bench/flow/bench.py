@@ -444,7 +444,7 @@ def report(ferry, peers, fair, m):
           "`/sys/module/page_reporting`), which it does in passes some seconds after the memory was freed. An "
           "earlier version of this harness freed hundreds of MB between points (every finished task's memory, kept "
           "until the point ended; each point's log and the disk's samples, freed before the next point), and the "
-          "host's passes then fell inside the next point. It now frees nothing in bulk until its last point, and "
+          "guest's reporting passes then fell inside the next point. It now frees nothing in bulk until its last point, and "
           f"before the first it waits until the guest has made no reporting pass for 5 s (here {med([r['w3']['settled_secs'] for r in ferry]):.0f} s, "
           "median of the rounds). Each point's steal is in the table above: a point with tens of ms of it had such "
           "a stop inside it, and its tail is the host's."]

@@ -357,9 +357,10 @@ fn steal_ms() -> Option<f64> {
 }
 
 /// Free page reporting: a guest hands memory it freed back to the host, in passes some
-/// seconds later, and a pass that hands back much of it stops the whole VM for 10-30 ms
-/// on the machines this bench was built on (seen as `steal` in /proc/stat, and as no
-/// thread of any process running). Their kernels count the passes here.
+/// seconds later. On the machines this bench was built on, the whole VM was seen to
+/// stop for 10-30 ms (no thread of any process running, the gap counted as `steal` in
+/// /proc/stat) within tens of ms of a pass that handed back 100 MB or more. Their
+/// kernels count the passes here.
 const PAGE_REPORTING: &str = "/sys/module/page_reporting/parameters";
 
 /// Wait, at most `max`, until the guest has made no reporting pass for `quiet`: memory
@@ -565,10 +566,10 @@ async fn w3(args: &[String]) -> Result<Value, String> {
     let shards: usize = num(args, "--shards", 2);
     let tick = Duration::from_micros(num(args, "--tick-us", 100));
     // What W3 frees in bulk (the disk's samples, each point's log) stays allocated until
-    // its last point: on the VMs this bench was built on, memory a guest frees is handed
-    // back to the host some seconds later, in passes that stop the whole VM for 10-30 ms
-    // each (`settle_host`). Freed between points, it would stall the next point for
-    // reasons that are not the engine's.
+    // its last point: memory a guest frees is handed back to the host some seconds
+    // later, and on the VMs this bench was built on the VM stopped for 10-30 ms around
+    // such passes (`settle_host`). Freed between points, it would stall the next point
+    // for reasons that are not the engine's.
     let mut dirs = Vec::new();
     // The disk alone: a workflow's start and steps each wait for a sync of their own
     // (at the least), one after another. How those chains of syncs spread on this disk
