@@ -16,7 +16,7 @@
 //!       With rounds > 1, the same engine runs the load that many times and the last is
 //!       measured; the earlier rounds' steps/s and CPU are listed too.
 //!   w3 --dir D --max-rate R [--fractions 0.25,0.5,0.8,0.95] [--seconds 5] [--steps 10]
-//!      [--warmup 1] [--tick-us 100] [--dump PREFIX]
+//!      [--warmup 1] [--tick-us 250] [--dump PREFIX]
 //!       Open-loop arrivals at each fraction of R workflows/s (a fresh engine each), kept
 //!       by a clock thread that wakes at most every tick, for warmup + seconds: latency
 //!       from the scheduled arrival to the result, p50/p99, of the arrivals after the
@@ -135,6 +135,15 @@ unsafe impl std::alloc::GlobalAlloc for Counting {
 static ALLOCATOR: Counting = Counting;
 
 fn main() {
+    // No transparent huge pages, the setting Redis and MongoDB ask for: mimalloc asks
+    // for them on its arenas, and the first touch of each fresh 2 MiB region then
+    // zeroes it whole in one page fault, 1 to 5 ms on whichever thread allocates,
+    // which showed in W3 as a stall every 100 to 300 ms. `FERRY_BENCH_THP=1` keeps
+    // them.
+    if std::env::var_os("FERRY_BENCH_THP").is_none_or(|v| v != "1") {
+        // SAFETY: PR_SET_THP_DISABLE sets a flag of this process; no memory is passed.
+        unsafe { libc::prctl(libc::PR_SET_THP_DISABLE, 1 as libc::c_ulong, 0, 0, 0) };
+    }
     let args: Vec<String> = std::env::args().collect();
     // Timers only: without an I/O driver, a wake from the engine's threads finds this
     // thread through an atomic and costs a syscall only when it sleeps (with one, every
@@ -564,7 +573,7 @@ async fn w3(args: &[String]) -> Result<Value, String> {
     let warmup: f64 = num(args, "--warmup", 1.0);
     let steps: u32 = num(args, "--steps", 10);
     let shards: usize = num(args, "--shards", 2);
-    let tick = Duration::from_micros(num(args, "--tick-us", 100));
+    let tick = Duration::from_micros(num(args, "--tick-us", 250));
     // What W3 frees in bulk (the disk's samples, each point's log) stays allocated until
     // its last point: memory a guest frees is handed back to the host some seconds
     // later, and on the VMs this bench was built on the VM stopped for 10-30 ms around
@@ -644,7 +653,8 @@ async fn open_loop(
     // bursts. It wakes at each arrival's time, but no more often than every `tick` (each
     // wake-up costs both threads a context switch), with the kernel's timer slack cut
     // from 50 µs to 1 µs, and hands over every arrival due by then. Latency counts from
-    // the arrival's time, so what `tick` delays is in the figures.
+    // the arrival's time, so what `tick` delays is in the figures. At 250 µs the clock
+    // takes 0.06 of a core from the engine's two; at 100 µs it took 0.13.
     let (tx, mut arrivals) = tokio::sync::mpsc::unbounded_channel::<(u64, Instant)>();
     // It returns its own CPU time: once joined it is gone from /proc, and its share of
     // the two cores is the harness's, not the engine's.
