@@ -384,14 +384,17 @@ def report(ferry, peers, fair, m):
           "DBOS on Postgres leaves out the Postgres backends' CPU.",
           "", "## W3: open-loop arrivals at a fraction of W2's maximum (ferry)", "",
           f"Workflows of 10 steps arrive on a fixed schedule for {ferry[0]['w3']['seconds']:g} s at each fraction of the same round's W2 "
-          "workflows/s, released by a clock thread that wakes at most every 100 µs, after 1 s of the same arrivals as "
+          "workflows/s, released by a clock thread that wakes at most every 250 µs, after 1 s of the same arrivals as "
           "warm-up (a fresh engine's first segment and first wake-ups; reported below, not counted in the table); latency "
           "runs from each scheduled arrival to its result (so a stall counts for everything behind it). The last column "
           "counts the log writer's cycles (write and fdatasync of what filled) that took 1 ms or more, warm-up included: "
           "each delays every workflow in flight. The host's steal is the CPU time the hypervisor gave to something else "
-          "while this VM's vCPUs wanted to run, summed over both (`/proc/stat`, in steps of 10 ms), during the point.", "",
-          "| load | asked (workflows/s) | achieved | p50 (ms) | p99 (ms) | p99 ÷ p50 | steps per sync | writer's cycles of ≥ 1 ms per s | host's steal (ms) |",
-          "|---|---|---|---|---|---|---|---|---|"]
+          "while this VM's vCPUs wanted to run, summed over both (`/proc/stat`, in steps of 10 ms), during the point. "
+          "The machine's CPU is what both CPUs spent running anything (every thread of this process, the kernel's "
+          "I/O completions and interrupts, the harness's client and clock) over the point, warm-up included, in "
+          "cores of the two: how close the point ran to the machine's limit.", "",
+          "| load | asked (workflows/s) | achieved | p50 (ms) | p99 (ms) | p99 ÷ p50 | steps per sync | writer's cycles of ≥ 1 ms per s | machine's CPU (cores) | host's steal (ms) |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
     w3 = {}
     for i, f in enumerate(W3_FRACTIONS):
         pt = lambda k: medians([r["w3"]["points"][i]["point"] for r in ferry], k)
@@ -399,12 +402,14 @@ def report(ferry, peers, fair, m):
                  "p99": pt("latency.p99_us") / 1e3, "steps_per_sync": pt("log.steps_per_sync"),
                  "slow": med([r["w3"]["points"][i]["point"]["log"]["writer"]["cycles_1ms_or_more"]
                               / (r["w3"]["warmup"] + r["w3"]["seconds"]) for r in ferry]),
-                 "steal": [r["w3"]["points"][i].get("host_steal_ms") for r in ferry]}
+                 "steal": [r["w3"]["points"][i].get("host_steal_ms") for r in ferry],
+                 "busy": [r["w3"]["points"][i].get("machine_busy_cores") for r in ferry]}
         v = w3[f]
         steal = ", ".join("?" if x is None else f"{x:.0f}" for x in v["steal"])
+        busy = ", ".join("?" if x is None else f"{x:.2f}" for x in v["busy"])
         ratio = "— (fell behind)" if behind(v["achieved"], v["asked"]) else f"{v['p99'] / v['p50']:.1f}"
         L.append(f"| {f:.0%} | {v['asked']:,.0f} | {v['achieved']:,.0f} | {v['p50']:.2f} | {v['p99']:.2f} | "
-                 f"{ratio} | {v['steps_per_sync']:.1f} | {v['slow']:.0f} | {steal} |")
+                 f"{ratio} | {v['steps_per_sync']:.1f} | {v['slow']:.0f} | {busy} | {steal} |")
     L += ["", "Each round on its own (the table takes the median of each column apart), W2's maximum, then p50 / p99 "
           "in ms at each load: " + "; ".join(
               f"round {j + 1}: {r['w3']['max_rate']:,.0f} workflows/s, "
@@ -414,6 +419,23 @@ def report(ferry, peers, fair, m):
                              if behind(p["point"]["achieved_per_sec"], p["point"]["rate_asked"])
                              else "") for p in r["w3"]["points"])
               for j, r in enumerate(ferry)) + "."]
+    def queue(i, who, k):
+        vals = [sum(v[k] for n, v in r["w3"]["points"][i]["point"].get("run_queue", {}).items() if n.startswith(who))
+                / max(1, sum(1 for n in r["w3"]["points"][i]["point"].get("run_queue", {}) if n.startswith(who)))
+                for r in ferry if r["w3"]["points"][i]["point"].get("run_queue")]
+        return med(vals) if vals else None
+    waits = []
+    for i, f in enumerate(W3_FRACTIONS):
+        parts = [(who, queue(i, who, "wait_per_run_us"), queue(i, who, "waiting")) for who in
+                 ["ferry-log-write", "ferry-flow-", "ferry-bench-flo"]]
+        if all(p[1] is not None for p in parts):
+            waits.append(f"{f:.0%}: " + ", ".join(f"{name} {us:.0f} µs ({w:.2f} s/s)" for (_, us, w), name in
+                                                   zip(parts, ["log writer", "each shard", "client"])))
+    if waits:
+        L += ["", "Time runnable but waiting for a CPU, per wake-up (`/proc/self/task/*/schedstat`; in brackets, "
+              "seconds of waiting per second), median of the rounds: " + "; ".join(waits) + ". Every step waits "
+              "on the writer and then on its shard, so at 80% each step spends some 30 µs queued for a CPU on a "
+              "machine that is not full; a VM's idle vCPU also takes time to wake (it halts, and an IPI brings it back)."]
     chain = {k: medians(ferry, f"w3.disk_chain.latency.{k}") / 1e3 for k in ["p50_us", "p99_us"]}
     chain_k = ferry[0]["w3"]["disk_chain"]["syncs"]
     chain_ratio = chain["p99_us"] / chain["p50_us"]
@@ -447,7 +469,12 @@ def report(ferry, peers, fair, m):
           "guest's reporting passes then fell inside the next point. It now frees nothing in bulk until its last point, and "
           f"before the first it waits until the guest has made no reporting pass for 5 s (here {med([r['w3']['settled_secs'] for r in ferry]):.0f} s, "
           "median of the rounds). Each point's steal is in the table above: a point with tens of ms of it had such "
-          "a stop inside it, and its tail is the host's."]
+          "a stop inside it, and its tail is the host's.",
+          "", "**Transparent huge pages are off in the harness** (`PR_SET_THP_DISABLE`, as Redis and MongoDB ask of "
+          "their hosts). mimalloc asks for huge pages on its arenas; the first touch of each fresh 2 MiB region then "
+          "zeroes all of it in one page fault, and `perf sched` showed W3's client thread running 2-5 ms at a time "
+          "every 100-300 ms in that fault while the woken log writer waited for the CPU. With them on, W3 at 25% had "
+          "p99 ÷ p50 of 2.9; with them off, 1.4-1.7 (`FERRY_BENCH_THP=1` keeps them, to compare)."]
     warm = []
     for i, f in enumerate(W3_FRACTIONS):
         pt = lambda k: medians([r["w3"]["points"][i]["point"] for r in ferry], k)

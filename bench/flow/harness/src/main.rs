@@ -29,8 +29,11 @@
 //!       `ideal_engine`). As long as a point, so that it meets what a point meets.
 //!       Before the first point it waits for the host to take back the memory freed so
 //!       far (`settle_host`), and reports each point's `host_steal_ms`: time the host
-//!       did not run this VM while it wanted to run. `--dump PREFIX` writes every
-//!       arrival's time and latency to PREFIX.<percent> (`dump_arrivals`).
+//!       did not run this VM while it wanted to run; `machine_busy_cores`, the CPU
+//!       time the whole machine spent running anything over the point's length; and
+//!       per thread, how long it waited runnable for a CPU (`run_queue`). `--dump
+//!       PREFIX` writes every arrival's time and latency to PREFIX.<percent>
+//!       (`dump_arrivals`).
 //!   w4 --dir D [--n 1000] [--sleep-ms 1000]
 //!       N workflows each sleep, then run one step: how late the sleep returned, and how
 //!       late the step after it finished, p50/p99.
@@ -354,15 +357,68 @@ fn rss_bytes() -> Result<u64, String> {
     Ok(pages * 4096)
 }
 
-/// The host's take: CPU time the hypervisor ran something else while this VM's vCPUs
-/// wanted to run (`steal` in /proc/stat, summed over CPUs), in ms; None off Linux/VMs.
-fn steal_ms() -> Option<f64> {
+/// The machine's CPU time so far, from /proc/stat summed over CPUs, in ms: what its
+/// CPUs spent running anything (user, nice, system, irq and softirq: every process and
+/// kernel thread, this one's too), and the host's take (`steal`: time the hypervisor
+/// ran something else while this VM's vCPUs wanted to run). None off Linux.
+fn machine_cpu_ms() -> Option<(f64, f64)> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    let cpu = stat.lines().next()?;
-    let steal: f64 = cpu.split_whitespace().nth(8)?.parse().ok()?;
+    let f: Vec<f64> = stat
+        .lines()
+        .next()?
+        .split_whitespace()
+        .skip(1)
+        .map(|v| v.parse().unwrap_or(0.0))
+        .collect();
+    let [user, nice, system, _idle, _iowait, irq, softirq, steal, ..] = f[..] else {
+        return None;
+    };
     // SAFETY: sysconf reads a constant.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    Some(steal * 1000.0 / hz)
+    let ms = |ticks: f64| ticks * 1000.0 / hz;
+    Some((ms(user + nice + system + irq + softirq), ms(steal)))
+}
+
+/// Per thread name (summed over threads of that name): nanoseconds on a CPU, nanoseconds
+/// runnable but waiting for one, and times run, from /proc/self/task/*/schedstat.
+fn schedstat() -> BTreeMap<String, [f64; 3]> {
+    let mut by_name = BTreeMap::new();
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return by_name;
+    };
+    for task in tasks.filter_map(Result::ok) {
+        let read = |f: &str| std::fs::read_to_string(task.path().join(f)).unwrap_or_default();
+        let v: Vec<f64> = read("schedstat")
+            .split_whitespace()
+            .filter_map(|x| x.parse().ok())
+            .collect();
+        if let [run, wait, slices] = v[..] {
+            let e = by_name
+                .entry(read("comm").trim().to_string())
+                .or_insert([0.0; 3]);
+            for (a, b) in e.iter_mut().zip([run, wait, slices]) {
+                *a += b;
+            }
+        }
+    }
+    by_name
+}
+
+/// Each thread's share of a core, and how long it waited runnable for a CPU: seconds
+/// per second, and µs per time it ran (a wake-up's wait, mostly), over `secs`.
+fn run_queue(before: &BTreeMap<String, [f64; 3]>, secs: f64) -> Value {
+    let now = schedstat();
+    let mut out = serde_json::Map::new();
+    for (name, v) in &now {
+        let a = before.get(name).copied().unwrap_or([0.0; 3]);
+        let (run, wait, slices) = (v[0] - a[0], v[1] - a[1], v[2] - a[2]);
+        out.insert(
+            name.clone(),
+            json!({"running": run / 1e9 / secs, "waiting": wait / 1e9 / secs,
+                   "wait_per_run_us": wait / 1e3 / slices.max(1.0)}),
+        );
+    }
+    Value::Object(out)
 }
 
 /// Free page reporting: a guest hands memory it freed back to the host, in passes some
@@ -602,7 +658,7 @@ async fn w3(args: &[String]) -> Result<Value, String> {
     for f in fractions {
         let dir = fresh_dir(args, &format!("w3-{}", (f * 100.0).round()))?;
         let engine = Rc::new(chain_engine(&dir.join("flow"), shards)?);
-        let steal = steal_ms();
+        let (cpu0, t) = (machine_cpu_ms(), Instant::now());
         let dump =
             flag(args, "--dump").map(|d| PathBuf::from(format!("{d}.{}", (f * 100.0).round())));
         let p = open_loop(
@@ -614,8 +670,14 @@ async fn w3(args: &[String]) -> Result<Value, String> {
             dump.as_deref(),
         )
         .await?;
-        let steal = steal.zip(steal_ms()).map(|(a, b)| b - a);
-        points.push(json!({"fraction": f, "point": p, "host_steal_ms": steal}));
+        let cpu = cpu0
+            .zip(machine_cpu_ms())
+            .map(|(a, b)| (b.0 - a.0, b.1 - a.1));
+        let busy = cpu.map(|(busy, _)| busy / (t.elapsed().as_secs_f64() * 1e3));
+        points.push(
+            json!({"fraction": f, "point": p, "host_steal_ms": cpu.map(|c| c.1),
+            "machine_busy_cores": busy}),
+        );
         // Closed, not kept: a live engine compacts its log in the background, which
         // would take CPU from the next point.
         drop(engine);
@@ -647,6 +709,7 @@ async fn open_loop(
     let before = engine.log_stats();
     let cpu = thread_cpu();
     let cpu0 = cpu_seconds();
+    let sched = schedstat();
     let t0 = Instant::now() + Duration::from_millis(20);
     // The schedule is kept by an OS thread: tokio's timers tick in whole milliseconds,
     // which would add up to 1 ms to every arrival and release them in per-millisecond
@@ -727,6 +790,7 @@ async fn open_loop(
         "warmup_latency": spread(only(warm)),
         "cpu_secs_per_1k_steps": (cpu_seconds() - cpu0) * 1000.0 / (count * u64::from(steps)) as f64,
         "cpu_share_by_thread": thread_share(&cpu, secs, ("w3-clock", clock_cpu)),
+        "run_queue": run_queue(&sched, secs),
         "log": log_delta(before, engine.log_stats(), count * u64::from(steps)),
     }))
 }
