@@ -254,8 +254,8 @@ fn log_delta(before: ferry_log::Stats, after: ferry_log::Stats, steps: u64) -> V
 }
 
 /// The writer's cycles (write and sync) between two readings: how many, their p50 and
-/// p99 (upper bounds of power-of-two buckets), how many took 1 ms or more, and its busy
-/// time. What the disk gave the engine while it ran.
+/// p99 (upper bounds of power-of-two buckets), how many took 1 ms or more, its busy
+/// time, and the buckets themselves. What the disk gave the engine while it ran.
 fn writer_delta(before: &ferry_log::Stats, after: &ferry_log::Stats) -> Value {
     let mut b = [0u64; ferry_log::WRITE_BUCKETS];
     for (i, d) in b.iter_mut().enumerate() {
@@ -267,6 +267,7 @@ fn writer_delta(before: &ferry_log::Stats, after: &ferry_log::Stats) -> Value {
         "p99_us_below": ferry_log::Stats::write_quantile_us(&b, 0.99),
         "cycles_1ms_or_more": b[ferry_log::Stats::write_bucket(1024)..].iter().sum::<u64>(),
         "busy_secs": (after.write_us - before.write_us) as f64 / 1e6,
+        "cycles_by_log2_us": b,
     })
 }
 
