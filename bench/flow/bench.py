@@ -420,9 +420,12 @@ def report(ferry, peers, fair, m):
                              else "") for p in r["w3"]["points"])
               for j, r in enumerate(ferry)) + "."]
     def queue(i, who, k):
-        vals = [sum(v[k] for n, v in r["w3"]["points"][i]["point"].get("run_queue", {}).items() if n.startswith(who))
-                / max(1, sum(1 for n in r["w3"]["points"][i]["point"].get("run_queue", {}) if n.startswith(who)))
-                for r in ferry if r["w3"]["points"][i]["point"].get("run_queue")]
+        # The mean over the threads whose name starts with `who` (the shards), then the median of the rounds.
+        vals = []
+        for r in ferry:
+            mine = [v[k] for n, v in r["w3"]["points"][i]["point"].get("run_queue", {}).items() if n.startswith(who)]
+            if mine:
+                vals.append(sum(mine) / len(mine))
         return med(vals) if vals else None
     waits, per_step = [], {}
     for i, f in enumerate(W3_FRACTIONS):
@@ -461,7 +464,6 @@ def report(ferry, peers, fair, m):
               "behind, its writer's cycles (a write and a sync each) had stretched to milliseconds "
               "(`cycles_by_log2_us` in the raw results) while the disk's own syncs, measured alone below, stayed near "
               "the floor: the writer was kept waiting for a CPU more than by the disk."]
-    chain = {k: medians(ferry, f"w3.disk_chain.latency.{k}") / 1e3 for k in ["p50_us", "p99_us"]}
     chain = {k: medians(ferry, f"w3.disk_chain.latency.{k}") / 1e3 for k in ["p50_us", "p99_us"]}
     chain_k = ferry[0]["w3"]["disk_chain"]["syncs"]
     chain_ratio = chain["p99_us"] / chain["p50_us"]
