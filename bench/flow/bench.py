@@ -447,7 +447,8 @@ def report(ferry, peers, fair, m):
     cpu_w2 = medians(ferry, "w2.cpu_secs_per_1k_steps") * 1e3
     cpu_w3 = {f: medians([r["w3"]["points"][i]["point"] for r in ferry], "cpu_secs_per_1k_steps") * 1e3
               for i, f in enumerate(W3_FRACTIONS)}
-    busy = {f: med([r["w3"]["points"][i].get("machine_busy_cores") or 0 for r in ferry]) for i, f in enumerate(W3_FRACTIONS)}
+    busy_med = {f: med([r["w3"]["points"][i].get("machine_busy_cores") or 0 for r in ferry])
+                for i, f in enumerate(W3_FRACTIONS)}
     kept = [(r["w3"]["points"][i]["point"]["achieved_per_sec"], j + 1, f) for j, r in enumerate(ferry)
             for i, f in enumerate(W3_FRACTIONS) if not behind(r["w3"]["points"][i]["point"]["achieved_per_sec"],
                                                               r["w3"]["points"][i]["point"]["rate_asked"])]
@@ -456,7 +457,7 @@ def report(ferry, peers, fair, m):
         L += ["", f"CPU per step: W2's burst {cpu_w2:.2f} µs; the open-loop points "
               + ", ".join(f"{f:.0%} {cpu_w3[f]:.2f} µs" for f in W3_FRACTIONS)
               + " (the whole process: engine, client and clock). The machine's CPU at each load, median: "
-              + ", ".join(f"{f:.0%} {busy[f]:.2f} cores" for f in W3_FRACTIONS)
+              + ", ".join(f"{f:.0%} {busy_med[f]:.2f} cores" for f in W3_FRACTIONS)
               + f". The fastest arrivals any point kept up with: {best[0]:,.0f} workflows/s (round {best[1]}, "
               f"{best[2]:.0%}). A burst shares each sync, and each wake-up of a shard or of the client, among "
               "hundreds of records; arrivals one by one share them among fewer, so the same rate costs more CPU "

@@ -405,18 +405,17 @@ fn schedstat() -> BTreeMap<String, [f64; 3]> {
     by_name
 }
 
-/// Each thread's share of a core, and how long it waited runnable for a CPU: seconds
-/// per second, and µs per time it ran (a wake-up's wait, mostly), over `secs`.
+/// How long each thread waited runnable for a CPU over `secs`: seconds per second, and
+/// µs per time it ran (a wake-up's wait, mostly). Its CPU time is `thread_share`'s.
 fn run_queue(before: &BTreeMap<String, [f64; 3]>, secs: f64) -> Value {
     let now = schedstat();
     let mut out = serde_json::Map::new();
     for (name, v) in &now {
         let a = before.get(name).copied().unwrap_or([0.0; 3]);
-        let (run, wait, slices) = (v[0] - a[0], v[1] - a[1], v[2] - a[2]);
+        let (wait, slices) = (v[1] - a[1], v[2] - a[2]);
         out.insert(
             name.clone(),
-            json!({"running": run / 1e9 / secs, "waiting": wait / 1e9 / secs,
-                   "wait_per_run_us": wait / 1e3 / slices.max(1.0)}),
+            json!({"waiting": wait / 1e9 / secs, "wait_per_run_us": wait / 1e3 / slices.max(1.0)}),
         );
     }
     Value::Object(out)
