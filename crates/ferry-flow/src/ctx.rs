@@ -38,7 +38,7 @@ impl Ctx {
         if self.run.cancel_seen.get() || !self.run.wake.cancel.load(Ordering::Relaxed) {
             return Ok(());
         }
-        self.run.append(Some(pos), Entry::CancelSeen)?;
+        self.run.append(Some(pos), &Entry::CancelSeen)?;
         self.run.cancel_seen.set(true);
         Err(FlowError::Cancelled)
     }
@@ -46,7 +46,7 @@ impl Ctx {
     /// Journal the first entry of a fresh call at `pos`. If a limit refuses it, the
     /// position is given back, so the journal never has a hole where a call failed.
     fn begin(&self, pos: u32, entry: Entry) -> Result<(), FlowError> {
-        let r = self.run.append(Some(pos), entry);
+        let r = self.run.append(Some(pos), &entry);
         if let Err(FlowError::LimitExceeded { .. }) = r {
             self.run.replay.borrow_mut().give_back(pos);
         }
@@ -184,6 +184,18 @@ pub struct StepCtx {
     key: String,
 }
 
+/// `run/generation/position`: built once per step, so without `format!`'s machinery.
+fn step_key(run: &str, generation: u32, pos: u32) -> String {
+    let mut digits = itoa::Buffer::new();
+    let mut key = String::with_capacity(run.len() + 22);
+    key.push_str(run);
+    key.push('/');
+    key.push_str(digits.format(generation));
+    key.push('/');
+    key.push_str(digits.format(pos));
+    key
+}
+
 impl StepCtx {
     /// Stable across re-executions of the same step of the same run: `run/generation/position`.
     pub fn key(&self) -> &str {
@@ -302,12 +314,16 @@ impl Ctx {
         self.run.timers.set(self.run.timers.get() + 1);
         let _pending = Pending(&self.run.timers);
         self.pause_until(pos, fire_at).await?;
-        self.run.append(Some(pos), Entry::TimerFired)?;
+        self.run.append(Some(pos), &Entry::TimerFired)?;
         Ok(())
     }
 
     /// Wait until `at_ms` by the wall clock, observing a cancellation at `pos` meanwhile.
     async fn pause_until(&self, pos: u32, at_ms: u64) -> Result<(), FlowError> {
+        if at_ms == 0 {
+            // Nothing to wait out (no timer, no backoff): only a cancellation to see.
+            return self.observe_cancel(pos);
+        }
         let arrived = &self.run.wake.arrived;
         loop {
             // Registered before looking, so an arrival in between is not missed.
@@ -398,7 +414,7 @@ impl Ctx {
             if let Some(v) = self.run.shared.signal_at(&self.run.run, name, index) {
                 self.run.append(
                     Some(pos),
-                    Entry::Waited {
+                    &Entry::Waited {
                         name: name.to_string(),
                         got: Some(index),
                     },
@@ -414,7 +430,7 @@ impl Ctx {
                 Some(d) if now >= d => {
                     self.run.append(
                         Some(pos),
-                        Entry::Waited {
+                        &Entry::Waited {
                             name: name.to_string(),
                             got: None,
                         },
@@ -529,7 +545,7 @@ impl Ctx {
                         drop(runs);
                         self.run.append(
                             Some(pos),
-                            Entry::ChildDone {
+                            &Entry::ChildDone {
                                 outcome: outcome.clone(),
                             },
                         )?;
@@ -700,7 +716,7 @@ impl Ctx {
             // Output holding: the body talks to the outside world, so what it follows
             // must be durable first.
             crate::durable::durable(&self.run.shared.log, self.run.last.get()).await?;
-            let key = format!("{}/{}/{}", self.run.run, self.run.generation, pos);
+            let key = step_key(&self.run.run, self.run.generation, pos);
             let attempt_result = match timeout {
                 None => body(StepCtx { key }).await,
                 Some(d) => match tokio::time::timeout(d, body(StepCtx { key })).await {
@@ -714,7 +730,7 @@ impl Ctx {
                     retry_at = self.wall_ms() + retry.delay(attempt).as_millis() as u64;
                     self.run.append(
                         Some(pos),
-                        Entry::StepAttempt {
+                        &Entry::StepAttempt {
                             name: name.clone(),
                             attempt,
                             error: e,
@@ -726,21 +742,25 @@ impl Ctx {
                 }
                 Err(e) => Outcome::Err(e),
             };
-            let done = |outcome: &Outcome| Entry::Step {
-                name: name.clone(),
-                outcome: outcome.clone(),
+            let mut done = Entry::Step {
+                name,
+                outcome,
                 attempts: attempt,
             };
-            let outcome = match self.run.append(Some(pos), done(&outcome)) {
-                Ok(()) => outcome,
+            match self.run.append(Some(pos), &done) {
+                Ok(()) => {}
                 // The body ran: journal that its result was refused, so a replay does
                 // not run it again and fails the same way.
                 Err(e @ FlowError::LimitExceeded { .. }) => {
-                    let refused = Outcome::Err(format!("its result: {e}"));
-                    self.run.append(Some(pos), done(&refused))?;
-                    refused
+                    if let Entry::Step { outcome, .. } = &mut done {
+                        *outcome = Outcome::Err(format!("its result: {e}"));
+                    }
+                    self.run.append(Some(pos), &done)?;
                 }
                 Err(e) => return Err(e),
+            }
+            let Entry::Step { name, outcome, .. } = done else {
+                unreachable!("built as Step above")
             };
             return step_result(&name, outcome);
         }

@@ -1749,19 +1749,23 @@ async fn end_generation(
         }
     };
     if let Some(pos) = pos {
-        let finished = |outcome: &Outcome| Entry::Finished {
-            outcome: outcome.clone(),
-        };
-        match run.append(Some(pos), finished(&outcome)) {
+        let mut finished = Entry::Finished { outcome };
+        match run.append(Some(pos), &finished) {
             Ok(()) => {}
             Err(e @ FlowError::LimitExceeded { .. }) => {
-                outcome = Outcome::Err(format!("the run's output: {e}"));
-                if run.append(Some(pos), finished(&outcome)).is_err() {
+                finished = Entry::Finished {
+                    outcome: Outcome::Err(format!("the run's output: {e}")),
+                };
+                if run.append(Some(pos), &finished).is_err() {
                     return None;
                 }
             }
             Err(_) => return None,
         }
+        let Entry::Finished { outcome: o } = finished else {
+            unreachable!("built as Finished above")
+        };
+        outcome = o;
     }
     // A result leaves the process only once its record is durable.
     if crate::durable::durable(&shared.log, run.last.get())
@@ -1788,7 +1792,7 @@ fn next_generation(
     if let Some(pos) = pos {
         run.append(
             Some(pos),
-            Entry::ContinuedAsNew {
+            &Entry::ContinuedAsNew {
                 input: input.clone(),
             },
         )?;
@@ -1885,7 +1889,7 @@ impl RunCtx {
     }
 
     /// Journal `entry` at `pos` (None: an arrival), within the run's limits.
-    pub(crate) fn append(&self, pos: Option<u32>, entry: Entry) -> Result<(), FlowError> {
+    pub(crate) fn append(&self, pos: Option<u32>, entry: &Entry) -> Result<(), FlowError> {
         self.replay.borrow().check()?;
         // The history limit is checked when a call begins (its first entry; a step
         // checks before its body runs, see `room`): what completes a call already
@@ -1902,13 +1906,7 @@ impl RunCtx {
         if begins {
             self.room()?;
         }
-        let rec = Record {
-            run: self.run.clone(),
-            generation: self.generation,
-            pos,
-            entry,
-        };
-        let bytes = rec.encode();
+        let bytes = crate::journal::encode(&self.run, self.generation, pos, entry);
         self.shared.check_payload(bytes.len())?;
         let end = self.shared.log.append(RECORD_KIND, &bytes)?;
         self.last.set(end);

@@ -166,20 +166,26 @@ pub enum DecodeError {
     Entry(String),
 }
 
+/// What `Record::encode` gives for a record of these parts, from borrowed parts: a
+/// step's record is built once per step, and a `Record` would copy the run id.
+pub fn encode(run: &str, generation: u32, pos: Option<u32>, entry: &Entry) -> Vec<u8> {
+    assert!(run.len() <= RUN_ID_MAX, "run ids are checked at start");
+    // Header and entry in one buffer, sized for a typical entry.
+    let mut b = Vec::with_capacity(11 + run.len() + 96);
+    b.push(FORMAT);
+    b.extend_from_slice(&generation.to_le_bytes());
+    b.extend_from_slice(&pos.map_or(u32::MAX, |p| p).to_le_bytes());
+    b.push(run.len() as u8);
+    b.extend_from_slice(run.as_bytes());
+    serde_json::to_writer(&mut b, entry).expect("entries always serialize");
+    b
+}
+
 impl Record {
     /// The bytes of the ferry-log record. Run ids longer than `RUN_ID_MAX` are refused
     /// before anything is written (`engine.start` checks).
     pub fn encode(&self) -> Vec<u8> {
-        assert!(self.run.len() <= RUN_ID_MAX, "run ids are checked at start");
-        let json = serde_json::to_vec(&self.entry).expect("entries always serialize");
-        let mut b = Vec::with_capacity(11 + self.run.len() + json.len());
-        b.push(FORMAT);
-        b.extend_from_slice(&self.generation.to_le_bytes());
-        b.extend_from_slice(&self.pos.map_or(u32::MAX, |p| p).to_le_bytes());
-        b.push(self.run.len() as u8);
-        b.extend_from_slice(self.run.as_bytes());
-        b.extend_from_slice(&json);
-        b
+        encode(&self.run, self.generation, self.pos, &self.entry)
     }
 
     pub fn decode(b: &[u8]) -> Result<Record, DecodeError> {

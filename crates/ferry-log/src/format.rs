@@ -96,18 +96,16 @@ impl BatchBuf {
         }
     }
 
-    /// Append one frame; returns its offset from the batch's start.
-    pub fn push(&mut self, kind: u8, payload: &[u8]) -> u64 {
+    /// Append one frame whose checksum is `crc` (`frame_crc` of the same kind and
+    /// payload: computed before, so not under the lock appends take); returns its offset
+    /// from the batch's start.
+    pub fn push(&mut self, kind: u8, crc: u32, payload: &[u8]) -> u64 {
         if self.bytes.is_empty() {
             self.bytes.resize(BATCH_HEADER_BYTES as usize, 0);
         }
         let at = self.bytes.len() as u64;
-        let len = (payload.len() as u32).to_le_bytes();
-        let crc = crc32c::crc32c_append(
-            crc32c::crc32c_append(crc32c::crc32c(&len), &[kind]),
-            payload,
-        );
-        self.bytes.extend_from_slice(&len);
+        self.bytes
+            .extend_from_slice(&(payload.len() as u32).to_le_bytes());
         self.bytes.extend_from_slice(&crc.to_le_bytes());
         self.bytes.push(kind);
         self.bytes.extend_from_slice(payload);
@@ -185,6 +183,15 @@ pub struct FrameAt {
     pub end: usize,
 }
 
+/// A frame's checksum: CRC32C over its length (little-endian u32), kind and payload.
+pub fn frame_crc(kind: u8, payload: &[u8]) -> u32 {
+    let len = (payload.len() as u32).to_le_bytes();
+    crc32c::crc32c_append(
+        crc32c::crc32c_append(crc32c::crc32c(&len), &[kind]),
+        payload,
+    )
+}
+
 /// Split a batch's frame bytes into frames, checking each one.
 pub fn frames(buf: &[u8]) -> Result<Vec<FrameAt>, String> {
     let mut out = Vec::new();
@@ -203,11 +210,7 @@ pub fn frames(buf: &[u8]) -> Result<Vec<FrameAt>, String> {
             ));
         }
         let payload = at + h..at + h + len;
-        let got = crc32c::crc32c_append(
-            crc32c::crc32c_append(crc32c::crc32c(&buf[at..at + 4]), &[kind]),
-            &buf[payload.clone()],
-        );
-        if got != crc {
+        if frame_crc(kind, &buf[payload.clone()]) != crc {
             return Err(format!("the frame at {at} fails its checksum"));
         }
         out.push(FrameAt {
@@ -256,9 +259,12 @@ mod tests {
     #[test]
     fn a_batch_seals_checks_and_splits_into_its_frames() {
         let mut batch = BatchBuf::default();
-        assert_eq!(batch.push(1, b"hello"), BATCH_HEADER_BYTES);
-        batch.push(2, b"");
-        batch.push(3, &[7u8; 100]);
+        assert_eq!(
+            batch.push(1, frame_crc(1, b"hello"), b"hello"),
+            BATCH_HEADER_BYTES
+        );
+        batch.push(2, frame_crc(2, b""), b"");
+        batch.push(3, frame_crc(3, &[7u8; 100]), &[7u8; 100]);
         let bytes = batch.seal(1000);
         assert_eq!(bytes.len() as u64 % ALIGN, 0);
         let h = BatchHeader::decode(&bytes).unwrap();

@@ -3,7 +3,7 @@
 
 use crate::format::{
     self, BATCH_HEADER_BYTES, BatchBuf, BatchHeader, FRAME_HEADER_BYTES, SEGMENT_HEADER_BYTES,
-    SegmentHeader, align, parse_segment_name, segment_name,
+    SegmentHeader, align, frame_crc, parse_segment_name, segment_name,
 };
 use crate::storage::{FileStorage, Storage};
 use crate::{Error, Lsn};
@@ -357,6 +357,7 @@ impl Log {
             });
         }
         let frame = FRAME_HEADER_BYTES + payload.len() as u64;
+        let crc = frame_crc(kind, payload);
         let mut s = inner.lock();
         loop {
             if let Some(cause) = &s.poisoned {
@@ -385,7 +386,7 @@ impl Log {
             s.open_start = next + SEGMENT_HEADER_BYTES;
             s.open_creates_segment = true;
         }
-        let at = s.open.push(kind, payload);
+        let at = s.open.push(kind, crc, payload);
         let end = s.open_start + at + frame;
         s.end = end;
         s.open_pending += frame;

@@ -705,7 +705,11 @@ async fn open_loop(
     dump: Option<&Path>,
 ) -> Result<Value, String> {
     let count = (rate * (warmup + seconds)).round().max(1.0) as u64;
-    let lat: Rc<RefCell<Vec<(Instant, Duration)>>> = Rc::new(RefCell::new(Vec::new()));
+    // Sized and touched up front: a vector that doubles as it goes copies megabytes and
+    // faults in fresh pages on the client thread, in the middle of the measurement.
+    let mut v = vec![(Instant::now(), Duration::ZERO); count as usize];
+    v.clear();
+    let lat: Rc<RefCell<Vec<(Instant, Duration)>>> = Rc::new(RefCell::new(v));
     let before = engine.log_stats();
     let cpu = thread_cpu();
     let cpu0 = cpu_seconds();
