@@ -8,7 +8,7 @@
 //! wakes one task per shard per sync, and the watcher wakes the rest on the shard's
 //! thread.
 
-use ferry_log::{Log, Lsn};
+use ferry_log::{Follower, Log, Lsn};
 use std::cell::{Cell, RefCell};
 use std::future::poll_fn;
 use std::rc::Rc;
@@ -19,6 +19,8 @@ use tokio::sync::Notify;
 /// The tasks of one shard that wait for durability.
 pub(crate) struct Waits {
     log: Arc<Log>,
+    /// The shard's thread, as the log's writer sees it (the watcher's waits).
+    follower: Follower,
     list: RefCell<Vec<(Lsn, Waker)>>,
     /// The position the watcher waits on the log for (`Lsn::MAX`: none).
     watching: Cell<Lsn>,
@@ -36,9 +38,13 @@ thread_local! {
 impl Waits {
     /// Make this thread a shard's, for `log`: call once, on the shard's thread, and
     /// spawn the returned watcher on its `LocalSet`.
-    pub(crate) fn install(log: Arc<Log>) -> impl std::future::Future<Output = ()> {
+    pub(crate) fn install(
+        log: Arc<Log>,
+        follower: Follower,
+    ) -> impl std::future::Future<Output = ()> {
         let waits = Rc::new(Waits {
             log,
+            follower,
             list: RefCell::new(Vec::new()),
             watching: Cell::new(Lsn::MAX),
             kick: Notify::new(),
@@ -90,7 +96,7 @@ async fn watch(waits: Rc<Waits>) {
         waits.watching.set(lowest);
         tokio::select! {
             biased;
-            r = waits.log.durable(lowest) => {
+            r = waits.log.durable_following(lowest, &waits.follower) => {
                 if r.is_err() {
                     waits.failed.set(true);
                 }

@@ -1594,12 +1594,18 @@ impl Shard {
         let thread = std::thread::Builder::new()
             .name(format!("ferry-flow-{i}"))
             .spawn(move || {
+                // After a sync that woke this shard, the log's writer waits a moment
+                // for it to append what it ran next (`ferry_log::Follower`): until it
+                // is about to sleep.
+                let follower = shared.log.follower();
+                let idle = follower.clone();
                 let rt = tokio::runtime::Builder::new_current_thread()
                     .enable_time()
+                    .on_thread_park(move || idle.idle())
                     .build()
                     .expect("a current-thread runtime builds");
                 let local = tokio::task::LocalSet::new();
-                let watcher = crate::durable::Waits::install(shared.log.clone());
+                let watcher = crate::durable::Waits::install(shared.log.clone(), follower.clone());
                 local.block_on(&rt, async move {
                     tokio::task::spawn_local(watcher);
                     loop {
@@ -1615,6 +1621,7 @@ impl Shard {
                         }
                     }
                 });
+                follower.idle();
             })
             .expect("spawning a shard thread");
         Shard {

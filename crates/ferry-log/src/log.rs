@@ -10,7 +10,7 @@ use crate::{Error, Lsn};
 use std::collections::VecDeque;
 use std::io;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -26,6 +26,10 @@ pub struct Config {
     /// Appends wait while this many bytes are appended and not yet durable (the disk is
     /// slower than the code). Default 32 MiB.
     pub pending_bytes_max: u64,
+    /// After a sync, how long the writer waits for the [`Follower`]s it woke to go idle
+    /// before it takes the next batch: what they append in reply to the sync then rides
+    /// the next sync, not the one after. Zero: never wait. Default 25 µs.
+    pub follow: Duration,
 }
 
 impl Default for Config {
@@ -34,6 +38,7 @@ impl Default for Config {
             segment_bytes: 64 << 20,
             record_bytes_max: 4 << 20,
             pending_bytes_max: 32 << 20,
+            follow: Duration::from_micros(25),
         }
     }
 }
@@ -144,6 +149,43 @@ struct Sealed {
 
 type Waiter = oneshot::Sender<Result<(), Error>>;
 
+/// One wait for a position.
+struct Waiting {
+    lsn: Lsn,
+    tx: Waiter,
+    /// The follower's `woken` flag (see [`Follower`]).
+    follower: Option<Arc<AtomicBool>>,
+}
+
+/// A thread that replies to syncs with appends of its own (an executor running what
+/// waited for durability): after a sync that woke it, the writer waits up to
+/// [`Config::follow`] for it to call [`Follower::idle`] before it takes the next
+/// batch, so that what it appends in reply rides the next sync, not the one after.
+/// Its waits go through [`Log::durable_following`].
+#[derive(Clone)]
+pub struct Follower {
+    follow: Arc<Follow>,
+    /// Set by the writer as it wakes this follower's wait (before the wake, so that
+    /// the writer's next look counts it); cleared by `idle`.
+    woken: Arc<AtomicBool>,
+}
+
+impl Follower {
+    /// Nothing more to append for now: the thread is about to sleep.
+    pub fn idle(&self) {
+        if !self.woken.swap(false, Ordering::SeqCst) {
+            return;
+        }
+        let f = &*self.follow;
+        // SeqCst on both sides: either the writer sees the count at zero, or this sees
+        // it following and wakes it, under the lock it waits with.
+        if f.working.fetch_sub(1, Ordering::SeqCst) == 1 && f.following.load(Ordering::SeqCst) {
+            let _g = f.lock.lock().unwrap_or_else(|p| p.into_inner());
+            f.cv.notify_one();
+        }
+    }
+}
+
 struct Shared {
     open: BatchBuf,
     /// Where the open batch starts.
@@ -167,7 +209,7 @@ struct Shared {
     writer_asleep: bool,
     /// Who waits for which position, ascending. Records are appended in order, so a
     /// waiter almost always goes at the back: no allocation per waiter but its channel.
-    waiters: VecDeque<(Lsn, Waiter)>,
+    waiters: VecDeque<Waiting>,
     /// Buffers of batches written, kept for the next batches: a batch's buffer grows
     /// to its size once, not in every cycle (and under the lock appends take).
     spare: Vec<Vec<u8>>,
@@ -212,6 +254,22 @@ struct Inner {
     durable: AtomicU64,
     /// No writer thread: whoever holds the log calls [`Log::write_pending`].
     driven: bool,
+    /// What followers share with the writer (not the log itself: a follower left
+    /// over keeps no file or lock open).
+    follow: Arc<Follow>,
+}
+
+/// The writer's wait for its followers (see [`Follower`]).
+#[derive(Default)]
+struct Follow {
+    /// Followers woken by a sync and not idle since.
+    working: AtomicUsize,
+    /// The writer waits on `cv` for `working` to reach zero: the last `idle` wakes it.
+    following: AtomicBool,
+    /// The log is closing: the writer waits no more.
+    closing: AtomicBool,
+    lock: Mutex<()>,
+    cv: Condvar,
 }
 
 impl Inner {
@@ -296,6 +354,7 @@ impl Log {
             space: Condvar::new(),
             durable: AtomicU64::new(found.recovery.end),
             driven,
+            follow: Arc::default(),
         });
         let filled = Filled {
             seg,
@@ -400,6 +459,14 @@ impl Log {
         Ok(end)
     }
 
+    /// A follower of this log: see [`Follower`].
+    pub fn follower(&self) -> Follower {
+        Follower {
+            follow: self.inner.follow.clone(),
+            woken: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
     /// Everything before this position is durable.
     pub fn durable_lsn(&self) -> Lsn {
         self.inner.durable.load(Ordering::SeqCst)
@@ -417,7 +484,7 @@ impl Log {
 
     /// Block until `lsn` is durable. Not from inside an async task: use [`Log::durable`].
     pub fn wait_durable(&self, lsn: Lsn) -> Result<(), Error> {
-        match self.register(lsn)? {
+        match self.register(lsn, None)? {
             None => Ok(()),
             Some(rx) => rx.blocking_recv().unwrap_or(Err(Error::Closed)),
         }
@@ -428,7 +495,25 @@ impl Log {
         &self,
         lsn: Lsn,
     ) -> impl std::future::Future<Output = Result<(), Error>> + Send + 'static {
-        let registered = self.register(lsn);
+        self.durable_with(lsn, None)
+    }
+
+    /// [`Log::durable`], for `follower`: the sync that makes `lsn` durable waits for
+    /// it to go idle before the writer takes the next batch.
+    pub fn durable_following(
+        &self,
+        lsn: Lsn,
+        follower: &Follower,
+    ) -> impl std::future::Future<Output = Result<(), Error>> + Send + 'static {
+        self.durable_with(lsn, Some(follower.woken.clone()))
+    }
+
+    fn durable_with(
+        &self,
+        lsn: Lsn,
+        follower: Option<Arc<AtomicBool>>,
+    ) -> impl std::future::Future<Output = Result<(), Error>> + Send + 'static {
+        let registered = self.register(lsn, follower);
         async move {
             match registered? {
                 None => Ok(()),
@@ -444,7 +529,11 @@ impl Log {
         Ok(end)
     }
 
-    fn register(&self, lsn: Lsn) -> Result<Option<oneshot::Receiver<Result<(), Error>>>, Error> {
+    fn register(
+        &self,
+        lsn: Lsn,
+        follower: Option<Arc<AtomicBool>>,
+    ) -> Result<Option<oneshot::Receiver<Result<(), Error>>>, Error> {
         if self.durable_lsn() >= lsn {
             return Ok(None);
         }
@@ -470,9 +559,9 @@ impl Log {
         let at = s
             .waiters
             .iter()
-            .rposition(|(l, _)| *l <= lsn)
+            .rposition(|w| w.lsn <= lsn)
             .map_or(0, |i| i + 1);
-        s.waiters.insert(at, (lsn, tx));
+        s.waiters.insert(at, Waiting { lsn, tx, follower });
         Ok(Some(rx))
     }
 
@@ -602,6 +691,10 @@ impl Log {
         self.inner.lock().closing = true;
         self.inner.work.notify_all();
         self.inner.space.notify_all();
+        let f = &*self.inner.follow;
+        f.closing.store(true, Ordering::SeqCst);
+        drop(f.lock.lock().unwrap_or_else(|p| p.into_inner()));
+        f.cv.notify_all();
         let handle = self.writer.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(h) = handle {
             let _ = h.join();
@@ -618,6 +711,7 @@ impl Drop for Log {
 /// The writer: take what filled, write it, sync it, publish, wake who it covers.
 fn write_loop(inner: &Inner, mut filled: Filled) {
     loop {
+        follow(&inner.follow, inner.config.follow);
         let batches: Vec<Sealed> = {
             let mut s = inner.lock();
             loop {
@@ -635,6 +729,28 @@ fn write_loop(inner: &Inner, mut filled: Filled) {
         };
         write_and_publish(inner, batches, &mut filled);
     }
+}
+
+/// Wait up to `limit` (`Config::follow`) for the followers the last sync woke to go
+/// idle.
+fn follow(f: &Follow, limit: Duration) {
+    if limit.is_zero() || f.working.load(Ordering::SeqCst) == 0 {
+        return;
+    }
+    let until = Instant::now() + limit;
+    let mut g = f.lock.lock().unwrap_or_else(|p| p.into_inner());
+    f.following.store(true, Ordering::SeqCst);
+    while f.working.load(Ordering::SeqCst) > 0 && !f.closing.load(Ordering::SeqCst) {
+        let now = Instant::now();
+        if now >= until {
+            break;
+        }
+        g =
+            f.cv.wait_timeout(g, until - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+    }
+    f.following.store(false, Ordering::SeqCst);
 }
 
 /// Everything appended and not yet taken, sealed (none once the log is poisoned).
@@ -678,11 +794,16 @@ fn write_and_publish(inner: &Inner, batches: Vec<Sealed>, filled: &mut Filled) {
             s.stats.write_us_log2[Stats::write_bucket(took)] += 1;
             s.stats.write_us += took;
             inner.durable.store(end, Ordering::SeqCst);
-            let n = s.waiters.partition_point(|(l, _)| *l <= end);
-            let done: Vec<Waiter> = s.waiters.drain(..n).map(|(_, w)| w).collect();
+            let n = s.waiters.partition_point(|w| w.lsn <= end);
+            let done: Vec<Waiting> = s.waiters.drain(..n).collect();
             drop(s);
             for w in done {
-                let _ = w.send(Ok(()));
+                if let Some(f) = &w.follower
+                    && !f.swap(true, Ordering::SeqCst)
+                {
+                    inner.follow.working.fetch_add(1, Ordering::SeqCst);
+                }
+                let _ = w.tx.send(Ok(()));
             }
         }
         Err(e) => {
@@ -692,8 +813,8 @@ fn write_and_publish(inner: &Inner, batches: Vec<Sealed>, filled: &mut Filled) {
             s.sealed.clear();
             let all = std::mem::take(&mut s.waiters);
             drop(s);
-            for (_, w) in all {
-                let _ = w.send(Err(Error::Io {
+            for w in all {
+                let _ = w.tx.send(Err(Error::Io {
                     what: "make the record durable",
                     source: cause.clone(),
                 }));

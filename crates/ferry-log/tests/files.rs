@@ -13,6 +13,7 @@ fn small() -> Config {
         segment_bytes: 16 << 10,
         record_bytes_max: 4 << 10,
         pending_bytes_max: 1 << 20,
+        ..Config::default()
     }
 }
 
@@ -108,6 +109,67 @@ fn one_sync_covers_many_appenders() {
     // Eight writers each waiting for their record: syncs are shared.
     assert!(stats.syncs < stats.records, "{stats:?}");
     assert_eq!(all(&log).len(), 1600);
+}
+
+#[test]
+fn after_a_sync_the_writer_waits_for_the_followers_it_woke() {
+    let scratch = Scratch::new("log-follow");
+    // Long enough that only the follower going idle ends the writer's wait.
+    let config = Config {
+        follow: Duration::from_secs(30),
+        ..Config::default()
+    };
+    let (log, _) = Log::open_dir(&scratch.dir("log"), config).unwrap();
+    let follower = log.follower();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let first = log.append(1, b"a").unwrap();
+        log.durable_following(first, &follower).await.unwrap();
+        // Woken by that sync, the follower replies with two records, a pause apart:
+        // the writer waits for it, so both go in the next batch.
+        let batches = log.stats().batches;
+        log.append(1, b"b").unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let end = log.append(1, b"c").unwrap();
+        assert!(log.durable_lsn() < end, "nothing written while it works");
+        follower.idle();
+        log.durable(end).await.unwrap();
+        assert_eq!(log.stats().batches, batches + 1);
+        // Idle twice, or idle when not woken: nothing to undo.
+        follower.idle();
+        let end = log.append(1, b"d").unwrap();
+        log.durable(end).await.unwrap();
+    });
+    assert_eq!(all(&log).len(), 4);
+}
+
+#[test]
+fn a_follower_that_never_goes_idle_delays_the_writer_at_most_its_follow() {
+    let scratch = Scratch::new("log-follow-stuck");
+    let config = Config {
+        follow: Duration::from_millis(100),
+        ..Config::default()
+    };
+    let (log, _) = Log::open_dir(&scratch.dir("log"), config).unwrap();
+    let follower = log.follower();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    for i in 0..3u8 {
+        // Woken each time, never idle: every sync after waits out the follow, no more.
+        let end = log.append(1, &[i]).unwrap();
+        rt.block_on(log.durable_following(end, &follower)).unwrap();
+    }
+    let end = log.append(1, b"other").unwrap();
+    log.wait_durable(end).unwrap();
+    // Closing while the writer waits for the follower ends the wait.
+    let end = log.append(1, b"last").unwrap();
+    log.close().unwrap();
+    let (log, _) = Log::open_dir(&scratch.dir("log"), Config::default()).unwrap();
+    assert!(log.durable_lsn() >= end, "the last record survived the close");
+    assert_eq!(all(&log).len(), 5);
 }
 
 #[test]
@@ -214,6 +276,7 @@ fn bad_requests_are_refused_and_change_nothing() {
         segment_bytes: 4096,
         record_bytes_max: 8192,
         pending_bytes_max: 1,
+        ..Config::default()
     };
     assert!(matches!(
         Log::open_dir(&scratch.dir("other"), bad),

@@ -17,6 +17,7 @@ fn config() -> Config {
         segment_bytes: 4096,
         record_bytes_max: 1024,
         pending_bytes_max: 8 << 10,
+        ..Config::default()
     }
 }
 

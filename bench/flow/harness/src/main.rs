@@ -10,13 +10,15 @@
 //!   w1 --dir D [--steps 1000] [--shards 2]
 //!       The floor, then one workflow of K sequential steps: the gap between consecutive
 //!       step completions as the workflow sees them, and its ratio to the floor's p50.
-//!   w2 --dir D [--n 10000] [--steps 10] [--shards 2] [--rounds 1]
+//!   w2 --dir D [--n 10000] [--steps 10] [--shards 2] [--rounds 1] [--follow-us N]
 //!       N workflows started at once: steps/s, workflows/s, the log's records per sync and
 //!       syncs per 1,000 steps, CPU-seconds per 1,000 steps (getrusage, whole process).
 //!       With rounds > 1, the same engine runs the load that many times and the last is
-//!       measured; the earlier rounds' steps/s and CPU are listed too.
+//!       measured; the earlier rounds' steps/s and CPU are listed too. `--follow-us`
+//!       sets the log's `Config::follow` (how long its writer waits after a sync for
+//!       the shards it woke), its default if absent.
 //!   w3 --dir D --max-rate R [--fractions 0.25,0.5,0.8,0.95] [--seconds 5] [--steps 10]
-//!      [--warmup 1] [--tick-us 250] [--dump PREFIX]
+//!      [--warmup 1] [--tick-us 250] [--dump PREFIX] [--shards 2] [--follow-us N]
 //!       Open-loop arrivals at each fraction of R workflows/s (a fresh engine each), kept
 //!       by a clock thread that wakes at most every tick, for warmup + seconds: latency
 //!       from the scheduled arrival to the result, p50/p99, of the arrivals after the
@@ -568,9 +570,16 @@ async fn w1(args: &[String]) -> Result<Value, String> {
     }))
 }
 
-fn chain_engine(dir: &Path, shards: usize) -> Result<Engine, String> {
+/// The engine W2 and W3 measure: `--shards` (2), and `--follow-us` for the log's
+/// `Config::follow` (its default if absent).
+fn chain_engine(dir: &Path, args: &[String]) -> Result<Engine, String> {
+    let mut log = ferry_log::Config::default();
+    if flag(args, "--follow-us").is_some() {
+        log.follow = Duration::from_micros(num(args, "--follow-us", 0));
+    }
     Engine::builder(dir)
-        .shards(shards)
+        .log_config(log)
+        .shards(num(args, "--shards", 2))
         .register(CHAIN, chain)
         .open()
         .map_err(err)
@@ -581,7 +590,7 @@ async fn w2(args: &[String]) -> Result<Value, String> {
     let steps: u32 = num(args, "--steps", 10);
     let shards: usize = num(args, "--shards", 2);
     let dir = fresh_dir(args, "w2")?;
-    let engine = Rc::new(chain_engine(&dir.join("flow"), shards)?);
+    let engine = Rc::new(chain_engine(&dir.join("flow"), args)?);
     // Rounds before the measured one, on the same engine: how the pace holds once the
     // heap and the runs map hold finished runs.
     let mut earlier = Vec::new();
@@ -628,7 +637,6 @@ async fn w3(args: &[String]) -> Result<Value, String> {
     let seconds: f64 = num(args, "--seconds", 5.0);
     let warmup: f64 = num(args, "--warmup", 1.0);
     let steps: u32 = num(args, "--steps", 10);
-    let shards: usize = num(args, "--shards", 2);
     let tick = Duration::from_micros(num(args, "--tick-us", 250));
     // What W3 frees in bulk (the disk's samples, each point's log) stays allocated until
     // its last point: memory a guest frees is handed back to the host some seconds
@@ -657,7 +665,7 @@ async fn w3(args: &[String]) -> Result<Value, String> {
     let mut points = Vec::new();
     for f in fractions {
         let dir = fresh_dir(args, &format!("w3-{}", (f * 100.0).round()))?;
-        let engine = Rc::new(chain_engine(&dir.join("flow"), shards)?);
+        let engine = Rc::new(chain_engine(&dir.join("flow"), args)?);
         let (cpu0, t) = (machine_cpu_ms(), Instant::now());
         let dump =
             flag(args, "--dump").map(|d| PathBuf::from(format!("{d}.{}", (f * 100.0).round())));
