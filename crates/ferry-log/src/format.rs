@@ -112,24 +112,24 @@ impl BatchBuf {
         self.records += 1;
         at
     }
+}
 
-    /// Fill in the header for a batch starting at `lsn` and pad it; the bytes to write.
-    pub fn seal(mut self, lsn: u64) -> Vec<u8> {
-        let frames = self.bytes.len() as u64 - BATCH_HEADER_BYTES;
-        let mut h = [0u8; BATCH_HEADER_BYTES as usize];
-        h[0..4].copy_from_slice(&BATCH_MAGIC.to_le_bytes());
-        h[4..8].copy_from_slice(&(frames as u32).to_le_bytes());
-        h[8..16].copy_from_slice(&lsn.to_le_bytes());
-        let crc = crc32c::crc32c_append(
-            crc32c::crc32c(&h[0..16]),
-            &self.bytes[BATCH_HEADER_BYTES as usize..],
-        );
-        h[16..20].copy_from_slice(&crc.to_le_bytes());
-        self.bytes[..BATCH_HEADER_BYTES as usize].copy_from_slice(&h);
-        let padded = align(self.bytes.len() as u64) as usize;
-        self.bytes.resize(padded, 0);
-        self.bytes
-    }
+/// Fill in the header of a batch's bytes (`BatchBuf::bytes`: a header's room, then
+/// frames) for a batch starting at `lsn`, and pad them to `align` of their length.
+pub fn seal(bytes: &mut Vec<u8>, lsn: u64) {
+    let frames = bytes.len() as u64 - BATCH_HEADER_BYTES;
+    let mut h = [0u8; BATCH_HEADER_BYTES as usize];
+    h[0..4].copy_from_slice(&BATCH_MAGIC.to_le_bytes());
+    h[4..8].copy_from_slice(&(frames as u32).to_le_bytes());
+    h[8..16].copy_from_slice(&lsn.to_le_bytes());
+    let crc = crc32c::crc32c_append(
+        crc32c::crc32c(&h[0..16]),
+        &bytes[BATCH_HEADER_BYTES as usize..],
+    );
+    h[16..20].copy_from_slice(&crc.to_le_bytes());
+    bytes[..BATCH_HEADER_BYTES as usize].copy_from_slice(&h);
+    let padded = align(bytes.len() as u64) as usize;
+    bytes.resize(padded, 0);
 }
 
 /// A batch header as read.
@@ -265,7 +265,8 @@ mod tests {
         );
         batch.push(2, frame_crc(2, b""), b"");
         batch.push(3, frame_crc(3, &[7u8; 100]), &[7u8; 100]);
-        let bytes = batch.seal(1000);
+        let mut bytes = batch.bytes;
+        seal(&mut bytes, 1000);
         assert_eq!(bytes.len() as u64 % ALIGN, 0);
         let h = BatchHeader::decode(&bytes).unwrap();
         assert_eq!(h.lsn, 1000);

@@ -141,6 +141,8 @@ struct Sealed {
     seg: Lsn,
     creates_segment: bool,
     offset: u64,
+    /// A header's room and the frames until the writer seals them (`format::seal`),
+    /// then the bytes to write.
     bytes: Vec<u8>,
     end: Lsn,
     /// Frame bytes it takes off `pending_bytes` once written.
@@ -217,8 +219,9 @@ struct Shared {
 }
 
 impl Shared {
-    /// Seal the open batch (which holds at least one record) for the writer; returns
-    /// where the next batch starts.
+    /// Close the open batch (which holds at least one record) for the writer, which
+    /// seals it (`format::seal`: the checksum over every frame) once it has let go of
+    /// the lock appends take; returns where the next batch starts.
     fn seal_open(&mut self) -> Lsn {
         let batch = std::mem::replace(
             &mut self.open,
@@ -227,8 +230,8 @@ impl Shared {
                 records: 0,
             },
         );
-        let bytes = batch.seal(self.open_start);
-        let end = self.open_start + bytes.len() as u64;
+        let bytes = batch.bytes;
+        let end = self.open_start + align(bytes.len() as u64);
         self.sealed.push_back(Sealed {
             seg: self.seg,
             creates_segment: std::mem::take(&mut self.open_creates_segment),
@@ -766,7 +769,10 @@ fn take_batches(s: &mut Shared) -> Vec<Sealed> {
 
 /// Write and sync `batches` (at least one), then publish the durable position and wake
 /// the waiters it covers; or poison the log and fail every waiter.
-fn write_and_publish(inner: &Inner, batches: Vec<Sealed>, filled: &mut Filled) {
+fn write_and_publish(inner: &Inner, mut batches: Vec<Sealed>, filled: &mut Filled) {
+    for b in &mut batches {
+        format::seal(&mut b.bytes, b.seg + b.offset);
+    }
     let began = std::time::Instant::now();
     let result = write_batches(inner, &batches, filled);
     let took = began.elapsed().as_micros() as u64;

@@ -168,7 +168,10 @@ fn a_follower_that_never_goes_idle_delays_the_writer_at_most_its_follow() {
     let end = log.append(1, b"last").unwrap();
     log.close().unwrap();
     let (log, _) = Log::open_dir(&scratch.dir("log"), Config::default()).unwrap();
-    assert!(log.durable_lsn() >= end, "the last record survived the close");
+    assert!(
+        log.durable_lsn() >= end,
+        "the last record survived the close"
+    );
     assert_eq!(all(&log).len(), 5);
 }
 
