@@ -804,7 +804,9 @@ fn write_and_publish(inner: &Inner, mut batches: Vec<Sealed>, filled: &mut Fille
             let done: Vec<Waiting> = s.waiters.drain(..n).collect();
             drop(s);
             for w in done {
+                // A wait given up (its receiver dropped) wakes no one to wait for.
                 if let Some(f) = &w.follower
+                    && !w.tx.is_closed()
                     && !f.swap(true, Ordering::SeqCst)
                 {
                     inner.follow.working.fetch_add(1, Ordering::SeqCst);
