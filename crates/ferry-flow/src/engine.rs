@@ -1654,7 +1654,7 @@ impl Shard {
                         loop {
                             match rx.poll_recv(cx) {
                                 Poll::Ready(Some(job)) => {
-                                    idle = IdlePolls::default();
+                                    idle.polls = 0;
                                     tokio::task::spawn_local(run_job(
                                         shared.clone(),
                                         Box::new(job),

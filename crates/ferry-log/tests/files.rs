@@ -111,12 +111,14 @@ fn one_sync_covers_many_appenders() {
     assert_eq!(all(&log).len(), 1600);
 }
 
-#[test]
-fn after_a_sync_the_writer_waits_for_the_followers_it_woke() {
-    let scratch = Scratch::new("log-follow");
-    // Long enough that only the follower going idle ends the writer's wait.
+/// A log whose writer waits up to `follow` for its followers, one follower of it, and a
+/// runtime to wait on it from.
+fn following(
+    scratch: &Scratch,
+    follow: Duration,
+) -> (Log, ferry_log::Follower, tokio::runtime::Runtime) {
     let config = Config {
-        follow: Duration::from_secs(30),
+        follow,
         ..Config::default()
     };
     let (log, _) = Log::open_dir(&scratch.dir("log"), config).unwrap();
@@ -124,6 +126,14 @@ fn after_a_sync_the_writer_waits_for_the_followers_it_woke() {
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();
+    (log, follower, rt)
+}
+
+#[test]
+fn after_a_sync_the_writer_waits_for_the_followers_it_woke() {
+    let scratch = Scratch::new("log-follow");
+    // Long enough that only the follower going idle ends the writer's wait.
+    let (log, follower, rt) = following(&scratch, Duration::from_secs(30));
     rt.block_on(async {
         let first = log.append(1, b"a").unwrap();
         log.durable_following(first, &follower).await.unwrap();
@@ -148,15 +158,7 @@ fn after_a_sync_the_writer_waits_for_the_followers_it_woke() {
 #[test]
 fn a_follower_that_never_goes_idle_delays_the_writer_at_most_its_follow() {
     let scratch = Scratch::new("log-follow-stuck");
-    let config = Config {
-        follow: Duration::from_millis(100),
-        ..Config::default()
-    };
-    let (log, _) = Log::open_dir(&scratch.dir("log"), config).unwrap();
-    let follower = log.follower();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap();
+    let (log, follower, rt) = following(&scratch, Duration::from_millis(100));
     for i in 0..3u8 {
         // Woken each time, never idle: every sync after waits out the follow, no more.
         let end = log.append(1, &[i]).unwrap();
