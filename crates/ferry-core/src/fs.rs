@@ -50,6 +50,9 @@ pub fn parent_dir(path: &Path) -> PathBuf {
     }
 }
 
+/// How long `DirLock::try_acquire` keeps trying a lock it found held.
+const HELD_GRACE: std::time::Duration = std::time::Duration::from_millis(250);
+
 /// An exclusive advisory lock (flock) on a file, held until dropped. The lock belongs to
 /// the open file description, so it is released when the process dies, even by SIGKILL.
 #[derive(Debug)]
@@ -70,7 +73,14 @@ pub enum LockError {
 }
 
 impl DirLock {
-    /// Take the lock at `path` without waiting. `what` names the owner for the message.
+    /// Take the lock at `path`, or fail if another holds it. `what` names the owner for
+    /// the message.
+    ///
+    /// A lock found held is tried again for up to `HELD_GRACE` before that failure: a
+    /// lock let go by this process can stay held for a moment by a child it is starting
+    /// (between fork and exec the child shares every open file, the lock's among them,
+    /// until exec closes it). Seen in CI: a test that closed a log and opened it again at
+    /// once was refused while another test in the process spawned a child.
     pub fn try_acquire(path: &Path, what: &str) -> Result<DirLock, LockError> {
         let file = OpenOptions::new()
             .create(true)
@@ -82,19 +92,31 @@ impl DirLock {
                 path: path.to_path_buf(),
                 source,
             })?;
-        match file.try_lock() {
-            Ok(()) => Ok(DirLock {
-                _file: file,
-                path: path.to_path_buf(),
-            }),
-            Err(std::fs::TryLockError::WouldBlock) => Err(LockError::Held {
-                path: path.to_path_buf(),
-                what: what.to_string(),
-            }),
-            Err(std::fs::TryLockError::Error(source)) => Err(LockError::Io {
-                path: path.to_path_buf(),
-                source,
-            }),
+        let began = std::time::Instant::now();
+        loop {
+            match file.try_lock() {
+                Ok(()) => {
+                    return Ok(DirLock {
+                        _file: file,
+                        path: path.to_path_buf(),
+                    });
+                }
+                Err(std::fs::TryLockError::WouldBlock) if began.elapsed() < HELD_GRACE => {
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                Err(std::fs::TryLockError::WouldBlock) => {
+                    return Err(LockError::Held {
+                        path: path.to_path_buf(),
+                        what: what.to_string(),
+                    });
+                }
+                Err(std::fs::TryLockError::Error(source)) => {
+                    return Err(LockError::Io {
+                        path: path.to_path_buf(),
+                        source,
+                    });
+                }
+            }
         }
     }
 
