@@ -42,6 +42,9 @@ pub struct LogView {
     pub durable: u64,
     pub end: u64,
     pub segments: usize,
+    /// Segments made from retired ones (ferry-log's spares) since the engine opened.
+    #[serde(default)]
+    pub segments_reused: u64,
     /// How long the log's writer took to write and sync what filled, p50 and p99 since
     /// the engine opened (upper bounds of power-of-two buckets, µs); absent before the
     /// first write. What the disk gives the engine.

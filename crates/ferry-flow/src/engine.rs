@@ -1526,6 +1526,7 @@ impl Shared {
                 durable: stats.durable,
                 end: stats.end,
                 segments: stats.segments,
+                segments_reused: stats.segments_reused,
                 write_p50_us: ferry_log::Stats::write_quantile_us(&stats.write_us_log2, 0.5),
                 write_p99_us: ferry_log::Stats::write_quantile_us(&stats.write_us_log2, 0.99),
             },

@@ -27,7 +27,21 @@ pub fn segment_name(first: u64) -> String {
 
 /// The first LSN a segment file's name gives, or None for any other file.
 pub fn parse_segment_name(name: &str) -> Option<u64> {
-    let digits = name.strip_suffix(".seg")?;
+    parse_digits(name.strip_suffix(".seg")?)
+}
+
+/// A retired segment kept for reuse (docs/log.md §3): the first LSN it had, and
+/// `.spare`. Recovery reads no spare as part of the log.
+pub fn spare_name(first: u64) -> String {
+    format!("{first:020}.spare")
+}
+
+/// The first LSN a spare's name gives, or None for any other file.
+pub fn parse_spare_name(name: &str) -> Option<u64> {
+    parse_digits(name.strip_suffix(".spare")?)
+}
+
+fn parse_digits(digits: &str) -> Option<u64> {
     if digits.len() != 20 || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }
@@ -242,6 +256,9 @@ mod tests {
         assert_eq!(parse_segment_name(&segment_name(42)), Some(42));
         assert_eq!(parse_segment_name("lock"), None);
         assert_eq!(parse_segment_name("42.seg"), None);
+        assert_eq!(parse_spare_name(&spare_name(42)), Some(42));
+        assert_eq!(parse_segment_name(&spare_name(42)), None);
+        assert_eq!(parse_spare_name(&segment_name(42)), None);
     }
 
     #[test]

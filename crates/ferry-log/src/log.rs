@@ -3,7 +3,8 @@
 
 use crate::format::{
     self, BATCH_HEADER_BYTES, BatchBuf, BatchHeader, FRAME_HEADER_BYTES, SEGMENT_HEADER_BYTES,
-    SegmentHeader, align, frame_crc, parse_segment_name, segment_name,
+    SegmentHeader, align, frame_crc, parse_segment_name, parse_spare_name, segment_name,
+    spare_name,
 };
 use crate::storage::{FileStorage, Storage};
 use crate::{Error, Lsn};
@@ -88,6 +89,8 @@ pub struct Stats {
     pub durable: Lsn,
     pub end: Lsn,
     pub segments: usize,
+    /// Segments made from a retired one kept as a spare, rather than created.
+    pub segments_reused: u64,
     /// The writer's cycles (writing and syncing what filled) by how long they took:
     /// `write_us_log2[i]` counts cycles of 2^i to 2^(i+1) µs (the first also those under
     /// 1 µs, the last those longer). What the disk gives the log, as operators and the
@@ -260,6 +263,10 @@ struct Inner {
     /// What followers share with the writer (not the log itself: a follower left
     /// over keeps no file or lock open).
     follow: Arc<Follow>,
+    /// Retired segments kept for the next segments, oldest first (at most
+    /// `SPARES_MAX`): a segment made from one is written over space the disk already
+    /// holds, so its syncs write data alone (docs/log.md §3).
+    spares: Mutex<Vec<String>>,
 }
 
 /// The writer's wait for its followers (see [`Follower`]).
@@ -358,10 +365,12 @@ impl Log {
             durable: AtomicU64::new(found.recovery.end),
             driven,
             follow: Arc::default(),
+            spares: Mutex::new(found.spares),
         });
         let filled = Filled {
             seg,
             len: found.last_file_len,
+            reused: false,
         };
         let (writer, filled) = if driven {
             (None, Some(filled))
@@ -650,17 +659,34 @@ impl Log {
         }
         // Oldest first, each removal made durable before the next: a crash between them
         // leaves the log contiguous (a directory without a journal may persist removals
-        // out of order).
-        for &v in &victims {
+        // out of order). The newest victims become spares while there is room for them
+        // (a storage that cannot rename keeps none).
+        let st = &*self.inner.storage;
+        let room = SPARES_MAX.saturating_sub(
             self.inner
-                .storage
-                .remove(&segment_name(v))
-                .map_err(|e| Error::io("remove a retired segment", e))?;
+                .spares
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .len(),
+        );
+        let keep_from = victims.len().saturating_sub(room);
+        for (i, &v) in victims.iter().enumerate() {
+            let name = segment_name(v);
+            let kept = i >= keep_from && st.rename(&name, &spare_name(v)).is_ok();
+            if !kept {
+                st.remove(&name)
+                    .map_err(|e| Error::io("remove a retired segment", e))?;
+            }
             self.inner.lock().segments.retain(|&f| f != v);
-            self.inner
-                .storage
-                .sync_dir()
+            st.sync_dir()
                 .map_err(|e| Error::io("sync its directory after retiring a segment", e))?;
+            if kept {
+                self.inner
+                    .spares
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(spare_name(v));
+            }
         }
         Ok(victims.len())
     }
@@ -723,6 +749,11 @@ fn write_loop(inner: &Inner, mut filled: Filled) {
                     break batches;
                 }
                 if s.closing {
+                    let clean = s.poisoned.is_none();
+                    drop(s);
+                    if clean {
+                        cut_reused(inner, &filled);
+                    }
                     return;
                 }
                 s.writer_asleep = true;
@@ -731,6 +762,21 @@ fn write_loop(inner: &Inner, mut filled: Filled) {
             }
         };
         write_and_publish(inner, batches, &mut filled);
+    }
+}
+
+/// On a clean close, the newest segment, if made from a spare, loses what the spare
+/// held after the log's end: the next open then finds the end followed by nothing, not
+/// by bytes it would have to cut as a torn tail.
+fn cut_reused(inner: &Inner, filled: &Filled) {
+    if !filled.reused {
+        return;
+    }
+    let end = inner.durable.load(Ordering::SeqCst) - filled.seg;
+    let name = segment_name(filled.seg);
+    let st = &*inner.storage;
+    if let Err(e) = st.truncate(&name, end).and_then(|()| st.sync(&name)) {
+        tracing::warn!(segment = %name, "could not cut a reused segment at the log's end: {e}");
     }
 }
 
@@ -793,9 +839,10 @@ fn write_and_publish(inner: &Inner, mut batches: Vec<Sealed>, filled: &mut Fille
         }
     }
     match result {
-        Ok(syncs) => {
+        Ok((syncs, reused)) => {
             s.stats.batches += batches_n;
             s.stats.syncs += syncs;
+            s.stats.segments_reused += reused;
             s.stats.bytes_written += bytes;
             s.stats.write_us_log2[Stats::write_bucket(took)] += 1;
             s.stats.write_us += took;
@@ -837,11 +884,18 @@ fn write_and_publish(inner: &Inner, mut batches: Vec<Sealed>, filled: &mut Fille
 const SPARE_MAX: usize = 4;
 const SPARE_BYTES_MAX: usize = 1 << 20;
 
-/// How far the newest segment's file reaches: its batches, then zeroes written ahead.
+/// How far the newest segment's file reaches: its batches, then zeroes written ahead,
+/// or what a spare it was made from held.
 struct Filled {
     seg: Lsn,
     len: u64,
+    /// Made from a spare: after `len`'s batches comes what the spare held.
+    reused: bool,
 }
+
+/// Retired segments kept for reuse (`Inner::spares`). Two: a compaction usually retires
+/// one or two segments at a time.
+const SPARES_MAX: usize = 2;
 
 /// The writer keeps this much zero-filled space ahead of the log's end. A batch written
 /// over zeroes the disk already holds changes no file size or extent, so its fdatasync
@@ -857,11 +911,37 @@ const ZERO_STEP: u64 = 64 << 10;
 /// What a top-up writes from (never allocated per top-up).
 static ZEROES: [u8; 2 * ZERO_STEP as usize] = [0; 2 * ZERO_STEP as usize];
 
+/// The oldest spare worth reusing, and its length; spares too short to save a top-up
+/// are removed.
+fn take_spare(inner: &Inner) -> io::Result<Option<(String, u64)>> {
+    let st = &*inner.storage;
+    loop {
+        let Some(spare) = ({
+            let mut spares = inner.spares.lock().unwrap_or_else(|p| p.into_inner());
+            (!spares.is_empty()).then(|| spares.remove(0))
+        }) else {
+            return Ok(None);
+        };
+        let len = st.len(&spare)?;
+        // Made of a full segment, unless the segment size changed since.
+        if len
+            >= inner
+                .config
+                .segment_bytes
+                .min(SEGMENT_HEADER_BYTES + ZERO_AHEAD)
+        {
+            return Ok(Some((spare, len)));
+        }
+        st.remove(&spare)?;
+    }
+}
+
 /// Write `batches` (creating segments as they begin) and sync every segment written.
-/// Returns the number of syncs.
-fn write_batches(inner: &Inner, batches: &[Sealed], filled: &mut Filled) -> io::Result<u64> {
+/// Returns the number of syncs and of segments made from spares.
+fn write_batches(inner: &Inner, batches: &[Sealed], filled: &mut Filled) -> io::Result<(u64, u64)> {
     let st = &*inner.storage;
     let mut syncs = 0;
+    let mut reused = 0;
     let mut unsynced: Option<Lsn> = None;
     for b in batches {
         let name = segment_name(b.seg);
@@ -872,19 +952,38 @@ fn write_batches(inner: &Inner, batches: &[Sealed], filled: &mut Filled) -> io::
                 st.sync(&segment_name(prev))?;
                 syncs += 1;
             }
-            st.create(&name)?;
             let header = SegmentHeader {
                 first: b.seg,
                 log_id: inner.log_id,
+            }
+            .encode();
+            *filled = match take_spare(inner)? {
+                // The header goes in under the spare's name, synced, before the rename:
+                // a file under a segment's name always has its own header.
+                Some((spare, len)) => {
+                    st.write_at(&spare, 0, &header)?;
+                    st.sync(&spare)?;
+                    st.rename(&spare, &name)?;
+                    reused += 1;
+                    Filled {
+                        seg: b.seg,
+                        len,
+                        reused: true,
+                    }
+                }
+                None => {
+                    st.create(&name)?;
+                    st.write_at(&name, 0, &header)?;
+                    st.sync(&name)?;
+                    Filled {
+                        seg: b.seg,
+                        len: SEGMENT_HEADER_BYTES,
+                        reused: false,
+                    }
+                }
             };
-            st.write_at(&name, 0, &header.encode())?;
-            st.sync(&name)?;
             st.sync_dir()?;
             syncs += 2;
-            *filled = Filled {
-                seg: b.seg,
-                len: SEGMENT_HEADER_BYTES,
-            };
         }
         st.write_at(&name, b.offset, &b.bytes)?;
         unsynced = Some(b.seg);
@@ -905,7 +1004,7 @@ fn write_batches(inner: &Inner, batches: &[Sealed], filled: &mut Filled) -> io::
         st.sync(&segment_name(seg))?;
         syncs += 1;
     }
-    Ok(syncs)
+    Ok((syncs, reused))
 }
 
 enum BatchRead {
@@ -987,6 +1086,8 @@ fn valid_batch_after(
 struct Found {
     recovery: Recovery,
     segments: Vec<Lsn>,
+    /// Spares to reuse, oldest first.
+    spares: Vec<String>,
     log_id: u64,
     /// The newest segment's file length (its logical end plus any zeroes ahead).
     last_file_len: u64,
@@ -1014,13 +1115,14 @@ fn all_zero(st: &dyn Storage, name: &str, from: u64, to: u64) -> io::Result<bool
 fn recover(st: &dyn Storage) -> Result<Found, Error> {
     let started = Instant::now();
     let io = |what| move |e| Error::io(what, e);
-    let mut firsts: Vec<Lsn> = st
-        .list()
-        .map_err(io("list its directory"))?
+    let listed = st.list().map_err(io("list its directory"))?;
+    let mut firsts: Vec<Lsn> = listed
         .iter()
         .filter_map(|n| parse_segment_name(n))
         .collect();
     firsts.sort_unstable();
+    let mut spares: Vec<Lsn> = listed.iter().filter_map(|n| parse_spare_name(n)).collect();
+    spares.sort_unstable();
     let mut torn_bytes = 0;
     let mut log_id = None;
     let mut unfinished = None;
@@ -1070,17 +1172,21 @@ fn recover(st: &dyn Storage) -> Result<Found, Error> {
         }
     }
     // Scan every segment before changing anything: a refused open changes nothing.
-    // Each segment's logical end is where its batches stop; zeroes after it are space
-    // the writer filled ahead (see `ZERO_AHEAD`).
+    // A segment before the newest ends where the next one begins: what follows there is
+    // zeroes the writer filled ahead (see `ZERO_AHEAD`) or what a spare it was made
+    // from held. The newest ends where its batches stop.
     let mut records = 0;
     let count = segs.len();
     let mut cut: Option<(String, u64, u64, String)> = None;
     let mut ends = Vec::with_capacity(count);
     for (i, &(first, len)) in segs.iter().enumerate() {
         let name = segment_name(first);
+        let stop = segs
+            .get(i + 1)
+            .map_or(len, |next| next.0.saturating_sub(first).min(len));
         let mut off = SEGMENT_HEADER_BYTES;
-        while off < len {
-            match read_batch(st, &name, first, off, len).map_err(io("read a segment"))? {
+        while off < stop {
+            match read_batch(st, &name, first, off, stop).map_err(io("read a segment"))? {
                 BatchRead::Valid { frames, extent } => {
                     records += format::frames(&frames).expect("checked").len() as u64;
                     off += extent;
@@ -1128,7 +1234,13 @@ fn recover(st: &dyn Storage) -> Result<Found, Error> {
     }
     let mut last_file_len = segs.last().map_or(0, |s| s.1);
     if let Some((name, off, len, reason)) = cut {
-        tracing::warn!(segment = %name, offset = off, bytes = len - off, "cutting a torn tail: {reason}");
+        tracing::warn!(
+            segment = %name,
+            offset = off,
+            bytes = len - off,
+            "cutting what follows the log's end (a torn write, or what the spare this \
+             segment was made from held): {reason}"
+        );
         st.truncate(&name, off).map_err(io("cut a torn tail"))?;
         torn_bytes += len - off;
         last_file_len = off;
@@ -1142,6 +1254,12 @@ fn recover(st: &dyn Storage) -> Result<Found, Error> {
             .map_err(io("remove an unfinished segment"))?;
         torn_bytes += len;
     }
+    // More spares than the writer keeps (none is expected): the oldest are kept.
+    for &extra in spares.iter().skip(SPARES_MAX) {
+        st.remove(&spare_name(extra))
+            .map_err(io("remove a spare segment"))?;
+    }
+    spares.truncate(SPARES_MAX);
     let log_id = match (log_id, segs.is_empty()) {
         (Some(id), false) => id,
         _ => {
@@ -1182,6 +1300,7 @@ fn recover(st: &dyn Storage) -> Result<Found, Error> {
             elapsed: started.elapsed(),
         },
         segments: segs.iter().map(|&(f, _)| f).collect(),
+        spares: spares.into_iter().map(spare_name).collect(),
         log_id,
         last_file_len,
     })

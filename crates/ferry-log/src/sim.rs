@@ -324,4 +324,23 @@ impl Storage for SimStorage {
         s.ghosts.clear();
         Ok(())
     }
+
+    /// Until the next `sync_dir`, a crash may keep the old name, the new one, both or
+    /// neither: harsher than a real rename, which keeps exactly one.
+    fn rename(&self, from: &str, to: &str) -> io::Result<()> {
+        let mut s = self.sim();
+        if s.halted {
+            return Err(halted());
+        }
+        if s.files.contains_key(to) {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!("{to} exists"),
+            ));
+        }
+        let f = s.files.remove(from).ok_or_else(|| missing(from))?;
+        s.ghosts.insert(from.to_string(), f.durable.clone());
+        s.files.insert(to.to_string(), f);
+        Ok(())
+    }
 }

@@ -26,8 +26,18 @@ pub trait Storage: Send + Sync + 'static {
     fn truncate(&self, name: &str, len: u64) -> io::Result<()>;
     /// Remove a file; durable after `sync_dir`.
     fn remove(&self, name: &str) -> io::Result<()>;
-    /// Make creations and removals durable (fsync of the directory).
+    /// Make creations, removals and renames durable (fsync of the directory).
     fn sync_dir(&self) -> io::Result<()>;
+    /// Rename `from` to `to` (which must not exist), atomically; durable after
+    /// `sync_dir`. A storage without it keeps no spare segments (docs/log.md §3): the
+    /// log removes what it retires and creates every segment anew.
+    fn rename(&self, from: &str, to: &str) -> io::Result<()> {
+        let _ = (from, to);
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "this storage cannot rename",
+        ))
+    }
 }
 
 /// Files in a directory, locked against a second process opening the same log.
@@ -134,5 +144,21 @@ impl Storage for FileStorage {
 
     fn sync_dir(&self) -> io::Result<()> {
         ferry_core::fs::fsync_dir(&self.dir)
+    }
+
+    fn rename(&self, from: &str, to: &str) -> io::Result<()> {
+        let (a, b) = (self.dir.join(from), self.dir.join(to));
+        if b.exists() {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!("{to} exists"),
+            ));
+        }
+        std::fs::rename(a, b)?;
+        let mut files = self.files.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(f) = files.remove(from) {
+            files.insert(to.to_string(), f);
+        }
+        Ok(())
     }
 }

@@ -84,6 +84,107 @@ fn records_survive_reopening_across_segments_and_retirement() {
     assert_eq!(all(&log), kept);
 }
 
+fn spares(dir: &std::path::Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.ends_with(".spare"))
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn retired_segments_are_reused_and_what_they_held_is_never_read() {
+    let scratch = Scratch::new("log-reuse");
+    let dir = scratch.dir("log");
+    let record = |i: u32| {
+        (
+            (i % 250) as u8 + 1,
+            vec![(i % 251) as u8; 100 + (i as usize * 13) % 400],
+        )
+    };
+    let (log, _) = Log::open_dir(&dir, small()).unwrap();
+    let mut ends = Vec::new();
+    for i in 0..300 {
+        let (k, p) = record(i);
+        ends.push(log.append(k, &p).unwrap());
+    }
+    log.flush().unwrap();
+    // Two retired segments become spares; any more are removed.
+    let retired = log.retire_below(ends[250]).unwrap();
+    assert!(retired >= 3, "retired {retired}");
+    assert_eq!(spares(&dir).len(), 2);
+    let files = || segments(&dir).len() + spares(&dir).len();
+    let before = files();
+    // The next segments are made from the spares: no file is created for them, and
+    // what they held (older batches, at other positions) lies after their batches.
+    let mut want: Vec<(u8, Vec<u8>)> = Vec::new();
+    let from = log.end_lsn();
+    let mut i = 300;
+    while log.stats().segments_reused < 2 || !spares(&dir).is_empty() || files() == before {
+        let (k, p) = record(i);
+        log.append(k, &p).unwrap();
+        want.push((k, p));
+        i += 1;
+        if i % 20 == 0 {
+            log.flush().unwrap();
+        }
+        assert!(i < 2000, "the spares were not reused: {:?}", log.stats());
+    }
+    // One more segment past the last reused one, so reused segments are not the newest.
+    let seg_count = segments(&dir).len();
+    while segments(&dir).len() == seg_count {
+        let (k, p) = record(i);
+        log.append(k, &p).unwrap();
+        want.push((k, p));
+        i += 1;
+        log.flush().unwrap();
+    }
+    let read = |log: &Log, from| {
+        let mut out = Vec::new();
+        log.read(from, |r| out.push((r.kind, r.payload.to_vec())))
+            .unwrap();
+        out
+    };
+    assert_eq!(read(&log, from), want);
+    log.close().unwrap();
+    // Reopening reads every reused segment up to where the next begins.
+    let (log, rec) = Log::open_dir(&dir, small()).unwrap();
+    assert_eq!(rec.torn_bytes, 0);
+    assert_eq!(read(&log, from), want);
+    // A reused segment that is the newest when the process dies: what follows its end
+    // (the spare's old bytes) is cut, and nothing after the end is read.
+    let retired = log.retire_below(log.end_lsn()).unwrap();
+    assert!(retired > 0);
+    assert!(!spares(&dir).is_empty());
+    let from = log.end_lsn();
+    let mut want = Vec::new();
+    let reused = log.stats().segments_reused;
+    while log.stats().segments_reused == reused {
+        let (k, p) = record(i);
+        log.append(k, &p).unwrap();
+        want.push((k, p));
+        i += 1;
+        log.flush().unwrap();
+    }
+    // What a killed process leaves: its files as they are, with no clean close to cut
+    // the reused segment at the end.
+    let copy = scratch.dir("killed");
+    for f in segments(&dir).into_iter().chain(spares(&dir)) {
+        std::fs::copy(dir.join(&f), copy.join(&f)).unwrap();
+    }
+    let (killed, rec) = Log::open_dir(&copy, small()).unwrap();
+    assert!(rec.torn_bytes > 0, "the old bytes after the end are cut");
+    assert_eq!(read(&killed, from), want);
+    drop(killed);
+    // A clean close cuts it there itself: the next open has nothing to cut.
+    log.close().unwrap();
+    let (log, rec) = Log::open_dir(&dir, small()).unwrap();
+    assert_eq!(rec.torn_bytes, 0);
+    assert_eq!(read(&log, from), want);
+}
+
 #[test]
 fn one_sync_covers_many_appenders() {
     let scratch = Scratch::new("log-group");

@@ -34,6 +34,8 @@ struct Seen {
     torn_tails: u64,
     failed_writes_or_syncs: u64,
     retired: u64,
+    /// Segments made from retired ones (spares).
+    reused: u64,
     segments_max: usize,
     acked: u64,
 }
@@ -144,6 +146,7 @@ fn run(seed: u64, seen: &mut Seen) -> Result<(), String> {
             }
         }
         seen.acked += acked as u64;
+        seen.reused += log.stats().segments_reused;
         if poisoned {
             seen.failed_writes_or_syncs += 1;
             // After a failed write or sync, nothing more is accepted.
@@ -198,6 +201,7 @@ fn simulated_crashes_never_lose_acknowledged_records() {
             seen.torn_tails > 0
                 && seen.failed_writes_or_syncs > 0
                 && seen.retired > 0
+                && seen.reused > 0
                 && seen.segments_max > 2,
             "the simulation did not reach every fault it is meant to: {seen:?}"
         );

@@ -165,8 +165,12 @@ fn header(st: &Status) -> String {
         (Some(p50), Some(p99)) => format!(" (write and sync: p50 < {p50} µs, p99 < {p99} µs)"),
         _ => String::new(),
     };
+    let reused = match st.log.segments_reused {
+        0 => String::new(),
+        n => format!(" ({n} made from retired ones)"),
+    };
     format!(
-        "{engine}; opened in {:.1} ms ({} log records replayed, {} runs resumed); log: {} records, {} syncs{writes}, {} segment(s)\n\
+        "{engine}; opened in {:.1} ms ({} log records replayed, {} runs resumed); log: {} records, {} syncs{writes}, {} segment(s){reused}\n\
          {} runs: {} running, {} finished, {} failed, {} cancelled, {} parked\n\n",
         st.recovery_ms,
         st.recovered_records,
