@@ -34,7 +34,7 @@
 //!       did not run this VM while it wanted to run; `machine_busy_cores`, the CPU
 //!       time the whole machine spent running anything over the point's length; and
 //!       per thread, how long it waited runnable for a CPU (`run_queue`). `--dump
-//!       PREFIX` writes every arrival's time and latency to PREFIX.<percent>
+//!       PREFIX` writes every arrival's time, latency and start latency to PREFIX.<percent>
 //!       (`dump_arrivals`).
 //!   w4 --dir D [--n 1000] [--sleep-ms 1000]
 //!       N workflows each sleep, then run one step: how late the sleep returned, and how
@@ -715,9 +715,9 @@ async fn open_loop(
     let count = (rate * (warmup + seconds)).round().max(1.0) as u64;
     // Sized and touched up front: a vector that doubles as it goes copies megabytes and
     // faults in fresh pages on the client thread, in the middle of the measurement.
-    let mut v = vec![(Instant::now(), Duration::ZERO); count as usize];
+    let mut v = vec![(Instant::now(), Duration::ZERO, Duration::ZERO); count as usize];
     v.clear();
-    let lat: Rc<RefCell<Vec<(Instant, Duration)>>> = Rc::new(RefCell::new(v));
+    let lat: Rc<RefCell<Vec<(Instant, Duration, Duration)>>> = Rc::new(RefCell::new(v));
     let before = engine.log_stats();
     let cpu = thread_cpu();
     let cpu0 = cpu_seconds();
@@ -769,8 +769,9 @@ async fn open_loop(
         tokio::task::spawn_local(async move {
             let r = async {
                 let h = e.start(CHAIN, &format!("w3-{i}"), &steps).await?;
+                let s = due.elapsed();
                 h.result().await?;
-                l.borrow_mut().push((due, due.elapsed()));
+                l.borrow_mut().push((due, due.elapsed(), s));
                 Ok(())
             };
             let _ = done_tx.send(r.await);
@@ -790,11 +791,11 @@ async fn open_loop(
     let (measured, warm): (Vec<_>, Vec<_>) = lat
         .borrow()
         .iter()
-        .partition(|(due, _)| *due >= measured_from);
+        .partition(|(due, _, _)| *due >= measured_from);
     if let Some(path) = dump {
         dump_arrivals(path, t0, &lat.borrow()).map_err(|e| format!("{}: {e}", path.display()))?;
     }
-    let only = |v: Vec<(Instant, Duration)>| v.into_iter().map(|(_, l)| l).collect();
+    let only = |v: Vec<(Instant, Duration, Duration)>| v.into_iter().map(|(_, l, _)| l).collect();
     Ok(json!({
         "rate_asked": rate, "workflows": count, "achieved_per_sec": count as f64 / secs,
         "warmup_secs": warmup, "measured_secs": seconds,
@@ -807,10 +808,15 @@ async fn open_loop(
     }))
 }
 
-/// One line per arrival, `due_ms latency_ms` from the point's start; the first line
+/// One line per arrival, `due_ms latency_ms start_ms` from the point's start (start:
+/// until `engine.start` returned, its start record durable); the first line
 /// gives that start on CLOCK_MONOTONIC (seconds), to line stalls up with `perf record
 /// -k mono` or anything else that stamps its events with that clock.
-fn dump_arrivals(path: &Path, t0: Instant, lat: &[(Instant, Duration)]) -> std::io::Result<()> {
+fn dump_arrivals(
+    path: &Path,
+    t0: Instant,
+    lat: &[(Instant, Duration, Duration)],
+) -> std::io::Result<()> {
     // SAFETY: timespec is plain integers; clock_gettime writes one into the struct we own.
     let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
     // SAFETY: as above; CLOCK_MONOTONIC is valid.
@@ -822,9 +828,14 @@ fn dump_arrivals(path: &Path, t0: Instant, lat: &[(Instant, Duration)]) -> std::
         "# start {:.6} CLOCK_MONOTONIC",
         now - t0.elapsed().as_secs_f64()
     )?;
-    for (due, l) in lat {
+    for (due, l, s) in lat {
         let at = due.saturating_duration_since(t0).as_secs_f64() * 1e3;
-        writeln!(f, "{at:.3} {:.3}", l.as_secs_f64() * 1e3)?;
+        writeln!(
+            f,
+            "{at:.3} {:.3} {:.3}",
+            l.as_secs_f64() * 1e3,
+            s.as_secs_f64() * 1e3
+        )?;
     }
     f.flush()
 }
