@@ -612,6 +612,13 @@ impl Log {
                     .map_err(|e| Error::io("read a segment", e))?
                 {
                     BatchRead::Valid { frames, extent } => (frames, extent),
+                    // Retired while this read ran, and maybe made into a new segment
+                    // since: not damage.
+                    BatchRead::Bad(_) if !self.inner.lock().segments.contains(&seg) => {
+                        return Err(Error::Invalid(format!(
+                            "the segment at position {seg} was retired while it was read"
+                        )));
+                    }
                     BatchRead::Bad(reason) => {
                         return Err(Error::Corrupted {
                             segment: name,
@@ -638,9 +645,10 @@ impl Log {
         Ok(durable)
     }
 
-    /// Delete the segments that lie wholly below `lsn` (the caller keeps what they held
-    /// elsewhere, e.g. in a checkpoint). The newest segment is always kept. Returns how
-    /// many were deleted. A reader still reading them fails.
+    /// Retire the segments that lie wholly below `lsn` (the caller keeps what they held
+    /// elsewhere, e.g. in a checkpoint): they leave the log, deleted or kept as spares
+    /// for later segments (docs/log.md §3). The newest segment is always kept. Returns
+    /// how many were retired. A reader still reading them fails.
     pub fn retire_below(&self, lsn: Lsn) -> Result<usize, Error> {
         let durable = self.durable_lsn();
         let _one_at_a_time = self.retiring.lock().unwrap_or_else(|p| p.into_inner());
@@ -705,6 +713,13 @@ impl Log {
     /// records may not be durable.
     pub fn close(self) -> Result<(), Error> {
         self.write_pending();
+        if self.inner.driven
+            && self.inner.lock().poisoned.is_none()
+            && let Ok(filled) = self.filled.lock()
+            && let Some(filled) = filled.as_ref()
+        {
+            cut_reused(&self.inner, filled);
+        }
         self.shutdown();
         match &self.inner.lock().poisoned {
             Some(cause) => Err(Error::PreviousIo {
@@ -911,28 +926,44 @@ const ZERO_STEP: u64 = 64 << 10;
 /// What a top-up writes from (never allocated per top-up).
 static ZEROES: [u8; 2 * ZERO_STEP as usize] = [0; 2 * ZERO_STEP as usize];
 
-/// The oldest spare worth reusing, and its length; spares too short to save a top-up
-/// are removed.
-fn take_spare(inner: &Inner) -> io::Result<Option<(String, u64)>> {
+/// Make segment `name` from the oldest spare worth reusing, with `header`; its file's
+/// length, or None with no spare left (the caller creates the segment). Spares too
+/// short to save a top-up are removed. Spares are only a saving: one that fails here
+/// (gone, unreadable) is dropped with a warning, and the next one, or a new file, is
+/// used instead.
+fn segment_from_spare(inner: &Inner, name: &str, header: &[u8]) -> Option<u64> {
     let st = &*inner.storage;
     loop {
-        let Some(spare) = ({
+        let spare = {
             let mut spares = inner.spares.lock().unwrap_or_else(|p| p.into_inner());
-            (!spares.is_empty()).then(|| spares.remove(0))
-        }) else {
-            return Ok(None);
+            if spares.is_empty() {
+                return None;
+            }
+            spares.remove(0)
         };
-        let len = st.len(&spare)?;
-        // Made of a full segment, unless the segment size changed since.
-        if len
-            >= inner
-                .config
-                .segment_bytes
-                .min(SEGMENT_HEADER_BYTES + ZERO_AHEAD)
-        {
-            return Ok(Some((spare, len)));
+        // Made of a full segment, unless the segment size changed since. The header
+        // goes in under the spare's name, synced, before the rename: a file under a
+        // segment's name always has its own header.
+        let made = st.len(&spare).and_then(|len| {
+            if len
+                < inner
+                    .config
+                    .segment_bytes
+                    .min(SEGMENT_HEADER_BYTES + ZERO_AHEAD)
+            {
+                return Ok(None);
+            }
+            st.write_at(&spare, 0, header)?;
+            st.sync(&spare)?;
+            st.rename(&spare, name)?;
+            Ok(Some(len))
+        });
+        match made {
+            Ok(Some(len)) => return Some(len),
+            Ok(None) => {}
+            Err(e) => tracing::warn!(%spare, "not reusing a spare segment: {e}"),
         }
-        st.remove(&spare)?;
+        let _ = st.remove(&spare);
     }
 }
 
@@ -957,13 +988,8 @@ fn write_batches(inner: &Inner, batches: &[Sealed], filled: &mut Filled) -> io::
                 log_id: inner.log_id,
             }
             .encode();
-            *filled = match take_spare(inner)? {
-                // The header goes in under the spare's name, synced, before the rename:
-                // a file under a segment's name always has its own header.
-                Some((spare, len)) => {
-                    st.write_at(&spare, 0, &header)?;
-                    st.sync(&spare)?;
-                    st.rename(&spare, &name)?;
+            *filled = match segment_from_spare(inner, &name, &header) {
+                Some(len) => {
                     reused += 1;
                     Filled {
                         seg: b.seg,
@@ -1062,23 +1088,29 @@ fn valid_batch_after(
     off: u64,
     len: u64,
 ) -> io::Result<Option<u64>> {
-    let mut tail = vec![0u8; (len - off) as usize];
-    let n = st.read_at(name, off, &mut tail)?;
-    tail.truncate(n);
-    let mut p = format::ALIGN;
-    while p + BATCH_HEADER_BYTES <= tail.len() as u64 {
-        let at = p as usize;
-        if let Ok(h) = BatchHeader::decode(&tail[at..])
-            && h.lsn == seg + off + p
-            && p + BATCH_HEADER_BYTES + h.frames_len <= tail.len() as u64
-        {
-            let frames = &tail[at + BATCH_HEADER_BYTES as usize
-                ..at + (BATCH_HEADER_BYTES + h.frames_len) as usize];
-            if h.matches(&tail[at..], frames) {
-                return Ok(Some(off + p));
+    // Read a window at a time: after a segment made from a spare, the rest of the file
+    // (up to a whole segment) is the spare's old bytes. A header that names its own
+    // position is checked whole, wherever its batch ends.
+    const WINDOW: u64 = 1 << 20;
+    let mut buf = vec![0u8; (WINDOW + BATCH_HEADER_BYTES) as usize];
+    let mut from = off + format::ALIGN;
+    while from + BATCH_HEADER_BYTES <= len {
+        let want = (len - from).min(WINDOW + BATCH_HEADER_BYTES) as usize;
+        let n = st.read_at(name, from, &mut buf[..want])? as u64;
+        let mut p = 0;
+        while p < WINDOW && p + BATCH_HEADER_BYTES <= n {
+            if let Ok(h) = BatchHeader::decode(&buf[p as usize..n as usize])
+                && h.lsn == seg + from + p
+                && let BatchRead::Valid { .. } = read_batch(st, name, seg, from + p, len)?
+            {
+                return Ok(Some(from + p));
             }
+            p += format::ALIGN;
         }
-        p += format::ALIGN;
+        if n < want as u64 {
+            break;
+        }
+        from += WINDOW;
     }
     Ok(None)
 }
@@ -1254,12 +1286,20 @@ fn recover(st: &dyn Storage) -> Result<Found, Error> {
             .map_err(io("remove an unfinished segment"))?;
         torn_bytes += len;
     }
-    // More spares than the writer keeps (none is expected): the oldest are kept.
-    for &extra in spares.iter().skip(SPARES_MAX) {
-        st.remove(&spare_name(extra))
+    // Only spares this log retired are kept: they held positions below its oldest
+    // segment, so none of their old batches can name a position the log will write. A
+    // spare from anywhere else (a log reset by deleting its segments, a copy) might,
+    // and is removed; so are any beyond the two the writer keeps.
+    let oldest = segs.first().map(|s| s.0);
+    let (keep, stray): (Vec<Lsn>, Vec<Lsn>) = spares
+        .into_iter()
+        .partition(|&f| oldest.is_some_and(|o| f < o));
+    let spares: Vec<Lsn> = keep.iter().copied().take(SPARES_MAX).collect();
+    for f in stray.into_iter().chain(keep.into_iter().skip(SPARES_MAX)) {
+        tracing::info!(spare = %spare_name(f), "removing a spare segment this log will not reuse");
+        st.remove(&spare_name(f))
             .map_err(io("remove a spare segment"))?;
     }
-    spares.truncate(SPARES_MAX);
     let log_id = match (log_id, segs.is_empty()) {
         (Some(id), false) => id,
         _ => {

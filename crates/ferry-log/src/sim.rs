@@ -53,6 +53,8 @@ struct Sim {
     syncs: u64,
     fail_write_at: Option<u64>,
     fail_sync_at: Option<u64>,
+    dir_syncs: u64,
+    fail_sync_dir_at: Option<u64>,
     /// Between `halt` and `crash`: the process is dead, every call fails.
     halted: bool,
 }
@@ -96,6 +98,8 @@ impl SimStorage {
                 syncs: 0,
                 fail_write_at: None,
                 fail_sync_at: None,
+                dir_syncs: 0,
+                fail_sync_dir_at: None,
                 halted: false,
             }),
         }
@@ -117,6 +121,13 @@ impl SimStorage {
         s.fail_sync_at = Some(s.syncs + n);
     }
 
+    /// Fail the `n`th directory sync from now: the creations, removals and renames it
+    /// would have made durable stay undecided, for a crash to decide.
+    pub fn fail_sync_dir_after(&self, n: u64) {
+        let mut s = self.sim();
+        s.fail_sync_dir_at = Some(s.dir_syncs + n);
+    }
+
     /// The process dies: every call fails until `crash`.
     pub fn halt(&self) {
         self.sim().halted = true;
@@ -130,6 +141,7 @@ impl SimStorage {
         s.halted = false;
         s.fail_write_at = None;
         s.fail_sync_at = None;
+        s.fail_sync_dir_at = None;
     }
 
     /// Power loss after `halt` (or instead of it): keep what was durable and a random
@@ -187,6 +199,7 @@ impl SimStorage {
         s.halted = false;
         s.fail_write_at = None;
         s.fail_sync_at = None;
+        s.fail_sync_dir_at = None;
     }
 
     /// Flip one bit of what a file durably holds (and shows), for damage tests.
@@ -319,6 +332,10 @@ impl Storage for SimStorage {
         let mut s = self.sim();
         if s.halted {
             return Err(halted());
+        }
+        s.dir_syncs += 1;
+        if s.fail_sync_dir_at == Some(s.dir_syncs) {
+            return Err(io::Error::other("injected directory sync failure"));
         }
         s.durable_names = s.files.keys().cloned().collect();
         s.ghosts.clear();

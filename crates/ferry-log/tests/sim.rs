@@ -93,6 +93,9 @@ fn run(seed: u64, seen: &mut Seen) -> Result<(), String> {
             match rng.below(20) {
                 0 => sim.fail_write_after(rng.below(3) + 1),
                 1 => sim.fail_sync_after(rng.below(3) + 1),
+                // Lands in a segment's creation (made from a spare or not) or in a
+                // retirement's removal or rename, whichever syncs the directory next.
+                6 => sim.fail_sync_dir_after(rng.below(2) + 1),
                 2 | 3 => {
                     if let Some(&(i, lsn)) = ends.get(rng.below(ends.len() as u64 + 1) as usize) {
                         match log.wait_durable(lsn) {
@@ -291,6 +294,130 @@ fn a_driven_log_makes_records_durable_only_when_its_driver_writes() {
     sim.crash();
     let (_log, rec) = Log::open(sim, config()).unwrap();
     assert!(rec.end >= after);
+}
+
+/// How many spare segments the storage holds.
+fn spares(sim: &SimStorage) -> usize {
+    use ferry_log::Storage;
+    sim.list()
+        .unwrap()
+        .iter()
+        .filter(|n| n.ends_with(".spare"))
+        .count()
+}
+
+/// Every record the log holds after a recovery, by index (the payload's first 8 bytes).
+fn indexes(log: &Log) -> Vec<u64> {
+    let mut got = Vec::new();
+    log.read(log.start_lsn(), |r| {
+        got.push(u64::from_le_bytes(r.payload[..8].try_into().unwrap()))
+    })
+    .unwrap();
+    got
+}
+
+#[test]
+fn crashes_while_a_segment_becomes_a_spare_or_a_spare_a_segment_lose_nothing() {
+    // A driven log, so that the directory sync that fails is the one meant: the
+    // retirement's (a segment renamed to a spare) or the new segment's (a spare renamed
+    // to it). The crash then keeps the old name, the new one, both or neither.
+    for seed in 0..200u64 {
+        let at = |what: &str| format!("seed {seed}: {what}");
+        let sim = Arc::new(SimStorage::new(seed));
+        let (log, _) = Log::open_driven(sim.clone(), config()).unwrap();
+        let mut next = 0u64;
+        let mut append_until = |log: &Log, pred: &dyn Fn(&Log) -> bool| {
+            while !pred(log) {
+                log.append(1, &payload(next, 300)).unwrap();
+                next += 1;
+                log.write_pending();
+            }
+        };
+        // Five segments, the oldest three retired: two become spares.
+        append_until(&log, &|l| l.stats().segments >= 5);
+        let retired = log.retire_below(log.durable_lsn()).unwrap();
+        assert!(retired >= 3, "{}", at("retired too few"));
+        let in_retirement = seed % 2 == 0;
+        if in_retirement {
+            // One more retirement (of one segment, into the room the new segment's
+            // spare left), its directory sync failing after the rename.
+            append_until(&log, &|l| l.stats().segments >= 2);
+            let before = spares(&sim);
+            sim.fail_sync_dir_after(1);
+            assert!(
+                log.retire_below(log.durable_lsn()).is_err(),
+                "{}",
+                at("retire")
+            );
+            assert_eq!(spares(&sim), before + 1, "{}", at("renamed to a spare"));
+        } else {
+            // The next segment made from a spare, its directory sync failing.
+            let before = log.stats().segments_reused;
+            let spares_before = spares(&sim);
+            sim.fail_sync_dir_after(1);
+            let segments = log.stats().segments;
+            while log.stats().segments == segments {
+                log.append(1, &payload(next, 300)).unwrap();
+                next += 1;
+                log.write_pending();
+            }
+            assert_eq!(
+                log.stats().segments_reused,
+                before,
+                "{}",
+                at("a failed creation counts")
+            );
+            assert_eq!(spares(&sim), spares_before - 1, "{}", at("a spare renamed"));
+        }
+        let durable = log.durable_lsn();
+        let first_kept = log.start_lsn();
+        let mut kept = Vec::new();
+        log.read(first_kept, |r| {
+            if r.end <= durable {
+                kept.push(u64::from_le_bytes(r.payload[..8].try_into().unwrap()))
+            }
+        })
+        .unwrap();
+        sim.halt();
+        drop(log);
+        sim.crash();
+        let (log, _) = Log::open_driven(sim.clone(), config())
+            .unwrap_or_else(|e| panic!("{}", at(&format!("reopen: {e}"))));
+        let got = indexes(&log);
+        assert!(
+            kept.iter().all(|k| got.contains(k)),
+            "{}",
+            at(&format!(
+                "acknowledged records lost: kept {kept:?}, got {got:?}"
+            ))
+        );
+        // The log goes on, and reuses what spares survived.
+        let from = log.end_lsn();
+        for i in 0..60 {
+            log.append(1, &payload(1_000_000 + i, 300)).unwrap();
+            log.write_pending();
+        }
+        let mut after = Vec::new();
+        log.read(from, |r| {
+            after.push(u64::from_le_bytes(r.payload[..8].try_into().unwrap()))
+        })
+        .unwrap();
+        assert_eq!(
+            after,
+            (1_000_000..1_000_060).collect::<Vec<_>>(),
+            "{}",
+            at("after")
+        );
+        log.close().unwrap();
+        let (log, rec) = Log::open_driven(sim.clone(), config()).unwrap();
+        assert_eq!(
+            rec.torn_bytes,
+            0,
+            "{}",
+            at("a clean close leaves nothing to cut")
+        );
+        assert!(indexes(&log).ends_with(&(1_000_000..1_000_060).collect::<Vec<_>>()));
+    }
 }
 
 #[test]
