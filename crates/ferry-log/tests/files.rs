@@ -24,14 +24,19 @@ fn all(log: &Log) -> Vec<(u8, Vec<u8>)> {
     out
 }
 
-fn segments(dir: &std::path::Path) -> Vec<String> {
+/// The names in `dir` that end with `suffix`, sorted.
+fn names(dir: &std::path::Path, suffix: &str) -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(dir)
         .unwrap()
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|n| n.ends_with(".seg"))
+        .filter(|n| n.ends_with(suffix))
         .collect();
     v.sort();
     v
+}
+
+fn segments(dir: &std::path::Path) -> Vec<String> {
+    names(dir, ".seg")
 }
 
 #[test]
@@ -85,13 +90,7 @@ fn records_survive_reopening_across_segments_and_retirement() {
 }
 
 fn spares(dir: &std::path::Path) -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|n| n.ends_with(".spare"))
-        .collect();
-    v.sort();
-    v
+    names(dir, ".spare")
 }
 
 #[test]
