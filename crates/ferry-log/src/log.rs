@@ -31,6 +31,11 @@ pub struct Config {
     /// before it takes the next batch: what they append in reply to the sync then rides
     /// the next sync, not the one after. Zero: never wait. Default 25 µs.
     pub follow: Duration,
+    /// How many retired segments are kept for later segments to be made from (each
+    /// takes `segment_bytes` of disk; docs/log.md §3): enough for the segments written
+    /// between two retirements makes every segment a reused one. Zero keeps none.
+    /// Default 4, at most 64.
+    pub spare_segments: usize,
 }
 
 impl Default for Config {
@@ -40,6 +45,7 @@ impl Default for Config {
             record_bytes_max: 4 << 20,
             pending_bytes_max: 32 << 20,
             follow: Duration::from_micros(25),
+            spare_segments: 4,
         }
     }
 }
@@ -55,6 +61,12 @@ impl Config {
                 "segment_bytes {} must be between 1 KiB and 1 GiB and hold the largest record \
                  (record_bytes_max {}) with {room} bytes of headers",
                 self.segment_bytes, self.record_bytes_max
+            )));
+        }
+        if self.spare_segments > 64 {
+            return Err(Error::Invalid(format!(
+                "spare_segments {} must be at most 64",
+                self.spare_segments
             )));
         }
         if self.pending_bytes_max == 0 {
@@ -264,7 +276,7 @@ struct Inner {
     /// over keeps no file or lock open).
     follow: Arc<Follow>,
     /// Retired segments kept for the next segments, oldest first (at most
-    /// `SPARES_MAX`): a segment made from one is written over space the disk already
+    /// `Config::spare_segments`): a segment made from one is written over space the disk already
     /// holds, so its syncs write data alone (docs/log.md §3).
     spares: Mutex<Vec<String>>,
 }
@@ -328,7 +340,7 @@ impl Log {
         driven: bool,
     ) -> Result<(Log, Recovery), Error> {
         config.check()?;
-        let found = recover(&*storage)?;
+        let found = recover(&*storage, config.spare_segments)?;
         let recovery = found.recovery.clone();
         tracing::info!(
             segments = recovery.segments,
@@ -670,7 +682,7 @@ impl Log {
         // out of order). The newest victims become spares while there is room for them
         // (a storage that cannot rename keeps none).
         let st = &*self.inner.storage;
-        let room = SPARES_MAX.saturating_sub(
+        let room = self.inner.config.spare_segments.saturating_sub(
             self.inner
                 .spares
                 .lock()
@@ -908,10 +920,6 @@ struct Filled {
     reused: bool,
 }
 
-/// Retired segments kept for reuse (`Inner::spares`). Two: a compaction usually retires
-/// one or two segments at a time.
-const SPARES_MAX: usize = 2;
-
 /// The writer keeps this much zero-filled space ahead of the log's end. A batch written
 /// over zeroes the disk already holds changes no file size or extent, so its fdatasync
 /// writes the data alone; appending to the end of a file would make every sync write
@@ -1144,7 +1152,7 @@ fn all_zero(st: &dyn Storage, name: &str, from: u64, to: u64) -> io::Result<bool
 }
 
 /// docs/log.md §4.
-fn recover(st: &dyn Storage) -> Result<Found, Error> {
+fn recover(st: &dyn Storage, spares_max: usize) -> Result<Found, Error> {
     let started = Instant::now();
     let io = |what| move |e| Error::io(what, e);
     let listed = st.list().map_err(io("list its directory"))?;
@@ -1289,13 +1297,13 @@ fn recover(st: &dyn Storage) -> Result<Found, Error> {
     // Only spares this log retired are kept: they held positions below its oldest
     // segment, so none of their old batches can name a position the log will write. A
     // spare from anywhere else (a log reset by deleting its segments, a copy) might,
-    // and is removed; so are any beyond the two the writer keeps.
+    // and is removed; so are any beyond `spare_segments`.
     let oldest = segs.first().map(|s| s.0);
     let (keep, stray): (Vec<Lsn>, Vec<Lsn>) = spares
         .into_iter()
         .partition(|&f| oldest.is_some_and(|o| f < o));
-    let spares: Vec<Lsn> = keep.iter().copied().take(SPARES_MAX).collect();
-    for f in stray.into_iter().chain(keep.into_iter().skip(SPARES_MAX)) {
+    let spares: Vec<Lsn> = keep.iter().copied().take(spares_max).collect();
+    for f in stray.into_iter().chain(keep.into_iter().skip(spares_max)) {
         tracing::info!(spare = %spare_name(f), "removing a spare segment this log will not reuse");
         st.remove(&spare_name(f))
             .map_err(io("remove a spare segment"))?;

@@ -93,6 +93,13 @@ fn spares(dir: &std::path::Path) -> Vec<String> {
     names(dir, ".spare")
 }
 
+fn two_spares() -> Config {
+    Config {
+        spare_segments: 2,
+        ..small()
+    }
+}
+
 #[test]
 fn retired_segments_are_reused_and_what_they_held_is_never_read() {
     let scratch = Scratch::new("log-reuse");
@@ -103,7 +110,7 @@ fn retired_segments_are_reused_and_what_they_held_is_never_read() {
             vec![(i % 251) as u8; 100 + (i as usize * 13) % 400],
         )
     };
-    let (log, _) = Log::open_dir(&dir, small()).unwrap();
+    let (log, _) = Log::open_dir(&dir, two_spares()).unwrap();
     let mut ends = Vec::new();
     for i in 0..300 {
         let (k, p) = record(i);
@@ -149,7 +156,7 @@ fn retired_segments_are_reused_and_what_they_held_is_never_read() {
     assert_eq!(read(&log, from), want);
     log.close().unwrap();
     // Reopening reads every reused segment up to where the next begins.
-    let (log, rec) = Log::open_dir(&dir, small()).unwrap();
+    let (log, rec) = Log::open_dir(&dir, two_spares()).unwrap();
     assert_eq!(rec.torn_bytes, 0);
     assert_eq!(read(&log, from), want);
     // A reused segment that is the newest when the process dies: what follows its end
@@ -173,13 +180,13 @@ fn retired_segments_are_reused_and_what_they_held_is_never_read() {
     for f in segments(&dir).into_iter().chain(spares(&dir)) {
         std::fs::copy(dir.join(&f), copy.join(&f)).unwrap();
     }
-    let (killed, rec) = Log::open_dir(&copy, small()).unwrap();
+    let (killed, rec) = Log::open_dir(&copy, two_spares()).unwrap();
     assert!(rec.torn_bytes > 0, "the old bytes after the end are cut");
     assert_eq!(read(&killed, from), want);
     drop(killed);
     // A clean close cuts it there itself: the next open has nothing to cut.
     log.close().unwrap();
-    let (log, rec) = Log::open_dir(&dir, small()).unwrap();
+    let (log, rec) = Log::open_dir(&dir, two_spares()).unwrap();
     assert_eq!(rec.torn_bytes, 0);
     assert_eq!(read(&log, from), want);
 }
@@ -387,6 +394,14 @@ fn bad_requests_are_refused_and_change_nothing() {
         Log::open_dir(&scratch.dir("other"), bad),
         Err(Error::Invalid(_))
     ));
+    let too_many_spares = Config {
+        spare_segments: 65,
+        ..small()
+    };
+    match Log::open_dir(&scratch.dir("other"), too_many_spares) {
+        Err(Error::Invalid(e)) => assert!(e.contains("spare_segments 65"), "{e}"),
+        other => panic!("65 spares accepted: {:?}", other.map(|_| ())),
+    }
     log.close().unwrap();
     let (log, _) = Log::open_dir(&dir, small()).unwrap();
     assert_eq!(all(&log), vec![(1, b"kept".to_vec())]);
