@@ -69,6 +69,10 @@ fn halted() -> io::Error {
     io::Error::other("the simulated process is halted")
 }
 
+fn exists(name: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::AlreadyExists, format!("{name} exists"))
+}
+
 fn missing(name: &str) -> io::Error {
     io::Error::new(io::ErrorKind::NotFound, format!("{name}: no such file"))
 }
@@ -232,10 +236,7 @@ impl Storage for SimStorage {
             return Err(halted());
         }
         if s.files.contains_key(name) {
-            return Err(io::Error::new(
-                io::ErrorKind::AlreadyExists,
-                format!("{name} exists"),
-            ));
+            return Err(exists(name));
         }
         s.files.insert(name.to_string(), SimFile::default());
         Ok(())
@@ -350,10 +351,7 @@ impl Storage for SimStorage {
             return Err(halted());
         }
         if s.files.contains_key(to) {
-            return Err(io::Error::new(
-                io::ErrorKind::AlreadyExists,
-                format!("{to} exists"),
-            ));
+            return Err(exists(to));
         }
         let f = s.files.remove(from).ok_or_else(|| missing(from))?;
         s.ghosts.insert(from.to_string(), f.durable.clone());
