@@ -40,6 +40,19 @@ impl Exposition {
         self
     }
 
+    /// A counter whose value is not a whole number (seconds, say).
+    pub fn counter_f64(
+        &mut self,
+        name: &str,
+        help: &str,
+        labels: &[Label<'_>],
+        value: f64,
+    ) -> &mut Self {
+        self.family(name, help, "counter");
+        self.sample(name, labels, value);
+        self
+    }
+
     pub fn histogram(
         &mut self,
         name: &str,
@@ -47,24 +60,52 @@ impl Exposition {
         labels: &[Label<'_>],
         h: &Histogram,
     ) -> &mut Self {
+        let counts: Vec<u64> = h
+            .buckets
+            .iter()
+            .map(|b| b.load(Ordering::Relaxed))
+            .collect();
+        // Observations above the last bound are counted only in the total.
+        let above = h
+            .count
+            .load(Ordering::Relaxed)
+            .saturating_sub(counts.iter().sum::<u64>());
+        let counts: Vec<u64> = counts.into_iter().chain([above]).collect();
+        let sum = h.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
+        self.histogram_counts(name, help, labels, h.bounds, &counts, sum)
+    }
+
+    /// A histogram kept elsewhere: `counts[i]` observations at most `bounds[i]` (and
+    /// above the bound before it), and one more count than bounds, for those above
+    /// every bound; `sum` of every observation.
+    pub fn histogram_counts(
+        &mut self,
+        name: &str,
+        help: &str,
+        labels: &[Label<'_>],
+        bounds: &[f64],
+        counts: &[u64],
+        sum: f64,
+    ) -> &mut Self {
+        assert_eq!(
+            counts.len(),
+            bounds.len() + 1,
+            "a count per bound, and one above"
+        );
         self.family(name, help, "histogram");
         let mut cumulative = 0;
-        for (i, bound) in h.bounds.iter().enumerate() {
-            cumulative += h.buckets[i].load(Ordering::Relaxed);
+        for (bound, n) in bounds.iter().zip(counts) {
+            cumulative += n;
             let le = format!("{bound}");
             let mut with_le: Vec<Label<'_>> = labels.to_vec();
             with_le.push(("le", &le));
             self.sample(&format!("{name}_bucket"), &with_le, cumulative as f64);
         }
-        let count = h.count.load(Ordering::Relaxed);
+        let count: u64 = counts.iter().sum();
         let mut with_le: Vec<Label<'_>> = labels.to_vec();
         with_le.push(("le", "+Inf"));
         self.sample(&format!("{name}_bucket"), &with_le, count as f64);
-        self.sample(
-            &format!("{name}_sum"),
-            labels,
-            h.sum_micros.load(Ordering::Relaxed) as f64 / 1e6,
-        );
+        self.sample(&format!("{name}_sum"), labels, sum);
         self.sample(&format!("{name}_count"), labels, count as f64);
         self
     }

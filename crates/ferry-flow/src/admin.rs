@@ -33,6 +33,10 @@ pub struct Status<R = RunView> {
     pub resumed: usize,
     pub log: LogView,
     pub runs: Vec<R>,
+    /// `Engine::metrics` when the file was written (Prometheus text; `ferry flow
+    /// metrics` prints it). Empty from an engine older than this field.
+    #[serde(default)]
+    pub metrics: String,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

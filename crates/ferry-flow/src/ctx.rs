@@ -5,6 +5,7 @@
 
 use crate::engine::{FlowError, Limit, RunCtx, Signal, Workflow, decode, encode, lock};
 use crate::journal::{Entry, Json, Outcome, ValueKind};
+use crate::metrics::Attempt;
 use crate::replay::{Call, Slot};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -717,13 +718,19 @@ impl Ctx {
             // must be durable first.
             crate::durable::durable(&self.run.shared.log, self.run.last.get()).await?;
             let key = step_key(&self.run.run, self.run.generation, pos);
-            let attempt_result = match timeout {
-                None => body(StepCtx { key }).await,
-                Some(d) => match tokio::time::timeout(d, body(StepCtx { key })).await {
-                    Ok(r) => r,
-                    Err(_) => Err(format!("attempt {attempt} timed out after {d:?}")),
-                },
+            let ran = match timeout {
+                None => Ok(body(StepCtx { key }).await),
+                Some(d) => tokio::time::timeout(d, body(StepCtx { key }))
+                    .await
+                    .map_err(|_| d),
             };
+            self.run.shared.counters.attempt(match &ran {
+                Ok(Ok(_)) => Attempt::Ok,
+                Ok(Err(_)) => Attempt::Error,
+                Err(_) => Attempt::TimedOut,
+            });
+            let attempt_result =
+                ran.unwrap_or_else(|d| Err(format!("attempt {attempt} timed out after {d:?}")));
             let outcome = match attempt_result {
                 Ok(v) => Outcome::Ok(encode(&v)?),
                 Err(e) if attempt < retry.max_attempts => {

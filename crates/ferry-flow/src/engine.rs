@@ -8,6 +8,7 @@ use crate::admin;
 use crate::checkpoint::{self, Folded};
 use crate::ctx::Ctx;
 use crate::journal::{Entry, Json, Outcome, RECORD_KIND, RUN_ID_MAX, Record};
+use crate::metrics::Counters;
 use crate::replay::{Nondeterminism, Replay, Slot};
 use ferry_core::seams::{Clock, Rng, SplitMix64, SystemClock};
 use ferry_log::{Config as LogConfig, Log, Lsn};
@@ -370,6 +371,8 @@ pub(crate) struct Shared {
     /// On the caller's thread (`on_this_thread`): every task the engine spawned there,
     /// aborted when it is dropped. (A shard thread's tasks die with its runtime.)
     here: Option<Mutex<Vec<tokio::task::AbortHandle>>>,
+    /// What `Engine::metrics` reports.
+    pub(crate) counters: Counters,
 }
 
 impl Shared {
@@ -472,6 +475,7 @@ impl Shared {
         let end = self.log.append(RECORD_KIND, &bytes)?;
         let mut entry = RunEntry::new(workflow, parent, 0, RunStatus::Running);
         entry.start_end = end;
+        self.counters.added(&entry.status, true);
         runs.insert(id.to_string(), entry);
         // The shard's wake-up after letting go: its first act takes this lock.
         drop(runs);
@@ -522,6 +526,7 @@ impl Shared {
             entry: Entry::CancelRequested,
         };
         let mut end = self.log.append(RECORD_KIND, &request.encode())?;
+        self.counters.cancel();
         // A parked run is not running: nothing will observe the request, so its
         // end is journaled here.
         let parked = e.parked_at();
@@ -621,6 +626,7 @@ impl Shared {
         }
         let end = self.log.append(RECORD_KIND, bytes)?;
         inbox.push(name.to_string(), value, key.map(str::to_string));
+        self.counters.signal();
         Ok((end, true))
     }
 
@@ -644,9 +650,18 @@ impl Shared {
         runs.get(run).and_then(|e| e.inbox.signal_at(name, index))
     }
 
+    /// Put a run found by recovery in the map (replacing what a checkpoint said of it).
+    fn insert_recovered(&self, runs: &mut BTreeMap<String, RunEntry>, id: String, e: RunEntry) {
+        self.counters.added(&e.status, false);
+        if let Some(old) = runs.insert(id, e) {
+            self.counters.removed(&old.status);
+        }
+    }
+
     pub(crate) fn settle(&self, run: &str, status: RunStatus) {
         let mut runs = lock(&self.runs);
         if let Some(e) = runs.get_mut(run) {
+            self.counters.moved(&e.status, &status);
             e.status = status.clone();
             if let Some(x) = e.extra.as_mut() {
                 for w in x.waiters.drain(..) {
@@ -850,6 +865,7 @@ impl EngineBuilder {
                 None => SplitMix64::from_entropy(),
             }),
             here: self.on_this_thread.map(|_| Mutex::new(Vec::new())),
+            counters: Counters::default(),
         });
         {
             let mut runs = lock(&shared.runs);
@@ -861,7 +877,7 @@ impl EngineBuilder {
                     d.generation,
                     RunStatus::Finished(d.outcome.clone()),
                 );
-                runs.insert(id.clone(), e);
+                shared.insert_recovered(&mut runs, id.clone(), e);
             }
         }
         let mut resumed = 0;
@@ -898,6 +914,7 @@ impl EngineBuilder {
             elapsed,
             log_records: recovery.records,
             resumed,
+            torn_bytes: recovery.torn_bytes,
         };
         // An engine on files keeps a status file and takes requests in its directory;
         // one on other storage (the simulation) has no directory of its own.
@@ -981,7 +998,7 @@ fn recover_run(shared: &Shared, run: String, records: Vec<Record>) -> Result<boo
             if matches!(e.status, RunStatus::Parked(_)) {
                 e.set_parked_at(Some((generation, replay.len())));
             }
-            lock(&shared.runs).insert(run, e);
+            shared.insert_recovered(&mut lock(&shared.runs), run, e);
             return Ok(false);
         }
     };
@@ -1049,7 +1066,7 @@ fn recover_run(shared: &Shared, run: String, records: Vec<Record>) -> Result<boo
             }
         }
     }
-    lock(&shared.runs).insert(run, entry);
+    shared.insert_recovered(&mut lock(&shared.runs), run, entry);
     Ok(resume)
 }
 
@@ -1084,6 +1101,8 @@ pub struct Recovery {
     pub elapsed: std::time::Duration,
     pub log_records: u64,
     pub resumed: usize,
+    /// Bytes of a torn tail the log cut (a write a crash cut short, never acknowledged).
+    pub torn_bytes: u64,
 }
 
 /// Durable execution on one directory.
@@ -1218,6 +1237,15 @@ impl Engine {
         self.shared.log.stats()
     }
 
+    /// The engine's counters, its runs by state, its recovery and its log's figures, as
+    /// Prometheus text (version 0.0.4) for the application to serve on its `/metrics`
+    /// (docs/flow.md §7). Cheap: it walks no runs.
+    pub fn metrics(&self) -> String {
+        self.shared
+            .counters
+            .render(&self.recovery, &self.shared.log.stats())
+    }
+
     /// What opening found, and how long it took.
     pub fn recovery(&self) -> Recovery {
         self.recovery
@@ -1306,15 +1334,18 @@ impl Compaction {
             return;
         }
         self.last = std::time::Instant::now();
-        match self.run(shared, dir) {
-            Ok(()) => {}
-            Err(e) => tracing::warn!("compaction: {e}"),
+        let result = self.run(shared, dir);
+        if let Err(e) = &result {
+            tracing::warn!("compaction: {e}");
         }
+        shared
+            .counters
+            .compacted(self.last.elapsed(), result.map_err(|_| ()));
     }
 
     /// Fold what became durable, expire old finished runs, write the checkpoint, then
-    /// retire the segments it covers.
-    fn run(&mut self, shared: &Shared, dir: &Path) -> Result<(), String> {
+    /// retire the segments it covers; how many runs expired and segments retired.
+    fn run(&mut self, shared: &Shared, dir: &Path) -> Result<(usize, usize), String> {
         let t = std::time::Instant::now();
         let now = shared.clock.wall_ms();
         let mut bad = None;
@@ -1351,8 +1382,9 @@ impl Compaction {
                 if matches!(
                     runs.get(id).map(|e| &e.status),
                     Some(RunStatus::Finished(_))
-                ) {
-                    runs.remove(id);
+                ) && let Some(e) = runs.remove(id)
+                {
+                    shared.counters.removed(&e.status);
                 }
             }
         }
@@ -1365,7 +1397,7 @@ impl Compaction {
             ms = t.elapsed().as_secs_f64() * 1e3,
             "checkpoint written"
         );
-        Ok(())
+        Ok((expired.len(), retired))
     }
 }
 
@@ -1531,6 +1563,7 @@ impl Shared {
                 write_p99_us: ferry_log::Stats::write_quantile_us(&stats.write_us_log2, 0.99),
             },
             runs,
+            metrics: self.counters.render(&recovery, &stats),
         };
         let bytes = serde_json::to_vec(&status).expect("the status serializes");
         if let Err(e) = admin::write_quietly(&dir.join(admin::STATUS_FILE), &bytes) {
@@ -1783,7 +1816,10 @@ async fn end_generation(
         Err(FlowError::Stopped) => return None,
         Err(FlowError::ContinuedAsNew) => match run.next_input.borrow_mut().take() {
             Some(input) => match next_generation(shared, run, handler, input) {
-                Ok(job) => return Some(job),
+                Ok(job) => {
+                    shared.counters.continued();
+                    return Some(job);
+                }
                 Err(FlowError::Log(_)) => return None,
                 Err(e) => Outcome::Err(e.to_string()),
             },

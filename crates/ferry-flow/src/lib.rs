@@ -11,6 +11,7 @@ mod ctx;
 mod durable;
 mod engine;
 pub mod journal;
+mod metrics;
 pub mod replay;
 
 pub use ctx::{Ctx, Retry, Step, StepCtx};

@@ -149,6 +149,25 @@ async fn finished_runs_are_forgotten_after_retention_and_their_ids_reused() {
     // The id starts a new run.
     let h = engine.start(CHAIN, "r0", &4).await.unwrap();
     assert_eq!(h.result().await.unwrap(), want(4));
+    // The metrics account for every run: each one that finished is held or expired.
+    eventually("the metrics to settle", || {
+        let text = engine.metrics();
+        let get = |name: &str| -> f64 {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+                .unwrap_or(-1.0)
+        };
+        let (held, expired) = (
+            get("ferry_flow_runs{state=\"finished\"}"),
+            get("ferry_flow_runs_expired_total"),
+        );
+        expired >= 1.0
+            && get("ferry_flow_compactions_total") >= 1.0
+            && get("ferry_flow_runs{state=\"running\"}") == 0.0
+            && held + expired == get("ferry_flow_runs_entered_total{state=\"finished\"}")
+            && held == engine.runs().len() as f64
+    })
+    .await;
     // (A run handle holds the engine's log open: both go before reopening.)
     drop((h, engine));
     let engine = builder(&dir).open().unwrap();

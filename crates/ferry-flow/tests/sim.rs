@@ -234,6 +234,7 @@ async fn simulate(seed: u64, mode: Mode) -> Result<Vec<Line>, String> {
         }
         .await;
         sim.halt();
+        gauges_match_runs(&engine).map_err(|e| format!("seed {seed} round {round}: {e}"))?;
         if let Err(e) = result {
             // A start refused because the power was cut is expected; anything in the
             // last round is not.
@@ -276,6 +277,51 @@ async fn simulate(seed: u64, mode: Mode) -> Result<Vec<Line>, String> {
         }
     }
     Ok(ledger)
+}
+
+/// The metrics' runs by state, kept as runs change state, agree with the runs map.
+/// On real threads a run may still settle while this looks (what it journaled before
+/// the halt became durable): it compares a view of the map taken between two equal
+/// readings of the gauges.
+fn gauges_match_runs(engine: &Engine) -> Result<(), String> {
+    const STATES: [&str; 5] = ["running", "parked", "finished", "failed", "cancelled"];
+    let gauges = || -> Result<Vec<f64>, String> {
+        let text = engine.metrics();
+        STATES
+            .iter()
+            .map(|s| {
+                let name = format!("ferry_flow_runs{{state=\"{s}\"}} ");
+                text.lines()
+                    .find_map(|l| l.strip_prefix(&name))
+                    .and_then(|v| v.parse().ok())
+                    .ok_or_else(|| format!("no {name} in the metrics"))
+            })
+            .collect()
+    };
+    let mut last = String::new();
+    for _ in 0..100 {
+        let before = gauges()?;
+        let mut counted = [0.0; 5];
+        for r in engine.runs() {
+            counted[match r.status {
+                RunStatus::Running => 0,
+                RunStatus::Parked(_) => 1,
+                RunStatus::Finished(ferry_flow::Outcome::Ok(_)) => 2,
+                RunStatus::Finished(ferry_flow::Outcome::Err(_)) => 3,
+                RunStatus::Finished(ferry_flow::Outcome::Cancelled) => 4,
+            }] += 1.0;
+        }
+        if gauges()? != before {
+            std::thread::sleep(Duration::from_millis(1));
+            continue;
+        }
+        if before == counted {
+            return Ok(());
+        }
+        last = format!("metrics say {before:?} runs {STATES:?}, the runs map {counted:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    Err(last)
 }
 
 #[derive(Clone, Copy, Debug)]

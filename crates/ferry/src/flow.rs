@@ -1,4 +1,4 @@
-//! `ferry flow list|show|signal|cancel --dir DIR`: look at and steer the runs of a
+//! `ferry flow list|show|metrics|signal|cancel --dir DIR`: look at and steer the runs of a
 //! ferry-flow engine from outside its process, through the status file and request
 //! inbox it keeps in its directory (docs/flow.md §7; `ferry_flow::admin`).
 
@@ -14,6 +14,9 @@ pub enum FlowSub {
     List(ListArgs),
     /// Show one run: state, output or error or park reason, published state.
     Show(ShowArgs),
+    /// Print the engine's metrics in the Prometheus text format (fresh from a running
+    /// engine, else as it last wrote them), e.g. for node_exporter's textfile collector.
+    Metrics(DirArg),
     /// Send a signal to a run (VALUE is JSON; default null). Returns once the engine
     /// journaled it durably.
     Signal(SignalArgs),
@@ -89,6 +92,7 @@ pub fn run(sub: FlowSub) -> anyhow::Result<()> {
     match sub {
         FlowSub::List(a) => list(a),
         FlowSub::Show(a) => show(a),
+        FlowSub::Metrics(a) => metrics(&a.dir),
         FlowSub::Signal(a) => {
             let value: serde_json::Value = serde_json::from_str(&a.value).map_err(|e| {
                 anyhow::anyhow!(
@@ -151,6 +155,25 @@ fn list(a: ListArgs) -> anyhow::Result<()> {
             &rows
         )
     );
+    Ok(())
+}
+
+fn metrics(dir: &Path) -> anyhow::Result<()> {
+    let st = status(dir)?;
+    if st.metrics.is_empty() {
+        anyhow::bail!(
+            "the engine on {} wrote no metrics: it predates them; open it with this \
+             version of ferry-flow",
+            dir.display()
+        );
+    }
+    if !admin::engine_alive(&st) {
+        eprintln!(
+            "no engine runs on {}: these are the metrics the last one wrote",
+            dir.display()
+        );
+    }
+    print!("{}", st.metrics);
     Ok(())
 }
 

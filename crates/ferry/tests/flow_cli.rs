@@ -1,4 +1,4 @@
-//! `ferry flow list|show|signal|cancel` against an engine running in this test process
+//! `ferry flow list|show|metrics|signal|cancel` against an engine running in this test process
 //! (the CLI runs as its own process and reaches the engine only through the directory),
 //! and the same requests left while no engine runs, applied when one opens.
 
@@ -96,6 +96,19 @@ async fn list_show_signal_and_cancel_reach_a_running_engine() {
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["runs"].as_array().unwrap().len(), 3);
     assert!(v["recovery_ms"].as_f64().is_some());
+    let (ok, out, err) = ferry(&["flow", "metrics", "--dir", d]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("ferry_flow_runs{state=\"running\"} 1\n")
+            && out.contains("ferry_flow_runs{state=\"cancelled\"} 1\n")
+            && out.contains("ferry_flow_signals_total 1\n")
+            && out.contains("# TYPE ferry_flow_log_write_seconds histogram"),
+        "{out}"
+    );
+    assert!(
+        err.is_empty(),
+        "a running engine's metrics need no warning: {err}"
+    );
 
     // Bad input: told what and where, nothing changed.
     let (ok, _, err) = ferry(&["flow", "show", "--dir", d, "nope"]);
@@ -133,6 +146,13 @@ async fn a_request_left_while_no_engine_runs_is_applied_when_one_opens() {
     let (ok, out, err) = ferry(&["flow", "list", "--dir", d]);
     assert!(ok, "{err}");
     assert!(out.starts_with("no engine running"), "{out}");
+    let (ok, out, err) = ferry(&["flow", "metrics", "--dir", d]);
+    assert!(ok, "{err}");
+    assert!(err.contains("no engine runs"), "{err}");
+    assert!(
+        out.contains("ferry_flow_runs{state=\"running\"} 1\n"),
+        "{out}"
+    );
     let (ok, out, err) = ferry(&[
         "flow",
         "signal",
