@@ -724,16 +724,26 @@ impl Ctx {
                     .await
                     .map_err(|_| d),
             };
-            self.run.shared.counters.attempt(match &ran {
+            // Counted once the attempt's end is known: a result that cannot be encoded
+            // or journaled ends it in error.
+            let counters = &self.run.shared.counters;
+            let mut how = match &ran {
                 Ok(Ok(_)) => Attempt::Ok,
                 Ok(Err(_)) => Attempt::Error,
                 Err(_) => Attempt::TimedOut,
-            });
+            };
             let attempt_result =
                 ran.unwrap_or_else(|d| Err(format!("attempt {attempt} timed out after {d:?}")));
             let outcome = match attempt_result {
-                Ok(v) => Outcome::Ok(encode(&v)?),
+                Ok(v) => match encode(&v) {
+                    Ok(v) => Outcome::Ok(v),
+                    Err(e) => {
+                        counters.attempt(Attempt::Error);
+                        return Err(e);
+                    }
+                },
                 Err(e) if attempt < retry.max_attempts => {
+                    counters.attempt(how);
                     retry_at = self.wall_ms() + retry.delay(attempt).as_millis() as u64;
                     self.run.append(
                         Some(pos),
@@ -754,18 +764,21 @@ impl Ctx {
                 outcome,
                 attempts: attempt,
             };
-            match self.run.append(Some(pos), &done) {
-                Ok(()) => {}
+            let journaled = match self.run.append(Some(pos), &done) {
+                Ok(()) => Ok(()),
                 // The body ran: journal that its result was refused, so a replay does
                 // not run it again and fails the same way.
                 Err(e @ FlowError::LimitExceeded { .. }) => {
+                    how = Attempt::Error;
                     if let Entry::Step { outcome, .. } = &mut done {
                         *outcome = Outcome::Err(format!("its result: {e}"));
                     }
-                    self.run.append(Some(pos), &done)?;
+                    self.run.append(Some(pos), &done)
                 }
-                Err(e) => return Err(e),
-            }
+                Err(e) => Err(e),
+            };
+            counters.attempt(how);
+            journaled?;
             let Entry::Step { name, outcome, .. } = done else {
                 unreachable!("built as Step above")
             };

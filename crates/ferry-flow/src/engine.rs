@@ -1344,8 +1344,8 @@ impl Compaction {
     }
 
     /// Fold what became durable, expire old finished runs, write the checkpoint, then
-    /// retire the segments it covers; how many runs expired and segments retired.
-    fn run(&mut self, shared: &Shared, dir: &Path) -> Result<(usize, usize), String> {
+    /// retire the segments it covers; how many it retired.
+    fn run(&mut self, shared: &Shared, dir: &Path) -> Result<usize, String> {
         let t = std::time::Instant::now();
         let now = shared.clock.wall_ms();
         let mut bad = None;
@@ -1366,16 +1366,10 @@ impl Compaction {
             return Err(format!("stopped: {e}"));
         }
         folded.lsn = upto;
+        // Forgotten by the fold now, so by the runs map now too (the checkpoint below
+        // may fail; the next one is written from this fold).
         let expired = folded.expire(now, self.retention_ms);
-        let path = checkpoint::path(dir, upto);
-        ferry_core::fs::write_atomic(&path, &folded.encode())
-            .map_err(|e| format!("writing {}: {e}", path.display()))?;
-        for (lsn, old) in checkpoint::list(dir).map_err(|e| e.to_string())? {
-            if lsn < upto {
-                let _ = std::fs::remove_file(old);
-            }
-        }
-        let retired = shared.log.retire_below(upto).map_err(|e| e.to_string())?;
+        let mut removed = 0;
         for chunk in expired.chunks(1000) {
             let mut runs = lock(&shared.runs);
             for id in chunk {
@@ -1385,19 +1379,30 @@ impl Compaction {
                 ) && let Some(e) = runs.remove(id)
                 {
                     shared.counters.removed(&e.status);
+                    removed += 1;
                 }
             }
         }
+        shared.counters.expired(removed);
+        let path = checkpoint::path(dir, upto);
+        ferry_core::fs::write_atomic(&path, &folded.encode())
+            .map_err(|e| format!("writing {}: {e}", path.display()))?;
+        for (lsn, old) in checkpoint::list(dir).map_err(|e| e.to_string())? {
+            if lsn < upto {
+                let _ = std::fs::remove_file(old);
+            }
+        }
+        let retired = shared.log.retire_below(upto).map_err(|e| e.to_string())?;
         tracing::info!(
             lsn = upto,
             active = folded.active.len(),
             finished = folded.finished.len(),
-            expired = expired.len(),
+            expired = removed,
             retired,
             ms = t.elapsed().as_secs_f64() * 1e3,
             "checkpoint written"
         );
-        Ok((expired.len(), retired))
+        Ok(retired)
     }
 }
 
@@ -1439,6 +1444,10 @@ impl Admin {
                                     message: "status written".into(),
                                 }
                             }
+                            Ok(admin::Request::Metrics) => admin::Reply {
+                                ok: true,
+                                message: shared.counters.render(&recovery, &shared.log.stats()),
+                            },
                             // A request queued while no engine ran, for a run the
                             // application has not started again yet: it gets ten
                             // seconds after opening to do so.
@@ -1495,9 +1504,9 @@ impl Shared {
                 Ok(false) => (true, format!("{run:?} had already finished")),
                 Err(e) => (false, e.to_string()),
             },
-            admin::Request::Status => (
+            admin::Request::Status | admin::Request::Metrics => (
                 false,
-                "status requests are answered by the admin loop".into(),
+                "status and metrics requests are answered by the admin loop".into(),
             ),
         };
         admin::Reply { ok, message }

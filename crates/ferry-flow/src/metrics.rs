@@ -55,8 +55,7 @@ pub(crate) enum Attempt {
     TimedOut,
 }
 
-/// On a cache line of its own: every shard counts every step here, and the runs'
-/// changes of state go to the line before it.
+/// On a cache line of its own: every shard counts every step here.
 #[derive(Default)]
 #[repr(align(64))]
 struct Line<T>(T);
@@ -121,15 +120,18 @@ impl Counters {
         self.cancels.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// A compaction ended: how long it took, the finished runs it dropped after their
-    /// retention and the segments it retired; or it failed.
-    pub(crate) fn compacted(&self, took: std::time::Duration, result: Result<(usize, usize), ()>) {
+    /// Compaction dropped `n` finished runs whose retention ended.
+    pub(crate) fn expired(&self, n: usize) {
+        self.expired.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// A compaction ended: how long it took and the segments it retired; or it failed.
+    pub(crate) fn compacted(&self, took: std::time::Duration, result: Result<usize, ()>) {
         self.compaction_us
             .fetch_add(took.as_micros() as u64, Ordering::Relaxed);
         match result {
-            Ok((expired, retired)) => {
+            Ok(retired) => {
                 self.compactions.fetch_add(1, Ordering::Relaxed);
-                self.expired.fetch_add(expired as u64, Ordering::Relaxed);
                 self.retired.fetch_add(retired as u64, Ordering::Relaxed);
             }
             Err(()) => {
@@ -152,7 +154,11 @@ impl Counters {
                 "ferry_flow_runs",
                 "Runs the engine holds, by state (finished ones until their retention ends).",
                 &[("state", s.label())],
-                self.runs[s as usize].load(Ordering::Relaxed).max(0) as f64,
+                {
+                    let n = self.runs[s as usize].load(Ordering::Relaxed);
+                    debug_assert!(n >= 0, "{} runs {}", n, s.label());
+                    n as f64
+                },
             );
         }
         for s in State::ALL {
@@ -191,7 +197,7 @@ impl Counters {
         );
         e.counter(
             "ferry_flow_compactions_total",
-            "Checkpoints written (docs/flow.md §5).",
+            "Compactions done: a checkpoint written and the segments it covers retired (docs/flow.md §5).",
             &[],
             get(&self.compactions),
         );

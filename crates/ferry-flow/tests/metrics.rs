@@ -1,7 +1,9 @@
 //! `Engine::metrics`: what an application serves on its `/metrics`, checked against
 //! what the runs did and what `Engine::runs` says, before and after a restart.
 
-use ferry_flow::{Ctx, Engine, FlowError, Retry, RunStatus, Signal, Workflow};
+use ferry_flow::{
+    Ctx, Engine, EngineBuilder, FlowError, Limits, Retry, RunStatus, Signal, Workflow,
+};
 use ferry_testkit::{Scratch, eventually};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -55,8 +57,22 @@ async fn modes(ctx: Ctx, mode: u32) -> Result<u32, FlowError> {
             WAITING.fetch_add(1, Ordering::SeqCst);
             Ok(ctx.wait_for(GO, None).await?.unwrap_or(0))
         }
+        // A result over the payload limit: the body ran, and the attempt ends in error.
+        7 => {
+            let big: String = ctx
+                .step("big", |_| async { Ok("x".repeat(10_000)) })
+                .await?;
+            Ok(big.len() as u32)
+        }
         _ => unreachable!(),
     }
+}
+
+fn builder(dir: &std::path::Path) -> EngineBuilder {
+    Engine::builder(dir).register(M, modes).limits(Limits {
+        payload_bytes: 4096,
+        ..Limits::default()
+    })
 }
 
 /// The value of the one sample `name` (with its labels, as written) in `text`.
@@ -127,14 +143,14 @@ async fn metrics_count_what_runs_did_and_survive_a_restart_as_gauges() {
     let scratch = Scratch::new("flow-metrics");
     let dir = scratch.dir("flow");
     {
-        let engine = Engine::builder(&dir).register(M, modes).open().unwrap();
-        for mode in 0..=6 {
+        let engine = builder(&dir).open().unwrap();
+        for mode in 0..=7 {
             engine.start(M, &format!("r{mode}"), &mode).await.unwrap();
         }
         eventually("three runs to wait", || WAITING.load(Ordering::SeqCst) == 3).await;
         engine.signal("r3", GO, &3).await.unwrap();
         assert!(engine.cancel("r4").await.unwrap());
-        for mode in 0..=5 {
+        for mode in (0..=5).chain([7]) {
             let _ = engine
                 .run::<u32>(&format!("r{mode}"))
                 .unwrap()
@@ -144,11 +160,11 @@ async fn metrics_count_what_runs_did_and_survive_a_restart_as_gauges() {
         let text = engine.metrics();
         well_formed(&text);
         gauges_match_runs(&engine, &text);
-        // r0, r1, r3 and r5 finished, r2 failed, r4 was cancelled, r6 waits.
+        // r0, r1, r3 and r5 finished, r2 and r7 failed, r4 was cancelled, r6 waits.
         for (s, n) in [
-            ("running", 7.0),
+            ("running", 8.0),
             ("finished", 4.0),
-            ("failed", 1.0),
+            ("failed", 2.0),
             ("cancelled", 1.0),
             ("parked", 0.0),
         ] {
@@ -156,8 +172,9 @@ async fn metrics_count_what_runs_did_and_survive_a_restart_as_gauges() {
             assert_eq!(sample(&text, &name), n, "{name}");
         }
         assert_eq!(sample(&text, "ferry_flow_runs{state=\"running\"}"), 1.0);
-        // r0, r1's third attempt, r5's second generation and r6; r1's first two; r2.
-        for (r, n) in [("ok", 4.0), ("error", 2.0), ("timeout", 1.0)] {
+        // r0, r1's third attempt, r5's second generation and r6; r1's first two and
+        // r7, whose result was refused; r2.
+        for (r, n) in [("ok", 4.0), ("error", 3.0), ("timeout", 1.0)] {
             let name = format!("ferry_flow_step_attempts_total{{result=\"{r}\"}}");
             assert_eq!(sample(&text, &name), n, "{name}");
         }
@@ -187,7 +204,7 @@ async fn metrics_count_what_runs_did_and_survive_a_restart_as_gauges() {
     // Reopened with mode 6's code changed: recovery puts every run in its state
     // without counting it as entered again; r6 then parks.
     CHANGED.store(true, Ordering::SeqCst);
-    let engine = Engine::builder(&dir).register(M, modes).open().unwrap();
+    let engine = builder(&dir).open().unwrap();
     eventually("r6 to park", || {
         matches!(engine.status("r6"), Some(RunStatus::Parked(_)))
     })

@@ -159,21 +159,15 @@ fn list(a: ListArgs) -> anyhow::Result<()> {
 }
 
 fn metrics(dir: &Path) -> anyhow::Result<()> {
-    let st = status(dir)?;
-    if st.metrics.is_empty() {
-        anyhow::bail!(
-            "the engine on {} wrote no metrics: it predates them; open it with this \
-             version of ferry-flow",
-            dir.display()
-        );
-    }
-    if !admin::engine_alive(&st) {
+    let (text, fresh) =
+        admin::fresh_metrics(dir, Duration::from_secs(10)).map_err(|e| anyhow::anyhow!(e))?;
+    if !fresh {
         eprintln!(
             "no engine runs on {}: these are the metrics the last one wrote",
             dir.display()
         );
     }
-    print!("{}", st.metrics);
+    print!("{text}");
     Ok(())
 }
 
