@@ -371,6 +371,20 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
         status.log.syncs,
         status.log.records as f64 / status.log.syncs.max(1) as f64
     );
+    let metric = |name: &str| -> u64 {
+        status
+            .metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
+            .unwrap_or(0.0) as u64
+    };
+    println!(
+        "  restarted engine metrics: {} step attempts ok, {} failed, {} runs parked (as `ferry flow metrics --dir DIR` prints them)",
+        metric("ferry_flow_step_attempts_total{result=\"ok\"}"),
+        metric("ferry_flow_step_attempts_total{result=\"error\"}")
+            + metric("ferry_flow_step_attempts_total{result=\"timeout\"}"),
+        metric("ferry_flow_runs{state=\"parked\"}"),
+    );
     println!(
         "  orders wrong:             {} (wrong charge in the result, or a step re-run after a later one started)",
         bad.len()
