@@ -364,7 +364,9 @@ pub(crate) struct Shared {
     /// milliseconds at 30,000 runs.
     pub(crate) runs: Mutex<BTreeMap<String, RunEntry>>,
     handlers: HashMap<&'static str, Handler>,
-    shards: Vec<mpsc::UnboundedSender<Job>>,
+    shards: Vec<mpsc::UnboundedSender<Vec<Job>>>,
+    /// Runs started and not yet handed to their shard, by shard.
+    starts: Vec<Arc<Starts>>,
     pub(crate) limits: Limits,
     pub(crate) clock: Arc<dyn Clock>,
     rng: Mutex<SplitMix64>,
@@ -376,13 +378,13 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    fn shard_of(&self, run: &str) -> &mpsc::UnboundedSender<Job> {
+    fn shard_of(&self, run: &str) -> usize {
         // FNV-1a: stable across processes, so a run stays on its shard after a restart.
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
         for b in run.bytes() {
             h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
         }
-        &self.shards[(h % self.shards.len() as u64) as usize]
+        (h % self.shards.len() as u64) as usize
     }
 
     /// A random u64 from the engine's generator (seeded in a simulation).
@@ -415,7 +417,21 @@ impl Shared {
     }
 
     fn spawn(&self, job: Job) {
-        let _ = self.shard_of(&job.run).send(job);
+        let _ = self.shards[self.shard_of(&job.run)].send(vec![job]);
+    }
+
+    /// Hand `job` to its shard once `end` (its start record) is durable
+    /// ([`Starts`]).
+    fn spawn_when_durable(&self, end: Lsn, job: Job) {
+        let starts = &self.starts[self.shard_of(&job.run)];
+        let arm = {
+            let mut p = lock(&starts.pending);
+            p.jobs.push((end, job));
+            !std::mem::replace(&mut p.armed, true)
+        };
+        if arm {
+            Starts::arm(starts.clone(), &self.log, end);
+        }
     }
 
     pub(crate) fn check_payload(&self, bytes: usize) -> Result<(), FlowError> {
@@ -477,16 +493,18 @@ impl Shared {
         entry.start_end = end;
         self.counters.added(&entry.status, true);
         runs.insert(id.to_string(), entry);
-        // The shard's wake-up after letting go: its first act takes this lock.
         drop(runs);
-        self.spawn(Job {
-            run: id.to_string(),
-            generation: 0,
-            replay: Replay::new([rec]),
-            input,
-            handler,
-            last: end,
-        });
+        self.spawn_when_durable(
+            end,
+            Job {
+                run: id.to_string(),
+                generation: 0,
+                replay: Replay::new([rec]),
+                input,
+                handler,
+                last: end,
+            },
+        );
         Ok(end)
     }
 
@@ -682,6 +700,76 @@ impl Shared {
     }
 }
 
+/// Runs started on one shard whose start records are not durable yet. A run's first
+/// step waits for its start record anyway; handed to the shard at once, the run would
+/// wake the shard to run up to that wait and sleep again, a wake-up per start. Handed
+/// over by the log's writer right after the sync, every run that sync started goes in
+/// one message, which joins the wake-up that sync gives the shard for its steps (and
+/// the writer waits for the shard as for them, `ferry_log::Follower`). One wait on the
+/// log per shard at a time: for the lowest position pending.
+struct Starts {
+    pending: Mutex<Pending>,
+    tx: mpsc::UnboundedSender<Vec<Job>>,
+    follower: Option<ferry_log::Follower>,
+}
+
+#[derive(Default)]
+struct Pending {
+    jobs: Vec<(Lsn, Job)>,
+    /// A wait on the log is registered for the lowest of `jobs`.
+    armed: bool,
+}
+
+impl Starts {
+    fn arm(starts: Arc<Starts>, log: &Arc<Log>, lsn: Lsn) {
+        // Weak: the log holds this wait, and must not hold itself.
+        let weak = Arc::downgrade(log);
+        let follower = starts.follower.clone();
+        log.on_durable(lsn, follower.as_ref(), move |r| {
+            if let Some(log) = weak.upgrade() {
+                Starts::fire(starts, &log, r);
+            }
+        });
+    }
+
+    /// On the log's writer thread, after a sync: hand over what became durable, and
+    /// wait again for what did not.
+    fn fire(starts: Arc<Starts>, log: &Arc<Log>, r: Result<(), ferry_log::Error>) {
+        let durable = log.durable_lsn();
+        let (ready, next) = {
+            let mut p = lock(&starts.pending);
+            let jobs = std::mem::take(&mut p.jobs);
+            let (ready, rest): (Vec<_>, Vec<_>) = match &r {
+                Ok(()) => jobs.into_iter().partition(|(end, _)| *end <= durable),
+                // The log stopped: what is not durable never will be in this process.
+                Err(_) => (Vec::new(), jobs),
+            };
+            if let Err(e) = &r {
+                for (_, job) in &rest {
+                    // The caller's `start` fails the same way; the run starts after a
+                    // restart if its record made it.
+                    tracing::warn!(run = %job.run, "not run in this process: {e}");
+                }
+                p.armed = false;
+                (ready, None)
+            } else {
+                p.jobs = rest;
+                let next = p.jobs.iter().map(|(end, _)| *end).min();
+                p.armed = next.is_some();
+                (ready, next)
+            }
+        };
+        if !ready.is_empty() {
+            let _ = starts
+                .tx
+                .send(ready.into_iter().map(|(_, job)| job).collect());
+        }
+        if let Some(lsn) = next {
+            Starts::arm(starts, log, lsn);
+        }
+    }
+}
+
 struct Job {
     run: String,
     generation: u32,
@@ -848,8 +936,15 @@ impl EngineBuilder {
         }
         let mut txs = Vec::new();
         let mut rxs = Vec::new();
+        let mut starts = Vec::new();
         for _ in 0..self.shards {
-            let (tx, rx) = mpsc::unbounded_channel::<Job>();
+            let (tx, rx) = mpsc::unbounded_channel::<Vec<Job>>();
+            starts.push(Arc::new(Starts {
+                pending: Mutex::new(Pending::default()),
+                tx: tx.clone(),
+                // Shards that are tasks on the caller's thread never go idle for it.
+                follower: self.on_this_thread.is_none().then(|| log.follower()),
+            }));
             txs.push(tx);
             rxs.push(rx);
         }
@@ -858,6 +953,7 @@ impl EngineBuilder {
             runs: Mutex::new(BTreeMap::new()),
             handlers: self.handlers,
             shards: txs,
+            starts,
             limits: self.limits,
             clock: self.clock,
             rng: Mutex::new(match self.on_this_thread {
@@ -1669,7 +1765,7 @@ struct Shard {
 }
 
 impl Shard {
-    fn start(i: usize, shared: Arc<Shared>, mut rx: mpsc::UnboundedReceiver<Job>) -> Shard {
+    fn start(i: usize, shared: Arc<Shared>, mut rx: mpsc::UnboundedReceiver<Vec<Job>>) -> Shard {
         let (stop_tx, mut stop_rx) = oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
             .name(format!("ferry-flow-{i}"))
@@ -1677,7 +1773,10 @@ impl Shard {
                 // After a sync that woke this shard, the log's writer waits a moment
                 // for it to append what it ran next (`ferry_log::Follower`): until it
                 // is about to sleep.
-                let follower = shared.log.follower();
+                let follower = shared.starts[i]
+                    .follower
+                    .clone()
+                    .expect("a shard thread follows the log");
                 let idle = follower.clone();
                 let rt = tokio::runtime::Builder::new_current_thread()
                     .enable_time()
@@ -1696,12 +1795,14 @@ impl Shard {
                     std::future::poll_fn(|cx| {
                         loop {
                             match rx.poll_recv(cx) {
-                                Poll::Ready(Some(job)) => {
+                                Poll::Ready(Some(jobs)) => {
                                     idle.polls = 0;
-                                    tokio::task::spawn_local(run_job(
-                                        shared.clone(),
-                                        Box::new(job),
-                                    ));
+                                    for job in jobs {
+                                        tokio::task::spawn_local(run_job(
+                                            shared.clone(),
+                                            Box::new(job),
+                                        ));
+                                    }
                                 }
                                 Poll::Ready(None) => return Poll::Ready(()),
                                 Poll::Pending => {
@@ -1727,10 +1828,12 @@ impl Shard {
 
     /// A shard as a task of the caller's `LocalSet` (`on_this_thread`): each job is a
     /// task of its own, aborted with the engine.
-    async fn run_here(shared: Arc<Shared>, mut rx: mpsc::UnboundedReceiver<Job>) {
-        while let Some(job) = rx.recv().await {
-            let s = shared.clone();
-            shared.spawn_here(run_job(s, Box::new(job)));
+    async fn run_here(shared: Arc<Shared>, mut rx: mpsc::UnboundedReceiver<Vec<Job>>) {
+        while let Some(jobs) = rx.recv().await {
+            for job in jobs {
+                let s = shared.clone();
+                shared.spawn_here(run_job(s, Box::new(job)));
+            }
         }
     }
 

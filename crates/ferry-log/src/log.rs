@@ -166,10 +166,37 @@ struct Sealed {
 
 type Waiter = oneshot::Sender<Result<(), Error>>;
 
+/// What a wait does once its position is durable, or cannot become so.
+enum Notify {
+    /// Answer a task or thread waiting on the channel.
+    Channel(Waiter),
+    /// Call this on the writer's thread ([`Log::on_durable`]).
+    Call(Box<dyn FnOnce(Result<(), Error>) + Send>),
+}
+
+impl Notify {
+    /// Nobody is left to hear it (a channel whose receiver was dropped).
+    fn abandoned(&self) -> bool {
+        match self {
+            Notify::Channel(tx) => tx.is_closed(),
+            Notify::Call(_) => false,
+        }
+    }
+
+    fn send(self, r: Result<(), Error>) {
+        match self {
+            Notify::Channel(tx) => {
+                let _ = tx.send(r);
+            }
+            Notify::Call(f) => f(r),
+        }
+    }
+}
+
 /// One wait for a position.
 struct Waiting {
     lsn: Lsn,
-    tx: Waiter,
+    tx: Notify,
     /// The follower's `woken` flag (see [`Follower`]).
     follower: Option<Arc<AtomicBool>>,
 }
@@ -553,6 +580,29 @@ impl Log {
         Ok(end)
     }
 
+    /// Call `f` once `lsn` is durable, with `Ok`, or with the error that stopped it
+    /// becoming so: on the writer's thread right after the sync (with `follower`, the
+    /// writer then counts that follower as woken, as [`Log::durable_following`] does),
+    /// or at once on this thread if it already is or cannot be. What a sync covers is
+    /// called before the writer takes its next batch, so `f` must be short (hand
+    /// something to another thread, say). A log closed first drops `f` uncalled.
+    pub fn on_durable(
+        &self,
+        lsn: Lsn,
+        follower: Option<&Follower>,
+        f: impl FnOnce(Result<(), Error>) + Send + 'static,
+    ) {
+        if self.durable_lsn() >= lsn {
+            return f(Ok(()));
+        }
+        let follower = follower.map(|f| f.woken.clone());
+        match self.enqueue(lsn, follower, Notify::Call(Box::new(f))) {
+            Ok(None) => {}
+            Ok(Some(n)) => n.send(Ok(())),
+            Err((e, n)) => n.send(Err(e)),
+        }
+    }
+
     fn register(
         &self,
         lsn: Lsn,
@@ -561,23 +611,41 @@ impl Log {
         if self.durable_lsn() >= lsn {
             return Ok(None);
         }
+        let (tx, rx) = oneshot::channel();
+        match self.enqueue(lsn, follower, Notify::Channel(tx)) {
+            Ok(None) => Ok(Some(rx)),
+            Ok(Some(_)) => Ok(None),
+            Err((e, _)) => Err(e),
+        }
+    }
+
+    /// Queue `tx` as the wait for `lsn` (None); or give it back, if `lsn` became
+    /// durable meanwhile (Some) or cannot become so (Err).
+    #[allow(clippy::type_complexity)]
+    fn enqueue(
+        &self,
+        lsn: Lsn,
+        follower: Option<Arc<AtomicBool>>,
+        tx: Notify,
+    ) -> Result<Option<Notify>, (Error, Notify)> {
         let mut s = self.inner.lock();
         // The writer publishes under this lock: checked again, no wake-up is missed.
         if self.durable_lsn() >= lsn {
-            return Ok(None);
+            return Ok(Some(tx));
         }
         if let Some(cause) = &s.poisoned {
-            return Err(Error::PreviousIo {
+            let e = Error::PreviousIo {
                 cause: cause.clone(),
-            });
+            };
+            return Err((e, tx));
         }
         if lsn > s.end {
-            return Err(Error::Invalid(format!(
+            let e = Error::Invalid(format!(
                 "position {lsn} is past the end of the log ({})",
                 s.end
-            )));
+            ));
+            return Err((e, tx));
         }
-        let (tx, rx) = oneshot::channel();
         // From the back: a new record's waiter goes last, and one for an older record
         // (a shard waiting on what it appended before) a few places from the end.
         let at = s
@@ -586,7 +654,7 @@ impl Log {
             .rposition(|w| w.lsn <= lsn)
             .map_or(0, |i| i + 1);
         s.waiters.insert(at, Waiting { lsn, tx, follower });
-        Ok(Some(rx))
+        Ok(None)
     }
 
     /// Call `f` with every durable record that starts at or after `from`, in order;
@@ -880,12 +948,12 @@ fn write_and_publish(inner: &Inner, mut batches: Vec<Sealed>, filled: &mut Fille
             for w in done {
                 // A wait given up (its receiver dropped) wakes no one to wait for.
                 if let Some(f) = &w.follower
-                    && !w.tx.is_closed()
+                    && !w.tx.abandoned()
                     && !f.swap(true, Ordering::SeqCst)
                 {
                     inner.follow.working.fetch_add(1, Ordering::SeqCst);
                 }
-                let _ = w.tx.send(Ok(()));
+                w.tx.send(Ok(()));
             }
         }
         Err(e) => {
@@ -896,7 +964,7 @@ fn write_and_publish(inner: &Inner, mut batches: Vec<Sealed>, filled: &mut Fille
             let all = std::mem::take(&mut s.waiters);
             drop(s);
             for w in all {
-                let _ = w.tx.send(Err(Error::Io {
+                w.tx.send(Err(Error::Io {
                     what: "make the record durable",
                     source: cause.clone(),
                 }));

@@ -511,3 +511,37 @@ fn the_writers_cycles_are_counted_by_duration() {
         "one count per cycle"
     );
 }
+
+#[test]
+fn on_durable_calls_once_durable_at_once_if_already_and_with_the_error_if_never() {
+    use std::sync::mpsc;
+    let sim = Arc::new(SimStorage::new(3));
+    let (log, _) = Log::open(sim.clone(), config()).unwrap();
+    let (tx, rx) = mpsc::channel::<(u32, Result<(), String>)>();
+    let call = |n: u32| {
+        let tx = tx.clone();
+        move |r: Result<(), Error>| {
+            let _ = tx.send((n, r.map_err(|e| e.to_string())));
+        }
+    };
+    // Called by the writer once the record is durable.
+    let end = log.append(7, &payload(0, 40)).unwrap();
+    log.on_durable(end, None, call(1));
+    let (n, r) = rx.recv_timeout(std::time::Duration::from_secs(5)).unwrap();
+    assert_eq!((n, r), (1, Ok(())));
+    assert!(log.durable_lsn() >= end);
+    // Already durable: called at once, on this thread.
+    log.on_durable(end, None, call(2));
+    assert_eq!(rx.try_recv().unwrap().0, 2);
+    // A sync that fails: called with the error; after it, at once with the error.
+    sim.fail_sync_after(1);
+    let end = log.append(7, &payload(1, 40)).unwrap();
+    log.on_durable(end, None, call(3));
+    let (n, r) = rx.recv_timeout(std::time::Duration::from_secs(5)).unwrap();
+    assert_eq!(n, 3);
+    assert!(r.is_err(), "a failed sync is reported");
+    log.on_durable(end, None, call(4));
+    let (n, r) = rx.try_recv().unwrap();
+    assert_eq!(n, 4);
+    assert!(r.is_err(), "a poisoned log reports at once");
+}
