@@ -15,7 +15,7 @@ use ferry_log::{Config as LogConfig, Log, Lsn};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::cell::{Cell, RefCell};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::future::Future;
 use std::marker::PhantomData;
 use std::path::Path;
@@ -424,12 +424,7 @@ impl Shared {
     /// ([`Starts`]).
     fn spawn_when_durable(&self, end: Lsn, job: Job) {
         let starts = &self.starts[self.shard_of(&job.run)];
-        let arm = {
-            let mut p = lock(&starts.pending);
-            p.jobs.push((end, job));
-            !std::mem::replace(&mut p.armed, true)
-        };
-        if arm {
+        if starts.push(end, job) {
             Starts::arm(starts.clone(), &self.log, end);
         }
     }
@@ -706,7 +701,9 @@ impl Shared {
 /// over by the log's writer right after the sync, every run that sync started goes in
 /// one message, which joins the wake-up that sync gives the shard for its steps (and
 /// the writer waits for the shard as for them, `ferry_log::Follower`). One wait on the
-/// log per shard at a time: for the lowest position pending.
+/// log per shard at a time, for the lowest position pending when it was made (a run
+/// pushed below it, by a starter that appended earlier but pushed later, waits for it:
+/// at most one sync more).
 struct Starts {
     pending: Mutex<Pending>,
     tx: mpsc::UnboundedSender<Vec<Job>>,
@@ -715,14 +712,29 @@ struct Starts {
 
 #[derive(Default)]
 struct Pending {
-    jobs: Vec<(Lsn, Job)>,
-    /// A wait on the log is registered for the lowest of `jobs`.
+    /// By the end of the start record, ascending.
+    jobs: VecDeque<(Lsn, Job)>,
+    /// A wait on the log is registered.
     armed: bool,
 }
 
 impl Starts {
+    /// Add `job`, whose start record ends at `end`; true if the caller must arm.
+    fn push(&self, end: Lsn, job: Job) -> bool {
+        let mut p = lock(&self.pending);
+        // From the back: starts are pushed in about the order they were appended.
+        let at = p
+            .jobs
+            .iter()
+            .rposition(|(e, _)| *e <= end)
+            .map_or(0, |i| i + 1);
+        p.jobs.insert(at, (end, job));
+        !std::mem::replace(&mut p.armed, true)
+    }
+
     fn arm(starts: Arc<Starts>, log: &Arc<Log>, lsn: Lsn) {
-        // Weak: the log holds this wait, and must not hold itself.
+        // Weak: the log holds this wait, and must not keep itself alive. Upgraded on
+        // the writer's thread, it may be the last handle: ferry-log allows that.
         let weak = Arc::downgrade(log);
         let follower = starts.follower.clone();
         log.on_durable(lsn, follower.as_ref(), move |r| {
@@ -736,33 +748,38 @@ impl Starts {
     /// wait again for what did not.
     fn fire(starts: Arc<Starts>, log: &Arc<Log>, r: Result<(), ferry_log::Error>) {
         let durable = log.durable_lsn();
-        let (ready, next) = {
+        let (ready, next, dropped) = {
             let mut p = lock(&starts.pending);
-            let jobs = std::mem::take(&mut p.jobs);
-            let (ready, rest): (Vec<_>, Vec<_>) = match &r {
-                Ok(()) => jobs.into_iter().partition(|(end, _)| *end <= durable),
-                // The log stopped: what is not durable never will be in this process.
-                Err(_) => (Vec::new(), jobs),
-            };
-            if let Err(e) = &r {
-                for (_, job) in &rest {
-                    // The caller's `start` fails the same way; the run starts after a
-                    // restart if its record made it.
-                    tracing::warn!(run = %job.run, "not run in this process: {e}");
-                }
-                p.armed = false;
-                (ready, None)
-            } else {
-                p.jobs = rest;
-                let next = p.jobs.iter().map(|(end, _)| *end).min();
+            let n = p.jobs.partition_point(|(end, _)| *end <= durable);
+            let ready: Vec<Job> = p.jobs.drain(..n).map(|(_, job)| job).collect();
+            if r.is_ok() {
+                let next = p.jobs.front().map(|(end, _)| *end);
                 p.armed = next.is_some();
-                (ready, next)
+                (ready, next, Vec::new())
+            } else {
+                // The log stopped: what is not durable never will be in this process.
+                p.armed = false;
+                let dropped: Vec<Job> = p.jobs.drain(..).map(|(_, job)| job).collect();
+                (ready, None, dropped)
             }
         };
-        if !ready.is_empty() {
-            let _ = starts
-                .tx
-                .send(ready.into_iter().map(|(_, job)| job).collect());
+        if let Err(e) = &r
+            && let Some(first) = dropped.first()
+        {
+            // Their callers' `start` fails with the same error; each starts after a
+            // restart if its record made it to the disk.
+            tracing::warn!(
+                runs = dropped.len(),
+                first = %first.run,
+                "started runs not run in this process: {e}"
+            );
+        }
+        drop(dropped);
+        if !ready.is_empty() && starts.tx.send(ready).is_err() {
+            // The shard is gone (the engine closed): it will not go idle for this.
+            if let Some(f) = &starts.follower {
+                f.idle();
+            }
         }
         if let Some(lsn) = next {
             Starts::arm(starts, log, lsn);

@@ -585,7 +585,9 @@ impl Log {
     /// writer then counts that follower as woken, as [`Log::durable_following`] does),
     /// or at once on this thread if it already is or cannot be. What a sync covers is
     /// called before the writer takes its next batch, so `f` must be short (hand
-    /// something to another thread, say). A log closed first drops `f` uncalled.
+    /// something to another thread, say). Closing the log writes what was appended
+    /// and calls `f` as usual; only a driven log dropped without `close` drops `f`
+    /// uncalled. `f` may hold the log (it may be the last to, and drop it).
     pub fn on_durable(
         &self,
         lsn: Lsn,
@@ -821,7 +823,11 @@ impl Log {
         f.cv.notify_all();
         let handle = self.writer.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(h) = handle {
-            let _ = h.join();
+            // Dropped by the writer itself (an `on_durable` call that held the last
+            // handle): it writes what is left and ends once that call returns.
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
         }
     }
 }
