@@ -748,33 +748,27 @@ impl Starts {
     /// wait again for what did not.
     fn fire(starts: Arc<Starts>, log: &Arc<Log>, r: Result<(), ferry_log::Error>) {
         let durable = log.durable_lsn();
-        let (ready, next, dropped) = {
+        let (ready, next) = {
             let mut p = lock(&starts.pending);
             let n = p.jobs.partition_point(|(end, _)| *end <= durable);
             let ready: Vec<Job> = p.jobs.drain(..n).map(|(_, job)| job).collect();
-            if r.is_ok() {
-                let next = p.jobs.front().map(|(end, _)| *end);
-                p.armed = next.is_some();
-                (ready, next, Vec::new())
-            } else {
+            if let Err(e) = &r
+                && let Some((_, first)) = p.jobs.front()
+            {
                 // The log stopped: what is not durable never will be in this process.
-                p.armed = false;
-                let dropped: Vec<Job> = p.jobs.drain(..).map(|(_, job)| job).collect();
-                (ready, None, dropped)
+                // Their callers' `start` fails with the same error; each starts after
+                // a restart if its record made it to the disk.
+                tracing::warn!(
+                    runs = p.jobs.len(),
+                    first = %first.run,
+                    "started runs not run in this process: {e}"
+                );
+                p.jobs.clear();
             }
+            let next = p.jobs.front().map(|(end, _)| *end);
+            p.armed = next.is_some();
+            (ready, next)
         };
-        if let Err(e) = &r
-            && let Some(first) = dropped.first()
-        {
-            // Their callers' `start` fails with the same error; each starts after a
-            // restart if its record made it to the disk.
-            tracing::warn!(
-                runs = dropped.len(),
-                first = %first.run,
-                "started runs not run in this process: {e}"
-            );
-        }
-        drop(dropped);
         if !ready.is_empty() && starts.tx.send(ready).is_err() {
             // The shard is gone (the engine closed): it will not go idle for this.
             if let Some(f) = &starts.follower {

@@ -169,12 +169,6 @@ impl Counters {
                 get(&self.entered[s as usize]),
             );
         }
-        e.counter(
-            "ferry_flow_runs_continued_total",
-            "Generations ended by continue-as-new.",
-            &[],
-            get(&self.continued),
-        );
         for (how, a) in ["ok", "error", "timeout"].iter().zip(&self.attempts.0) {
             e.counter(
                 "ferry_flow_step_attempts_total",
@@ -183,114 +177,112 @@ impl Counters {
                 get(a),
             );
         }
-        e.counter(
-            "ferry_flow_signals_total",
-            "Signals journaled for runs.",
-            &[],
-            get(&self.signals),
-        );
-        e.counter(
-            "ferry_flow_cancels_total",
-            "Cancellation requests journaled.",
-            &[],
-            get(&self.cancels),
-        );
-        e.counter(
-            "ferry_flow_compactions_total",
-            "Compactions done: a checkpoint written and the segments it covers retired (docs/flow.md §5).",
-            &[],
-            get(&self.compactions),
-        );
-        e.counter(
-            "ferry_flow_compaction_errors_total",
-            "Compactions that failed (the log keeps what they would have retired).",
-            &[],
-            get(&self.compaction_errors),
-        );
+        let counters: [(&str, &str, u64); 12] = [
+            (
+                "ferry_flow_runs_continued_total",
+                "Generations ended by continue-as-new.",
+                get(&self.continued),
+            ),
+            (
+                "ferry_flow_signals_total",
+                "Signals journaled for runs.",
+                get(&self.signals),
+            ),
+            (
+                "ferry_flow_cancels_total",
+                "Cancellation requests journaled.",
+                get(&self.cancels),
+            ),
+            (
+                "ferry_flow_compactions_total",
+                "Compactions done: a checkpoint written and the segments it covers retired (docs/flow.md §5).",
+                get(&self.compactions),
+            ),
+            (
+                "ferry_flow_compaction_errors_total",
+                "Compactions that failed (the log keeps what they would have retired).",
+                get(&self.compaction_errors),
+            ),
+            (
+                "ferry_flow_runs_expired_total",
+                "Finished runs dropped once their retention ended.",
+                get(&self.expired),
+            ),
+            (
+                "ferry_flow_log_segments_retired_total",
+                "Log segments retired by compaction.",
+                get(&self.retired),
+            ),
+            (
+                "ferry_flow_log_records_total",
+                "Records appended to the log.",
+                log.records,
+            ),
+            (
+                "ferry_flow_log_syncs_total",
+                "fdatasync calls by the log's writer.",
+                log.syncs,
+            ),
+            (
+                "ferry_flow_log_batches_total",
+                "Batches the log's writer wrote.",
+                log.batches,
+            ),
+            (
+                "ferry_flow_log_written_bytes_total",
+                "Bytes the log's writer wrote.",
+                log.bytes_written,
+            ),
+            (
+                "ferry_flow_log_segments_reused_total",
+                "Segments made from retired ones (spares) rather than created.",
+                log.segments_reused,
+            ),
+        ];
+        for (name, help, v) in counters {
+            e.counter(name, help, &[], v);
+        }
         e.counter_f64(
             "ferry_flow_compaction_seconds_total",
             "Time spent compacting, on the engine's admin thread.",
             &[],
             get(&self.compaction_us) as f64 / 1e6,
         );
-        e.counter(
-            "ferry_flow_runs_expired_total",
-            "Finished runs dropped once their retention ended.",
-            &[],
-            get(&self.expired),
-        );
-        e.counter(
-            "ferry_flow_log_segments_retired_total",
-            "Log segments retired by compaction.",
-            &[],
-            get(&self.retired),
-        );
-        e.gauge(
-            "ferry_flow_recovery_seconds",
-            "How long the engine took to open: log recovery and replay of every run.",
-            &[],
-            recovery.elapsed.as_secs_f64(),
-        );
-        e.gauge(
-            "ferry_flow_recovered_records",
-            "Log records read when the engine opened.",
-            &[],
-            recovery.log_records as f64,
-        );
-        e.gauge(
-            "ferry_flow_recovery_torn_bytes",
-            "Bytes of a torn tail the log cut when the engine opened (a write a crash cut short, never acknowledged).",
-            &[],
-            recovery.torn_bytes as f64,
-        );
-        e.gauge(
-            "ferry_flow_resumed_runs",
-            "Unfinished runs the engine resumed when it opened.",
-            &[],
-            recovery.resumed as f64,
-        );
-        e.counter(
-            "ferry_flow_log_records_total",
-            "Records appended to the log.",
-            &[],
-            log.records,
-        );
-        e.counter(
-            "ferry_flow_log_syncs_total",
-            "fdatasync calls by the log's writer.",
-            &[],
-            log.syncs,
-        );
-        e.counter(
-            "ferry_flow_log_batches_total",
-            "Batches the log's writer wrote.",
-            &[],
-            log.batches,
-        );
-        e.counter(
-            "ferry_flow_log_written_bytes_total",
-            "Bytes the log's writer wrote.",
-            &[],
-            log.bytes_written,
-        );
-        e.gauge(
-            "ferry_flow_log_segments",
-            "Segments the log holds.",
-            &[],
-            log.segments as f64,
-        );
-        e.counter(
-            "ferry_flow_log_segments_reused_total",
-            "Segments made from retired ones (spares) rather than created.",
-            &[],
-            log.segments_reused,
-        );
-        e.gauge(
-            "ferry_flow_log_pending_bytes",
-            "Bytes appended and not yet durable.",
-            &[],
-            log.end.saturating_sub(log.durable) as f64,
-        );
+        let gauges: [(&str, &str, f64); 6] = [
+            (
+                "ferry_flow_recovered_records",
+                "Log records read when the engine opened.",
+                recovery.log_records as f64,
+            ),
+            (
+                "ferry_flow_recovery_seconds",
+                "How long the engine took to open: log recovery and replay of every run.",
+                recovery.elapsed.as_secs_f64(),
+            ),
+            (
+                "ferry_flow_recovery_torn_bytes",
+                "Bytes of a torn tail the log cut when the engine opened (a write a crash cut short, never acknowledged).",
+                recovery.torn_bytes as f64,
+            ),
+            (
+                "ferry_flow_resumed_runs",
+                "Unfinished runs the engine resumed when it opened.",
+                recovery.resumed as f64,
+            ),
+            (
+                "ferry_flow_log_segments",
+                "Segments the log holds.",
+                log.segments as f64,
+            ),
+            (
+                "ferry_flow_log_pending_bytes",
+                "Bytes appended and not yet durable.",
+                log.end.saturating_sub(log.durable) as f64,
+            ),
+        ];
+        for (name, help, v) in gauges {
+            e.gauge(name, help, &[], v);
+        }
         // Bucket i holds cycles of 2^i to 2^(i+1) µs; the last, anything longer.
         let bounds: Vec<f64> = (1..ferry_log::WRITE_BUCKETS)
             .map(|i| (1u64 << i) as f64 / 1e6)

@@ -623,7 +623,6 @@ impl Log {
 
     /// Queue `tx` as the wait for `lsn` (None); or give it back, if `lsn` became
     /// durable meanwhile (Some) or cannot become so (Err).
-    #[allow(clippy::type_complexity)]
     fn enqueue(
         &self,
         lsn: Lsn,
