@@ -8,7 +8,8 @@
 //! wakes one task per shard per sync, and the watcher wakes the rest on the shard's
 //! thread.
 
-use ferry_log::{Follower, Log, Lsn};
+use crate::journal_log::JournalLog;
+use ferry_log::{Follower, Lsn};
 use std::cell::{Cell, RefCell};
 use std::future::poll_fn;
 use std::rc::Rc;
@@ -18,9 +19,10 @@ use tokio::sync::Notify;
 
 /// The tasks of one shard that wait for durability.
 pub(crate) struct Waits {
-    log: Arc<Log>,
-    /// The shard's thread, as the log's writer sees it (the watcher's waits).
-    follower: Follower,
+    log: Arc<dyn JournalLog>,
+    /// The shard's thread, as the log's writer sees it (the watcher's waits), if the
+    /// log has a use for it.
+    follower: Option<Follower>,
     list: RefCell<Vec<(Lsn, Waker)>>,
     /// The position the watcher waits on the log for (`Lsn::MAX`: none).
     watching: Cell<Lsn>,
@@ -39,8 +41,8 @@ impl Waits {
     /// Make this thread a shard's, for `log`: call once, on the shard's thread, and
     /// spawn the returned watcher on its `LocalSet`.
     pub(crate) fn install(
-        log: Arc<Log>,
-        follower: Follower,
+        log: Arc<dyn JournalLog>,
+        follower: Option<Follower>,
     ) -> impl std::future::Future<Output = ()> {
         let waits = Rc::new(Waits {
             log,
@@ -69,7 +71,7 @@ impl Waits {
 }
 
 /// Resolves when `lsn` is durable in `log`, or with the error that stopped it.
-pub(crate) async fn durable(log: &Arc<Log>, lsn: Lsn) -> Result<(), ferry_log::Error> {
+pub(crate) async fn durable(log: &Arc<dyn JournalLog>, lsn: Lsn) -> Result<(), ferry_log::Error> {
     if log.durable_lsn() >= lsn {
         return Ok(());
     }
@@ -80,7 +82,7 @@ pub(crate) async fn durable(log: &Arc<Log>, lsn: Lsn) -> Result<(), ferry_log::E
             return Ok(());
         }
     }
-    log.durable(lsn).await
+    log.durable(lsn, None).await
 }
 
 /// The watcher: wait on the log for the lowest listed position, then wake every task
@@ -96,7 +98,7 @@ async fn watch(waits: Rc<Waits>) {
         waits.watching.set(lowest);
         tokio::select! {
             biased;
-            r = waits.log.durable_following(lowest, &waits.follower) => {
+            r = waits.log.durable(lowest, waits.follower.as_ref()) => {
                 if r.is_err() {
                     waits.failed.set(true);
                 }

@@ -8,6 +8,7 @@ use crate::admin;
 use crate::checkpoint::{self, Folded};
 use crate::ctx::Ctx;
 use crate::journal::{Entry, Json, Outcome, RECORD_KIND, RUN_ID_MAX, Record};
+use crate::journal_log::JournalLog;
 use crate::metrics::Counters;
 use crate::replay::{Nondeterminism, Replay, Slot};
 use ferry_core::seams::{Clock, Rng, SplitMix64, SystemClock};
@@ -358,7 +359,9 @@ enum Then {
 }
 
 pub(crate) struct Shared {
-    pub(crate) log: Arc<Log>,
+    /// Where every record goes: ferry-log on the engine's directory, unless the
+    /// builder was given a journal (`EngineBuilder::journal`).
+    pub(crate) log: Arc<dyn JournalLog>,
     /// Every run by id. A B-tree, not a hash map: a hash map's resize moves every
     /// entry under this lock at once, which stalled every shard for tens of
     /// milliseconds at 30,000 runs.
@@ -520,7 +523,7 @@ impl Shared {
                 self.journal_cancel(id, e)?
             }
         };
-        self.log.durable(end).await?;
+        self.log.durable(end, None).await?;
         match then {
             Then::Answer => {}
             Then::Wake => self.wake(id),
@@ -612,7 +615,7 @@ impl Shared {
                 shared.journal_signal(inbox, &bytes, name, value, key)?
             }
         };
-        shared.log.durable(end).await?;
+        shared.log.durable(end, None).await?;
         if fresh {
             shared.wake(id);
         }
@@ -732,21 +735,25 @@ impl Starts {
         !std::mem::replace(&mut p.armed, true)
     }
 
-    fn arm(starts: Arc<Starts>, log: &Arc<Log>, lsn: Lsn) {
+    fn arm(starts: Arc<Starts>, log: &Arc<dyn JournalLog>, lsn: Lsn) {
         // Weak: the log holds this wait, and must not keep itself alive. Upgraded on
         // the writer's thread, it may be the last handle: ferry-log allows that.
         let weak = Arc::downgrade(log);
         let follower = starts.follower.clone();
-        log.on_durable(lsn, follower.as_ref(), move |r| {
-            if let Some(log) = weak.upgrade() {
-                Starts::fire(starts, &log, r);
-            }
-        });
+        log.on_durable(
+            lsn,
+            follower.as_ref(),
+            Box::new(move |r| {
+                if let Some(log) = weak.upgrade() {
+                    Starts::fire(starts, &log, r);
+                }
+            }),
+        );
     }
 
     /// On the log's writer thread, after a sync: hand over what became durable, and
     /// wait again for what did not.
-    fn fire(starts: Arc<Starts>, log: &Arc<Log>, r: Result<(), ferry_log::Error>) {
+    fn fire(starts: Arc<Starts>, log: &Arc<dyn JournalLog>, r: Result<(), ferry_log::Error>) {
         let durable = log.durable_lsn();
         let (ready, next) = {
             let mut p = lock(&starts.pending);
@@ -795,6 +802,9 @@ struct Job {
 pub struct EngineBuilder {
     dir: std::path::PathBuf,
     storage: Option<Arc<dyn ferry_log::Storage>>,
+    journal: Option<Arc<dyn JournalLog>>,
+    /// The log is ferry-log on files in `dir` (no storage or journal given): only
+    /// then are there checkpoints, compaction, a status file and an inbox.
     storage_is_files: bool,
     shards: usize,
     log: LogConfig,
@@ -820,6 +830,16 @@ impl EngineBuilder {
         self
     }
 
+    /// Journal to `journal` instead of a ferry-log of the engine's own: a log that
+    /// lives elsewhere (docs/flow.md §4, "The seam"). Recovery reads it from its start;
+    /// the engine keeps no checkpoints, retires nothing and keeps no status file or
+    /// inbox in the directory, so bounding the history is the journal's job. Not with
+    /// [`EngineBuilder::storage`].
+    pub fn journal(mut self, journal: Arc<dyn JournalLog>) -> Self {
+        self.journal = Some(journal);
+        self
+    }
+
     /// Read the wall clock (`ctx.now_ms`, timers, deadlines, retry times) from `clock`.
     /// Default: the system's.
     pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
@@ -831,7 +851,8 @@ impl EngineBuilder {
     /// called inside a tokio `LocalSet` on a current-thread runtime. The shards become
     /// tasks of that `LocalSet`, the log gets no writer thread, and a task writes and
     /// syncs it at moments drawn from `seed` (as are `ctx.random_u64` and `ctx.uuid`).
-    /// Only with [`EngineBuilder::storage`]; nothing spawned outlives the engine. With
+    /// Only with [`EngineBuilder::storage`] (or a [`EngineBuilder::journal`], which
+    /// then makes records durable itself); nothing spawned outlives the engine. With
     /// tokio's clock paused and [`EngineBuilder::clock`] reading it, everything the
     /// engine does follows from the seed and the caller's own calls. docs/flow.md §4.
     pub fn on_this_thread(mut self, seed: u64) -> Self {
@@ -894,10 +915,15 @@ impl EngineBuilder {
     /// Open the log (recovering it), rebuild every run from its journal, restart the
     /// unfinished ones.
     pub fn open(mut self) -> Result<Engine, FlowError> {
-        self.storage_is_files = self.storage.is_none();
+        self.storage_is_files = self.storage.is_none() && self.journal.is_none();
         if self.on_this_thread.is_some() && self.storage_is_files {
             return Err(FlowError::Invalid(
                 "on_this_thread is for a simulation: give it its storage with .storage(..)".into(),
+            ));
+        }
+        if self.storage.is_some() && self.journal.is_some() {
+            return Err(FlowError::Invalid(
+                "give the engine a storage for its own log or a journal, not both".into(),
             ));
         }
         if self.shards == 0 || self.shards > 256 {
@@ -914,14 +940,29 @@ impl EngineBuilder {
         }
         let started = std::time::Instant::now();
         let segment_bytes = self.log.segment_bytes;
-        let (log, recovery) = match self.storage.take() {
-            Some(st) if self.on_this_thread.is_some() => Log::open_driven(st, self.log)?,
-            Some(st) => Log::open(st, self.log)?,
-            None => Log::open_dir(&self.dir, self.log)?,
-        };
-        let log = Arc::new(log);
+        // A driven log (on the caller's thread) is also kept as itself, for the task
+        // that writes it.
+        let mut driven = None;
+        let (log, opened): (Arc<dyn JournalLog>, Option<ferry_log::Recovery>) =
+            match (self.journal.take(), self.storage.take()) {
+                (Some(journal), _) => (journal, None),
+                (None, Some(st)) if self.on_this_thread.is_some() => {
+                    let (log, found) = Log::open_driven(st, self.log)?;
+                    let log = Arc::new(log);
+                    driven = Some(log.clone());
+                    (log, Some(found))
+                }
+                (None, Some(st)) => {
+                    let (log, found) = Log::open(st, self.log)?;
+                    (Arc::new(log), Some(found))
+                }
+                (None, None) => {
+                    let (log, found) = Log::open_dir(&self.dir, self.log)?;
+                    (Arc::new(log), Some(found))
+                }
+            };
         let folded = if self.storage_is_files {
-            load_checkpoint(&self.dir, &log)?
+            load_checkpoint(&self.dir, &*log)?
         } else {
             Folded::default()
         };
@@ -929,10 +970,12 @@ impl EngineBuilder {
             FlowError::Codec(format!("the newest checkpoint holds a bad record ({e})"))
         })?;
         let mut bad = None;
-        log.read(folded.lsn, |r| {
+        let mut read = 0u64;
+        log.read(folded.lsn, &mut |r| {
             if r.kind != RECORD_KIND {
                 return;
             }
+            read += 1;
             match Record::decode(r.payload) {
                 Ok(rec) => by_run.entry(rec.run.clone()).or_default().push(rec),
                 Err(e) => {
@@ -954,7 +997,11 @@ impl EngineBuilder {
                 pending: Mutex::new(Pending::default()),
                 tx: tx.clone(),
                 // Shards that are tasks on the caller's thread never go idle for it.
-                follower: self.on_this_thread.is_none().then(|| log.follower()),
+                follower: if self.on_this_thread.is_none() {
+                    log.follower()
+                } else {
+                    None
+                },
             }));
             txs.push(tx);
             rxs.push(rx);
@@ -1006,22 +1053,27 @@ impl EngineBuilder {
                     let shared2 = shared.clone();
                     shared.spawn_here(Shard::run_here(shared2, rx));
                 }
-                shared.spawn_here(disk(log.clone(), seed));
+                if let Some(log) = driven {
+                    shared.spawn_here(disk(log, seed));
+                }
                 Vec::new()
             }
         };
         let elapsed = started.elapsed();
+        // A journal of someone else's recovers before it is handed over: what the
+        // engine read of it is what it counts.
+        let (log_records, torn_bytes) = opened.map_or((read, 0), |o| (o.records, o.torn_bytes));
         tracing::info!(
             resumed,
-            log_records = recovery.records,
+            log_records,
             ms = elapsed.as_secs_f64() * 1e3,
             "flow engine open"
         );
         let recovery = Recovery {
             elapsed,
-            log_records: recovery.records,
+            log_records,
             resumed,
-            torn_bytes: recovery.torn_bytes,
+            torn_bytes,
         };
         // An engine on files keeps a status file and takes requests in its directory;
         // one on other storage (the simulation) has no directory of its own.
@@ -1225,6 +1277,7 @@ impl Engine {
         EngineBuilder {
             dir: dir.as_ref().to_path_buf(),
             storage: None,
+            journal: None,
             storage_is_files: true,
             shards: 2,
             log: LogConfig::default(),
@@ -1250,7 +1303,7 @@ impl Engine {
         let end = self
             .shared
             .start_run(workflow.name, id, encode(input)?, None)?;
-        self.shared.log.durable(end).await?;
+        self.shared.log.durable(end, None).await?;
         Ok(RunHandle {
             shared: self.shared.clone(),
             id: id.to_string(),
@@ -1373,7 +1426,7 @@ impl Drop for Engine {
 }
 
 /// The newest checkpoint in `dir` (none: an empty one), checked against the log.
-fn load_checkpoint(dir: &Path, log: &Log) -> Result<Folded, FlowError> {
+fn load_checkpoint(dir: &Path, log: &dyn JournalLog) -> Result<Folded, FlowError> {
     let io = |e: std::io::Error| FlowError::Invalid(format!("reading {}: {e}", dir.display()));
     let found = checkpoint::list(dir).map_err(io)?;
     let folded = match found.last() {
@@ -1459,7 +1512,7 @@ impl Compaction {
         let folded = &mut self.folded;
         let upto = shared
             .log
-            .read(folded.lsn, |r| {
+            .read(folded.lsn, &mut |r| {
                 if r.kind == RECORD_KIND
                     && bad.is_none()
                     && let Err(e) = folded.fold(r.payload, now)
@@ -1784,16 +1837,15 @@ impl Shard {
                 // After a sync that woke this shard, the log's writer waits a moment
                 // for it to append what it ran next (`ferry_log::Follower`): until it
                 // is about to sleep.
-                let follower = shared.starts[i]
-                    .follower
-                    .clone()
-                    .expect("a shard thread follows the log");
+                let follower = shared.starts[i].follower.clone();
                 let idle = follower.clone();
                 let rt = tokio::runtime::Builder::new_current_thread()
                     .enable_time()
                     .on_thread_park(move || {
                         PARKS.with(|p| p.set(p.get() + 1));
-                        idle.idle();
+                        if let Some(f) = &idle {
+                            f.idle();
+                        }
                     })
                     .build()
                     .expect("a current-thread runtime builds");
@@ -1828,7 +1880,9 @@ impl Shard {
                     })
                     .await;
                 });
-                follower.idle();
+                if let Some(f) = &follower {
+                    f.idle();
+                }
             })
             .expect("spawning a shard thread");
         Shard {

@@ -3,7 +3,8 @@
 //! `journal`: what a run records and how it is framed in ferry-log; `replay`: the
 //! cursor that checks a run's code against its journal; `engine`: runs, shards, recovery,
 //! cancellation, continue-as-new, limits; `ctx`: what workflow code calls; `durable`:
-//! how a shard's tasks wait for the log. docs/flow.md marks what is planned.
+//! how a shard's tasks wait for the log; `journal_log`: the seam between the engine
+//! and the log it journals to. docs/flow.md marks what is planned.
 
 pub mod admin;
 mod checkpoint;
@@ -11,6 +12,7 @@ mod ctx;
 mod durable;
 mod engine;
 pub mod journal;
+pub mod journal_log;
 mod metrics;
 pub mod replay;
 
@@ -20,3 +22,4 @@ pub use engine::{
     Signal, Workflow,
 };
 pub use journal::Outcome;
+pub use journal_log::JournalLog;

@@ -1,0 +1,124 @@
+//! The log the engine journals to, behind a seam (docs/flow.md §4, "The seam").
+//!
+//! The engine never names ferry-log's `Log` beyond opening one: every record it writes,
+//! every wait for durability and every read at recovery goes through [`JournalLog`].
+//! ferry-log implements it on local files; a log that lives elsewhere (a server holding
+//! the logs, later) implements the same trait, and workflow code does not change.
+//!
+//! What an implementation must guarantee, because the engine's guarantees rest on it:
+//!
+//! 1. `append` returns at once with the position just past the record; positions only
+//!    rise, in the order of the calls.
+//! 2. `durable_lsn` never falls, and a record is durable once it passes the record's
+//!    end: it survives any crash of this process and of the log's own.
+//! 3. Durability is a prefix: when a position is durable, so is everything before it.
+//! 4. A wait (`durable`, `on_durable`) resolves `Ok` only once its position is durable,
+//!    and with an error if the position can never become so in this log's life (a
+//!    failed sync, a closed log, a fenced writer): after such an error the log refuses
+//!    further appends until reopened, so nothing is acknowledged on top of a hole.
+//! 5. `read` gives every durable record from a position on, in order, byte for byte
+//!    as appended; damage is an error, never a record skipped.
+//!
+//! Over a journal that is not ferry-log on the engine's own directory (see
+//! [`crate::EngineBuilder::journal`]) the engine keeps no checkpoints and retires
+//! nothing: keeping its history bounded is the journal's owner's job.
+
+use ferry_log::{Error, Follower, Log, Lsn, Record, Stats};
+use std::future::Future;
+use std::pin::Pin;
+
+/// A wait for durability: `Ok` once the position is durable, or the error that means
+/// it never will be.
+pub type Durable = Pin<Box<dyn Future<Output = Result<(), Error>> + Send + 'static>>;
+
+/// What the engine calls once a position is durable, or with the error that stops it.
+pub type OnDurable = Box<dyn FnOnce(Result<(), Error>) + Send + 'static>;
+
+/// The log the engine journals to; see the module doc for what an implementation
+/// guarantees.
+pub trait JournalLog: Send + Sync + 'static {
+    /// Append a record of `kind` (0 is reserved) and return the position just past it,
+    /// without waiting for it to be durable.
+    fn append(&self, kind: u8, payload: &[u8]) -> Result<Lsn, Error>;
+
+    /// Everything before this position is durable.
+    fn durable_lsn(&self) -> Lsn;
+
+    /// Where the oldest record still kept starts: reading from here reads them all.
+    fn start_lsn(&self) -> Lsn;
+
+    /// The end of the last record appended.
+    fn end_lsn(&self) -> Lsn;
+
+    /// Resolves once `lsn` is durable. `follower`, from [`JournalLog::follower`], is
+    /// the waiting thread's: the log may wait for it to go idle after waking it.
+    fn durable(&self, lsn: Lsn, follower: Option<&Follower>) -> Durable;
+
+    /// Call `f` once `lsn` is durable, or with the error that stops it becoming so: on
+    /// whatever thread learns it, right away (so `f` must be short), or at once on this
+    /// thread. `f` may hold the last handle to the log and drop it.
+    fn on_durable(&self, lsn: Lsn, follower: Option<&Follower>, f: OnDurable);
+
+    /// A handle for a thread that appends in reply to what a sync made durable (a
+    /// shard): a log with a writer of its own may wait for it after a sync, so that
+    /// those appends ride the next sync. None: this log has no use for one.
+    fn follower(&self) -> Option<Follower> {
+        None
+    }
+
+    /// Call `f` with every durable record at or after `from`, in order; returns the
+    /// durable position read up to.
+    fn read(&self, from: Lsn, f: &mut dyn FnMut(Record<'_>)) -> Result<Lsn, Error>;
+
+    /// Let go of what lies wholly below `lsn` (the engine keeps it in a checkpoint);
+    /// how many pieces (segments) went. Doing nothing is allowed.
+    fn retire_below(&self, lsn: Lsn) -> Result<usize, Error>;
+
+    /// Counters for the status file and metrics; zeroes where the log keeps none.
+    fn stats(&self) -> Stats;
+}
+
+impl JournalLog for Log {
+    fn append(&self, kind: u8, payload: &[u8]) -> Result<Lsn, Error> {
+        Log::append(self, kind, payload)
+    }
+
+    fn durable_lsn(&self) -> Lsn {
+        Log::durable_lsn(self)
+    }
+
+    fn start_lsn(&self) -> Lsn {
+        Log::start_lsn(self)
+    }
+
+    fn end_lsn(&self) -> Lsn {
+        Log::end_lsn(self)
+    }
+
+    fn durable(&self, lsn: Lsn, follower: Option<&Follower>) -> Durable {
+        match follower {
+            Some(f) => Box::pin(Log::durable_following(self, lsn, f)),
+            None => Box::pin(Log::durable(self, lsn)),
+        }
+    }
+
+    fn on_durable(&self, lsn: Lsn, follower: Option<&Follower>, f: OnDurable) {
+        Log::on_durable(self, lsn, follower, f)
+    }
+
+    fn follower(&self) -> Option<Follower> {
+        Some(Log::follower(self))
+    }
+
+    fn read(&self, from: Lsn, f: &mut dyn FnMut(Record<'_>)) -> Result<Lsn, Error> {
+        Log::read(self, from, f)
+    }
+
+    fn retire_below(&self, lsn: Lsn) -> Result<usize, Error> {
+        Log::retire_below(self, lsn)
+    }
+
+    fn stats(&self) -> Stats {
+        Log::stats(self)
+    }
+}
