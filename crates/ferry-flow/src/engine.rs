@@ -961,33 +961,12 @@ impl EngineBuilder {
                     (Arc::new(log), Some(found))
                 }
             };
-        let folded = if self.storage_is_files {
-            load_checkpoint(&self.dir, &*log)?
-        } else {
-            Folded::default()
-        };
-        let mut by_run: BTreeMap<String, Vec<Record>> = folded.active_records().map_err(|e| {
-            FlowError::Codec(format!("the newest checkpoint holds a bad record ({e})"))
-        })?;
-        let mut bad = None;
-        let mut read = 0u64;
-        log.read(folded.lsn, &mut |r| {
-            if r.kind != RECORD_KIND {
-                return;
-            }
-            read += 1;
-            match Record::decode(r.payload) {
-                Ok(rec) => by_run.entry(rec.run.clone()).or_default().push(rec),
-                Err(e) => {
-                    bad.get_or_insert(format!("record at {}: {e}", r.lsn));
-                }
-            }
-        })?;
-        if let Some(e) = bad {
-            return Err(FlowError::Codec(format!(
-                "the journal holds a record this build cannot read ({e})"
-            )));
-        }
+        let dir = self.storage_is_files.then_some(self.dir.as_path());
+        let Journaled {
+            folded,
+            by_run,
+            read,
+        } = journaled(dir, &*log)?;
         let mut txs = Vec::new();
         let mut rxs = Vec::new();
         let mut starts = Vec::new();
@@ -1426,6 +1405,71 @@ impl Drop for Engine {
 }
 
 /// The newest checkpoint in `dir` (none: an empty one), checked against the log.
+/// The journal records an engine directory holds for the runs a restart would replay,
+/// by run, in order: the newest checkpoint's records of each unfinished run, then
+/// every record the log holds after it. The log is opened as an engine's open would
+/// open it (a torn tail cut, leftovers of an interrupted compaction removed) and let
+/// go; no engine may have the directory open. For tools and tests that check what is
+/// durable, e.g. which step results a crash left.
+pub fn read_journal(dir: impl AsRef<Path>) -> Result<BTreeMap<String, Vec<Record>>, FlowError> {
+    let dir = dir.as_ref();
+    let config = LogConfig {
+        // Keeps whatever spares the engine's own setting kept.
+        spare_segments: 64,
+        ..LogConfig::default()
+    };
+    let (log, _) = Log::open_dir(dir, config)?;
+    let journaled = journaled(Some(dir), &log)?;
+    log.close()?;
+    Ok(journaled.by_run)
+}
+
+/// What an open replays.
+struct Journaled {
+    /// The newest checkpoint (empty off files).
+    folded: Folded,
+    /// By run: its records in the checkpoint, then those after it in the log.
+    by_run: BTreeMap<String, Vec<Record>>,
+    /// Records read from the log.
+    read: u64,
+}
+
+/// Load the newest checkpoint of `dir` (an engine on files) and the log's records after
+/// it.
+fn journaled(dir: Option<&Path>, log: &dyn JournalLog) -> Result<Journaled, FlowError> {
+    let folded = match dir {
+        Some(dir) => load_checkpoint(dir, log)?,
+        None => Folded::default(),
+    };
+    let mut by_run: BTreeMap<String, Vec<Record>> = folded
+        .active_records()
+        .map_err(|e| FlowError::Codec(format!("the newest checkpoint holds a bad record ({e})")))?;
+    let mut bad = None;
+    let mut read = 0u64;
+    log.read(folded.lsn, &mut |r| {
+        if r.kind != RECORD_KIND {
+            return;
+        }
+        read += 1;
+        match Record::decode(r.payload) {
+            Ok(rec) => by_run.entry(rec.run.clone()).or_default().push(rec),
+            Err(e) => {
+                bad.get_or_insert(format!("record at {}: {e}", r.lsn));
+            }
+        }
+    })?;
+    if let Some(e) = bad {
+        return Err(FlowError::Codec(format!(
+            "the journal holds a record this build cannot read ({e})"
+        )));
+    }
+    Ok(Journaled {
+        folded,
+        by_run,
+        read,
+    })
+}
+
 fn load_checkpoint(dir: &Path, log: &dyn JournalLog) -> Result<Folded, FlowError> {
     let io = |e: std::io::Error| FlowError::Invalid(format!("reading {}: {e}", dir.display()));
     let found = checkpoint::list(dir).map_err(io)?;

@@ -1,12 +1,14 @@
 //! A process running hundreds of workflows is SIGKILLed again and again; each step
 //! appends a line to an external ledger (fsynced) before it returns. After the last
-//! restart every run has finished with its result, every step ran, and no step ran again
-//! once a later step of its run had started: a later step starts only after the earlier
-//! one's result is durable, so that would be an acknowledged step re-executed.
+//! restart every run has finished with its result, every step ran, no step whose result
+//! the log held after a kill (read back before the restart) ran again, and no step ran
+//! again once a later step of its run had started: a later step starts only after the
+//! earlier one's result is durable, so either would be an acknowledged step re-executed.
 
+use ferry_flow::journal::Entry;
 use ferry_flow::{Ctx, Engine, Workflow};
 use ferry_testkit::Scratch;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -89,6 +91,21 @@ fn child_runs_workflows(dir: PathBuf) {
     });
 }
 
+/// The steps whose results the directory holds for runs a restart would replay (its
+/// checkpoint's and its log's), read as the next open will find them.
+fn durable_steps(dir: &Path) -> BTreeSet<(String, u32)> {
+    let mut held = BTreeSet::new();
+    for (run, records) in ferry_flow::read_journal(dir).unwrap() {
+        for r in records {
+            if let Entry::Step { name, .. } = r.entry {
+                let step = name.strip_prefix('s').and_then(|n| n.parse().ok());
+                held.insert((run.clone(), step.expect("steps are named s0, s1, …")));
+            }
+        }
+    }
+    held
+}
+
 #[test]
 fn steps_survive_repeated_sigkills() {
     if let Ok(dir) = std::env::var("FERRY_FLOW_CHILD_DIR") {
@@ -112,6 +129,8 @@ fn steps_survive_repeated_sigkills() {
             .map(|s| s.lines().count())
             .unwrap_or(0)
     };
+    // After each kill, how long the ledger was and which step results the log held.
+    let mut settled = Vec::new();
     for round in 1..=3 {
         let mut child = spawn();
         let deadline = Instant::now() + Duration::from_secs(60);
@@ -123,6 +142,7 @@ fn steps_survive_repeated_sigkills() {
         }
         child.kill().unwrap(); // SIGKILL
         child.wait().unwrap();
+        settled.push((lines(), durable_steps(&dir.join("flow"))));
     }
     let child = spawn();
     let out = child.wait_with_output().unwrap();
@@ -133,6 +153,17 @@ fn steps_survive_repeated_sigkills() {
     );
 
     let text = std::fs::read_to_string(&ledger).unwrap();
+    let all: Vec<&str> = text.lines().collect();
+    for (from, held) in &settled {
+        for line in &all[*from..] {
+            let mut f = line.split(' ');
+            let (run, step) = (f.next().unwrap(), f.next().unwrap().parse::<u32>().unwrap());
+            assert!(
+                !held.contains(&(run.to_string(), step)),
+                "{run}: step {step} ran again though the log held its result"
+            );
+        }
+    }
     let mut by_run: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
     for line in text.lines() {
         let mut f = line.split(' ');
@@ -172,8 +203,10 @@ fn steps_survive_repeated_sigkills() {
     let checkpoints = flow.iter().filter(|n| n.starts_with("checkpoint-")).count();
     let segments = flow.iter().filter(|n| n.ends_with(".seg")).count();
     assert_eq!(checkpoints, 1, "compaction ran and cleaned up: {flow:?}");
+    let held: Vec<usize> = settled.iter().map(|(_, h)| h.len()).collect();
     eprintln!(
-        "{} ledger lines, {reruns} re-executions of steps cut short; {segments} segments left",
+        "{} ledger lines, {reruns} re-executions of steps cut short; {segments} segments \
+         left; step results held for the runs each restart replayed: {held:?}",
         text.lines().count()
     );
 }

@@ -12,9 +12,10 @@
 //! or a write fails. The engine reopens and the same runs are started again, several
 //! times over. Some runs sleep durably between two steps, some wait for a signal sent
 //! while they run. The external world is a ledger of step executions. Invariants,
-//! against the model: every run finishes with the model's result; no step runs again
-//! once a later step of its run has started (that later step started only after the
-//! earlier result was durable: re-running it would re-run an acknowledged step); the
+//! against the model: every run finishes with the model's result; no step whose result
+//! the journal held after a fault (read back before the engine reopens) runs again, nor
+//! does one once a later step of its run has started (that later step started only
+//! after the earlier result was durable); the
 //! step after a sleep never starts before the sleep's wake-up time by the engine's
 //! clock. `FERRY_FLOW_SEED=N` replays one seed; `FERRY_FLOW_SEEDS=N` sets how many
 //! (default 60).
@@ -24,6 +25,7 @@
 //! shakes out what only concurrency shows.
 
 use ferry_core::seams::{Clock, Rng, SplitMix64};
+use ferry_flow::journal::{Entry, RECORD_KIND, Record as JournalRecord};
 use ferry_flow::{Ctx, Engine, RunStatus, Signal, Workflow};
 use ferry_log::sim::SimStorage;
 use std::collections::{BTreeMap, BTreeSet};
@@ -118,6 +120,9 @@ async fn simulate(seed: u64, mode: Mode) -> Result<Vec<Line>, String> {
     // engine's runs must stop with it, as a dead process's do).
     let live = Arc::new(AtomicU64::new(0));
     let zombies = Arc::new(AtomicU64::new(0));
+    // After each fault, how long the ledger was and which step results the journal
+    // held: none of those steps may run again.
+    let mut settled: Vec<(usize, BTreeSet<(String, u32)>)> = Vec::new();
     for round in 0..4 {
         let last = round == 3;
         live.store(round, Ordering::SeqCst);
@@ -248,6 +253,9 @@ async fn simulate(seed: u64, mode: Mode) -> Result<Vec<Line>, String> {
                 Fault::ProcessDies => sim.kill(),
                 _ => sim.crash(),
             }
+            let held =
+                durable_steps(&sim).map_err(|e| format!("seed {seed} round {round}: {e}"))?;
+            settled.push((ledger.lock().unwrap().len(), held));
         }
     }
     let zombies = zombies.load(Ordering::SeqCst);
@@ -257,6 +265,16 @@ async fn simulate(seed: u64, mode: Mode) -> Result<Vec<Line>, String> {
         ));
     }
     let ledger = ledger.lock().unwrap().clone();
+    for (from, held) in &settled {
+        if let Some((run, step, ..)) = ledger[*from..]
+            .iter()
+            .find(|(run, step, ..)| held.contains(&(run.clone(), *step)))
+        {
+            return Err(format!(
+                "seed {seed}: {run}: step {step} ran again though the journal held its result"
+            ));
+        }
+    }
     let mut by_run: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
     for (run, step, at, not_before, _) in ledger.iter() {
         by_run.entry(run).or_default().push(*step);
@@ -277,6 +295,39 @@ async fn simulate(seed: u64, mode: Mode) -> Result<Vec<Line>, String> {
         }
     }
     Ok(ledger)
+}
+
+/// The steps whose results the journal on `sim` holds, as the next open will find it
+/// (this open recovers the log just as the engine's would, then lets it go).
+fn durable_steps(sim: &Arc<SimStorage>) -> Result<BTreeSet<(String, u32)>, String> {
+    let (log, _) = ferry_log::Log::open(sim.clone(), ferry_log::Config::default())
+        .map_err(|e| format!("reading the journal: {e}"))?;
+    let mut held = BTreeSet::new();
+    let mut bad = None;
+    log.read(0, |r| {
+        if r.kind != RECORD_KIND {
+            return;
+        }
+        match JournalRecord::decode(r.payload) {
+            Ok(JournalRecord {
+                run,
+                entry: Entry::Step { name, .. },
+                ..
+            }) => {
+                let step = name.strip_prefix('s').and_then(|n| n.parse().ok());
+                held.insert((run, step.expect("steps are named s0, s1, …")));
+            }
+            Ok(_) => {}
+            Err(e) => bad = Some(e.to_string()),
+        }
+    })
+    .map_err(|e| format!("reading the journal: {e}"))?;
+    log.close()
+        .map_err(|e| format!("closing the journal: {e}"))?;
+    match bad {
+        Some(e) => Err(format!("a journal record does not decode: {e}")),
+        None => Ok(held),
+    }
 }
 
 /// The metrics' runs by state, kept as runs change state, agree with the runs map.

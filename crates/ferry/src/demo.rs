@@ -25,22 +25,22 @@ use std::time::{Duration, Instant};
 #[derive(Args)]
 pub struct DemoArgs {
     /// Work in this directory (kept afterwards) instead of a temporary one.
-    #[arg(long)]
+    #[arg(long, env = "FERRY_DEMO_DIR")]
     dir: Option<PathBuf>,
     /// How long the app writes.
-    #[arg(long, default_value_t = 6.0)]
+    #[arg(long, env = "FERRY_DEMO_SECONDS", default_value_t = 6.0)]
     seconds: f64,
     /// Orders (transactions) per second.
-    #[arg(long, default_value_t = 500)]
+    #[arg(long, env = "FERRY_DEMO_RATE", default_value_t = 500)]
     rate: u32,
     /// Keep the temporary directory.
-    #[arg(long)]
+    #[arg(long, env = "FERRY_DEMO_KEEP")]
     keep: bool,
     /// Orders the outbox part writes.
-    #[arg(long, default_value_t = 3000)]
+    #[arg(long, env = "FERRY_DEMO_OUTBOX_ORDERS", default_value_t = 3000)]
     outbox_orders: u64,
     /// Order workflows the flow part runs.
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, env = "FERRY_DEMO_FLOW_ORDERS", default_value_t = 200)]
     flow_orders: u32,
 }
 

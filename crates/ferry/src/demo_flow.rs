@@ -8,19 +8,23 @@
 //! 3. Half the orders get their signal through the engine's inbox (as `ferry flow
 //!    signal` sends it); once half the charges are answered (each takes the service
 //!    0.2–1 s) the demo SIGKILLs the engine, starts it again, and signals the rest.
-//! 4. When every order has finished, the demo checks each finished with the charge the
-//!    service issued for it, each step's effect was applied once, and no step ran after
-//!    a later step of its order had started (a step acknowledged durable never runs
-//!    again; one cut short by the kill may, with the same key).
+//! 4. Right after the kill, before the restart, the demo reads which step results the
+//!    journal holds (`ferry_flow::read_journal`): those the restart replays.
+//! 5. When every order has finished, the demo checks each finished with the charge the
+//!    service issued for it, each step's effect was applied once, no step whose result
+//!    was durable at the kill called the service again, and no step ran after a later
+//!    step of its order had started (a step acknowledged durable never runs again; one
+//!    cut short by the kill may, with the same key).
 
 use anyhow::{Context, bail, ensure};
 use axum::extract::{Query, State};
 use axum::routing::post;
 use clap::Args;
 use ferry_flow::admin::{self, Request};
+use ferry_flow::journal::Entry;
 use ferry_flow::{Ctx, Engine, FlowError, Retry, Signal, Workflow};
 use serde::Deserialize;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -297,6 +301,10 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
     }
     let at_kill = charged(&svc);
     engine.kill()?;
+    // What the journal holds now is what the restart replays: none of those steps may
+    // call the service again (a step cut short by the kill may, with the same key).
+    let held = held_steps(&dir)?;
+    let calls_at_kill = svc.lock().unwrap_or_else(|p| p.into_inner()).calls.len();
     println!(
         "  signalled the even orders \"shipped\"; SIGKILLed the engine when {at_kill} of {orders} charges were answered; restarted it and signalled the odd orders"
     );
@@ -341,6 +349,13 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
             bad.push(format!("{}: charged again after notifying", r.id));
         }
     }
+    for (what, n, _) in &s.calls[calls_at_kill..] {
+        if held.contains(&(*n, what.clone())) {
+            bad.push(format!(
+                "order-{n:03}: {what} called again though its result was durable at the kill"
+            ));
+        }
+    }
     let repeats = |what: &str| {
         s.calls.iter().filter(|c| c.0 == what).count()
             - s.effects.keys().filter(|(w, _)| w == what).count()
@@ -354,6 +369,10 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
         s.effects.keys().filter(|(w, _)| w == "charge").count(),
         s.calls.iter().filter(|c| c.0 == "charge").count(),
         repeats("charge")
+    );
+    println!(
+        "  durable at the kill:      {} charge results, read back from the journal before the restart; none called again",
+        held.iter().filter(|(_, w)| w == "charge").count()
     );
     println!(
         "  notifications applied:    {} (calls {}, {} repeated)",
@@ -386,7 +405,7 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
         metric("ferry_flow_runs{state=\"parked\"}"),
     );
     println!(
-        "  orders wrong:             {} (wrong charge in the result, or a step re-run after a later one started)",
+        "  orders wrong:             {} (wrong charge in the result, or a step re-run that was durable or after a later one started)",
         bad.len()
     );
     ensure!(
@@ -395,4 +414,21 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
     );
     ensure!(bad.is_empty(), "orders that went wrong: {bad:?}");
     Ok(())
+}
+
+/// (order, step name) of every step result the journal in `dir` holds for the runs a
+/// restart replays.
+fn held_steps(dir: &Path) -> anyhow::Result<BTreeSet<(u32, String)>> {
+    let mut held = BTreeSet::new();
+    for (run, records) in ferry_flow::read_journal(dir)? {
+        let Some(n) = run.strip_prefix("order-").and_then(|n| n.parse().ok()) else {
+            continue;
+        };
+        for r in records {
+            if let Entry::Step { name, .. } = r.entry {
+                held.insert((n, name));
+            }
+        }
+    }
+    Ok(held)
 }
