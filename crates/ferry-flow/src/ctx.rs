@@ -525,7 +525,8 @@ impl Ctx {
         }
         let arrived = &self.run.wake.arrived;
         // One waiter on the child at a time, kept across wake-ups for other reasons.
-        let mut waiting: Option<oneshot::Receiver<crate::RunStatus>> = None;
+        let mut waiting: Option<oneshot::Receiver<Result<crate::RunStatus, ferry_log::Error>>> =
+            None;
         loop {
             let notified = arrived.notified();
             tokio::pin!(notified);
@@ -566,8 +567,10 @@ impl Ctx {
                 r = rx => {
                     // Settled (finished, or parked: then wait again).
                     waiting = None;
-                    if r.is_err() {
-                        return Err(FlowError::Stopped);
+                    match r {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(e)) => return Err(FlowError::Log(e)),
+                        Err(_) => return Err(FlowError::Stopped),
                     }
                 }
                 _ = notified => {}

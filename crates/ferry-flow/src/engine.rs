@@ -227,7 +227,9 @@ pub(crate) struct RunEntry {
 #[derive(Default)]
 struct Extra {
     parent: Option<String>,
-    waiters: Vec<oneshot::Sender<RunStatus>>,
+    /// Callers of `result()`: told the run's end, or the journal's failure that
+    /// stops this process running it (it resumes when the engine is reopened).
+    waiters: Vec<oneshot::Sender<Result<RunStatus, ferry_log::Error>>>,
     /// A parked run's generation and the position after its journal, where a
     /// cancellation journals its end.
     parked_at: Option<(u32, u32)>,
@@ -263,7 +265,7 @@ impl RunEntry {
         self.extra.as_ref().and_then(|x| x.parent.as_ref())
     }
 
-    pub(crate) fn add_waiter(&mut self, tx: oneshot::Sender<RunStatus>) {
+    pub(crate) fn add_waiter(&mut self, tx: oneshot::Sender<Result<RunStatus, ferry_log::Error>>) {
         self.extra().waiters.push(tx);
     }
 
@@ -378,6 +380,8 @@ pub(crate) struct Shared {
     here: Option<Mutex<Vec<tokio::task::AbortHandle>>>,
     /// What `Engine::metrics` reports.
     pub(crate) counters: Counters,
+    /// The journal's failure, once a run met it (`journal_failed`).
+    failed: Mutex<Option<ferry_log::Error>>,
 }
 
 impl Shared {
@@ -470,6 +474,15 @@ impl Shared {
         let handler = handler.clone();
         let mut runs = lock(&self.runs);
         if let Some(e) = runs.get(id) {
+            // The id is taken: the same workflow gets that run back (whatever the
+            // input: docs/flow.md §1.6), another workflow would get a handle whose
+            // result is not its type.
+            if e.workflow != workflow {
+                return Err(FlowError::Invalid(format!(
+                    "run {id:?} exists as workflow {:?}, not {workflow:?}: pick another id,                      or start {:?}",
+                    e.workflow, e.workflow
+                )));
+            }
             return Ok(e.start_end);
         }
         let rec = Record {
@@ -681,7 +694,31 @@ impl Shared {
             e.status = status.clone();
             if let Some(x) = e.extra.as_mut() {
                 for w in x.waiters.drain(..) {
-                    let _ = w.send(status.clone());
+                    let _ = w.send(Ok(status.clone()));
+                }
+            }
+        }
+    }
+
+    /// The journal failed (a write, a sync; the log refuses everything after it), as
+    /// `run` found: no run can go on in this process, so every caller waiting for a
+    /// running run's result is told so now, and later callers at once (`result`).
+    /// Each run resumes where its durable records leave it when the engine reopens.
+    fn journal_failed(&self, run: &str, e: ferry_log::Error) {
+        let mut failed = lock(&self.failed);
+        if failed.is_none() {
+            tracing::error!(
+                run,
+                "the journal failed; runs stop here and resume when the engine is reopened: {e}"
+            );
+            *failed = Some(e.clone());
+        }
+        drop(failed);
+        let mut runs = lock(&self.runs);
+        for entry in runs.values_mut() {
+            if let (RunStatus::Running, Some(x)) = (&entry.status, entry.extra.as_mut()) {
+                for w in x.waiters.drain(..) {
+                    let _ = w.send(Err(e.clone()));
                 }
             }
         }
@@ -999,6 +1036,7 @@ impl EngineBuilder {
             }),
             here: self.on_this_thread.map(|_| Mutex::new(Vec::new())),
             counters: Counters::default(),
+            failed: Mutex::new(None),
         });
         {
             let mut runs = lock(&shared.runs);
@@ -1284,7 +1322,7 @@ impl Engine {
             .start_run(workflow.name, id, encode(input)?, None)?;
         self.shared.log.durable(end, None).await?;
         Ok(RunHandle {
-            shared: self.shared.clone(),
+            shared: Arc::downgrade(&self.shared),
             id: id.to_string(),
             _out: PhantomData,
         })
@@ -1345,7 +1383,7 @@ impl Engine {
     pub fn run<O: DeserializeOwned>(&self, id: &str) -> Option<RunHandle<O>> {
         let runs = lock(&self.shared.runs);
         runs.contains_key(id).then(|| RunHandle {
-            shared: self.shared.clone(),
+            shared: Arc::downgrade(&self.shared),
             id: id.to_string(),
             _out: PhantomData,
         })
@@ -1397,6 +1435,13 @@ impl Drop for Engine {
             s.stop();
         }
         self.shared.abort_here();
+        // Callers still waiting for a result hear that the engine stopped, even if
+        // something keeps the runs map alive a while longer.
+        for entry in lock(&self.shared.runs).values_mut() {
+            if let Some(x) = entry.extra.as_mut() {
+                x.waiters.clear();
+            }
+        }
         // After the shards: the last status shows where every run stopped.
         if let Some(a) = self.admin.take() {
             a.stop();
@@ -1404,7 +1449,6 @@ impl Drop for Engine {
     }
 }
 
-/// The newest checkpoint in `dir` (none: an empty one), checked against the log.
 /// The journal records an engine directory holds for the runs a restart would replay,
 /// by run, in order: the newest checkpoint's records of each unfinished run, then
 /// every record the log holds after it. The log is opened as an engine's open would
@@ -1470,6 +1514,7 @@ fn journaled(dir: Option<&Path>, log: &dyn JournalLog) -> Result<Journaled, Flow
     })
 }
 
+/// The newest checkpoint in `dir` (none: an empty one), checked against the log.
 fn load_checkpoint(dir: &Path, log: &dyn JournalLog) -> Result<Folded, FlowError> {
     let io = |e: std::io::Error| FlowError::Invalid(format!("reading {}: {e}", dir.display()));
     let found = checkpoint::list(dir).map_err(io)?;
@@ -1785,9 +1830,11 @@ impl Shared {
     }
 }
 
-/// A run's result, awaitable from any thread.
+/// A run's result, awaitable from any thread while its engine is open. It does not keep
+/// the engine (nor its log and directory lock) alive: once the engine is dropped,
+/// `result` returns `FlowError::Stopped`.
 pub struct RunHandle<O> {
-    shared: Arc<Shared>,
+    shared: std::sync::Weak<Shared>,
     id: String,
     _out: PhantomData<fn() -> O>,
 }
@@ -1799,14 +1846,22 @@ impl<O: DeserializeOwned> RunHandle<O> {
 
     /// The run's output once it finished and that is durable; its error if it failed, was
     /// cancelled or is parked.
+    /// The run's result once it has finished (its end durable), the reason it is
+    /// parked, or an error saying why this engine cannot finish it: the journal
+    /// failed (`FlowError::Log`; the run resumes when the engine is reopened), or the
+    /// engine stopped (`FlowError::Stopped`).
     pub async fn result(&self) -> Result<O, FlowError> {
         let rx = {
-            let mut runs = lock(&self.shared.runs);
+            let shared = self.shared.upgrade().ok_or(FlowError::Stopped)?;
+            let mut runs = lock(&shared.runs);
             let entry = runs
                 .get_mut(&self.id)
                 .ok_or_else(|| FlowError::Invalid(format!("no run {:?}", self.id)))?;
             match &entry.status {
                 RunStatus::Running => {
+                    if let Some(e) = lock(&shared.failed).clone() {
+                        return Err(FlowError::Log(e));
+                    }
                     let (tx, rx) = oneshot::channel();
                     entry.add_waiter(tx);
                     rx
@@ -1814,7 +1869,11 @@ impl<O: DeserializeOwned> RunHandle<O> {
                 done => return status_result(done.clone()),
             }
         };
-        status_result(rx.await.map_err(|_| FlowError::Stopped)?)
+        match rx.await {
+            Ok(Ok(status)) => status_result(status),
+            Ok(Err(e)) => Err(FlowError::Log(e)),
+            Err(_) => Err(FlowError::Stopped),
+        }
     }
 }
 
@@ -2031,7 +2090,7 @@ async fn end_generation(
         Err(FlowError::Log(e)) => {
             // The log refuses writes: nothing more can be journaled for this run in
             // this process; it resumes after a restart.
-            tracing::error!(run = %run.run, "the journal failed: {e}");
+            shared.journal_failed(&run.run, e);
             return None;
         }
         Err(FlowError::Stopped) => return None,
@@ -2041,7 +2100,10 @@ async fn end_generation(
                     shared.counters.continued();
                     return Some(job);
                 }
-                Err(FlowError::Log(_)) => return None,
+                Err(FlowError::Log(e)) => {
+                    shared.journal_failed(&run.run, e);
+                    return None;
+                }
                 Err(e) => Outcome::Err(e.to_string()),
             },
             None => Outcome::Err(
@@ -2073,11 +2135,11 @@ async fn end_generation(
                 finished = Entry::Finished {
                     outcome: Outcome::Err(format!("the run's output: {e}")),
                 };
-                if run.append(Some(pos), &finished).is_err() {
-                    return None;
+                if let Err(e) = run.append(Some(pos), &finished) {
+                    return stranded(shared, run, e);
                 }
             }
-            Err(_) => return None,
+            Err(e) => return stranded(shared, run, e),
         }
         let Entry::Finished { outcome: o } = finished else {
             unreachable!("built as Finished above")
@@ -2085,11 +2147,18 @@ async fn end_generation(
         outcome = o;
     }
     // A result leaves the process only once its record is durable.
-    if crate::durable::durable(&shared.log, run.last.get())
-        .await
-        .is_ok()
-    {
-        shared.settle(&run.run, RunStatus::Finished(outcome));
+    match crate::durable::durable(&shared.log, run.last.get()).await {
+        Ok(()) => shared.settle(&run.run, RunStatus::Finished(outcome)),
+        Err(e) => shared.journal_failed(&run.run, e),
+    }
+    None
+}
+
+/// The run's end could not be journaled: a journal failure strands it (and every other
+/// run) in this process; anything else (the engine stopping) just ends it here.
+fn stranded(shared: &Shared, run: &RunCtx, e: FlowError) -> Option<Job> {
+    if let FlowError::Log(e) = e {
+        shared.journal_failed(&run.run, e);
     }
     None
 }

@@ -168,7 +168,7 @@ async fn finished_runs_are_forgotten_after_retention_and_their_ids_reused() {
             && held == engine.runs().len() as f64
     })
     .await;
-    // (A run handle holds the engine's log open: both go before reopening.)
+    // The engine goes before reopening (its log holds the directory).
     drop((h, engine));
     let engine = builder(&dir).open().unwrap();
     assert!(matches!(

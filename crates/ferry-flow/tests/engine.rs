@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 static ORDER: Workflow<u32, String> = Workflow::new("order");
+static REFUND: Workflow<u32, u32> = Workflow::new("refund");
 
 /// An engine on `dir` with `code` registered as ORDER.
 fn open<F, Fut>(dir: &std::path::Path, code: F) -> Engine
@@ -109,6 +110,7 @@ async fn starting_an_id_twice_gives_one_run() {
     static RUNS: AtomicU32 = AtomicU32::new(0);
     let scratch = Scratch::new("flow-idem");
     let engine = Engine::builder(scratch.dir("flow"))
+        .register(REFUND, |_: Ctx, n: u32| async move { Ok(n) })
         .register(ORDER, |ctx: Ctx, n: u32| async move {
             ctx.step("count", |_| async {
                 RUNS.fetch_add(1, Ordering::SeqCst);
@@ -137,6 +139,11 @@ async fn starting_an_id_twice_gives_one_run() {
     assert!(matches!(
         engine.start(ORDER, "same/0/1", &1).await,
         Err(FlowError::Invalid(e)) if e.contains("'/'")
+    ));
+    // The id is taken by another workflow: refused, not a handle of the wrong type.
+    assert!(matches!(
+        engine.start(REFUND, "same", &1).await,
+        Err(FlowError::Invalid(e)) if e.contains("exists as workflow \"order\"")
     ));
 }
 

@@ -1,8 +1,9 @@
 //! A sync that fails while a run waits, on a shard's thread, for what it depends on to
-//! be durable: the wait ends with the log's error, the step after it never runs, and
-//! the run's code sees the error (nothing hangs).
+//! be durable: the wait ends with the log's error, the step after it never runs, the
+//! run's code sees the error, and every caller awaiting a result hears of it (nothing
+//! hangs). And an engine dropped with callers still waiting answers them too.
 
-use ferry_flow::{Ctx, Engine, Workflow};
+use ferry_flow::{Ctx, Engine, FlowError, Signal, Workflow};
 use ferry_log::sim::SimStorage;
 use ferry_testkit::{Scratch, eventually};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -10,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 static W: Workflow<u32, u32> = Workflow::new("w");
+static GO: Signal<()> = Signal::new("go");
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_sync_ends_the_waits_of_runs_on_shard_threads() {
@@ -30,6 +32,10 @@ async fn a_failed_sync_ends_the_waits_of_runs_on_shard_threads() {
         .register(W, move |ctx: Ctx, n: u32| {
             let (e, r, b, s) = (e.clone(), r.clone(), b.clone(), s.clone());
             async move {
+                if n == 2 {
+                    ctx.wait_for(GO, None).await?;
+                    return Ok(2);
+                }
                 if n == 0 {
                     // The path that works: every wait on a shard's list.
                     ctx.step("a", |_| async { Ok(1) }).await?;
@@ -65,7 +71,11 @@ async fn a_failed_sync_ends_the_waits_of_runs_on_shard_threads() {
     let ok = engine.start(W, "ok", &0).await.unwrap();
     assert_eq!(ok.result().await.unwrap(), 0);
 
-    engine.start(W, "bad", &1).await.unwrap();
+    // A run that touches no log while the sync fails: its caller must hear of it too.
+    let idle = engine.start(W, "idle", &2).await.unwrap();
+    let idle_result = tokio::spawn(async move { idle.result().await });
+    let bad = engine.start(W, "bad", &1).await.unwrap();
+    let bad_result = tokio::spawn(async move { bad.result().await });
     eventually("step a's body", || entered.load(Ordering::SeqCst)).await;
     storage.fail_sync_after(1);
     release.store(true, Ordering::SeqCst);
@@ -80,4 +90,52 @@ async fn a_failed_sync_ends_the_waits_of_runs_on_shard_threads() {
         0,
         "step b ran without step a durable"
     );
+    // Every caller waiting for a result hears that the journal failed (the runs resume
+    // when the engine reopens), and so does one that asks afterwards: nothing hangs.
+    for (what, waiting) in [("bad", bad_result), ("idle", idle_result)] {
+        let got = tokio::time::timeout(Duration::from_secs(30), waiting)
+            .await
+            .unwrap_or_else(|_| panic!("{what}'s result() still waits"))
+            .unwrap();
+        assert!(matches!(got, Err(FlowError::Log(_))), "{what}: {got:?}");
+    }
+    let later = engine.run::<u32>("idle").unwrap().result().await;
+    assert!(matches!(later, Err(FlowError::Log(_))), "{later:?}");
+}
+
+/// A caller waiting for a result when the engine is dropped hears that it stopped, and
+/// a handle left over keeps neither the engine nor its directory: it reopens at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_engine_answers_every_result_and_lets_go_of_the_directory() {
+    let scratch = Scratch::new("flow-drop");
+    let dir = scratch.dir("flow");
+    let open = || {
+        Engine::builder(&dir)
+            .register(W, |ctx: Ctx, n: u32| async move {
+                ctx.step("a", move |_| async move { Ok(n) }).await?;
+                ctx.publish(&"waiting")?;
+                ctx.wait_for(GO, None).await?;
+                Ok(n)
+            })
+            .open()
+            .unwrap()
+    };
+    let engine = open();
+    let h = engine.start(W, "r", &7).await.unwrap();
+    let waiting = tokio::spawn(async move { h.result().await });
+    let kept = engine.run::<u32>("r").unwrap();
+    eventually("the run to wait for its signal", || {
+        engine.query::<String>("r").ok().flatten().as_deref() == Some("waiting")
+    })
+    .await;
+    drop(engine);
+    let got = tokio::time::timeout(Duration::from_secs(30), waiting)
+        .await
+        .expect("result() still waits after the engine was dropped")
+        .unwrap();
+    assert!(matches!(got, Err(FlowError::Stopped)), "{got:?}");
+    assert!(matches!(kept.result().await, Err(FlowError::Stopped)));
+    let engine = open();
+    engine.signal("r", GO, &()).await.unwrap();
+    assert_eq!(engine.run::<u32>("r").unwrap().result().await.unwrap(), 7);
 }
