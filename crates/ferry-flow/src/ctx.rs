@@ -525,8 +525,7 @@ impl Ctx {
         }
         let arrived = &self.run.wake.arrived;
         // One waiter on the child at a time, kept across wake-ups for other reasons.
-        let mut waiting: Option<oneshot::Receiver<Result<crate::RunStatus, ferry_log::Error>>> =
-            None;
+        let mut waiting: Option<oneshot::Receiver<crate::RunStatus>> = None;
         loop {
             let notified = arrived.notified();
             tokio::pin!(notified);
@@ -567,13 +566,13 @@ impl Ctx {
                 r = rx => {
                     // Settled (finished, or parked: then wait again).
                     waiting = None;
-                    match r {
-                        Ok(Ok(_)) => {}
-                        Ok(Err(e)) => return Err(FlowError::Log(e)),
-                        Err(_) => return Err(FlowError::Stopped),
+                    if r.is_err() {
+                        return Err(FlowError::Stopped);
                     }
                 }
                 _ = notified => {}
+                // The journal failed: the child cannot finish in this process.
+                e = self.run.shared.failure.wait() => return Err(FlowError::Log(e)),
             }
         }
     }

@@ -8,7 +8,7 @@ use crate::admin;
 use crate::checkpoint::{self, Folded};
 use crate::ctx::Ctx;
 use crate::journal::{Entry, Json, Outcome, RECORD_KIND, RUN_ID_MAX, Record};
-use crate::journal_log::JournalLog;
+use crate::journal_log::{Failure, JournalLog, Watched};
 use crate::metrics::Counters;
 use crate::replay::{Nondeterminism, Replay, Slot};
 use ferry_core::seams::{Clock, Rng, SplitMix64, SystemClock};
@@ -227,9 +227,8 @@ pub(crate) struct RunEntry {
 #[derive(Default)]
 struct Extra {
     parent: Option<String>,
-    /// Callers of `result()`: told the run's end, or the journal's failure that
-    /// stops this process running it (it resumes when the engine is reopened).
-    waiters: Vec<oneshot::Sender<Result<RunStatus, ferry_log::Error>>>,
+    /// Callers of `result()` and parents waiting for this child: told its end.
+    waiters: Vec<oneshot::Sender<RunStatus>>,
     /// A parked run's generation and the position after its journal, where a
     /// cancellation journals its end.
     parked_at: Option<(u32, u32)>,
@@ -265,7 +264,7 @@ impl RunEntry {
         self.extra.as_ref().and_then(|x| x.parent.as_ref())
     }
 
-    pub(crate) fn add_waiter(&mut self, tx: oneshot::Sender<Result<RunStatus, ferry_log::Error>>) {
+    pub(crate) fn add_waiter(&mut self, tx: oneshot::Sender<RunStatus>) {
         self.extra().waiters.push(tx);
     }
 
@@ -380,8 +379,9 @@ pub(crate) struct Shared {
     here: Option<Mutex<Vec<tokio::task::AbortHandle>>>,
     /// What `Engine::metrics` reports.
     pub(crate) counters: Counters,
-    /// The journal's failure, once a run met it (`journal_failed`).
-    failed: Mutex<Option<ferry_log::Error>>,
+    /// The journal's failure, once it failed (noted by `log`, a `Watched`): callers
+    /// waiting for a running run hear of it.
+    pub(crate) failure: Arc<Failure>,
 }
 
 impl Shared {
@@ -479,7 +479,8 @@ impl Shared {
             // result is not its type.
             if e.workflow != workflow {
                 return Err(FlowError::Invalid(format!(
-                    "run {id:?} exists as workflow {:?}, not {workflow:?}: pick another id,                      or start {:?}",
+                    "run {id:?} exists as workflow {:?}, not {workflow:?}: pick another id, \
+                     or start {:?}",
                     e.workflow, e.workflow
                 )));
             }
@@ -694,31 +695,7 @@ impl Shared {
             e.status = status.clone();
             if let Some(x) = e.extra.as_mut() {
                 for w in x.waiters.drain(..) {
-                    let _ = w.send(Ok(status.clone()));
-                }
-            }
-        }
-    }
-
-    /// The journal failed (a write, a sync; the log refuses everything after it), as
-    /// `run` found: no run can go on in this process, so every caller waiting for a
-    /// running run's result is told so now, and later callers at once (`result`).
-    /// Each run resumes where its durable records leave it when the engine reopens.
-    fn journal_failed(&self, run: &str, e: ferry_log::Error) {
-        let mut failed = lock(&self.failed);
-        if failed.is_none() {
-            tracing::error!(
-                run,
-                "the journal failed; runs stop here and resume when the engine is reopened: {e}"
-            );
-            *failed = Some(e.clone());
-        }
-        drop(failed);
-        let mut runs = lock(&self.runs);
-        for entry in runs.values_mut() {
-            if let (RunStatus::Running, Some(x)) = (&entry.status, entry.extra.as_mut()) {
-                for w in x.waiters.drain(..) {
-                    let _ = w.send(Err(e.clone()));
+                    let _ = w.send(status.clone());
                 }
             }
         }
@@ -977,6 +954,7 @@ impl EngineBuilder {
         }
         let started = std::time::Instant::now();
         let segment_bytes = self.log.segment_bytes;
+        let over_journal = self.journal.is_some();
         // A driven log (on the caller's thread) is also kept as itself, for the task
         // that writes it.
         let mut driven = None;
@@ -998,6 +976,19 @@ impl EngineBuilder {
                     (Arc::new(log), Some(found))
                 }
             };
+        if over_journal && log.start_lsn() > 0 {
+            return Err(FlowError::Invalid(format!(
+                "the journal starts at position {}: over a journal of its own the engine keeps                  no checkpoints, so it needs the whole history (from 0) to recover",
+                log.start_lsn()
+            )));
+        }
+        // Every failure of the journal, however it surfaces, is noted for the callers
+        // waiting on runs that can no longer go on.
+        let failure = Arc::new(Failure::default());
+        let log: Arc<dyn JournalLog> = Arc::new(Watched {
+            log,
+            failure: failure.clone(),
+        });
         let dir = self.storage_is_files.then_some(self.dir.as_path());
         let Journaled {
             folded,
@@ -1036,7 +1027,7 @@ impl EngineBuilder {
             }),
             here: self.on_this_thread.map(|_| Mutex::new(Vec::new())),
             counters: Counters::default(),
-            failed: Mutex::new(None),
+            failure,
         });
         {
             let mut runs = lock(&shared.runs);
@@ -1451,21 +1442,45 @@ impl Drop for Engine {
 
 /// The journal records an engine directory holds for the runs a restart would replay,
 /// by run, in order: the newest checkpoint's records of each unfinished run, then
-/// every record the log holds after it. The log is opened as an engine's open would
-/// open it (a torn tail cut, leftovers of an interrupted compaction removed) and let
-/// go; no engine may have the directory open. For tools and tests that check what is
-/// durable, e.g. which step results a crash left.
+/// every record the log holds after it, read as an engine's open would read them (a
+/// torn tail is not a record). Reads a copy of the log's segments and the checkpoints
+/// (in the system's temporary directory, removed afterwards), so the directory is left
+/// exactly as it is and the next open still finds what it must repair; no engine may
+/// be writing it meanwhile. For tools and tests that check what is durable, e.g. which
+/// step results a crash left.
 pub fn read_journal(dir: impl AsRef<Path>) -> Result<BTreeMap<String, Vec<Record>>, FlowError> {
     let dir = dir.as_ref();
-    let config = LogConfig {
-        // Keeps whatever spares the engine's own setting kept.
-        spare_segments: 64,
-        ..LogConfig::default()
+    let io = |what: &str, e: std::io::Error| {
+        FlowError::Invalid(format!(
+            "reading the journal in {}: {what}: {e}",
+            dir.display()
+        ))
     };
-    let (log, _) = Log::open_dir(dir, config)?;
-    let journaled = journaled(Some(dir), &log)?;
-    log.close()?;
-    Ok(journaled.by_run)
+    static COPIES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let copy = std::env::temp_dir().join(format!(
+        "ferry-flow-read-{}-{}",
+        std::process::id(),
+        COPIES.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&copy).map_err(|e| io("make a directory for the copy", e))?;
+    let read = (|| {
+        for entry in std::fs::read_dir(dir).map_err(|e| io("list it", e))? {
+            let entry = entry.map_err(|e| io("list it", e))?;
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            // Segments and checkpoints: what an open reads (spares hold nothing).
+            if name.ends_with(".seg") || name.starts_with("checkpoint-") {
+                std::fs::copy(entry.path(), copy.join(&*name))
+                    .map_err(|e| io(&format!("copy {name}"), e))?;
+            }
+        }
+        let (log, _) = Log::open_dir(&copy, LogConfig::default())?;
+        let journaled = journaled(Some(&copy), &log)?;
+        log.close()?;
+        Ok(journaled.by_run)
+    })();
+    let _ = std::fs::remove_dir_all(&copy);
+    read
 }
 
 /// What an open replays.
@@ -1845,13 +1860,12 @@ impl<O: DeserializeOwned> RunHandle<O> {
     }
 
     /// The run's output once it finished and that is durable; its error if it failed, was
-    /// cancelled or is parked.
-    /// The run's result once it has finished (its end durable), the reason it is
-    /// parked, or an error saying why this engine cannot finish it: the journal
-    /// failed (`FlowError::Log`; the run resumes when the engine is reopened), or the
-    /// engine stopped (`FlowError::Stopped`).
+    /// cancelled or is parked. Or why this engine cannot tell: the journal failed
+    /// (`FlowError::Log`: no run goes on in this process; this one may have finished
+    /// durably just before, or resumes from what is durable when the engine is
+    /// reopened, so ask again then), or the engine was dropped (`FlowError::Stopped`).
     pub async fn result(&self) -> Result<O, FlowError> {
-        let rx = {
+        let (rx, failure) = {
             let shared = self.shared.upgrade().ok_or(FlowError::Stopped)?;
             let mut runs = lock(&shared.runs);
             let entry = runs
@@ -1859,20 +1873,20 @@ impl<O: DeserializeOwned> RunHandle<O> {
                 .ok_or_else(|| FlowError::Invalid(format!("no run {:?}", self.id)))?;
             match &entry.status {
                 RunStatus::Running => {
-                    if let Some(e) = lock(&shared.failed).clone() {
-                        return Err(FlowError::Log(e));
-                    }
                     let (tx, rx) = oneshot::channel();
                     entry.add_waiter(tx);
-                    rx
+                    (rx, shared.failure.clone())
                 }
                 done => return status_result(done.clone()),
             }
         };
-        match rx.await {
-            Ok(Ok(status)) => status_result(status),
-            Ok(Err(e)) => Err(FlowError::Log(e)),
-            Err(_) => Err(FlowError::Stopped),
+        tokio::select! {
+            biased;
+            r = rx => match r {
+                Ok(status) => status_result(status),
+                Err(_) => Err(FlowError::Stopped),
+            },
+            e = failure.wait() => Err(FlowError::Log(e)),
         }
     }
 }
@@ -2087,12 +2101,10 @@ async fn end_generation(
             shared.park(run, n.to_string());
             return None;
         }
-        Err(FlowError::Log(e)) => {
-            // The log refuses writes: nothing more can be journaled for this run in
-            // this process; it resumes after a restart.
-            shared.journal_failed(&run.run, e);
-            return None;
-        }
+        // The log refuses writes: nothing more can be journaled for this run in this
+        // process (the journal noted the failure for its callers); it resumes after a
+        // restart.
+        Err(FlowError::Log(_)) => return None,
         Err(FlowError::Stopped) => return None,
         Err(FlowError::ContinuedAsNew) => match run.next_input.borrow_mut().take() {
             Some(input) => match next_generation(shared, run, handler, input) {
@@ -2100,10 +2112,7 @@ async fn end_generation(
                     shared.counters.continued();
                     return Some(job);
                 }
-                Err(FlowError::Log(e)) => {
-                    shared.journal_failed(&run.run, e);
-                    return None;
-                }
+                Err(FlowError::Log(_)) => return None,
                 Err(e) => Outcome::Err(e.to_string()),
             },
             None => Outcome::Err(
@@ -2135,11 +2144,13 @@ async fn end_generation(
                 finished = Entry::Finished {
                     outcome: Outcome::Err(format!("the run's output: {e}")),
                 };
-                if let Err(e) = run.append(Some(pos), &finished) {
-                    return stranded(shared, run, e);
+                if run.append(Some(pos), &finished).is_err() {
+                    return None;
                 }
             }
-            Err(e) => return stranded(shared, run, e),
+            // The journal failed (and noted it for the run's callers), or the engine
+            // is stopping.
+            Err(_) => return None,
         }
         let Entry::Finished { outcome: o } = finished else {
             unreachable!("built as Finished above")
@@ -2147,18 +2158,11 @@ async fn end_generation(
         outcome = o;
     }
     // A result leaves the process only once its record is durable.
-    match crate::durable::durable(&shared.log, run.last.get()).await {
-        Ok(()) => shared.settle(&run.run, RunStatus::Finished(outcome)),
-        Err(e) => shared.journal_failed(&run.run, e),
-    }
-    None
-}
-
-/// The run's end could not be journaled: a journal failure strands it (and every other
-/// run) in this process; anything else (the engine stopping) just ends it here.
-fn stranded(shared: &Shared, run: &RunCtx, e: FlowError) -> Option<Job> {
-    if let FlowError::Log(e) = e {
-        shared.journal_failed(&run.run, e);
+    if crate::durable::durable(&shared.log, run.last.get())
+        .await
+        .is_ok()
+    {
+        shared.settle(&run.run, RunStatus::Finished(outcome));
     }
     None
 }

@@ -7,8 +7,9 @@
 //!
 //! What an implementation must guarantee, because the engine's guarantees rest on it:
 //!
-//! 1. `append` returns at once with the position just past the record; positions only
-//!    rise, in the order of the calls.
+//! 1. `append` returns the position just past the record without waiting for it to be
+//!    durable (it may wait for room: a log bounds what is appended and not yet
+//!    durable); positions only rise, in the order of the calls.
 //! 2. `durable_lsn` never falls, and a record is durable once it passes the record's
 //!    end: it survives any crash of this process and of the log's own.
 //! 3. Durability is a prefix: when a position is durable, so is everything before it.
@@ -26,6 +27,7 @@
 use ferry_log::{Error, Follower, Log, Lsn, Record, Stats};
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 
 /// A wait for durability: `Ok` once the position is durable, or the error that means
 /// it never will be.
@@ -38,7 +40,8 @@ pub type OnDurable = Box<dyn FnOnce(Result<(), Error>) + Send + 'static>;
 /// guarantees.
 pub trait JournalLog: Send + Sync + 'static {
     /// Append a record of `kind` (0 is reserved) and return the position just past it,
-    /// without waiting for it to be durable.
+    /// without waiting for it to be durable. An `Io` or `PreviousIo` error means the
+    /// journal refuses everything from now on (guarantee 4).
     fn append(&self, kind: u8, payload: &[u8]) -> Result<Lsn, Error>;
 
     /// Everything before this position is durable.
@@ -120,5 +123,114 @@ impl JournalLog for Log {
 
     fn stats(&self) -> Stats {
         Log::stats(self)
+    }
+}
+
+/// A journal's failure as the engine met it: the first error that means the journal
+/// refuses everything from then on (a write or sync that failed), kept, and heard by
+/// whoever waits for a run that can no longer go on in this process.
+#[derive(Default)]
+pub(crate) struct Failure {
+    error: std::sync::Mutex<Option<Error>>,
+    heard: tokio::sync::Notify,
+}
+
+impl Failure {
+    /// The failure, if the journal failed.
+    pub(crate) fn get(&self) -> Option<Error> {
+        self.error.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Resolves with the failure once there is one (at once if there is).
+    pub(crate) async fn wait(&self) -> Error {
+        loop {
+            // Registered before looking, so a failure noted in between is not missed.
+            let heard = self.heard.notified();
+            tokio::pin!(heard);
+            heard.as_mut().enable();
+            if let Some(e) = self.get() {
+                return e;
+            }
+            heard.await;
+        }
+    }
+
+    /// Note `e` if it is such a failure. Takes no lock but its own: called from
+    /// wherever an error surfaces, with any of the engine's locks held.
+    fn note(&self, e: &Error) {
+        if !matches!(e, Error::Io { .. } | Error::PreviousIo { .. }) {
+            return;
+        }
+        let mut error = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        if error.is_none() {
+            tracing::error!(
+                "the journal failed; runs stop in this process and resume from what is \
+                 durable when the engine is reopened: {e}"
+            );
+            *error = Some(e.clone());
+        }
+        drop(error);
+        self.heard.notify_waiters();
+    }
+
+    fn noted<T>(&self, r: Result<T, Error>) -> Result<T, Error> {
+        if let Err(e) = &r {
+            self.note(e);
+        }
+        r
+    }
+}
+
+/// The journal as the engine holds it: every failure it reports, however it surfaces
+/// (an append, a wait, a read, on any thread), is noted in `failure`, so that callers
+/// waiting for runs that can no longer go on hear of it.
+pub(crate) struct Watched {
+    pub(crate) log: Arc<dyn JournalLog>,
+    pub(crate) failure: Arc<Failure>,
+}
+
+impl JournalLog for Watched {
+    fn append(&self, kind: u8, payload: &[u8]) -> Result<Lsn, Error> {
+        self.failure.noted(self.log.append(kind, payload))
+    }
+
+    fn durable_lsn(&self) -> Lsn {
+        self.log.durable_lsn()
+    }
+
+    fn start_lsn(&self) -> Lsn {
+        self.log.start_lsn()
+    }
+
+    fn end_lsn(&self) -> Lsn {
+        self.log.end_lsn()
+    }
+
+    fn durable(&self, lsn: Lsn, follower: Option<&Follower>) -> Durable {
+        let wait = self.log.durable(lsn, follower);
+        let failure = self.failure.clone();
+        Box::pin(async move { failure.noted(wait.await) })
+    }
+
+    fn on_durable(&self, lsn: Lsn, follower: Option<&Follower>, f: OnDurable) {
+        let failure = self.failure.clone();
+        self.log
+            .on_durable(lsn, follower, Box::new(move |r| f(failure.noted(r))))
+    }
+
+    fn follower(&self) -> Option<Follower> {
+        self.log.follower()
+    }
+
+    fn read(&self, from: Lsn, f: &mut dyn FnMut(Record<'_>)) -> Result<Lsn, Error> {
+        self.failure.noted(self.log.read(from, f))
+    }
+
+    fn retire_below(&self, lsn: Lsn) -> Result<usize, Error> {
+        self.failure.noted(self.log.retire_below(lsn))
+    }
+
+    fn stats(&self) -> Stats {
+        self.log.stats()
     }
 }

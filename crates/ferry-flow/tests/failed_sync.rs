@@ -139,3 +139,40 @@ async fn dropping_the_engine_answers_every_result_and_lets_go_of_the_directory()
     engine.signal("r", GO, &()).await.unwrap();
     assert_eq!(engine.run::<u32>("r").unwrap().result().await.unwrap(), 7);
 }
+
+/// A sync that fails while no run's own code touches the log (every run waits for a
+/// signal; the failure surfaces in the signal's own wait): the callers waiting for
+/// those runs' results still hear of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_met_by_a_signal_reaches_the_callers_of_waiting_runs() {
+    let scratch = Scratch::new("flow-failed-signal");
+    let storage = Arc::new(SimStorage::new(11));
+    let engine = Engine::builder(scratch.dir("flow"))
+        .storage(storage.clone())
+        .register(W, |ctx: Ctx, n: u32| async move {
+            ctx.publish(&"waiting")?;
+            ctx.wait_for(GO, None).await?;
+            Ok(n)
+        })
+        .open()
+        .unwrap();
+    let mut waiting = Vec::new();
+    for id in ["a", "b"] {
+        let h = engine.start(W, id, &1).await.unwrap();
+        eventually("the run to wait for its signal", || {
+            engine.query::<String>(id).ok().flatten().as_deref() == Some("waiting")
+        })
+        .await;
+        waiting.push((id, tokio::spawn(async move { h.result().await })));
+    }
+    storage.fail_sync_after(1);
+    let sent = engine.signal("a", GO, &()).await;
+    assert!(matches!(sent, Err(FlowError::Log(_))), "{sent:?}");
+    for (id, w) in waiting {
+        let got = tokio::time::timeout(Duration::from_secs(30), w)
+            .await
+            .unwrap_or_else(|_| panic!("{id}'s result() still waits"))
+            .unwrap();
+        assert!(matches!(got, Err(FlowError::Log(_))), "{id}: {got:?}");
+    }
+}

@@ -56,6 +56,17 @@ struct State {
     waits: Vec<(Lsn, Wait)>,
     /// The session whose appends the server takes; older sessions are dead.
     session: u64,
+    /// Where each dead session's durable position stopped: it never moves again for
+    /// that session (the next session's records are not its own).
+    ended: BTreeMap<u64, Lsn>,
+}
+
+/// What a dead session's calls get: the journal refuses everything from then on.
+fn session_ended() -> Error {
+    Error::Io {
+        what: "reach the server (this worker's session ended)",
+        source: Arc::new(std::io::Error::other("session ended")),
+    }
 }
 
 /// A worker's session with the server.
@@ -132,13 +143,15 @@ impl Server {
     fn worker_died(&self) {
         let waits = {
             let mut st = self.state.lock().unwrap();
+            let (old, at) = (st.session, self.durable.load(Ordering::SeqCst));
+            st.ended.insert(old, at);
             st.session += 1;
             st.pending.clear();
             st.end = self.durable.load(Ordering::SeqCst);
             std::mem::take(&mut st.waits)
         };
         for (_, w) in waits {
-            w.send(Err(Error::Closed));
+            w.send(Err(session_ended()));
         }
     }
 
@@ -154,18 +167,28 @@ impl Server {
 }
 
 impl Remote {
+    /// This session's durable position: frozen where it stopped once the session died.
+    fn durable_in(&self, st: &State) -> Lsn {
+        match st.ended.get(&self.session) {
+            Some(&at) => at,
+            None => self.server.durable.load(Ordering::SeqCst),
+        }
+    }
+
     /// Queue `w` for `lsn`, or answer it now if `lsn` is durable or never will be.
     fn wait(&self, lsn: Lsn, w: Wait) {
         let mut st = self.server.state.lock().unwrap();
-        if self.server.durable.load(Ordering::SeqCst) >= lsn {
-            drop(st);
-            return w.send(Ok(()));
-        }
-        if st.session != self.session {
-            drop(st);
-            return w.send(Err(Error::Closed));
-        }
-        st.waits.push((lsn, w));
+        let r = match st.ended.get(&self.session) {
+            Some(&at) if at >= lsn => Ok(()),
+            Some(_) => Err(session_ended()),
+            None if self.server.durable.load(Ordering::SeqCst) >= lsn => Ok(()),
+            None => {
+                st.waits.push((lsn, w));
+                return;
+            }
+        };
+        drop(st);
+        w.send(r);
     }
 }
 
@@ -173,7 +196,7 @@ impl JournalLog for Remote {
     fn append(&self, kind: u8, payload: &[u8]) -> Result<Lsn, Error> {
         let mut st = self.server.state.lock().unwrap();
         if st.session != self.session {
-            return Err(Error::Closed);
+            return Err(session_ended());
         }
         let lsn = st.end;
         let end = lsn + 16 + payload.len() as u64;
@@ -189,7 +212,8 @@ impl JournalLog for Remote {
     }
 
     fn durable_lsn(&self) -> Lsn {
-        self.server.durable.load(Ordering::SeqCst)
+        let st = self.server.state.lock().unwrap();
+        self.durable_in(&st)
     }
 
     fn start_lsn(&self) -> Lsn {
@@ -203,7 +227,7 @@ impl JournalLog for Remote {
     fn durable(&self, lsn: Lsn, _: Option<&ferry_log::Follower>) -> Durable {
         let (tx, rx) = oneshot::channel();
         self.wait(lsn, Wait::Channel(tx));
-        Box::pin(async move { rx.await.unwrap_or(Err(Error::Closed)) })
+        Box::pin(async move { rx.await.unwrap_or_else(|_| Err(session_ended())) })
     }
 
     fn on_durable(&self, lsn: Lsn, _: Option<&ferry_log::Follower>, f: OnDurable) {
@@ -212,7 +236,12 @@ impl JournalLog for Remote {
 
     fn read(&self, from: Lsn, f: &mut dyn FnMut(Record<'_>)) -> Result<Lsn, Error> {
         let st = self.server.state.lock().unwrap();
-        for r in st.durable.iter().filter(|r| r.lsn >= from) {
+        let durable = self.durable_in(&st);
+        for r in st
+            .durable
+            .iter()
+            .filter(|r| r.lsn >= from && r.end <= durable)
+        {
             f(Record {
                 lsn: r.lsn,
                 end: r.end,
@@ -220,7 +249,7 @@ impl JournalLog for Remote {
                 payload: &r.payload,
             });
         }
-        Ok(self.durable_lsn())
+        Ok(durable)
     }
 
     fn retire_below(&self, _: Lsn) -> Result<usize, Error> {

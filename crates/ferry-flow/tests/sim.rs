@@ -297,10 +297,11 @@ async fn simulate(seed: u64, mode: Mode) -> Result<Vec<Line>, String> {
     Ok(ledger)
 }
 
-/// The steps whose results the journal on `sim` holds, as the next open will find it
-/// (this open recovers the log just as the engine's would, then lets it go).
+/// The steps whose results the journal on `sim` holds, as the next open will find it.
+/// Read from a copy: recovering `sim` itself would cut its torn tail before the
+/// engine's own open gets to.
 fn durable_steps(sim: &Arc<SimStorage>) -> Result<BTreeSet<(String, u32)>, String> {
-    let (log, _) = ferry_log::Log::open(sim.clone(), ferry_log::Config::default())
+    let (log, _) = ferry_log::Log::open(Arc::new(sim.copy()), ferry_log::Config::default())
         .map_err(|e| format!("reading the journal: {e}"))?;
     let mut held = BTreeSet::new();
     let mut bad = None;

@@ -206,6 +206,24 @@ impl SimStorage {
         s.fail_sync_dir_at = None;
     }
 
+    /// Another storage holding what these files hold now, all of it durable: for
+    /// reading a state (after a `crash`, say) without recovering it in place, which
+    /// would leave the next open nothing to cut or repair.
+    pub fn copy(&self) -> SimStorage {
+        let s = self.sim();
+        let copy = SimStorage::new(0);
+        {
+            let mut c = copy.sim();
+            c.files = s
+                .files
+                .iter()
+                .map(|(name, f)| (name.clone(), SimFile::settled(f.current.clone())))
+                .collect();
+            c.durable_names = c.files.keys().cloned().collect();
+        }
+        copy
+    }
+
     /// Flip one bit of what a file durably holds (and shows), for damage tests.
     pub fn flip_bit(&self, name: &str, offset: u64, bit: u8) {
         let mut s = self.sim();
