@@ -60,12 +60,25 @@ async fn list_show_signal_and_cancel_reach_a_running_engine() {
     assert!(ok, "{err}");
     assert!(out.contains("delivered"), "{out}");
     let dd = d.to_string();
-    let (ok, out, err) =
-        tokio::task::spawn_blocking(move || ferry(&["flow", "cancel", "--dir", &dd, "o1"]))
-            .await
-            .unwrap();
+    let (ok, out, err) = tokio::task::spawn_blocking(move || {
+        ferry(&["flow", "cancel", "--dir", &dd, "o1", "--json"])
+    })
+    .await
+    .unwrap();
     assert!(ok, "{err}");
-    assert!(out.contains("cancellation of \"o1\" requested"), "{out}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (v["ok"].as_bool(), v["queued"].as_bool()),
+        (Some(true), Some(false)),
+        "applied by the running engine: {out}"
+    );
+    assert!(
+        v["message"]
+            .as_str()
+            .unwrap()
+            .contains("cancellation of \"o1\" requested"),
+        "{out}"
+    );
     assert_eq!(
         engine.run::<String>("o0").unwrap().result().await.unwrap(),
         "order 0: post"
