@@ -488,6 +488,14 @@ def report(ferry, peers, fair, m):
                       f"p99 {medians([r['w3_tmpfs']['points'][i]['point'] for r in ferry], 'latency.p99_us') / 1e3:.2f} ms"
                       for i, f in enumerate(W3_TMPFS_FRACTIONS))
           + ". What is left of the tail without a disk is not the disk's.",
+          "- why 80% is the hard point: at a fraction f of what the engine can do, a stall of D ms (the host "
+          "not running the VM, a slow sync) leaves a backlog that drains at (1 − f) of that pace, so arrivals are "
+          "delayed for about D ÷ (1 − f): at 25% 1.3·D, at 80% 5·D. A point's p99 is its slowest 1%, "
+          f"{0.01 * ferry[0]['w3']['seconds'] * 1e3:.0f} ms worth of arrivals in {ferry[0]['w3']['seconds']:g} s, so at "
+          f"80% a single stall of about {0.01 * ferry[0]['w3']['seconds'] * 1e3 / 5:.0f} ms is enough to add D to the p99, "
+          "and p99 ≤ 2 × p50 then needs no stall longer than p50 "
+          f"(here {medians([r['w3']['points'][W3_FRACTIONS.index(0.8)]['point'] for r in ferry], 'latency.p50_us') / 1e3:.1f} ms) "
+          "in the whole point; the host's steal column above shows how often this VM went unrun for 10 ms or more.",
           "", "**The host stopped this VM.** On the VMs this bench was built on, the whole VM was seen to stop now and "
           "then for 10-30 ms: in a system-wide `perf` record of the scheduler, neither CPU switched a thread or even fired a "
           "timer for that long; `/proc/stat` counted the gap as steal on both CPUs; and each such stop lined up "
