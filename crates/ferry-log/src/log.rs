@@ -31,10 +31,13 @@ pub struct Config {
     /// before it takes the next batch: what they append in reply to the sync then rides
     /// the next sync, not the one after. Zero: never wait. Default 25 µs.
     pub follow: Duration,
-    /// How many retired segments are kept for later segments to be made from (each
-    /// takes `segment_bytes` of disk; docs/log.md §3): enough for the segments written
-    /// between two retirements makes every segment a reused one. Zero keeps none.
-    /// Default 4, at most 64.
+    /// At most how many retired segments are kept for later segments to be made from
+    /// (each takes `segment_bytes` of disk; docs/log.md §3). A retirement keeps no more
+    /// spares than it retires segments: what was written between two retirements is
+    /// what the next interval will likely write, so a log written fast keeps up to
+    /// this many and one written slowly few. Zero keeps none. Default 16 (1 GiB at the
+    /// default segment size, enough for every segment to be a reused one up to about
+    /// 100 MB/s of journal retired every 10 s), at most 64.
     pub spare_segments: usize,
 }
 
@@ -45,7 +48,7 @@ impl Default for Config {
             record_bytes_max: 4 << 20,
             pending_bytes_max: 32 << 20,
             follow: Duration::from_micros(25),
-            spare_segments: 4,
+            spare_segments: 16,
         }
     }
 }
@@ -749,9 +752,11 @@ impl Log {
         // Oldest first, each removal made durable before the next: a crash between them
         // leaves the log contiguous (a directory without a journal may persist removals
         // out of order). The newest victims become spares while there is room for them
-        // (a storage that cannot rename keeps none).
+        // (a storage that cannot rename keeps none): as many as this retirement retires
+        // at most, the next interval's likely need, and `spare_segments` in all.
         let st = &*self.inner.storage;
-        let room = self.inner.config.spare_segments.saturating_sub(
+        let want = self.inner.config.spare_segments.min(victims.len());
+        let room = want.saturating_sub(
             self.inner
                 .spares
                 .lock()

@@ -100,6 +100,50 @@ fn two_spares() -> Config {
     }
 }
 
+/// A retirement keeps no more spares than it retires segments (the next interval's
+/// likely need), up to `spare_segments`: a log written slowly does not hold a full
+/// quota of disk for spares it will not use, one written fast keeps enough for all.
+#[test]
+fn a_retirement_keeps_as_many_spares_as_it_retires_up_to_the_limit() {
+    let scratch = Scratch::new("log-spares-need");
+    let dir = scratch.dir("log");
+    let config = Config {
+        segment_bytes: 4096,
+        record_bytes_max: 1024,
+        spare_segments: 5,
+        ..Config::default()
+    };
+    let (log, _) = Log::open_dir(&dir, config).unwrap();
+    // Write until `n` more segments exist, then retire all but the newest.
+    let grow_and_retire = |n: usize| {
+        let target = log.stats().segments + n;
+        while log.stats().segments < target {
+            log.append(1, &[9u8; 1000]).unwrap();
+            log.flush().unwrap();
+        }
+        // A batch in the newest segment, so every older one may go.
+        log.append(1, &[9u8; 10]).unwrap();
+        log.flush().unwrap();
+        log.retire_below(log.durable_lsn()).unwrap()
+    };
+    let retired = grow_and_retire(2);
+    assert_eq!(spares(&dir).len(), retired.min(5), "retired {retired}");
+    // Written fast: many segments between two retirements; the limit holds.
+    let retired = grow_and_retire(9);
+    assert!(retired >= 9, "retired {retired}");
+    assert_eq!(spares(&dir).len(), 5);
+    // Written slowly: the spares made most of the next segment; one retired adds none
+    // beyond what one interval needs.
+    let before = spares(&dir).len();
+    grow_and_retire(1);
+    assert!(
+        spares(&dir).len() <= before,
+        "{} spares kept after retiring one segment, {before} before",
+        spares(&dir).len()
+    );
+    log.close().unwrap();
+}
+
 #[test]
 fn retired_segments_are_reused_and_what_they_held_is_never_read() {
     let scratch = Scratch::new("log-reuse");

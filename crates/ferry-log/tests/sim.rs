@@ -333,15 +333,15 @@ fn crashes_while_a_segment_becomes_a_spare_or_a_spare_a_segment_lose_nothing() {
                 log.write_pending();
             }
         };
-        // Five segments, the oldest three retired: two become spares.
+        // Five segments, the oldest three (or more) retired: each becomes a spare.
         append_until(&log, &|l| l.stats().segments >= 5);
         let retired = log.retire_below(log.durable_lsn()).unwrap();
         assert!(retired >= 3, "{}", at("retired too few"));
         let in_retirement = seed % 2 == 0;
         if in_retirement {
-            // One more retirement (of one segment, into the room the new segment's
-            // spare left), its directory sync failing after the rename.
-            append_until(&log, &|l| l.stats().segments >= 2);
+            // One more retirement (of several segments, so it keeps spares again: as
+            // many as it retires), its directory sync failing after the first rename.
+            append_until(&log, &|l| l.stats().segments >= 5);
             let before = spares(&sim);
             sim.fail_sync_dir_after(1);
             assert!(
