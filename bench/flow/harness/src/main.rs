@@ -248,6 +248,7 @@ fn log_delta(before: ferry_log::Stats, after: ferry_log::Stats, steps: u64) -> V
         "syncs": syncs,
         "bytes_written": after.bytes_written - before.bytes_written,
         "segments": after.segments,
+        "segments_reused": after.segments_reused - before.segments_reused,
         "records_per_sync": records as f64 / syncs.max(1) as f64,
         "steps_per_sync": steps as f64 / syncs.max(1) as f64,
         "syncs_per_1k_steps": syncs as f64 * 1000.0 / steps.max(1) as f64,
