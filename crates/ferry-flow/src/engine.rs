@@ -978,7 +978,8 @@ impl EngineBuilder {
             };
         if over_journal && log.start_lsn() > 0 {
             return Err(FlowError::Invalid(format!(
-                "the journal starts at position {}: over a journal of its own the engine keeps                  no checkpoints, so it needs the whole history (from 0) to recover",
+                "the journal starts at position {}: over a journal of its own the engine keeps \
+                 no checkpoints, so it needs the whole history (from 0) to recover",
                 log.start_lsn()
             )));
         }
@@ -1475,12 +1476,28 @@ pub fn read_journal(dir: impl AsRef<Path>) -> Result<BTreeMap<String, Vec<Record
             }
         }
         let (log, _) = Log::open_dir(&copy, LogConfig::default())?;
-        let journaled = journaled(Some(&copy), &log)?;
-        log.close()?;
-        Ok(journaled.by_run)
+        read_log(log, Some(&copy))
     })();
     let _ = std::fs::remove_dir_all(&copy);
     read
+}
+
+/// [`read_journal`] for a log on `storage` (an engine off files, which keeps no
+/// checkpoints: the log is all there is). The log is recovered in place, so pass a
+/// copy of a state that the engine's own open must still find (`SimStorage::copy`).
+pub fn read_journal_on(
+    storage: Arc<dyn ferry_log::Storage>,
+) -> Result<BTreeMap<String, Vec<Record>>, FlowError> {
+    let (log, _) = Log::open(storage, LogConfig::default())?;
+    read_log(log, None)
+}
+
+/// What an open of `log` (and of the checkpoints in `dir`) replays, by run; then the
+/// log is closed.
+fn read_log(log: Log, dir: Option<&Path>) -> Result<BTreeMap<String, Vec<Record>>, FlowError> {
+    let journaled = journaled(dir, &log)?;
+    log.close()?;
+    Ok(journaled.by_run)
 }
 
 /// What an open replays.

@@ -25,7 +25,7 @@
 //! shakes out what only concurrency shows.
 
 use ferry_core::seams::{Clock, Rng, SplitMix64};
-use ferry_flow::journal::{Entry, RECORD_KIND, Record as JournalRecord};
+use ferry_flow::journal::Entry;
 use ferry_flow::{Ctx, Engine, RunStatus, Signal, Workflow};
 use ferry_log::sim::SimStorage;
 use std::collections::{BTreeMap, BTreeSet};
@@ -301,34 +301,18 @@ async fn simulate(seed: u64, mode: Mode) -> Result<Vec<Line>, String> {
 /// Read from a copy: recovering `sim` itself would cut its torn tail before the
 /// engine's own open gets to.
 fn durable_steps(sim: &Arc<SimStorage>) -> Result<BTreeSet<(String, u32)>, String> {
-    let (log, _) = ferry_log::Log::open(Arc::new(sim.copy()), ferry_log::Config::default())
+    let journal = ferry_flow::read_journal_on(Arc::new(sim.copy()))
         .map_err(|e| format!("reading the journal: {e}"))?;
     let mut held = BTreeSet::new();
-    let mut bad = None;
-    log.read(0, |r| {
-        if r.kind != RECORD_KIND {
-            return;
-        }
-        match JournalRecord::decode(r.payload) {
-            Ok(JournalRecord {
-                run,
-                entry: Entry::Step { name, .. },
-                ..
-            }) => {
+    for (run, records) in journal {
+        for r in records {
+            if let Entry::Step { name, .. } = r.entry {
                 let step = name.strip_prefix('s').and_then(|n| n.parse().ok());
-                held.insert((run, step.expect("steps are named s0, s1, …")));
+                held.insert((run.clone(), step.expect("steps are named s0, s1, …")));
             }
-            Ok(_) => {}
-            Err(e) => bad = Some(e.to_string()),
         }
-    })
-    .map_err(|e| format!("reading the journal: {e}"))?;
-    log.close()
-        .map_err(|e| format!("closing the journal: {e}"))?;
-    match bad {
-        Some(e) => Err(format!("a journal record does not decode: {e}")),
-        None => Ok(held),
     }
+    Ok(held)
 }
 
 /// The metrics' runs by state, kept as runs change state, agree with the runs map.
