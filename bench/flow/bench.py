@@ -41,6 +41,8 @@ PG_DB = "ferry_bench_flow_dbos"
 # seven minutes a round).
 FERRY_W1_STEPS = 1000
 FERRY_W2_N = 10_000
+# W2 bursts per round: the round's W2 is their median, and W3's fractions are of it.
+W2_BURSTS = 3
 PEER_W1_STEPS = 50 if QUICK else 200
 PEER_W2_N = {"dbos-sqlite": 200 if QUICK else 1000, "dbos-postgres": 200 if QUICK else 1000,
              "temporal": 100 if QUICK else 300, "restate": 200 if QUICK else 1000}
@@ -148,8 +150,15 @@ def lock_version(crate):
 def ferry_round():
     r = {"w1": harness("w1", "--steps", FERRY_W1_STEPS)}
     log(f"ferry W1: gap p50 {r['w1']['gap']['p50_us']:.0f} µs, floor p50 {r['w1']['floor']['p50_us']:.0f} µs")
-    r["w2"] = harness("w2", "--n", FERRY_W2_N)
-    log(f"ferry W2: {r['w2']['steps_per_sec']:,.0f} steps/s, {r['w2']['log']['records_per_sync']:.0f} records/sync")
+    # A burst lasts about a tenth of a second, and one burst's rate has moved by 2× from
+    # one to the next on a noisy host; W3's fractions are of the median of three.
+    bursts = sorted((harness("w2", "--n", FERRY_W2_N) for _ in range(W2_BURSTS)),
+                    key=lambda b: b["workflows_per_sec"])
+    r["w2"] = bursts[len(bursts) // 2]
+    r["w2_bursts"] = [b["workflows_per_sec"] for b in bursts]
+    log(f"ferry W2: {r['w2']['steps_per_sec']:,.0f} steps/s (the median of {W2_BURSTS} bursts: "
+        + ", ".join(f"{b:,.0f}" for b in r["w2_bursts"]) + " workflows/s), "
+        f"{r['w2']['log']['records_per_sync']:.0f} records/sync")
     r["w3"] = harness("w3", "--max-rate", r["w2"]["workflows_per_sec"], "--seconds", W3_SECONDS,
                       "--fractions", ",".join(map(str, W3_FRACTIONS)))
     # The same arrivals with the log on tmpfs, where a sync costs nothing: what of W3's tail
@@ -374,6 +383,10 @@ def report(ferry, peers, fair, m):
                  f"{fs / v['steps_per_sec']:,.1f}× | {v['cpu_secs_per_1k_steps']:.3f} | {syncs.get(s, float('nan')):,.1f}"
                  + (f" (N={fair['ferry']['steps'] // 10 + 1:,}); {medians(ferry, 'w2.log.syncs_per_1k_steps'):.1f} by the log at N={v['n']:,}" if s == "ferry" else "")
                  + " |")
+    if all("w2_bursts" in r for r in ferry):
+        L += ["", f"ferry's W2 in each round is the median of {W2_BURSTS} bursts on fresh engines (workflows/s): "
+              + "; ".join(f"round {j + 1}: " + ", ".join(f"{b:,.0f}" for b in r["w2_bursts"])
+                          for j, r in enumerate(ferry)) + "."]
     L += ["", f"ferry's log in W2: {medians(ferry, 'w2.log.records_per_sync'):,.0f} records per sync, "
           f"{medians(ferry, 'w2.log.steps_per_sync'):,.0f} steps per sync, {medians(ferry, 'w2.log.syncs_per_1k_steps'):.1f} syncs "
           f"per 1,000 steps (`engine.log_stats()` deltas), {medians(ferry, 'w2.log.bytes_written') / 1e6:.1f} MB written. "
@@ -384,7 +397,7 @@ def report(ferry, peers, fair, m):
           "DBOS on Postgres leaves out the Postgres backends' CPU.",
           "", "## W3: open-loop arrivals at a fraction of W2's maximum (ferry)", "",
           f"Workflows of 10 steps arrive on a fixed schedule for {ferry[0]['w3']['seconds']:g} s at each fraction of the same round's W2 "
-          "workflows/s, released by a clock thread that wakes at most every 250 µs, after 1 s of the same arrivals as "
+          "workflows/s (the median of its bursts), released by a clock thread that wakes at most every 250 µs, after 1 s of the same arrivals as "
           "warm-up (a fresh engine's first segment and first wake-ups; reported below, not counted in the table); latency "
           "runs from each scheduled arrival to its result (so a stall counts for everything behind it). The last column "
           "counts the log writer's cycles (write and fdatasync of what filled) that took 1 ms or more, warm-up included: "
