@@ -294,12 +294,12 @@ struct Inner {
     storage: Arc<dyn Storage>,
     config: Config,
     log_id: u64,
-    shared: Mutex<Shared>,
+    shared: CacheLine<Mutex<Shared>>,
     /// The writer waits here for work.
     work: Condvar,
     /// Appenders wait here for `pending_bytes` to fall.
     space: Condvar,
-    durable: AtomicU64,
+    durable: CacheLine<AtomicU64>,
     /// No writer thread: whoever holds the log calls [`Log::write_pending`].
     driven: bool,
     /// What followers share with the writer (not the log itself: a follower left
@@ -322,6 +322,17 @@ struct Follow {
     closing: AtomicBool,
     lock: Mutex<()>,
     cv: Condvar,
+}
+
+/// A value alone on its cache lines (two, for the adjacent-line prefetcher).
+#[repr(align(128))]
+struct CacheLine<T>(T);
+
+impl<T> std::ops::Deref for CacheLine<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
 }
 
 impl Inner {
@@ -385,7 +396,7 @@ impl Log {
             storage,
             config,
             log_id: found.log_id,
-            shared: Mutex::new(Shared {
+            shared: CacheLine(Mutex::new(Shared {
                 open: BatchBuf::default(),
                 open_start: found.recovery.end,
                 open_pending: 0,
@@ -401,10 +412,10 @@ impl Log {
                 waiters: VecDeque::new(),
                 spare: Vec::new(),
                 stats: Stats::default(),
-            }),
+            })),
             work: Condvar::new(),
             space: Condvar::new(),
-            durable: AtomicU64::new(found.recovery.end),
+            durable: CacheLine(AtomicU64::new(found.recovery.end)),
             driven,
             follow: Arc::default(),
             spares: Mutex::new(found.spares),
