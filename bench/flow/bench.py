@@ -49,6 +49,9 @@ PEER_W2_N = {"dbos-sqlite": 200 if QUICK else 1000, "dbos-postgres": 200 if QUIC
 W3_FRACTIONS = [0.25, 0.5, 0.8, 0.95]
 W3_SECONDS = 2 if QUICK else 5
 W3_TMPFS_FRACTIONS = [0.25, 0.5]
+# W3's points run on aged engines (segments reused, as in a long-running engine); these
+# run again on fresh ones, whose every segment is created and extended as it fills.
+W3_FRESH_FRACTIONS = [0.25, 0.5]
 TMPFS = Path("/dev/shm/ferry-bench-flow")
 QUIET_SECONDS = 1 if QUICK else 3
 W4_N, W5_N = 1000, (300 if QUICK else 1000)
@@ -161,11 +164,13 @@ def ferry_round():
         f"{r['w2']['log']['records_per_sync']:.0f} records/sync")
     r["w3"] = harness("w3", "--max-rate", r["w2"]["workflows_per_sec"], "--seconds", W3_SECONDS,
                       "--fractions", ",".join(map(str, W3_FRACTIONS)))
+    r["w3_fresh"] = harness("w3", "--max-rate", r["w2"]["workflows_per_sec"], "--seconds", W3_SECONDS,
+                            "--fractions", ",".join(map(str, W3_FRESH_FRACTIONS)), "--fresh", "1")
     # The same arrivals with the log on tmpfs, where a sync costs nothing: what of W3's tail
     # is not the disk's. (`--dir` is read from its first occurrence.)
     r["w3_tmpfs"] = harness("w3", "--dir", TMPFS, "--max-rate", r["w2"]["workflows_per_sec"],
                             "--seconds", W3_SECONDS, "--fractions", ",".join(map(str, W3_TMPFS_FRACTIONS)),
-                            "--chain-n", 2000)
+                            "--chain-n", 2000, "--fresh", 1)
     sh(["rm", "-rf", TMPFS])
     for p in r["w3"]["points"]:
         lat = p["point"]["latency"]
@@ -398,7 +403,11 @@ def report(ferry, peers, fair, m):
           "", "## W3: open-loop arrivals at a fraction of W2's maximum (ferry)", "",
           f"Workflows of 10 steps arrive on a fixed schedule for {ferry[0]['w3']['seconds']:g} s at each fraction of the same round's W2 "
           "workflows/s (the median of its bursts), released by a clock thread that wakes at most every 250 µs, after 1 s of the same arrivals as "
-          "warm-up (a fresh engine's first segment and first wake-ups; reported below, not counted in the table); latency "
+          "warm-up (the engine's first wake-ups; reported below, not counted in the table), on an engine in the steady state of "
+          "a long-running one: before the point, its directory was aged by bursts that journaled what the point will write, "
+          "then one compaction retired those segments, so that every segment the point writes is made from a retired one "
+          "(ferry-log's spares, docs/log.md §3) and its syncs write over blocks the file already has, as they do once an "
+          "engine has run for a while (the same arrivals on a fresh engine are below the table); latency "
           "runs from each scheduled arrival to its result (so a stall counts for everything behind it). The last column "
           "counts the log writer's cycles (write and fdatasync of what filled) that took 1 ms or more, warm-up included: "
           "each delays every workflow in flight. The host's steal is the CPU time the hypervisor gave to something else "
@@ -432,6 +441,25 @@ def report(ferry, peers, fair, m):
                              if behind(p["point"]["achieved_per_sec"], p["point"]["rate_asked"])
                              else "") for p in r["w3"]["points"])
               for j, r in enumerate(ferry)) + "."]
+    aged = [p["aged"] for r in ferry for p in r["w3"]["points"] if p.get("aged")]
+    if aged:
+        L += ["", f"Aging took {min(a['secs'] for a in aged):.0f}-{max(a['secs'] for a in aged):.0f} s per point and left "
+              f"{min(a['spares'] for a in aged)}-{max(a['spares'] for a in aged)} spares; the points made "
+              + ", ".join(f"{f:.0%} {med([r['w3']['points'][i]['point']['log']['segments_reused'] for r in ferry]):.0f} of "
+                          f"{med([r['w3']['points'][i]['point']['log']['segments'] for r in ferry]):.0f}"
+                          for i, f in enumerate(W3_FRACTIONS))
+              + " of their segments from spares (median of the rounds)."]
+    if all("w3_fresh" in r for r in ferry):
+        fresh = []
+        for i, f in enumerate(W3_FRESH_FRACTIONS):
+            pt = lambda k: medians([r["w3_fresh"]["points"][i]["point"] for r in ferry], k)
+            p50, p99 = pt("latency.p50_us") / 1e3, pt("latency.p99_us") / 1e3
+            slow = med([r["w3_fresh"]["points"][i]["point"]["log"]["writer"]["cycles_1ms_or_more"]
+                        / (r["w3_fresh"]["warmup"] + r["w3_fresh"]["seconds"]) for r in ferry])
+            fresh.append(f"{f:.0%} p50 {p50:.2f} ms, p99 {p99:.2f} ms ({p99 / p50:.1f}×), {slow:.0f} writer's cycles of ≥ 1 ms per s")
+        L += ["", "The same arrivals on a fresh engine, in the same rounds (every segment created, and extended by "
+              "zeroes written ahead inside the batches' syncs as it fills; a new engine's first gigabyte or so of log, "
+              "and any engine journaling faster than its spares cover): " + "; ".join(fresh) + "."]
     def queue(i, who, k):
         # The mean over the threads whose name starts with `who` (the shards), then the median of the rounds.
         vals = []

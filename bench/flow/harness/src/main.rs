@@ -18,8 +18,8 @@
 //!       sets the log's `Config::follow` (how long its writer waits after a sync for
 //!       the shards it woke), its default if absent.
 //!   w3 --dir D --max-rate R [--fractions 0.25,0.5,0.8,0.95] [--seconds 5] [--steps 10]
-//!      [--warmup 1] [--tick-us 250] [--dump PREFIX] [--shards 2] [--follow-us N]
-//!       Open-loop arrivals at each fraction of R workflows/s (a fresh engine each), kept
+//!      [--warmup 1] [--tick-us 250] [--dump PREFIX] [--shards 2] [--follow-us N] [--fresh 1]
+//!       Open-loop arrivals at each fraction of R workflows/s (an engine each), kept
 //!       by a clock thread that wakes at most every tick, for warmup + seconds: latency
 //!       from the scheduled arrival to the result, p50/p99, of the arrivals after the
 //!       warm-up (those during it reported apart), CPU per 1,000 steps and each thread's
@@ -29,6 +29,10 @@
 //!       the spread of a workflow's chain of syncs with no engine; and, on the same
 //!       syncs, the open-loop latency of an ideal group-commit engine (see
 //!       `ideal_engine`). As long as a point, so that it meets what a point meets.
+//!       Before that, each point's engine directory is aged (`age`: bursts, then one
+//!       compaction, so the point's segments are made from retired ones, as in a
+//!       long-running engine), unless `--fresh 1` (a new engine's log, every segment
+//!       created as it fills); each point reports what aging did as `aged`.
 //!       Before the first point it waits for the host to take back the memory freed so
 //!       far (`settle_host`), and reports each point's `host_steal_ms`: time the host
 //!       did not run this VM while it wanted to run; `machine_busy_cores`, the CPU
@@ -645,6 +649,19 @@ async fn w3(args: &[String]) -> Result<Value, String> {
     // such passes (`settle_host`). Freed between points, it would stall the next point
     // for reasons that are not the engine's.
     let mut dirs = Vec::new();
+    // Each point's engine directory, aged first (see `age`) unless `--fresh`: all of
+    // them before the disk's samples and `settle_host`, since aging frees memory.
+    let mut point_dirs = Vec::new();
+    for &f in &fractions {
+        let dir = fresh_dir(args, &format!("w3-{}", (f * 100.0).round()))?;
+        let aged = if flag(args, "--fresh").is_some() {
+            Value::Null
+        } else {
+            let bytes = f * max_rate * (warmup + seconds) * BYTES_PER_WORKFLOW;
+            age(&dir.join("flow"), bytes as u64, steps, args).await?
+        };
+        point_dirs.push((dir, aged));
+    }
     // The disk alone: a workflow's start and steps each wait for a sync of their own
     // (at the least), one after another. How those chains of syncs spread on this disk
     // bounds the spread any engine that syncs per step can show here.
@@ -664,8 +681,7 @@ async fn w3(args: &[String]) -> Result<Value, String> {
     // What this process's start, or the process run before it, freed: handed back now.
     let settled = settle_host(Duration::from_secs(5), Duration::from_secs(30));
     let mut points = Vec::new();
-    for f in fractions {
-        let dir = fresh_dir(args, &format!("w3-{}", (f * 100.0).round()))?;
+    for (f, (dir, aged)) in fractions.into_iter().zip(point_dirs) {
         let engine = Rc::new(chain_engine(&dir.join("flow"), args)?);
         let (cpu0, t) = (machine_cpu_ms(), Instant::now());
         let dump =
@@ -684,7 +700,7 @@ async fn w3(args: &[String]) -> Result<Value, String> {
             .map(|(a, b)| (b.0 - a.0, b.1 - a.1));
         let busy = cpu.map(|(busy, _)| busy / (t.elapsed().as_secs_f64() * 1e3));
         points.push(
-            json!({"fraction": f, "point": p, "host_steal_ms": cpu.map(|c| c.1),
+            json!({"fraction": f, "point": p, "aged": aged, "host_steal_ms": cpu.map(|c| c.1),
             "machine_busy_cores": busy}),
         );
         // Closed, not kept: a live engine compacts its log in the background, which
@@ -699,6 +715,59 @@ async fn w3(args: &[String]) -> Result<Value, String> {
     Ok(
         json!({"workload": "w3", "max_rate": max_rate, "settled_secs": settled.as_secs_f64(), "steps_per_workflow": steps, "seconds": seconds, "warmup": warmup, "points": points, "disk_chain": chain}),
     )
+}
+
+/// What a workflow of W3's chain journals, about (its start, ten 64-byte step results
+/// and its end, with their frames): to size how much log a point writes.
+const BYTES_PER_WORKFLOW: f64 = 1_700.0;
+
+/// Bring the engine directory `dir` to the state a long-running engine's log is in:
+/// its segments are made from retired ones (ferry-log's spares, docs/log.md §3), so a
+/// sync writes over blocks the file already has. A fresh engine creates every segment
+/// and extends it as it fills; a long-running one compacts, retires and reuses them.
+/// Bursts of W3's chain journal at least `bytes` (up to the spares a log keeps), then
+/// one compaction (retention zero: the finished runs leave with it) retires them;
+/// the engine is closed, and the point opens it anew.
+async fn age(dir: &Path, bytes: u64, steps: u32, args: &[String]) -> Result<Value, String> {
+    let log = ferry_log::Config::default();
+    let bytes = bytes.min(log.spare_segments as u64 * log.segment_bytes);
+    let engine = Rc::new(
+        Engine::builder(dir)
+            .log_config(log.clone())
+            .shards(num(args, "--shards", 2))
+            .register(CHAIN, chain)
+            .compact_every(bytes + log.segment_bytes)
+            .compact_interval(Duration::ZERO)
+            .retention(Duration::ZERO)
+            .open()
+            .map_err(err)?,
+    );
+    let t = Instant::now();
+    let mut i = 0;
+    while engine.log_stats().end < bytes + log.segment_bytes {
+        burst(&engine, &format!("age-{i}"), 10_000, steps).await?;
+        i += 1;
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while engine.log_stats().segments > 1 {
+        if Instant::now() > deadline {
+            return Err(format!(
+                "aging {}: no compaction retired its segments within 60 s",
+                dir.display()
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let written = engine.log_stats().end;
+    drop(engine);
+    let spares = std::fs::read_dir(dir)
+        .map_err(err)?
+        .filter(|e| {
+            e.as_ref()
+                .is_ok_and(|e| e.path().extension().is_some_and(|x| x == "spare"))
+        })
+        .count();
+    Ok(json!({"bytes": written, "spares": spares, "secs": t.elapsed().as_secs_f64()}))
 }
 
 /// Arrivals at `rate`/s on a fixed schedule for `warmup` + `seconds`, whatever the engine
