@@ -405,7 +405,7 @@ def report(ferry, peers, fair, m):
           "workflows/s (the median of its bursts), released by a clock thread that wakes at most every 250 µs, after 1 s of the same arrivals as "
           "warm-up (the engine's first wake-ups; reported below, not counted in the table), on an engine in the steady state of "
           "a long-running one: before the point, its directory was aged by bursts that journaled what the point will write, "
-          "then one compaction retired those segments, so that every segment the point writes is made from a retired one "
+          "then one compaction retired those segments, so that every segment the point begins is made from a retired one "
           "(ferry-log's spares, docs/log.md §3) and its syncs write over blocks the file already has, as they do once an "
           "engine has run for a while (the same arrivals on a fresh engine are below the table); latency "
           "runs from each scheduled arrival to its result (so a stall counts for everything behind it). The last column "
