@@ -56,7 +56,7 @@
 //!       N runs parked in `wait_for` with no timeout: RSS growth per run.
 
 use ferry_flow::journal::{Entry, RECORD_KIND, Record};
-use ferry_flow::{Ctx, Engine, FlowError, Signal, Workflow};
+use ferry_flow::{Ctx, Engine, EngineBuilder, FlowError, Signal, Workflow};
 use serde_json::{Value, json};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
@@ -578,6 +578,11 @@ async fn w1(args: &[String]) -> Result<Value, String> {
 /// The engine W2 and W3 measure: `--shards` (2), and `--follow-us` for the log's
 /// `Config::follow` (its default if absent).
 fn chain_engine(dir: &Path, args: &[String]) -> Result<Engine, String> {
+    chain_builder(dir, args).open().map_err(err)
+}
+
+/// [`chain_engine`]'s builder, for what opens the same engine with more settings.
+fn chain_builder(dir: &Path, args: &[String]) -> EngineBuilder {
     let mut log = ferry_log::Config::default();
     if flag(args, "--follow-us").is_some() {
         log.follow = Duration::from_micros(num(args, "--follow-us", 0));
@@ -586,8 +591,6 @@ fn chain_engine(dir: &Path, args: &[String]) -> Result<Engine, String> {
         .log_config(log)
         .shards(num(args, "--shards", 2))
         .register(CHAIN, chain)
-        .open()
-        .map_err(err)
 }
 
 async fn w2(args: &[String]) -> Result<Value, String> {
@@ -729,13 +732,11 @@ const BYTES_PER_WORKFLOW: f64 = 1_700.0;
 /// one compaction (retention zero: the finished runs leave with it) retires them;
 /// the engine is closed, and the point opens it anew.
 async fn age(dir: &Path, bytes: u64, steps: u32, args: &[String]) -> Result<Value, String> {
+    // `chain_builder`'s log keeps the default sizes.
     let log = ferry_log::Config::default();
     let bytes = bytes.min(log.spare_segments as u64 * log.segment_bytes);
     let engine = Rc::new(
-        Engine::builder(dir)
-            .log_config(log.clone())
-            .shards(num(args, "--shards", 2))
-            .register(CHAIN, chain)
+        chain_builder(dir, args)
             .compact_every(bytes + log.segment_bytes)
             .compact_interval(Duration::ZERO)
             .retention(Duration::ZERO)
