@@ -2256,6 +2256,16 @@ pub(crate) struct RunCtx {
     pub(crate) wake: Arc<Wake>,
 }
 
+thread_local! {
+    /// Where a run's records are encoded on their way to the log: one buffer per
+    /// thread, reused from record to record, rather than one allocated (and grown past
+    /// its first guess) per record.
+    static ENCODED: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `ENCODED` is let go of once a record took it past this.
+const ENCODED_KEEP: usize = 64 << 10;
+
 impl RunCtx {
     fn new(shared: Arc<Shared>, run: String, generation: u32, replay: Replay, last: Lsn) -> RunCtx {
         let (consumed, cancel_seen) = match replay.started() {
@@ -2295,7 +2305,8 @@ impl RunCtx {
         Ok(())
     }
 
-    /// Journal `entry` at `pos` (None: an arrival), within the run's limits.
+    /// Journal `entry` at `pos` (None: an arrival), within the run's limits. Encoded
+    /// into this thread's buffer (`ENCODED`), which the log copies from.
     pub(crate) fn append(&self, pos: Option<u32>, entry: &Entry) -> Result<(), FlowError> {
         self.replay.borrow().check()?;
         // The history limit is checked when a call begins (its first entry; a step
@@ -2313,9 +2324,21 @@ impl RunCtx {
         if begins {
             self.room()?;
         }
-        let bytes = crate::journal::encode(&self.run, self.generation, pos, entry);
-        self.shared.check_payload(bytes.len())?;
-        let end = self.shared.log.append(RECORD_KIND, &bytes)?;
+        let end = ENCODED.with_borrow_mut(|bytes| {
+            bytes.clear();
+            crate::journal::encode_into(bytes, &self.run, self.generation, pos, entry);
+            let r = self.shared.check_payload(bytes.len()).and_then(|()| {
+                self.shared
+                    .log
+                    .append(RECORD_KIND, bytes)
+                    .map_err(FlowError::from)
+            });
+            // A rare large record does not stay allocated on the shard.
+            if bytes.capacity() > ENCODED_KEEP {
+                *bytes = Vec::new();
+            }
+            r
+        })?;
         self.last.set(end);
         if pos.is_some() {
             self.history.set(self.history.get() + 1);

@@ -169,16 +169,22 @@ pub enum DecodeError {
 /// What `Record::encode` gives for a record of these parts, from borrowed parts: a
 /// step's record is built once per step, and a `Record` would copy the run id.
 pub fn encode(run: &str, generation: u32, pos: Option<u32>, entry: &Entry) -> Vec<u8> {
-    assert!(run.len() <= RUN_ID_MAX, "run ids are checked at start");
     // Header and entry in one buffer, sized for a typical entry.
     let mut b = Vec::with_capacity(11 + run.len() + 96);
+    encode_into(&mut b, run, generation, pos, entry);
+    b
+}
+
+/// [`encode`], appended to `b`: a caller that encodes one record after another reuses
+/// one buffer rather than allocating (and growing) one per record.
+pub fn encode_into(b: &mut Vec<u8>, run: &str, generation: u32, pos: Option<u32>, entry: &Entry) {
+    assert!(run.len() <= RUN_ID_MAX, "run ids are checked at start");
     b.push(FORMAT);
     b.extend_from_slice(&generation.to_le_bytes());
     b.extend_from_slice(&pos.map_or(u32::MAX, |p| p).to_le_bytes());
     b.push(run.len() as u8);
     b.extend_from_slice(run.as_bytes());
-    serde_json::to_writer(&mut b, entry).expect("entries always serialize");
-    b
+    serde_json::to_writer(b, entry).expect("entries always serialize");
 }
 
 impl Record {
