@@ -466,7 +466,10 @@ def report(ferry, peers, fair, m):
               + ", ".join(f"{f:.0%} {med([r['w3']['points'][i]['point']['log']['segments_reused'] for r in ferry]):.0f} of "
                           f"{med([r['w3']['points'][i]['point']['log']['segments'] for r in ferry]):.0f}"
                           for i, f in enumerate(W3_FRACTIONS))
-              + " of their segments from spares (median of the rounds)."]
+              + " of their segments from spares (median of the rounds)."
+              + ("" if all(a.get("compacted", True) for a in aged) else
+                 f" In {sum(not a.get('compacted', True) for a in aged)} point(s) no compaction retired the aging's "
+                 "segments within 120 s (`aged.stuck` in the raw results says what the log held); those points ran on what aging left.")]
     if all("w3_fresh" in r for r in ferry):
         fresh = []
         for i, f in enumerate(W3_FRESH_FRACTIONS):

@@ -166,8 +166,8 @@ pub enum DecodeError {
     Entry(String),
 }
 
-/// What `Record::encode` gives for a record of these parts, from borrowed parts: a
-/// step's record is built once per step, and a `Record` would copy the run id.
+/// What `Record::encode` gives for a record of these parts, from borrowed parts (a
+/// `Record` would copy the run id).
 pub fn encode(run: &str, generation: u32, pos: Option<u32>, entry: &Entry) -> Vec<u8> {
     // Header and entry in one buffer, sized for a typical entry.
     let mut b = Vec::with_capacity(11 + run.len() + 96);
@@ -175,8 +175,9 @@ pub fn encode(run: &str, generation: u32, pos: Option<u32>, entry: &Entry) -> Ve
     b
 }
 
-/// [`encode`], appended to `b`: a caller that encodes one record after another reuses
-/// one buffer rather than allocating (and growing) one per record.
+/// [`encode`], appended to `b`: a caller that encodes one record after another (a run
+/// journaling its steps) reuses one buffer rather than allocating (and growing) one per
+/// record.
 pub fn encode_into(b: &mut Vec<u8>, run: &str, generation: u32, pos: Option<u32>, entry: &Entry) {
     assert!(run.len() <= RUN_ID_MAX, "run ids are checked at start");
     b.push(FORMAT);
