@@ -17,7 +17,8 @@ pub const RUN_ID_MAX: usize = 255;
 /// A value journaled as JSON.
 pub type Json = serde_json::Value;
 
-/// How a step, child or run ended.
+/// How a step, child or run ended. Its JSON is also written by hand (`write_outcome`):
+/// a change to its serde attributes must be made there too (a test compares the two).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Outcome {
@@ -36,7 +37,9 @@ pub enum ValueKind {
 }
 
 /// One journal entry. Entries that answer a context call sit at that call's position;
-/// `Signal` and `CancelRequested` arrive from outside and take no position.
+/// `Signal` and `CancelRequested` arrive from outside and take no position. `Started`,
+/// `Step` and `Finished` are also written by hand (`write_entry`): a change to their
+/// serde attributes must be made there too (a test compares the two).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "t", rename_all = "snake_case")]
 pub enum Entry {
@@ -302,7 +305,7 @@ fn write_json(b: &mut Vec<u8>, v: &Json) {
 /// A JSON string: copied whole when no byte of it needs escaping (JSON escapes `"`,
 /// `\` and the control bytes below 0x20, and serde_json nothing else), else serde's.
 fn write_str(b: &mut Vec<u8>, s: &str) {
-    // A fold with no early exit, so that the compiler checks 16 or 32 bytes at a time.
+    // A fold with no early exit, which the compiler turns into 16 bytes at a time (SSE2).
     let plain = s.bytes().fold(true, |plain, c| {
         plain & (c >= 0x20) & (c != b'"') & (c != b'\\')
     });
@@ -417,7 +420,7 @@ mod tests {
 
     /// `write_entry` writes some entries itself rather than through serde: if its bytes
     /// differed from serde's, records would still decode, but a format documented as
-    /// serde's JSON would quietly be two. Every variant, and strings made of every kind
+    /// serde's JSON would quietly be two. Every variant, and strings drawn from each kind
     /// of byte JSON treats apart, must come out as serde_json writes them.
     #[test]
     fn entries_are_written_as_serde_writes_them() {
@@ -438,15 +441,77 @@ mod tests {
                 .map(|_| pieces[(next() % pieces.len() as u64) as usize])
                 .collect()
         };
+        // One of every variant, and each branch of the hand-written ones, whatever the
+        // draws below give.
         let mut entries = vec![
-            Entry::TimerFired,
-            Entry::CancelRequested,
+            Entry::StepAttempt {
+                name: "s".into(),
+                attempt: 2,
+                error: "e".into(),
+                retry_at_ms: 9,
+            },
             Entry::Value {
                 kind: ValueKind::Uuid,
                 value: json!("x"),
             },
+            Entry::TimerSet { fire_at_ms: 1 },
+            Entry::TimerFired,
+            Entry::Signal {
+                name: "n".into(),
+                value: json!([]),
+                key: None,
+            },
+            Entry::WaitStarted {
+                name: "n".into(),
+                deadline_ms: Some(3),
+            },
+            Entry::Waited {
+                name: "n".into(),
+                got: None,
+            },
+            Entry::ChildStarted {
+                id: "c".into(),
+                workflow: "w".into(),
+            },
+            Entry::ChildDone {
+                outcome: Outcome::Ok(json!(1)),
+            },
+            Entry::Patch { id: "p".into() },
+            Entry::CancelRequested,
+            Entry::CancelSeen,
+            Entry::TimerRefused { pending: 1, max: 1 },
+            Entry::ContinuedAsNew { input: json!({}) },
+            Entry::Parked { reason: "r".into() },
             Entry::Finished {
                 outcome: Outcome::Cancelled,
+            },
+            Entry::Finished {
+                outcome: Outcome::Ok(json!([[1, [2.5]], {"a": [true, null]}])),
+            },
+            Entry::Finished {
+                outcome: Outcome::Err("no\n\"way\"".into()),
+            },
+            Entry::Step {
+                name: "".into(),
+                outcome: Outcome::Ok(json!(false)),
+                attempts: u32::MAX,
+            },
+            Entry::Step {
+                name: "s".into(),
+                outcome: Outcome::Err("".into()),
+                attempts: 0,
+            },
+            Entry::Step {
+                name: "s".into(),
+                outcome: Outcome::Cancelled,
+                attempts: 1,
+            },
+            Entry::Started {
+                workflow: "w".into(),
+                input: json!(-7),
+                parent: Some("p".into()),
+                consumed: BTreeMap::from([("a".into(), 1), ("b\"".into(), 0)]),
+                cancel_seen: true,
             },
             Entry::Started {
                 workflow: "w".into(),
@@ -496,12 +561,18 @@ mod tests {
         for entry in entries {
             let mut ours = Vec::new();
             write_entry(&mut ours, &entry);
-            let serde = serde_json::to_vec(&entry).unwrap();
-            assert_eq!(
-                String::from_utf8_lossy(&ours),
-                String::from_utf8_lossy(&serde),
-                "{entry:?}"
-            );
+            assert_eq!(ours, serde_json::to_vec(&entry).unwrap(), "{entry:?}");
+        }
+        // Every ASCII character, and a few beyond, inside a string: `write_str` must
+        // judge plain exactly what serde_json does not escape.
+        let chars = (0u8..0x80)
+            .map(char::from)
+            .chain(['\u{80}', '\u{2028}', '\u{fffd}']);
+        for c in chars {
+            let s = format!("a{c}b");
+            let mut ours = Vec::new();
+            write_str(&mut ours, &s);
+            assert_eq!(ours, serde_json::to_vec(&s).unwrap(), "{c:?}");
         }
     }
 
