@@ -423,9 +423,13 @@ def report(ferry, peers, fair, m):
           "while this VM's vCPUs wanted to run, summed over both (`/proc/stat`, in steps of 10 ms), during the point. "
           "The machine's CPU is what both CPUs spent running anything (every thread of this process, the kernel's "
           "I/O completions and interrupts, the harness's client and clock) over the point, warm-up included, in "
-          "cores of the two: how close the point ran to the machine's limit.", "",
-          "| load | asked (workflows/s) | achieved | p50 (ms) | p99 (ms) | p99 ÷ p50 | steps per sync | writer's cycles of ≥ 1 ms per s | machine's CPU (cores) | host's steal (ms) |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
+          "cores of the two: how close the point ran to the machine's limit. The disk's own stalls are the stretches "
+          "of 2 ms or more, during the point, in which the block device under the engine's directory completed no "
+          "request while some were in flight (its kernel counters, `/sys/dev/block/*/stat`, read every millisecond; "
+          "no I/O of the harness's own): how many, and the longest in ms, per round. No engine that syncs before "
+          "each step can be faster than such a stall for the workflows in flight during it.", "",
+          "| load | asked (workflows/s) | achieved | p50 (ms) | p99 (ms) | p99 ÷ p50 | steps per sync | writer's cycles of ≥ 1 ms per s | machine's CPU (cores) | host's steal (ms) | disk's own stalls (longest ms) |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
     w3 = {}
     for i, f in enumerate(W3_FRACTIONS):
         pt = lambda k: medians([r["w3"]["points"][i]["point"] for r in ferry], k)
@@ -434,7 +438,8 @@ def report(ferry, peers, fair, m):
                  "slow": med([r["w3"]["points"][i]["point"]["log"]["writer"]["cycles_1ms_or_more"]
                               / (r["w3"]["warmup"] + r["w3"]["seconds"]) for r in ferry]),
                  "steal": [r["w3"]["points"][i].get("host_steal_ms") for r in ferry],
-                 "busy": [r["w3"]["points"][i].get("machine_busy_cores") for r in ferry]}
+                 "busy": [r["w3"]["points"][i].get("machine_busy_cores") for r in ferry],
+                 "disk": [r["w3"]["points"][i].get("disk_stalls") for r in ferry]}
         v = w3[f]
         # The ratio is each round's own (its p99 over its p50; a round that fell behind above
         # any ratio), then their median: the medians of p99 and p50 apart, or of achieved and
@@ -446,9 +451,10 @@ def report(ferry, peers, fair, m):
         v["behind_rounds"] = sum(x == float("inf") for x in per_round)
         steal = ", ".join("?" if x is None else f"{x:.0f}" for x in v["steal"])
         busy = ", ".join("?" if x is None else f"{x:.2f}" for x in v["busy"])
+        disk = ", ".join("?" if not x else f"{x['stalls']} ({x['longest_ms']:.0f})" for x in v["disk"])
         ratio = w3_ratio(v, len(ferry))
         L.append(f"| {f:.0%} | {v['asked']:,.0f} | {v['achieved']:,.0f} | {v['p50']:.2f} | {v['p99']:.2f} | "
-                 f"{ratio} | {v['steps_per_sync']:.1f} | {v['slow']:.0f} | {busy} | {steal} |")
+                 f"{ratio} | {v['steps_per_sync']:.1f} | {v['slow']:.0f} | {busy} | {steal} | {disk} |")
     L += ["", "Each round on its own (the table takes the median of each column apart, but p99 ÷ p50 is the median of "
           "each round's own ratio, a round that fell behind counting as above any), W2's maximum, then p50 / p99 "
           "in ms at each load: " + "; ".join(
@@ -643,6 +649,13 @@ def report(ferry, peers, fair, m):
         L.append(f"| {names[s]} | {c['steps']:,} | {c['fsync']:,} | {c['fdatasync']:,} | {c['per_1k_steps']:,.0f} | {modes[s]} |")
     best_dbos = max(w2["dbos-sqlite"]["steps_per_sec"], w2["dbos-postgres"]["steps_per_sec"])
     w3ok = all(w3[f]["ratio"] <= 2 for f in W3_FRACTIONS if f <= 0.8)
+    # The disk's own longest stall in each measured point up to 80%, per round: beside the verdict, what the
+    # disk alone did to the points it judges.
+    longest = [max((x["longest_ms"] for f in W3_FRACTIONS if f <= 0.8 for x in [w3[f]["disk"][j]] if x), default=None)
+               for j in range(len(ferry))]
+    disk_longest = ("" if any(x is None for x in longest) else
+                    "; the disk's own longest stall during those points, per round: "
+                    + ", ".join(f"{x:.0f} ms" for x in longest))
     r1 = w1["ferry"]["p50_us"] / fl
     L += ["", "All five sync every acknowledged step or commit, so the W2 comparison is at equal durability "
           "(every system makes a step durable before acting on it). Where Restate's syncs land, by `strace -f -y` over a "
@@ -658,7 +671,7 @@ def report(ferry, peers, fair, m):
           "- W3 p99 ≤ 2× p50 up to 80% load: " + ", ".join(
               f"{f:.0%} {w3_ratio(w3[f], len(ferry))}" for f in W3_FRACTIONS if f <= 0.8)
           + f" — {mark(w3ok)} (the disk alone: an ideal group-commit engine {ideal_ratio:.1f}×, a chain of {chain_k} syncs "
-          f"{chain_ratio:.1f}×)",
+          f"{chain_ratio:.1f}×{disk_longest})",
           f"- ≥ 20× DBOS steps/s at equal durability (the faster DBOS, {best_dbos:,.0f}/s): {fs / best_dbos:,.0f}× — {mark(fs >= 20 * best_dbos)}",
           f"- ≥ 50× Temporal steps/s: {fs / w2['temporal']['steps_per_sec']:,.0f}× — {mark(fs >= 50 * w2['temporal']['steps_per_sec'])}",
           f"- Restate (no target): ferry runs {fs / w2['restate']['steps_per_sec']:,.0f}× its steps/s in W2, and its W1 "

@@ -37,7 +37,9 @@
 //!       far (`settle_host`), and reports each point's `host_steal_ms`: time the host
 //!       did not run this VM while it wanted to run; `machine_busy_cores`, the CPU
 //!       time the whole machine spent running anything over the point's length; and
-//!       per thread, how long it waited runnable for a CPU (`run_queue`). `--dump
+//!       per thread, how long it waited runnable for a CPU (`run_queue`); and
+//!       `disk_stalls`, the stretches of 2 ms or more in which the disk under --dir
+//!       completed nothing while requests were in flight (`DiskWatch`). `--dump
 //!       PREFIX` writes every arrival's time, latency and start latency to PREFIX.<percent>
 //!       (`dump_arrivals`).
 //!   w4 --dir D [--n 1000] [--sleep-ms 1000]
@@ -461,6 +463,102 @@ fn settle_host(quiet: Duration, max: Duration) -> Duration {
     began.elapsed()
 }
 
+/// The disk's own stalls while a point runs, seen from the kernel's counters of the
+/// block device under `dir` (/sys/dev/block/MAJ:MIN/stat), read every `DISK_WATCH_EVERY`
+/// by a thread of its own: a stall is a stretch during which requests were in flight and
+/// none completed (no read, write or flush). It adds no I/O of its own, so it does not
+/// change what it watches. On the hosts this bench ran on, the device stopped for 5 ms to
+/// 1 s about once a second, at the same moments for every file (two threads syncing a
+/// file each saw the same stalls): an engine's whole backlog waits them out, and no
+/// engine that syncs can hide them.
+struct DiskWatch {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<(Vec<(Duration, Duration)>, f64)>,
+    began: Instant,
+}
+
+const DISK_WATCH_EVERY: Duration = Duration::from_millis(1);
+/// Shorter stretches are a request under way, not a stall: a W3 batch of tens of KB
+/// writes and syncs in well under a millisecond here.
+const DISK_STALL_MIN: Duration = Duration::from_millis(2);
+
+impl DiskWatch {
+    /// None where `dir`'s device has no counters (tmpfs, or not Linux).
+    fn start(dir: &Path) -> Option<DiskWatch> {
+        use std::os::unix::fs::MetadataExt;
+        let dev = std::fs::metadata(dir).ok()?.dev();
+        let path = format!(
+            "/sys/dev/block/{}:{}/stat",
+            libc::major(dev),
+            libc::minor(dev)
+        );
+        let file = std::fs::File::open(&path).ok()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let halt = stop.clone();
+        let began = Instant::now();
+        let thread = std::thread::Builder::new()
+            .name("w3-disk-watch".into())
+            .spawn(move || {
+                // One pread per reading: the counters fit in far less than the buffer.
+                let mut buf = [0u8; 512];
+                // (completed requests, in flight), from the file's fields 1, 5, 16 and 9.
+                let mut read = || -> Option<(u64, u64)> {
+                    let n = file.read_at(&mut buf, 0).ok()?;
+                    let f: Vec<u64> = std::str::from_utf8(&buf[..n])
+                        .ok()?
+                        .split_whitespace()
+                        .map(|v| v.parse().unwrap_or(0))
+                        .collect();
+                    Some((f[0] + f[4] + f.get(15).copied().unwrap_or(0), *f.get(8)?))
+                };
+                let mut stalls = Vec::new();
+                let (mut done, mut since) = (None, None::<Instant>);
+                while !halt.load(Relaxed) {
+                    let Some((completed, in_flight)) = read() else {
+                        break;
+                    };
+                    let now = Instant::now();
+                    if Some(completed) != done || in_flight == 0 {
+                        if let Some(t) = since.filter(|t| now - *t >= DISK_STALL_MIN) {
+                            stalls.push((t - began, now - t));
+                        }
+                        since = (in_flight > 0).then_some(now);
+                        done = Some(completed);
+                    } else if since.is_none() {
+                        since = Some(now);
+                    }
+                    std::thread::sleep(DISK_WATCH_EVERY);
+                }
+                (stalls, rusage_seconds(libc::RUSAGE_THREAD))
+            })
+            .ok()?;
+        Some(DiskWatch {
+            stop,
+            thread,
+            began,
+        })
+    }
+
+    /// The stalls seen, from the watch's start: how many, their sum and the longest in
+    /// ms, and each (start, length) in ms; and the watch's own CPU in cores.
+    fn stop(self) -> Value {
+        self.stop.store(true, Relaxed);
+        let secs = self.began.elapsed().as_secs_f64();
+        let Ok((stalls, cpu)) = self.thread.join() else {
+            return Value::Null;
+        };
+        let ms = |d: Duration| (d.as_secs_f64() * 1e4).round() / 10.0;
+        json!({
+            "watched_secs": secs,
+            "stalls": stalls.len(),
+            "stalled_ms": ms(stalls.iter().map(|s| s.1).sum()),
+            "longest_ms": ms(stalls.iter().map(|s| s.1).max().unwrap_or_default()),
+            "at_and_ms": stalls.iter().map(|&(at, d)| [ms(at), ms(d)]).collect::<Vec<_>>(),
+            "watch_cores": cpu / secs,
+        })
+    }
+}
+
 fn measure_floor(dir: &Path, n: usize, at_least: Duration) -> Result<Vec<Duration>, String> {
     let path = dir.join("floor.dat");
     let f = std::fs::OpenOptions::new()
@@ -686,6 +784,7 @@ async fn w3(args: &[String]) -> Result<Value, String> {
     let mut points = Vec::new();
     for (f, (dir, aged)) in fractions.into_iter().zip(point_dirs) {
         let engine = Rc::new(chain_engine(&dir.join("flow"), args)?);
+        let watch = DiskWatch::start(&dir);
         let (cpu0, t) = (machine_cpu_ms(), Instant::now());
         let dump =
             flag(args, "--dump").map(|d| PathBuf::from(format!("{d}.{}", (f * 100.0).round())));
@@ -702,9 +801,10 @@ async fn w3(args: &[String]) -> Result<Value, String> {
             .zip(machine_cpu_ms())
             .map(|(a, b)| (b.0 - a.0, b.1 - a.1));
         let busy = cpu.map(|(busy, _)| busy / (t.elapsed().as_secs_f64() * 1e3));
+        let disk_stalls = watch.map_or(Value::Null, DiskWatch::stop);
         points.push(
             json!({"fraction": f, "point": p, "aged": aged, "host_steal_ms": cpu.map(|c| c.1),
-            "machine_busy_cores": busy}),
+            "machine_busy_cores": busy, "disk_stalls": disk_stalls}),
         );
         // Closed, not kept: a live engine compacts its log in the background, which
         // would take CPU from the next point.
