@@ -5,7 +5,8 @@
 //! again once a later step of its run had started: a later step starts only after the
 //! earlier one's result is durable, so either would be an acknowledged step re-executed.
 
-use ferry_flow::journal::Entry;
+mod common;
+
 use ferry_flow::{Ctx, Engine, Workflow};
 use ferry_testkit::Scratch;
 use std::collections::{BTreeMap, BTreeSet};
@@ -94,16 +95,7 @@ fn child_runs_workflows(dir: PathBuf) {
 /// The steps whose results the directory holds for runs a restart would replay (its
 /// checkpoint's and its log's), read as the next open will find them.
 fn durable_steps(dir: &Path) -> BTreeSet<(String, u32)> {
-    let mut held = BTreeSet::new();
-    for (run, records) in ferry_flow::read_journal(dir).unwrap() {
-        for r in records {
-            if let Entry::Step { name, .. } = r.entry {
-                let step = name.strip_prefix('s').and_then(|n| n.parse().ok());
-                held.insert((run.clone(), step.expect("steps are named s0, s1, …")));
-            }
-        }
-    }
-    held
+    common::steps_held(ferry_flow::read_journal(dir).unwrap())
 }
 
 #[test]

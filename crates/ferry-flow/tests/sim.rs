@@ -24,8 +24,9 @@
 //! multi-thread runtime, the system clock) for a few seeds: not reproducible, but it
 //! shakes out what only concurrency shows.
 
+mod common;
+
 use ferry_core::seams::{Clock, Rng, SplitMix64};
-use ferry_flow::journal::Entry;
 use ferry_flow::{Ctx, Engine, RunStatus, Signal, Workflow};
 use ferry_log::sim::SimStorage;
 use std::collections::{BTreeMap, BTreeSet};
@@ -303,16 +304,7 @@ async fn simulate(seed: u64, mode: Mode) -> Result<Vec<Line>, String> {
 fn durable_steps(sim: &Arc<SimStorage>) -> Result<BTreeSet<(String, u32)>, String> {
     let journal = ferry_flow::read_journal_on(Arc::new(sim.copy()))
         .map_err(|e| format!("reading the journal: {e}"))?;
-    let mut held = BTreeSet::new();
-    for (run, records) in journal {
-        for r in records {
-            if let Entry::Step { name, .. } = r.entry {
-                let step = name.strip_prefix('s').and_then(|n| n.parse().ok());
-                held.insert((run.clone(), step.expect("steps are named s0, s1, …")));
-            }
-        }
-    }
-    Ok(held)
+    Ok(common::steps_held(journal))
 }
 
 /// The metrics' runs by state, kept as runs change state, agree with the runs map.
