@@ -52,6 +52,9 @@ W3_TMPFS_FRACTIONS = [0.25, 0.5]
 # W3's points run on aged engines (segments reused, as in a long-running engine); these
 # run again on fresh ones, whose every segment is created and extended as it fills.
 W3_FRESH_FRACTIONS = [0.25, 0.5]
+# The same engine on a disk that never stalls (`--steady-disk-us`: tmpfs, each sync made as long as the round's
+# floor plus its size): the engine's own tail, without the host's disk.
+W3_STEADY_FRACTIONS = [0.25, 0.5, 0.8]
 TMPFS = Path("/dev/shm/ferry-bench-flow")
 QUIET_SECONDS = 1 if QUICK else 3
 W4_N, W5_N = 1000, (300 if QUICK else 1000)
@@ -171,6 +174,9 @@ def ferry_round():
     r["w3_tmpfs"] = harness("w3", "--dir", TMPFS, "--max-rate", r["w2"]["workflows_per_sec"],
                             "--seconds", W3_SECONDS, "--fractions", ",".join(map(str, W3_TMPFS_FRACTIONS)),
                             "--chain-n", 2000, "--fresh", 1)
+    r["w3_steady"] = harness("w3", "--dir", TMPFS, "--max-rate", r["w2"]["workflows_per_sec"],
+                             "--seconds", W3_SECONDS, "--fractions", ",".join(map(str, W3_STEADY_FRACTIONS)),
+                             "--chain-n", 2000, "--steady-disk-us", round(r["w1"]["floor"]["p50_us"]))
     sh(["rm", "-rf", TMPFS])
     for p in r["w3"]["points"]:
         lat = p["point"]["latency"]
@@ -321,6 +327,35 @@ def machine():
 def behind(achieved, asked):
     """A W3 point whose engine did not keep up with the arrivals: its latency is a queue's."""
     return achieved < 0.98 * asked
+
+
+def steady_rounds(ferry):
+    """Per round, per point of `w3_steady`: its p99 ÷ p50 ("fell behind" if it did) and its steal."""
+    out = []
+    for r in ferry:
+        per = []
+        for p in r["w3_steady"]["points"]:
+            q = p["point"]
+            ratio = ("fell behind" if behind(q["achieved_per_sec"], q["rate_asked"])
+                     else f"{q['latency']['p99_us'] / q['latency']['p50_us']:.2f}×")
+            steal = p.get("host_steal_ms")
+            per.append((ratio, "?" if steal is None else f"{steal:.0f}"))
+        out.append(per)
+    return out
+
+
+def steady_ratios(ferry):
+    """The median over rounds of each `w3_steady` point's own p99 ÷ p50 (a round that fell behind above any)."""
+    if not all("w3_steady" in r for r in ferry):
+        return None
+    res = {}
+    for i, f in enumerate(W3_STEADY_FRACTIONS):
+        per = [(q["latency"]["p99_us"] / q["latency"]["p50_us"]
+                if not behind(q["achieved_per_sec"], q["rate_asked"]) else float("inf"))
+               for q in (r["w3_steady"]["points"][i]["point"] for r in ferry)]
+        m = statistics.median(per)
+        res[f] = {"ratio": m, "text": "fell behind" if m == float("inf") else f"{m:.2f}×"}
+    return res
 
 
 def w3_ratio(v, rounds):
@@ -540,6 +575,17 @@ def report(ferry, peers, fair, m):
     chain_ratio = chain["p99_us"] / chain["p50_us"]
     ideal = {k: medians(ferry, f"w3.disk_chain.ideal_engine.{k}") / 1e3 for k in ["p50_us", "p99_us"]}
     ideal_ratio = ideal["p99_us"] / ideal["p50_us"]
+    steady = steady_ratios(ferry)
+    steady_line = ("- the same engine, aged alike, same round, on a disk that never stalls (the log's files on tmpfs, "
+                   "each sync made to take the round's floor p50 plus 0.35 µs per KiB written since the file's last "
+                   "sync, as this bench's first host took: `--steady-disk-us`): p99 ÷ p50, the median of the rounds' "
+                   "own, " + ", ".join(f"{f:.0%} {steady[f]['text']}" for f in W3_STEADY_FRACTIONS)
+                   + "; per round, with the host's steal in ms in brackets: "
+                   + "; ".join(f"round {j + 1}: " + ", ".join(
+                       f"{f:.0%} {x[0]} ({x[1]})" for f, x in zip(W3_STEADY_FRACTIONS, per))
+                       for j, per in enumerate(steady_rounds(ferry)))
+                   + ". The host's steal is left in it: a round with tens of ms of it had the VM stopped inside "
+                   "a point." if steady else "- (no run on a disk that never stalls in these rounds)")
     L += ["", f"The disk alone, in the same round, from {ferry[0]['w3']['disk_chain']['latency']['n'] + chain_k - 1:,} "
           f"back-to-back 4 KiB fdatasyncs over {ferry[0]['w3']['seconds']:g} s, as long as each point is measured "
           "(so that it meets what a point meets):", "",
@@ -558,6 +604,7 @@ def report(ferry, peers, fair, m):
                       f"p99 {medians([r['w3_tmpfs']['points'][i]['point'] for r in ferry], 'latency.p99_us') / 1e3:.2f} ms"
                       for i, f in enumerate(W3_TMPFS_FRACTIONS))
           + ". What is left of the tail without a disk is not the disk's.",
+          steady_line,
           "- why 80% is the hard point: at a fraction f of what the engine can do, a stall of D ms (the host "
           "not running the VM, a slow sync) leaves a backlog that drains at (1 − f) of that pace, so arrivals are "
           "delayed for about D ÷ (1 − f): at 25% 1.3·D, at 80% 5·D. A point's p99 is its slowest 1%, "
@@ -671,7 +718,9 @@ def report(ferry, peers, fair, m):
           "- W3 p99 ≤ 2× p50 up to 80% load: " + ", ".join(
               f"{f:.0%} {w3_ratio(w3[f], len(ferry))}" for f in W3_FRACTIONS if f <= 0.8)
           + f" — {mark(w3ok)} (the disk alone: an ideal group-commit engine {ideal_ratio:.1f}×, a chain of {chain_k} syncs "
-          f"{chain_ratio:.1f}×{disk_longest})",
+          f"{chain_ratio:.1f}×{disk_longest})"
+          + ("" if not steady else "; on a disk that never stalls, same rounds: "
+             + ", ".join(f"{f:.0%} {steady[f]['text']}" for f in W3_STEADY_FRACTIONS)),
           f"- ≥ 20× DBOS steps/s at equal durability (the faster DBOS, {best_dbos:,.0f}/s): {fs / best_dbos:,.0f}× — {mark(fs >= 20 * best_dbos)}",
           f"- ≥ 50× Temporal steps/s: {fs / w2['temporal']['steps_per_sec']:,.0f}× — {mark(fs >= 50 * w2['temporal']['steps_per_sec'])}",
           f"- Restate (no target): ferry runs {fs / w2['restate']['steps_per_sec']:,.0f}× its steps/s in W2, and its W1 "

@@ -812,10 +812,15 @@ struct Job {
     last: Lsn,
 }
 
+/// What `EngineBuilder::wrap_files` puts between the log and its files.
+type WrapFiles = Box<dyn FnOnce(ferry_log::FileStorage) -> Arc<dyn ferry_log::Storage> + Send>;
+
 /// Builds an [`Engine`].
 pub struct EngineBuilder {
     dir: std::path::PathBuf,
     storage: Option<Arc<dyn ferry_log::Storage>>,
+    /// Put between the log and its files in `dir` (`wrap_files`).
+    wrap_files: Option<WrapFiles>,
     journal: Option<Arc<dyn JournalLog>>,
     /// The log is ferry-log on files in `dir` (no storage or journal given): only
     /// then are there checkpoints, compaction, a status file and an inbox.
@@ -841,6 +846,18 @@ impl EngineBuilder {
     /// Keep the log on `storage` instead of files in the directory (the simulation).
     pub fn storage(mut self, storage: Arc<dyn ferry_log::Storage>) -> Self {
         self.storage = Some(storage);
+        self
+    }
+
+    /// Keep the log on files in the directory, as by default (checkpoints, compaction,
+    /// the status file and the inbox with it), but reach them through what `wrap`
+    /// makes of them: a storage that adds to the real files, such as a fixed sync
+    /// latency for a benchmark's control, or faults for a test.
+    pub fn wrap_files(
+        mut self,
+        wrap: impl FnOnce(ferry_log::FileStorage) -> Arc<dyn ferry_log::Storage> + Send + 'static,
+    ) -> Self {
+        self.wrap_files = Some(Box::new(wrap));
         self
     }
 
@@ -940,6 +957,13 @@ impl EngineBuilder {
                 "give the engine a storage for its own log or a journal, not both".into(),
             ));
         }
+        if self.wrap_files.is_some() && !self.storage_is_files {
+            return Err(FlowError::Invalid(
+                "wrap_files wraps the log's files in the directory: it does not go with a \
+                 storage or a journal of its own"
+                    .into(),
+            ));
+        }
         if self.shards == 0 || self.shards > 256 {
             return Err(FlowError::Invalid(format!(
                 "shards {} must be between 1 and 256",
@@ -972,7 +996,19 @@ impl EngineBuilder {
                     (Arc::new(log), Some(found))
                 }
                 (None, None) => {
-                    let (log, found) = Log::open_dir(&self.dir, self.log)?;
+                    let (log, found) = match self.wrap_files.take() {
+                        None => Log::open_dir(&self.dir, self.log)?,
+                        Some(wrap) => {
+                            // As `Log::open_dir` reports it.
+                            let files = ferry_log::FileStorage::open(&self.dir).map_err(|e| {
+                                ferry_log::Error::Io {
+                                    what: "open its directory",
+                                    source: Arc::new(e),
+                                }
+                            })?;
+                            Log::open(wrap(files), self.log)?
+                        }
+                    };
                     (Arc::new(log), Some(found))
                 }
             };
@@ -1286,6 +1322,7 @@ impl Engine {
         EngineBuilder {
             dir: dir.as_ref().to_path_buf(),
             storage: None,
+            wrap_files: None,
             journal: None,
             storage_is_files: true,
             shards: 2,
