@@ -19,6 +19,7 @@
 //!       the shards it woke), its default if absent.
 //!   w3 --dir D --max-rate R [--fractions 0.25,0.5,0.8,0.95] [--seconds 5] [--steps 10]
 //!      [--warmup 1] [--tick-us 250] [--dump PREFIX] [--shards 2] [--follow-us N] [--fresh 1]
+//!      [--steady-disk-us B [--steady-disk-ns-per-kib 350]]
 //!       Open-loop arrivals at each fraction of R workflows/s (an engine each), kept
 //!       by a clock thread that wakes at most every tick, for warmup + seconds: latency
 //!       from the scheduled arrival to the result, p50/p99, of the arrivals after the
@@ -33,6 +34,9 @@
 //!       compaction, so the point's segments are made from retired ones, as in a
 //!       long-running engine), unless `--fresh 1` (a new engine's log, every segment
 //!       created as it fills); each point reports what aging did as `aged`.
+//!       `--steady-disk-us B`: the engine's files reached through `SteadyDisk`, each
+//!       sync taking B µs plus its size's share (for a --dir on tmpfs: a disk that
+//!       never stalls).
 //!       Before the first point it waits for the host to take back the memory freed so
 //!       far (`settle_host`), and reports each point's `host_steal_ms`: time the host
 //!       did not run this VM while it wanted to run; `machine_busy_cores`, the CPU
