@@ -578,7 +578,7 @@ def report(ferry, peers, fair, m):
     steady = steady_ratios(ferry)
     steady_line = ("- the same engine, aged alike, same round, on a disk that never stalls (the log's files on tmpfs, "
                    "each sync made to take the round's floor p50 plus 0.35 µs per KiB written since the file's last "
-                   "sync, as this bench's first host took: `--steady-disk-us`): p99 ÷ p50, the median of the rounds' "
+                   "sync, as a host this bench ran on took: `--steady-disk-us`): p99 ÷ p50, the median of the rounds' "
                    "own, " + ", ".join(f"{f:.0%} {steady[f]['text']}" for f in W3_STEADY_FRACTIONS)
                    + "; per round, with the host's steal in ms in brackets: "
                    + "; ".join(f"round {j + 1}: " + ", ".join(

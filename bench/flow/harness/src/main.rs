@@ -471,10 +471,10 @@ fn settle_host(quiet: Duration, max: Duration) -> Duration {
 /// block device under `dir` (/sys/dev/block/MAJ:MIN/stat), read every `DISK_WATCH_EVERY`
 /// by a thread of its own: a stall is a stretch during which requests were in flight and
 /// none completed (no read, write or flush). It adds no I/O of its own, so it does not
-/// change what it watches. On the hosts this bench ran on, the device stopped for 5 ms to
-/// 1 s about once a second, at the same moments for every file (two threads syncing a
-/// file each saw the same stalls): an engine's whole backlog waits them out, and no
-/// engine that syncs can hide them.
+/// change what it watches. On one host this bench ran on (2026-12-02), the device stopped
+/// for 5 ms to 1 s about once a second, at the same moments for every file (two threads
+/// syncing a file each saw the same stalls): an engine's whole backlog waits them out,
+/// and no engine that syncs can hide them.
 struct DiskWatch {
     stop: Arc<AtomicBool>,
     thread: std::thread::JoinHandle<(Vec<(Duration, Duration)>, f64)>,
@@ -513,7 +513,8 @@ impl DiskWatch {
                         .split_whitespace()
                         .map(|v| v.parse().unwrap_or(0))
                         .collect();
-                    Some((f[0] + f[4] + f.get(15).copied().unwrap_or(0), *f.get(8)?))
+                    let at = |i: usize| f.get(i).copied().unwrap_or(0);
+                    Some((at(0) + at(4) + at(15), *f.get(8)?))
                 };
                 let mut stalls = Vec::new();
                 let (mut done, mut since) = (None, None::<Instant>);
@@ -713,8 +714,8 @@ fn chain_builder(dir: &Path, args: &[String]) -> EngineBuilder {
 /// A disk that never stalls, for a control: files on the directory's own file system
 /// (tmpfs, where a sync costs nothing), each sync then made to take `base` plus
 /// `ns_per_kib` for every KiB written to the file since its last sync, as long as a real
-/// disk's fdatasync of that much. Defaults from this bench's first host: 4 KiB synced in
-/// 173 µs, 256 KiB in 299 µs, 1 MiB in 514 µs. What an engine's W3 tail is on it is the
+/// disk's fdatasync of that much. The default per KiB is from a host this bench ran on
+/// (2026-12-02): 4 KiB synced in 173 µs, 256 KiB in 299 µs, 1 MiB in 514 µs. What an engine's W3 tail is on it is the
 /// engine's own: no device stall, no sync slower than its size makes it.
 struct SteadyDisk {
     files: ferry_log::FileStorage,
