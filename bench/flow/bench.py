@@ -329,15 +329,21 @@ def behind(achieved, asked):
     return achieved < 0.98 * asked
 
 
+def own_ratio(q):
+    """A W3 point's p99 ÷ p50 in its own round; above any ratio if it fell behind."""
+    if behind(q["achieved_per_sec"], q["rate_asked"]):
+        return float("inf")
+    return q["latency"]["p99_us"] / q["latency"]["p50_us"]
+
+
 def steady_rounds(ferry):
     """Per round, per point of `w3_steady`: its p99 ÷ p50 ("fell behind" if it did) and its steal."""
     out = []
     for r in ferry:
         per = []
         for p in r["w3_steady"]["points"]:
-            q = p["point"]
-            ratio = ("fell behind" if behind(q["achieved_per_sec"], q["rate_asked"])
-                     else f"{q['latency']['p99_us'] / q['latency']['p50_us']:.2f}×")
+            x = own_ratio(p["point"])
+            ratio = "fell behind" if x == float("inf") else f"{x:.2f}×"
             steal = p.get("host_steal_ms")
             per.append((ratio, "?" if steal is None else f"{steal:.0f}"))
         out.append(per)
@@ -350,10 +356,7 @@ def steady_ratios(ferry):
         return None
     res = {}
     for i, f in enumerate(W3_STEADY_FRACTIONS):
-        per = [(q["latency"]["p99_us"] / q["latency"]["p50_us"]
-                if not behind(q["achieved_per_sec"], q["rate_asked"]) else float("inf"))
-               for q in (r["w3_steady"]["points"][i]["point"] for r in ferry)]
-        m = statistics.median(per)
+        m = statistics.median(own_ratio(r["w3_steady"]["points"][i]["point"]) for r in ferry)
         res[f] = {"ratio": m, "text": "fell behind" if m == float("inf") else f"{m:.2f}×"}
     return res
 
@@ -479,9 +482,7 @@ def report(ferry, peers, fair, m):
         # The ratio is each round's own (its p99 over its p50; a round that fell behind above
         # any ratio), then their median: the medians of p99 and p50 apart, or of achieved and
         # asked apart, can come from different rounds.
-        per_round = [(pt_["latency"]["p99_us"] / pt_["latency"]["p50_us"]
-                      if not behind(pt_["achieved_per_sec"], pt_["rate_asked"]) else float("inf"))
-                     for pt_ in (r["w3"]["points"][i]["point"] for r in ferry)]
+        per_round = [own_ratio(r["w3"]["points"][i]["point"]) for r in ferry]
         v["ratio"] = statistics.median(per_round)
         v["behind_rounds"] = sum(x == float("inf") for x in per_round)
         steal = ", ".join("?" if x is None else f"{x:.0f}" for x in v["steal"])
@@ -698,8 +699,8 @@ def report(ferry, peers, fair, m):
     w3ok = all(w3[f]["ratio"] <= 2 for f in W3_FRACTIONS if f <= 0.8)
     # The disk's own longest stall in each measured point up to 80%, per round: beside the verdict, what the
     # disk alone did to the points it judges.
-    longest = [max((x["longest_ms"] for f in W3_FRACTIONS if f <= 0.8 for x in [w3[f]["disk"][j]] if x), default=None)
-               for j in range(len(ferry))]
+    longest = [max((w3[f]["disk"][j]["longest_ms"] for f in W3_FRACTIONS if f <= 0.8 and w3[f]["disk"][j]),
+                   default=None) for j in range(len(ferry))]
     disk_longest = ("" if any(x is None for x in longest) else
                     "; the disk's own longest stall during those points, per round: "
                     + ", ".join(f"{x:.0f} ms" for x in longest))

@@ -757,9 +757,15 @@ impl ferry_log::Storage for SteadyDisk {
             .unwrap_or(0);
         self.files.sync(name)?;
         let took = self.base + Duration::from_nanos(bytes / 1024 * self.ns_per_kib);
-        // The writer thread's timer slack cut to 1 µs (from 50), so the sleep ends on time.
-        // SAFETY: PR_SET_TIMERSLACK sets a value of this thread only; no memory is passed.
-        unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong) };
+        // The syncing thread's timer slack cut to 1 µs (from 50), so the sleep ends on
+        // time: once per thread, not a system call per sync.
+        thread_local! {
+            static SLACK_CUT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+        }
+        if !SLACK_CUT.replace(true) {
+            // SAFETY: PR_SET_TIMERSLACK sets a value of this thread only; no memory is passed.
+            unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong) };
+        }
         if let Some(left) = took.checked_sub(began.elapsed()) {
             std::thread::sleep(left);
         }
