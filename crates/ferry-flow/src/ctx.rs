@@ -319,6 +319,17 @@ impl Ctx {
         Ok(())
     }
 
+    /// The run starts to wait: it gives up its place among its shard's running runs
+    /// (`EngineBuilder::max_running`) until [`Ctx::back`].
+    fn leave(&self) -> bool {
+        self.run.place.leave()
+    }
+
+    /// The wait is over: take a place again if [`Ctx::leave`] gave one up.
+    async fn back(&self, held: bool) {
+        self.run.place.back(&self.run.shared, held).await;
+    }
+
     /// Wait until `at_ms` by the wall clock, observing a cancellation at `pos` meanwhile.
     async fn pause_until(&self, pos: u32, at_ms: u64) -> Result<(), FlowError> {
         if at_ms == 0 {
@@ -339,11 +350,13 @@ impl Ctx {
             // Timers sleep on the monotonic clock, which may run a little ahead of the
             // wall clock: check again rather than fire early. (Boxed: a run parked in a
             // wait keeps no room for a timer it is not using.)
+            let held = self.leave();
             tokio::select! {
                 biased;
                 _ = Box::pin(tokio::time::sleep(Duration::from_millis(at_ms - now))) => {}
                 _ = notified => {}
             }
+            self.back(held).await;
         }
     }
 
@@ -439,13 +452,19 @@ impl Ctx {
                     return Ok(None);
                 }
                 Some(d) => {
+                    let held = self.leave();
                     tokio::select! {
-                    biased;
-                            _ = notified => {}
-                            _ = Box::pin(tokio::time::sleep(Duration::from_millis(d - now))) => {}
-                        }
+                        biased;
+                        _ = notified => {}
+                        _ = Box::pin(tokio::time::sleep(Duration::from_millis(d - now))) => {}
+                    }
+                    self.back(held).await;
                 }
-                None => notified.await,
+                None => {
+                    let held = self.leave();
+                    notified.await;
+                    self.back(held).await;
+                }
             }
         }
     }
@@ -561,18 +580,21 @@ impl Ctx {
                 }
             }
             let rx = waiting.as_mut().expect("set above");
-            tokio::select! {
+            let held = self.leave();
+            let woke = tokio::select! {
                 biased;
-                r = rx => {
-                    // Settled (finished, or parked: then wait again).
-                    waiting = None;
-                    if r.is_err() {
-                        return Err(FlowError::Stopped);
-                    }
-                }
-                _ = notified => {}
+                r = rx => Ok(Some(r.is_ok())),
+                _ = notified => Ok(None),
                 // The journal failed: the child cannot finish in this process.
-                e = self.run.shared.failure.wait() => return Err(FlowError::Log(e)),
+                e = self.run.shared.failure.wait() => Err(e),
+            };
+            self.back(held).await;
+            match woke {
+                // Settled (finished, or parked: then wait again).
+                Ok(Some(true)) => waiting = None,
+                Ok(Some(false)) => return Err(FlowError::Stopped),
+                Ok(None) => {}
+                Err(e) => return Err(FlowError::Log(e)),
             }
         }
     }

@@ -21,6 +21,7 @@ use std::future::Future;
 use std::marker::PhantomData;
 use std::path::Path;
 use std::pin::Pin;
+use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::Poll;
@@ -725,6 +726,8 @@ struct Starts {
     pending: Mutex<Pending>,
     tx: mpsc::UnboundedSender<Vec<Job>>,
     follower: Option<ferry_log::Follower>,
+    /// The shard's places for running runs (`EngineBuilder::max_running`).
+    running: Option<Arc<tokio::sync::Semaphore>>,
 }
 
 #[derive(Default)]
@@ -826,6 +829,8 @@ pub struct EngineBuilder {
     /// then are there checkpoints, compaction, a status file and an inbox.
     storage_is_files: bool,
     shards: usize,
+    /// Runs running at once per shard (`max_running`); `None`: no bound.
+    max_running: Option<usize>,
     log: LogConfig,
     limits: Limits,
     retention: std::time::Duration,
@@ -837,9 +842,26 @@ pub struct EngineBuilder {
     on_this_thread: Option<u64>,
 }
 
+/// Runs running at once on one shard, unless the builder says otherwise.
+pub const DEFAULT_MAX_RUNNING: usize = 1_000;
+
 impl EngineBuilder {
     pub fn shards(mut self, n: usize) -> Self {
         self.shards = n;
+        self
+    }
+
+    /// How many runs may be running at once on one shard (default
+    /// [`DEFAULT_MAX_RUNNING`]; `None`: no bound). A run is running from when its shard
+    /// takes it up to its end, except while it waits in `sleep`, `wait_for`, a child's
+    /// result or a retry's backoff: then it gives up its place, and takes one again
+    /// before it goes on. Runs beyond the bound wait, in order, for a place; their starts
+    /// are journaled and acknowledged as usual. A run in flight costs its shard's cache;
+    /// with tens of thousands in flight a step costs more CPU, and an engine that fell
+    /// behind would stay behind (docs/flow.md §4). A step whose body waits for another run
+    /// of the same engine holds its place meanwhile: make that run a child instead.
+    pub fn max_running(mut self, n: Option<usize>) -> Self {
+        self.max_running = n;
         self
     }
 
@@ -970,6 +992,14 @@ impl EngineBuilder {
                 self.shards
             )));
         }
+        if let Some(n) = self.max_running
+            && (n == 0 || n > tokio::sync::Semaphore::MAX_PERMITS)
+        {
+            return Err(FlowError::Invalid(format!(
+                "max_running {n} must be between 1 and {} (None for no bound)",
+                tokio::sync::Semaphore::MAX_PERMITS
+            )));
+        }
         if self.limits.payload_bytes > self.log.record_bytes_max as usize {
             return Err(FlowError::Invalid(format!(
                 "the payload limit ({} bytes) is over the log's largest record ({} bytes)",
@@ -1046,6 +1076,9 @@ impl EngineBuilder {
                 } else {
                     None
                 },
+                running: self
+                    .max_running
+                    .map(|n| Arc::new(tokio::sync::Semaphore::new(n))),
             }));
             txs.push(tx);
             rxs.push(rx);
@@ -1326,6 +1359,7 @@ impl Engine {
             journal: None,
             storage_is_files: true,
             shards: 2,
+            max_running: Some(DEFAULT_MAX_RUNNING),
             log: LogConfig::default(),
             limits: Limits::default(),
             retention: std::time::Duration::from_secs(24 * 3600),
@@ -2107,6 +2141,8 @@ async fn disk(log: Arc<Log>, seed: u64) {
 /// The job comes boxed: an async fn keeps its arguments for its whole life, and a run
 /// parked for days should not keep a copy of its start.
 async fn run_job(shared: Arc<Shared>, mut job: Box<Job>) {
+    let places = shared.starts[shared.shard_of(&job.run)].running.clone();
+    let place = Rc::new(Box::pin(Place::take(places, &shared)).await);
     loop {
         // Moved out whole, so the box is freed here (a destructuring pattern would move
         // the fields out and keep the box until the loop comes round).
@@ -2122,7 +2158,13 @@ async fn run_job(shared: Arc<Shared>, mut job: Box<Job>) {
             handler,
             last,
         } = unboxed;
-        let ctx = Ctx::new(RunCtx::new(shared.clone(), run, generation, replay, last));
+        let ctx = Ctx::new(RunCtx::new(
+            shared.clone(),
+            place.clone(),
+            (run, generation),
+            replay,
+            last,
+        ));
         let result = handler(ctx.clone(), input).await;
         // What follows the code is boxed: while the code waits (a run parked for days),
         // the task holds only the state above.
@@ -2271,8 +2313,59 @@ fn next_generation(
     })
 }
 
+/// A run's place among its shard's running runs (`EngineBuilder::max_running`), from
+/// generation to generation.
+pub(crate) struct Place {
+    /// The shard's places; `None`: no bound.
+    places: Option<Arc<tokio::sync::Semaphore>>,
+    held: RefCell<Option<tokio::sync::OwnedSemaphorePermit>>,
+}
+
+impl Place {
+    /// Wait for a place (in order), and hold it.
+    async fn take(places: Option<Arc<tokio::sync::Semaphore>>, shared: &Shared) -> Place {
+        let place = Place {
+            places,
+            held: RefCell::new(None),
+        };
+        place.acquire(shared).await;
+        place
+    }
+
+    async fn acquire(&self, shared: &Shared) {
+        let Some(places) = &self.places else { return };
+        // Counted only when the run has to wait.
+        let permit = match places.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                shared.counters.waiting(1);
+                let p = places.clone().acquire_owned().await;
+                shared.counters.waiting(-1);
+                p.expect("a shard's places are never closed")
+            }
+        };
+        *self.held.borrow_mut() = Some(permit);
+    }
+
+    /// Give up the place for a wait: another run takes it meanwhile. Whether this run
+    /// held one (a run whose code waits on two things at once may not).
+    pub(crate) fn leave(&self) -> bool {
+        self.held.borrow_mut().take().is_some()
+    }
+
+    /// Back from a wait: take a place again (waiting for one) if the run gave one up.
+    /// Boxed: a run parked for days keeps no room in its wait for what it does after.
+    pub(crate) async fn back(&self, shared: &Shared, held: bool) {
+        if held {
+            Box::pin(self.acquire(shared)).await;
+        }
+    }
+}
+
 /// One generation of one run, as its code sees it from the context.
 pub(crate) struct RunCtx {
+    /// Its place among the shard's running runs.
+    pub(crate) place: Rc<Place>,
     pub(crate) shared: Arc<Shared>,
     pub(crate) run: String,
     pub(crate) generation: u32,
@@ -2304,7 +2397,13 @@ thread_local! {
 const ENCODED_KEEP: usize = 64 << 10;
 
 impl RunCtx {
-    fn new(shared: Arc<Shared>, run: String, generation: u32, replay: Replay, last: Lsn) -> RunCtx {
+    fn new(
+        shared: Arc<Shared>,
+        place: Rc<Place>,
+        (run, generation): (String, u32),
+        replay: Replay,
+        last: Lsn,
+    ) -> RunCtx {
         let (consumed, cancel_seen) = match replay.started() {
             Some(Entry::Started {
                 consumed,
@@ -2315,6 +2414,7 @@ impl RunCtx {
         };
         let wake = shared.wake_of(&run);
         RunCtx {
+            place,
             wake,
             shared,
             run,

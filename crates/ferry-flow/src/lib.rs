@@ -18,8 +18,8 @@ pub mod replay;
 
 pub use ctx::{Ctx, Retry, Step, StepCtx};
 pub use engine::{
-    Engine, EngineBuilder, FlowError, Limit, Limits, Recovery, RunHandle, RunInfo, RunStatus,
-    Signal, Workflow, read_journal, read_journal_on,
+    DEFAULT_MAX_RUNNING, Engine, EngineBuilder, FlowError, Limit, Limits, Recovery, RunHandle,
+    RunInfo, RunStatus, Signal, Workflow, read_journal, read_journal_on,
 };
 pub use journal::Outcome;
 pub use journal_log::JournalLog;

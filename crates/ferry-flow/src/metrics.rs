@@ -70,6 +70,8 @@ pub(crate) struct Counters {
     continued: AtomicU64,
     /// Step attempts by how they ended: ok, error, timed out.
     attempts: Line<[AtomicU64; 3]>,
+    /// Runs waiting for a place to run on their shard (`EngineBuilder::max_running`).
+    waiting: Line<AtomicI64>,
     signals: AtomicU64,
     cancels: AtomicU64,
     compactions: AtomicU64,
@@ -110,6 +112,11 @@ impl Counters {
 
     pub(crate) fn attempt(&self, how: Attempt) {
         self.attempts.0[how as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A run starts (`+1`) or stops (`-1`) waiting for a place to run.
+    pub(crate) fn waiting(&self, d: i64) {
+        self.waiting.0.fetch_add(d, Ordering::Relaxed);
     }
 
     pub(crate) fn signal(&self) {
@@ -248,7 +255,12 @@ impl Counters {
             &[],
             get(&self.compaction_us) as f64 / 1e6,
         );
-        let gauges: [(&str, &str, f64); 6] = [
+        let gauges: [(&str, &str, f64); 7] = [
+            (
+                "ferry_flow_runs_waiting",
+                "Runs waiting for a place among their shard's running runs (max_running): new ones, and ones back from a sleep, signal, child or backoff.",
+                self.waiting.0.load(Ordering::Relaxed) as f64,
+            ),
             (
                 "ferry_flow_recovered_records",
                 "Log records read when the engine opened.",

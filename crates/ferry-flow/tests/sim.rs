@@ -11,7 +11,8 @@
 //! dies (the page cache survives), a sync fails (the log refuses everything after it),
 //! or a write fails. The engine reopens and the same runs are started again, several
 //! times over. Some runs sleep durably between two steps, some wait for a signal sent
-//! while they run. The external world is a ledger of step executions. Invariants,
+//! while they run; the shards have few places for running runs, or the default, or
+//! no bound (`max_running`). The external world is a ledger of step executions. Invariants,
 //! against the model: every run finishes with the model's result; no step whose result
 //! the journal held after a fault (read back before the engine reopens) runs again, nor
 //! does one once a later step of its run has started (that later step started only
@@ -132,7 +133,14 @@ async fn simulate(seed: u64, mode: Mode) -> Result<Vec<Line>, String> {
         let mut builder = Engine::builder("unused")
             .storage(sim.clone())
             .clock(clock.clone())
-            .shards(1 + rng.below(3) as usize);
+            .shards(1 + rng.below(3) as usize)
+            // Few places for the 20-60 runs (or the default): runs wait for one, and
+            // those that sleep or wait for a signal must give theirs up.
+            .max_running(match rng.below(3) {
+                0 => None,
+                1 => Some(1 + rng.below(4) as usize),
+                _ => Some(ferry_flow::DEFAULT_MAX_RUNNING),
+            });
         if mode == Mode::Deterministic {
             builder = builder.on_this_thread(seed.wrapping_add(round));
         }

@@ -37,6 +37,8 @@
 //!       `--steady-disk-us B`: the engine's files reached through `SteadyDisk`, each
 //!       sync taking B µs plus its size's share (for a --dir on tmpfs: a disk that
 //!       never stalls).
+//!       `--max-running N|none` (w2, w3 and what opens their engine): the engine's
+//!       `max_running` per shard, its default if absent.
 //!       Before the first point it waits for the host to take back the memory freed so
 //!       far (`settle_host`), and reports each point's `host_steal_ms`: time the host
 //!       did not run this VM while it wanted to run; `machine_busy_cores`, the CPU
@@ -690,10 +692,15 @@ fn chain_builder(dir: &Path, args: &[String]) -> EngineBuilder {
     if flag(args, "--follow-us").is_some() {
         log.follow = Duration::from_micros(num(args, "--follow-us", 0));
     }
-    let builder = Engine::builder(dir)
+    let mut builder = Engine::builder(dir)
         .log_config(log)
         .shards(num(args, "--shards", 2))
         .register(CHAIN, chain);
+    match flag(args, "--max-running").as_deref() {
+        None => {}
+        Some("none") => builder = builder.max_running(None),
+        Some(_) => builder = builder.max_running(Some(num(args, "--max-running", 1))),
+    }
     match flag(args, "--steady-disk-us") {
         Some(_) => {
             let base = Duration::from_micros(num(args, "--steady-disk-us", 150));
