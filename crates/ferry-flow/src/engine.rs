@@ -856,10 +856,12 @@ impl EngineBuilder {
     /// takes it up to its end, except while it waits in `sleep`, `wait_for`, a child's
     /// result or a retry's backoff: then it gives up its place, and takes one again
     /// before it goes on. Runs beyond the bound wait, in order, for a place; their starts
-    /// are journaled and acknowledged as usual. A run in flight costs its shard's cache;
-    /// with tens of thousands in flight a step costs more CPU, and an engine that fell
-    /// behind would stay behind (docs/flow.md §4). A step whose body waits for another run
-    /// of the same engine holds its place meanwhile: make that run a child instead.
+    /// are journaled and acknowledged as usual. Without a bound, a burst of starts, a
+    /// recovery of many unfinished runs or a timer storm runs every one of them at once,
+    /// each with its state in memory and interleaved with all the others. Below a few
+    /// hundred, fewer records share each sync (docs/flow.md §4). A step whose body waits
+    /// for another run of the same engine holds its place meanwhile: make that run a
+    /// child instead.
     pub fn max_running(mut self, n: Option<usize>) -> Self {
         self.max_running = n;
         self
