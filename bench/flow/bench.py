@@ -548,6 +548,15 @@ def report(ferry, peers, fair, m):
               + ", ".join(f"{per_step[f]:.0f} µs queued per step at {f:.0%}" for f in per_step)
               + f", against a sync of {fl:.0f} µs (the floor's p50). A VM's idle vCPU also takes time to wake (it "
               "halts, and an IPI brings it back)."]
+    faults = [med([r["w3"]["points"][i]["point"]["page_faults"]["minor"] for r in ferry])
+              for i in range(len(W3_FRACTIONS)) if all("page_faults" in r["w3"]["points"][i]["point"] for r in ferry)]
+    if len(faults) == len(W3_FRACTIONS):
+        L += ["", "Page faults the process took during each point (minor; median of the rounds): "
+              + ", ".join(f"{f:.0%} {n:,.0f}" for f, n in zip(W3_FRACTIONS, faults))
+              + ". W3's heap keeps the pages it frees (mimalloc's `purge_delay` off, `keep_freed_pages` in the "
+              "harness; `FERRY_BENCH_PURGE=1` for mimalloc's default of handing them back a second after they "
+              "empty): with the default, a point at 80% took about 63,000, each a page handed back to the kernel, "
+              "and through it to the host, then touched again."]
     # What W2's burst costs per step against the open-loop points: a burst shares each sync (and each wake-up of
     # a shard or of the client) among hundreds of records, arrivals one by one among fewer.
     cpu_w2 = medians(ferry, "w2.cpu_secs_per_1k_steps") * 1e3

@@ -37,6 +37,8 @@
 //!       `--steady-disk-us B`: the engine's files reached through `SteadyDisk`, each
 //!       sync taking B µs plus its size's share (for a --dir on tmpfs: a disk that
 //!       never stalls).
+//!       Its heap (mimalloc) keeps the pages it frees (`keep_freed_pages`) unless
+//!       `FERRY_BENCH_PURGE=1`.
 //!       `--max-running N|none` (w2, w3 and what opens their engine): the engine's
 //!       `max_running` per shard, its default if absent.
 //!       Before the first point it waits for the host to take back the memory freed so
@@ -162,6 +164,9 @@ fn main() {
         unsafe { libc::prctl(libc::PR_SET_THP_DISABLE, 1 as libc::c_ulong, 0, 0, 0) };
     }
     let args: Vec<String> = std::env::args().collect();
+    if args.get(1).is_some_and(|a| a == "w3") && !system_malloc() {
+        keep_freed_pages();
+    }
     // Timers only: without an I/O driver, a wake from the engine's threads finds this
     // thread through an atomic and costs a syscall only when it sleeps (with one, every
     // wake writes an eventfd), so the client costs the engine's two cores less.
@@ -291,6 +296,16 @@ fn cpu_seconds() -> f64 {
     rusage_seconds(libc::RUSAGE_SELF)
 }
 
+/// Page faults this process took so far: (minor, major).
+fn page_faults() -> (i64, i64) {
+    // SAFETY: rusage is plain integers, for which all zeroes is a valid value.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage writes one rusage into the struct we own.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    assert_eq!(rc, 0, "getrusage(RUSAGE_SELF) failed");
+    (ru.ru_minflt, ru.ru_majflt)
+}
+
 /// User plus system CPU time of `who` (RUSAGE_SELF or RUSAGE_THREAD), in seconds.
 fn rusage_seconds(who: libc::c_int) -> f64 {
     // SAFETY: rusage is plain integers, for which all zeroes is a valid value.
@@ -347,6 +362,37 @@ fn thread_share(before: &BTreeMap<String, f64>, secs: f64, gone: (&str, f64)) ->
         .filter(|(_, v)| *v > 0.005)
         .collect();
     json!(share)
+}
+
+/// W3 only: mimalloc keeps the pages its heaps free rather than handing them back to
+/// the kernel (`madvise`) a second after they empty, its default (`purge_delay`), unless
+/// `FERRY_BENCH_PURGE=1`. With the default, a W3 point at 80% took about 63,000 page
+/// faults (a page freed, handed back, touched again), 93% of them on the client
+/// thread; kept, about 4,000. A guest that hands pages back also hands them to the
+/// host (free page reporting; see `settle_host`), which on the VMs this bench was
+/// built on stopped the VM for 10-30 ms at a time: in the middle of a point, as the
+/// freeing in bulk between points did before W3 kept it until its end.
+fn keep_freed_pages() {
+    if std::env::var_os("FERRY_BENCH_PURGE").is_some_and(|v| v == "1") {
+        return;
+    }
+    unsafe extern "C" {
+        fn mi_option_get(option: libc::c_int) -> libc::c_long;
+        fn mi_option_set(option: libc::c_int, value: libc::c_long);
+    }
+    // `mi_option_purge_delay` in mimalloc.h's `mi_option_e` (v2 and v3 alike); checked
+    // against v3's default (its `options.c`: 1,000 ms; libmimalloc-sys builds v3).
+    const PURGE_DELAY: libc::c_int = 15;
+    // SAFETY: both read or write one of mimalloc's option values; no memory is passed.
+    unsafe {
+        assert_eq!(
+            mi_option_get(PURGE_DELAY),
+            1000,
+            "mimalloc's purge_delay is not option 15 with its default of 1,000 ms: \
+             update keep_freed_pages for this mimalloc"
+        );
+        mi_option_set(PURGE_DELAY, -1);
+    }
 }
 
 /// Resident memory in bytes, after giving freed heap back to the kernel: what the live
@@ -1010,6 +1056,7 @@ async fn open_loop(
     let before = engine.log_stats();
     let cpu = thread_cpu();
     let cpu0 = cpu_seconds();
+    let faults0 = page_faults();
     let sched = schedstat();
     let t0 = Instant::now() + Duration::from_millis(20);
     // The schedule is kept by an OS thread: tokio's timers tick in whole milliseconds,
@@ -1091,6 +1138,7 @@ async fn open_loop(
         "latency": spread(only(measured)),
         "warmup_latency": spread(only(warm)),
         "cpu_secs_per_1k_steps": (cpu_seconds() - cpu0) * 1000.0 / (count * u64::from(steps)) as f64,
+        "page_faults": {"minor": page_faults().0 - faults0.0, "major": page_faults().1 - faults0.1},
         "cpu_share_by_thread": thread_share(&cpu, secs, ("w3-clock", clock_cpu)),
         "run_queue": run_queue(&sched, secs),
         "log": log_delta(before, engine.log_stats(), count * u64::from(steps)),
