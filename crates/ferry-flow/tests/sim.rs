@@ -12,13 +12,12 @@
 //! or a write fails. The engine reopens and the same runs are started again, several
 //! times over. Some runs sleep durably between two steps, some wait for a signal sent
 //! while they run; the shards have few places for running runs, or the default, or
-//! no bound (`max_running`). The external world is a ledger of step executions. Invariants,
-//! against the model: every run finishes with the model's result; no step whose result
-//! the journal held after a fault (read back before the engine reopens) runs again, nor
-//! does one once a later step of its run has started (that later step started only
-//! after the earlier result was durable); the
-//! step after a sleep never starts before the sleep's wake-up time by the engine's
-//! clock. `FERRY_FLOW_SEED=N` replays one seed; `FERRY_FLOW_SEEDS=N` sets how many
+//! no bound (`max_running`). The external world is a ledger of step executions.
+//! Invariants, against the model: every run finishes with the model's result; no step
+//! whose result the journal held after a fault (read back before the engine reopens)
+//! runs again, nor does one once a later step of its run has started (that later step
+//! started only after the earlier result was durable); the step after a sleep never
+//! starts before the sleep's wake-up time by the engine's clock. `FERRY_FLOW_SEED=N` replays one seed; `FERRY_FLOW_SEEDS=N` sets how many
 //! (default 60).
 //!
 //! The same workload also runs on real threads (shards, the log's writer, a
