@@ -298,16 +298,19 @@ fn cpu_seconds() -> f64 {
 
 /// Page faults this process took so far: (minor, major).
 fn page_faults() -> (i64, i64) {
-    // SAFETY: rusage is plain integers, for which all zeroes is a valid value.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: getrusage writes one rusage into the struct we own.
-    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
-    assert_eq!(rc, 0, "getrusage(RUSAGE_SELF) failed");
+    let ru = rusage(libc::RUSAGE_SELF);
     (ru.ru_minflt, ru.ru_majflt)
 }
 
 /// User plus system CPU time of `who` (RUSAGE_SELF or RUSAGE_THREAD), in seconds.
 fn rusage_seconds(who: libc::c_int) -> f64 {
+    let ru = rusage(who);
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// getrusage of `who`, RUSAGE_SELF or RUSAGE_THREAD.
+fn rusage(who: libc::c_int) -> libc::rusage {
     // SAFETY: rusage is plain integers, for which all zeroes is a valid value.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: getrusage writes one rusage into the struct we own; `who` is one of the two
@@ -317,8 +320,7 @@ fn rusage_seconds(who: libc::c_int) -> f64 {
         rc, 0,
         "getrusage cannot fail for RUSAGE_SELF or RUSAGE_THREAD"
     );
-    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-    tv(ru.ru_utime) + tv(ru.ru_stime)
+    ru
 }
 
 /// CPU-seconds so far of each live thread of this process, summed by thread name.
