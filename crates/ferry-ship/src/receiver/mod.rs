@@ -853,11 +853,20 @@ impl Slot {
             }
         };
         if record.intent != Intent::None {
+            // Which page decided, and its sizes: what to look at if a decision is ever
+            // doubted (a reader that saw the group, say).
+            let (pgno, size_pre, size_post) = match record.intent {
+                Intent::Group { witness: w, .. } => (w.pgno, w.size_pre, w.size_post),
+                _ => (0, 0, 0),
+            };
             tracing::info!(
                 db = %self.name,
                 seq = pos.seq,
                 last = record.pos.seq,
                 committed = pos == record.pos,
+                witness_page = pgno,
+                size_pre,
+                size_post,
                 "recovered: the last transaction {} before the stop",
                 if pos == record.pos { "had committed" } else { "had not committed" }
             );
