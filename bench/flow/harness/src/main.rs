@@ -747,7 +747,8 @@ fn chain_builder(dir: &Path, args: &[String]) -> EngineBuilder {
     match flag(args, "--max-running").as_deref() {
         None => {}
         Some("none") => builder = builder.max_running(None),
-        Some(_) => builder = builder.max_running(Some(num(args, "--max-running", 1))),
+        // What does not parse is 0, which the engine refuses with its own error.
+        Some(_) => builder = builder.max_running(Some(num(args, "--max-running", 0))),
     }
     match flag(args, "--steady-disk-us") {
         Some(_) => {
@@ -1125,6 +1126,7 @@ async fn open_loop(
             .map_err(err)?;
     }
     let secs = t0.elapsed().as_secs_f64();
+    let faults = page_faults();
     let measured_from = t0 + Duration::from_secs_f64(warmup);
     let (measured, warm): (Vec<_>, Vec<_>) = lat
         .borrow()
@@ -1140,7 +1142,7 @@ async fn open_loop(
         "latency": spread(only(measured)),
         "warmup_latency": spread(only(warm)),
         "cpu_secs_per_1k_steps": (cpu_seconds() - cpu0) * 1000.0 / (count * u64::from(steps)) as f64,
-        "page_faults": {"minor": page_faults().0 - faults0.0, "major": page_faults().1 - faults0.1},
+        "page_faults": {"minor": faults.0 - faults0.0, "major": faults.1 - faults0.1},
         "cpu_share_by_thread": thread_share(&cpu, secs, ("w3-clock", clock_cpu)),
         "run_queue": run_queue(&sched, secs),
         "log": log_delta(before, engine.log_stats(), count * u64::from(steps)),

@@ -616,13 +616,7 @@ mod tests {
         let page_size: u32 = conn
             .query_row("PRAGMA page_size", [], |r| r.get(0))
             .unwrap();
-        let pages: Vec<Vec<u8>> = conn
-            .prepare("SELECT data FROM sqlite_dbpage ORDER BY pgno")
-            .unwrap()
-            .query_map([], |r| r.get(0))
-            .unwrap()
-            .collect::<Result<_, _>>()
-            .unwrap();
+        let pages = pages_of(conn);
         let h = BaseHeader {
             page_size,
             page_count: pages.len() as u32,
@@ -642,6 +636,27 @@ mod tests {
         (h, body)
     }
 
+    /// Every page of `conn`'s database, in order.
+    fn pages_of(c: &Connection) -> Vec<Vec<u8>> {
+        c.prepare("SELECT data FROM sqlite_dbpage ORDER BY pgno")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap()
+    }
+
+    /// A replica at `dir/r.db`, built from a base of `p` and swapped in.
+    fn replica_of(dir: &Path, p: &Connection) -> (BaseHeader, PathBuf, Replica) {
+        let (h, body) = base_of(p, 1);
+        let rpath = dir.join("r.db");
+        let built = dir.join("r.base");
+        build(&built, &mut &body[HEADER..], &h, true).unwrap();
+        swap_in(&built, &rpath, &dir.join("attic")).unwrap();
+        let r = Replica::open(&rpath).unwrap();
+        (h, rpath, r)
+    }
+
     fn primary(dir: &Path, rows: usize) -> Connection {
         let c = Connection::open(dir.join("p.db")).unwrap();
         c.execute_batch("PRAGMA journal_mode=WAL; CREATE TABLE t(id INTEGER PRIMARY KEY, v BLOB); CREATE INDEX tv ON t(v);")
@@ -657,12 +672,7 @@ mod tests {
     fn a_built_base_equals_its_primary_and_an_in_place_base_replaces_it() {
         let dir = scratch("build");
         let p = primary(&dir, 200);
-        let (h, body) = base_of(&p, 1);
-        let rpath = dir.join("r.db");
-        let built = dir.join("r.base");
-        build(&built, &mut &body[HEADER..], &h, true).unwrap();
-        swap_in(&built, &rpath, &dir.join("attic")).unwrap();
-        let mut r = Replica::open(&rpath).unwrap();
+        let (_, rpath, mut r) = replica_of(&dir, &p);
         assert_eq!(
             crate::sqlite::digest(&Connection::open(&rpath).unwrap()).unwrap(),
             crate::sqlite::digest(&p).unwrap()
@@ -702,15 +712,6 @@ mod tests {
 
     const HEADER: usize = crate::proto::BASE_HEADER_BYTES;
 
-    fn pages_of(c: &Connection) -> Vec<Vec<u8>> {
-        c.prepare("SELECT data FROM sqlite_dbpage ORDER BY pgno")
-            .unwrap()
-            .query_map([], |r| r.get(0))
-            .unwrap()
-            .collect::<Result<_, _>>()
-            .unwrap()
-    }
-
     /// Recovery decides whether a group committed from its witness alone: over random
     /// transactions (growth, deletes, updates, schema changes that rewrite page 1,
     /// VACUUM that shrinks), each group applied must read back as committed from a
@@ -719,21 +720,11 @@ mod tests {
     fn the_witness_of_every_committed_group_resolves_as_committed() {
         let dir = scratch("witness");
         let p = primary(&dir, 50);
-        let (h, body) = base_of(&p, 1);
-        let rpath = dir.join("r.db");
-        let built = dir.join("r.base");
-        build(&built, &mut &body[HEADER..], &h, true).unwrap();
-        swap_in(&built, &rpath, &dir.join("attic")).unwrap();
-        let mut r = Replica::open(&rpath).unwrap();
+        let (h, rpath, mut r) = replica_of(&dir, &p);
         let (mut state, _) = StateFile::open(&dir.join("s")).unwrap();
         let mut before = pages_of(&p);
-        let mut seed: u64 = 12345;
-        let mut next = || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut rng = ferry_core::seams::SplitMix64::seeded(12345);
+        let mut next = || ferry_core::seams::Rng::next_u64(&mut rng);
         let pos = Pos {
             page_size: h.page_size,
             ..Pos::default()
