@@ -299,3 +299,115 @@ fn a_replica_wal_restarts_under_a_steady_stream_of_transactions() {
     drop(receiver);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Copy a receiver directory's files to `to`, leaving out SQLite's `-shm` files: what a
+/// second process, opening the copy first, rebuilds its index from.
+fn copy_without_shm(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let name = e.file_name().into_string().unwrap();
+        if e.file_type().unwrap().is_dir() {
+            copy_without_shm(&e.path(), &to.join(&name));
+        } else if !name.ends_with("-shm") {
+            std::fs::copy(e.path(), to.join(&name)).unwrap();
+        }
+    }
+}
+
+// Guards against a group that recovery decided had not committed coming back later. A
+// receiver killed inside SQLite's commit can leave the group's frames whole and synced in
+// the replica's `-wal` while the index in `-shm` (kept alive by a reader holding the
+// replica open) does not count them yet: every connection opened meanwhile sees the state
+// before the group, and recovery decides "not committed". Once every connection closes,
+// the next to open rebuilds the index from the `-wal` and finds the group: the replica then
+// holds content the position record says it does not, and readers see it. Recovery must
+// make its decision final before it records it.
+#[test]
+fn a_group_decided_uncommitted_never_comes_back_from_the_replica_wal() {
+    use std::os::unix::fs::FileExt;
+
+    let dir = scratch("orphan");
+    let (receiver, q, size) = standby(&dir, 5, 20);
+    let mut first = Vec::new();
+    record(&mut first, 1, 0, true, size, &[(2, 0x11)]);
+    assert_eq!(receiver.apply_txns("a", q, &first).unwrap().seq, 1);
+    let standby_dir = dir.join("standby");
+    let db = standby_dir.join("a.db");
+    // A reader of the replica, read-only as docs/ship.md advises, holding it open
+    // throughout: its `-shm` stays alive, and when it is the last to close it cannot
+    // checkpoint the `-wal` away.
+    let reader =
+        Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    let seen: Vec<u8> = reader
+        .query_row("SELECT data FROM sqlite_dbpage WHERE pgno = 2", [], |r| {
+            r.get(0)
+        })
+        .unwrap();
+    assert!(seen.iter().all(|b| *b == 0x11));
+    drop(receiver);
+
+    // The crash image: the same replica with seq 2 committed into its `-wal` by a process
+    // that never updated this `-shm`, and the position record that commit left (post = 2,
+    // with the intent).
+    let twin = dir.join("twin");
+    copy_without_shm(&standby_dir, &twin);
+    // Held open so that no connection of the twin's receiver is ever the last one: the last
+    // to close checkpoints the WAL and deletes it, and the next commit would start a new
+    // WAL instead of appending to this one.
+    let twin_holder = Connection::open(twin.join("a.db")).unwrap();
+    twin_holder
+        .query_row("SELECT count(*) FROM sqlite_dbpage", [], |r| {
+            r.get::<_, i64>(0)
+        })
+        .unwrap();
+    let twin_receiver = Receiver::open(ReceiverConfig::new(&twin)).unwrap();
+    let mut second = Vec::new();
+    record(&mut second, 2, 0, true, size, &[(3, 0x22), (4, 0x22)]);
+    assert_eq!(twin_receiver.apply_txns("a", q, &second).unwrap().seq, 2);
+    let wal = std::fs::read(twin.join("a.db-wal")).unwrap();
+    let state = std::fs::read(twin.join(".ferry").join("a.state")).unwrap();
+    drop(twin_receiver);
+    drop(twin_holder);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(standby_dir.join("a.db-wal"))
+        .unwrap()
+        .write_all_at(&wal, 0)
+        .unwrap();
+    std::fs::write(standby_dir.join(".ferry").join("a.state"), &state).unwrap();
+
+    // Recovery, with the reader still holding the replica open.
+    let receiver = Receiver::open(ReceiverConfig::new(&standby_dir)).unwrap();
+    let decided = receiver.position("a").unwrap().unwrap().seq;
+    drop(receiver);
+    drop(reader);
+
+    // Every connection is closed: the next one rebuilds the index from the `-wal`.
+    let holds_seq_2 = page(&db, 3).iter().all(|b| *b == 0x22);
+    assert_eq!(
+        holds_seq_2,
+        decided == 2,
+        "recovery recorded seq {decided}, but the replica, once reopened, {} seq 2",
+        if holds_seq_2 {
+            "holds"
+        } else {
+            "does not hold"
+        }
+    );
+    // And the receiver reopened on it agrees, and goes on from there.
+    let receiver = Receiver::open(ReceiverConfig::new(&standby_dir)).unwrap();
+    assert_eq!(receiver.position("a").unwrap().unwrap().seq, decided);
+    let mut both = Vec::new();
+    record(&mut both, 2, 0, true, size, &[(3, 0x22), (4, 0x22)]);
+    record(&mut both, 3, 0, true, size, &[(5, 0x33)]);
+    assert_eq!(receiver.apply_txns("a", q, &both).unwrap().seq, 3);
+    drop(receiver);
+    for (pgno, fill) in [(2, 0x11), (3, 0x22), (4, 0x22), (5, 0x33)] {
+        assert!(
+            page(&db, pgno).iter().all(|b| *b == fill),
+            "page {pgno} does not hold {fill:#x}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

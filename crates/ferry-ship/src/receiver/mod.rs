@@ -817,10 +817,10 @@ impl Slot {
         let mut pos = match record.intent {
             Intent::None => record.pos,
             Intent::Group { pre, witness } => {
-                let r = self.open_replica_at(&record.pos)?;
+                let mut r = self.open_replica_at(&record.pos)?;
                 match r
-                    .as_ref()
-                    .map(|r| r.resolve(&witness))
+                    .as_mut()
+                    .map(|r| r.settle(&witness))
                     .transpose()
                     .map_err(|e| self.replica_err(e))?
                     .flatten()

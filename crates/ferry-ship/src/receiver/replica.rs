@@ -262,6 +262,39 @@ impl Replica {
         Ok((log, done))
     }
 
+    /// Did the group behind `w` commit, as recovery must record it? Like [`Self::resolve`], and
+    /// when the answer is no, a commit of page 1 as it stands makes it final.
+    ///
+    /// A receiver killed inside SQLite's commit can leave the group's frames whole and
+    /// synced in the `-wal` while the index in `-shm` does not count them yet: SQLite
+    /// writes and syncs a commit's frames before it publishes them there. As long as some
+    /// connection keeps the `-shm` alive (a reader of the replica), every connection opened
+    /// meanwhile, this one too, sees the state before the group, and the witness says it
+    /// did not commit. But once the last connection closes without checkpointing (a
+    /// read-only reader cannot), the next one to open rebuilds the index from the `-wal`,
+    /// finds the group, and the replica would hold what the position record says it does
+    /// not. The commit written here lands right after the frames the index counts, over
+    /// the group's first frame; the group's later frames then fail the `-wal`'s running
+    /// checksum, and no rebuild can take them again. Only page 1's bytes that SQLite itself
+    /// rewrites change (`PAGE1_REWRITTEN`).
+    ///
+    /// The decision and the commit happen under the write lock, and this connection keeps
+    /// the `-shm` alive throughout, so no rebuild can come between them.
+    pub fn settle(&mut self, w: &Witness) -> Result<Option<bool>, ReplicaError> {
+        let tx = Transaction::begin(&self.conn)?;
+        let decided = self.resolve(w)?;
+        if decided == Some(false) {
+            let first = self.read_page(1)?.ok_or_else(|| {
+                ReplicaError::Invalid("the replica has no page 1 to commit again".into())
+            })?;
+            self.conn
+                .prepare_cached("INSERT INTO sqlite_dbpage(pgno, data) VALUES (1, ?1)")?
+                .execute(params![first])?;
+            tx.commit()?;
+        }
+        Ok(decided)
+    }
+
     /// Did the group behind `w` commit? `Some(true)` yes, `Some(false)` no, `None` if the
     /// witness shows neither image: something else wrote the replica.
     pub fn resolve(&self, w: &Witness) -> Result<Option<bool>, ReplicaError> {
