@@ -19,7 +19,7 @@ use ferry_core::fs::DirLock;
 use ferry_core::metrics::{Exposition, Histogram};
 use ferry_core::{Class, Classify};
 use replica::{Group, Replica, ReplicaError, Src};
-use state::{FLAG_HAS_REPLICA, FLAG_PROMOTED, Intent, Pos, Record, StateFile};
+use state::{FLAG_HAS_REPLICA, FLAG_PROMOTED, Intent, Pos, Record, StateFile, Witness};
 use std::collections::{BTreeMap, HashMap};
 use std::io::{self, Read};
 use std::os::unix::fs::FileExt;
@@ -717,6 +717,14 @@ pub struct Slot {
     stats: Stats,
     /// Where the bulk half of the replica's checkpoint stands: `BULK_*`.
     bulk: Arc<AtomicU8>,
+    /// Recovery decided the group behind this witness had not committed but could not yet
+    /// make that final (`Replica::settle`: its commit failed, on a full disk say). Until it
+    /// is, `replica` stays open, which keeps SQLite from rebuilding the replica's index
+    /// and so the group invisible, and the group's intent stays the newest record, so a
+    /// restart decides again from the replica itself. Every write settles it first
+    /// (`settle_decision`): a record written over that intent would make the decision
+    /// final without the commit that keeps the group out.
+    unsettled: Option<Witness>,
 }
 
 /// A replica to checkpoint, and its slot's `bulk`.
@@ -770,6 +778,7 @@ impl Slot {
             pending: None,
             stats: Stats::default(),
             bulk: Arc::default(),
+            unsettled: None,
         }
     }
 
@@ -814,19 +823,35 @@ impl Slot {
         }
         let _ = replica::remove_with_sidecars(&self.paths.base);
         let _ = std::fs::remove_dir_all(&self.paths.attic);
+        self.unsettled = None;
+        // The replica recovery decided from, kept open when its decision is not final.
+        let mut kept = None;
         let mut pos = match record.intent {
             Intent::None => record.pos,
             Intent::Group { pre, witness } => {
                 let mut r = self.open_replica_at(&record.pos)?;
-                match r
-                    .as_mut()
-                    .map(|r| r.settle(&witness))
-                    .transpose()
-                    .map_err(|e| self.replica_err(e))?
-                    .flatten()
-                {
+                let decided = match r.as_mut() {
+                    None => None,
+                    Some(r) => match r.settle(&witness) {
+                        Ok(decided) => decided,
+                        Err(e) => {
+                            let decided = r.resolve(&witness).map_err(|e| self.replica_err(e))?;
+                            if decided == Some(false) {
+                                tracing::warn!(db = %self.name, error = %e, "recovered, but the decision that the last transaction had not committed is not final yet: nothing is written until it is");
+                                self.unsettled = Some(witness);
+                            }
+                            decided
+                        }
+                    },
+                };
+                match decided {
                     Some(true) => record.pos,
-                    Some(false) => pre,
+                    Some(false) => {
+                        if self.unsettled.is_some() {
+                            kept = r.take();
+                        }
+                        pre
+                    }
                     None if r.is_none() => pre,
                     None => {
                         drop(r);
@@ -870,6 +895,11 @@ impl Slot {
                 "recovered: the last transaction {} before the stop",
                 if pos == record.pos { "had committed" } else { "had not committed" }
             );
+        }
+        if self.unsettled.is_some() {
+            self.pos = pos;
+            self.replica = kept;
+            return Ok(());
         }
         if pos.has_replica() && !self.paths.replica.exists() {
             tracing::warn!(db = %self.name, "the replica file is gone; the shipper will send a base");
@@ -974,7 +1004,45 @@ impl Slot {
         }
     }
 
+    /// Make recovery's pending decision final (see `unsettled`), then write the clean
+    /// record it could not write. Called before anything else is written.
+    fn settle_decision(&mut self) -> Result<(), SlotError> {
+        let Some(witness) = self.unsettled else {
+            return Ok(());
+        };
+        let r = self
+            .replica
+            .as_mut()
+            .expect("an unsettled decision keeps its replica open");
+        match r.settle(&witness) {
+            Ok(Some(false)) => {}
+            Ok(_) => {
+                // Not possible while this connection stayed open; decide again from disk.
+                self.replica = None;
+                self.state = None;
+                return Err(SlotError::Io {
+                    name: self.name.clone(),
+                    what: "making recovery's decision final",
+                    source: io::Error::other(
+                        "the replica's witness page changed while the decision waited; recovering again",
+                    ),
+                });
+            }
+            Err(e) => return Err(self.replica_err(e)),
+        }
+        self.unsettled = None;
+        tracing::info!(db = %self.name, seq = self.pos.seq, "recovery's decision is final");
+        self.write_state(Record {
+            pos: self.pos,
+            intent: Intent::None,
+        })
+    }
+
     fn write_state(&mut self, rec: Record) -> Result<(), SlotError> {
+        debug_assert!(
+            self.unsettled.is_none(),
+            "a record written over an unsettled decision"
+        );
         let state = self
             .state
             .as_mut()
@@ -1217,6 +1285,9 @@ impl Slot {
     /// Apply ready transactions in groups. A group ends after a transaction that shrinks
     /// the database, so a truncation is always the last act of its replica transaction.
     fn apply_ready(&mut self, ready: Vec<Ready<'_>>) -> Result<(), SlotError> {
+        if !ready.is_empty() {
+            self.settle_decision()?;
+        }
         let mut size = match &self.replica {
             Some(r) => r.page_count().map_err(|e| self.replica_err(e.into()))?,
             None => return Ok(()),
@@ -1287,6 +1358,7 @@ impl Slot {
         header: &BaseHeader,
         quick_check: bool,
     ) -> Result<(), SlotError> {
+        self.settle_decision()?;
         self.pending = None;
         let _ = std::fs::remove_file(&self.paths.spool);
         let pre = self.pos;
@@ -1345,6 +1417,8 @@ impl Slot {
     }
 
     fn drop_replica(&mut self) -> Result<(), SlotError> {
+        // The replica goes, and with it the group an unsettled decision kept out.
+        self.unsettled = None;
         self.replica = None;
         self.pending = None;
         let pos = Pos {
@@ -1540,6 +1614,7 @@ pub fn promote(
             flags: slot.pos.flags | FLAG_PROMOTED,
             ..slot.pos
         };
+        slot.settle_decision().map_err(|e| e.to_string())?;
         slot.write_state(Record {
             pos,
             intent: Intent::None,
