@@ -380,6 +380,10 @@ fn a_group_decided_uncommitted_never_comes_back_from_the_replica_wal() {
     // Recovery, with the reader still holding the replica open.
     let receiver = Receiver::open(ReceiverConfig::new(&standby_dir)).unwrap();
     let decided = receiver.position("a").unwrap().unwrap().seq;
+    assert_eq!(
+        decided, 1,
+        "the crash image was not made: recovery saw seq 2 committed"
+    );
     drop(receiver);
     drop(reader);
 

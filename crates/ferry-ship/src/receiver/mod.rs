@@ -896,10 +896,20 @@ impl Slot {
                 if pos == record.pos { "had committed" } else { "had not committed" }
             );
         }
-        if self.unsettled.is_some() {
-            self.pos = pos;
-            self.replica = kept;
-            return Ok(());
+        if let Some(r) = kept {
+            if r.page_size() == pos.page_size {
+                self.pos = pos;
+                self.replica = Some(r);
+                self.stats.last_error = Some(format!(
+                    "{}: recovered to seq {}, but the decision that the last transaction had \
+                     not committed is not final yet (its commit failed); nothing is written until it is",
+                    self.name, pos.seq
+                ));
+                return Ok(());
+            }
+            // Replaced behind ferry's back: the path below sets it aside, and the group
+            // goes with it.
+            self.unsettled = None;
         }
         if pos.has_replica() && !self.paths.replica.exists() {
             tracing::warn!(db = %self.name, "the replica file is gone; the shipper will send a base");
@@ -1031,6 +1041,7 @@ impl Slot {
             Err(e) => return Err(self.replica_err(e)),
         }
         self.unsettled = None;
+        self.stats.last_error = None;
         tracing::info!(db = %self.name, seq = self.pos.seq, "recovery's decision is final");
         self.write_state(Record {
             pos: self.pos,
@@ -1039,9 +1050,9 @@ impl Slot {
     }
 
     fn write_state(&mut self, rec: Record) -> Result<(), SlotError> {
-        debug_assert!(
+        assert!(
             self.unsettled.is_none(),
-            "a record written over an unsettled decision"
+            "a record written over an unsettled decision: it would make the decision final without its commit"
         );
         let state = self
             .state

@@ -279,7 +279,11 @@ impl Replica {
     /// rewrites change (`PAGE1_REWRITTEN`).
     ///
     /// The decision and the commit happen under the write lock, and this connection keeps
-    /// the `-shm` alive throughout, so no rebuild can come between them.
+    /// the `-shm` alive throughout, so no rebuild can come between them. A commit that
+    /// fails can leave things as they were, or worse (one that restarted the WAL first
+    /// leaves the index empty beside the group's whole chain): its caller must write no
+    /// record until a commit here succeeds, so that a restart decides again from the
+    /// replica itself.
     pub fn settle(&mut self, w: &Witness) -> Result<Option<bool>, ReplicaError> {
         let tx = Transaction::begin(&self.conn)?;
         let decided = self.resolve(w)?;
