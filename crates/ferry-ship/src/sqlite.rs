@@ -46,6 +46,102 @@ pub fn check_dbpage(conn: &Connection) -> Result<(), String> {
     })
 }
 
+/// Where SQLite's wal-index (`-shm`) says the WAL's committed frames end: the salts of the
+/// cycle it describes (as the WAL header spells them) and its last committed frame
+/// (`mxFrame`).
+///
+/// Only frames up to it are committed for SQLite. A writer killed after syncing a commit's
+/// frames but before publishing them here leaves a commit that chains and validates in the
+/// `-wal`, and yet, while another connection (the shipper's own) keeps the index alive, the
+/// next writer overwrites it, and a checkpoint never copies it: a shipper that took it
+/// would give the replica a transaction the primary never had.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct WalIndexEnd {
+    pub salts: crate::wal::Salts,
+    pub frame: u32,
+}
+
+/// The wal-index's first region, as every SQLite connection maps it (`WALINDEX_PGSZ`).
+const WAL_INDEX_REGION_BYTES: i32 = 32 * 1024;
+/// The wal-index header: `iVersion u32, unused u32, iChange u32, isInit u8, bigEndCksum u8,
+/// szPage u16, mxFrame u32, nPage u32, aFrameCksum[2] u32, aSalt[2] u32, aCksum[2] u32`
+/// in native byte order (the salts as raw bytes of the WAL header), stored twice in a
+/// row. A writer writes the second copy, then the first; a reader that finds them equal
+/// read no half-written header.
+const WAL_INDEX_HEADER_BYTES: usize = 48;
+/// `WALINDEX_MAX_VERSION`, the header's `iVersion`.
+const WAL_INDEX_VERSION: u32 = 3_007_000;
+/// Reads of the two copies before giving up for now: they differ only while a commit
+/// publishes itself, a few instructions' worth.
+const WAL_INDEX_READS_MAX: usize = 100;
+
+/// Read [`WalIndexEnd`] through `conn`'s own mapping of the `-shm` (the VFS's `xShmMap`, as
+/// SQLite itself does): the file is never opened or closed here, which would drop the
+/// locks SQLite holds on it. None if the connection's VFS has no shared memory, no index is
+/// mapped yet, or the header did not read consistently.
+pub fn wal_index_end(conn: &Connection) -> Option<WalIndexEnd> {
+    use rusqlite::ffi;
+    use std::ffi::c_void;
+    let mut file: *mut ffi::sqlite3_file = std::ptr::null_mut();
+    let mut region: *mut c_void = std::ptr::null_mut();
+    #[allow(unsafe_code)]
+    // SAFETY: SQLITE_FCNTL_FILE_POINTER stores the main database's `sqlite3_file` (owned
+    // by the open connection `conn`, which outlives this call) into `file`. Its methods
+    // table is SQLite's own; version 2 and later have `xShmMap`, which with bExtend = 0
+    // returns the region the connection's shared-memory node already maps (or maps it, as
+    // the connection's next read would), or null if there is none; it stays mapped until
+    // the connection closes.
+    unsafe {
+        let rc = ffi::sqlite3_file_control(
+            conn.handle(),
+            c"main".as_ptr(),
+            ffi::SQLITE_FCNTL_FILE_POINTER,
+            (&mut file as *mut *mut ffi::sqlite3_file).cast(),
+        );
+        if rc != ffi::SQLITE_OK || file.is_null() {
+            return None;
+        }
+        let methods = (*file).pMethods;
+        if methods.is_null() || (*methods).iVersion < 2 {
+            return None;
+        }
+        let map = (*methods).xShmMap?;
+        if map(file, 0, WAL_INDEX_REGION_BYTES, 0, &mut region) != ffi::SQLITE_OK
+            || region.is_null()
+        {
+            return None;
+        }
+    }
+    let base = region as *const u8;
+    for _ in 0..WAL_INDEX_READS_MAX {
+        let mut copies = [[0u8; WAL_INDEX_HEADER_BYTES]; 2];
+        for (c, copy) in copies.iter_mut().enumerate() {
+            for (i, b) in copy.iter_mut().enumerate() {
+                #[allow(unsafe_code)]
+                // SAFETY: the region is at least WAL_INDEX_REGION_BYTES long and mapped
+                // for as long as `conn` is open; other processes write it concurrently,
+                // hence volatile byte reads, checked below by comparing the two copies.
+                unsafe {
+                    *b = std::ptr::read_volatile(base.add(c * WAL_INDEX_HEADER_BYTES + i));
+                }
+            }
+            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        }
+        let [first, second] = &copies;
+        let u32_at = |at: usize| u32::from_ne_bytes(first[at..at + 4].try_into().expect("4 bytes"));
+        if first == second && first[12] != 0 && u32_at(0) == WAL_INDEX_VERSION {
+            let salt =
+                |at: usize| u32::from_be_bytes(first[at..at + 4].try_into().expect("4 bytes"));
+            return Some(WalIndexEnd {
+                salts: crate::wal::Salts(salt(32), salt(36)),
+                frame: u32_at(16),
+            });
+        }
+        std::thread::yield_now();
+    }
+    None
+}
+
 /// Prepare an app's connection to a database that ferry ships:
 /// WAL mode, no automatic checkpoints (the shipper folds the WAL once the receiver has
 /// it), no checkpoint when the last connection closes, a busy handler that waits up to
@@ -328,6 +424,83 @@ fn mix(h: &mut u64, bytes: &[u8]) {
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
+
+    // Guards the reading of SQLite's wal-index: the end it gives is SQLite's, frame for
+    // frame, as commits go in, across a WAL reset, and not moved by a whole commit laid in
+    // the `-wal` that no writer published (a writer killed between the two).
+    #[test]
+    fn the_wal_index_end_is_what_sqlite_published() {
+        use std::os::unix::fs::FileExt;
+        let dir = std::env::temp_dir().join(format!("ferry-walindex-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("a.db");
+        let mut app = Connection::open(&path).unwrap();
+        prepare_connection(&mut app).unwrap();
+        let watcher = Connection::open(&path).unwrap();
+        watcher
+            .query_row("SELECT count(*) FROM sqlite_master", [], |_| Ok(()))
+            .unwrap();
+        let wal_end = || {
+            let wal = std::fs::read(dir.join("a.db-wal")).unwrap();
+            let h = crate::wal::Header::parse(&wal).unwrap();
+            let limits = crate::wal::ScanLimits {
+                txn_inline_bytes_max: 0,
+                budget_bytes: u64::MAX,
+            };
+            (
+                h.salts,
+                crate::wal::scan(&wal, &h.start(), limits)
+                    .unwrap()
+                    .end
+                    .frame,
+            )
+        };
+        app.execute_batch("CREATE TABLE t(x); INSERT INTO t VALUES (randomblob(5000));")
+            .unwrap();
+        for _ in 0..3 {
+            app.execute("INSERT INTO t VALUES (randomblob(3000))", [])
+                .unwrap();
+            let (salts, frame) = wal_end();
+            assert_eq!(wal_index_end(&watcher), Some(WalIndexEnd { salts, frame }));
+        }
+        // A reset: a checkpoint of everything, then the next commit starts a new cycle.
+        app.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+            .unwrap();
+        app.execute("INSERT INTO t VALUES (1)", []).unwrap();
+        let (salts, frame) = wal_end();
+        let published = wal_index_end(&watcher).unwrap();
+        assert_eq!(published, WalIndexEnd { salts, frame });
+
+        // A commit nobody published: made on a copy, its frames laid after ours.
+        let twin = dir.join("twin");
+        std::fs::create_dir_all(&twin).unwrap();
+        std::fs::copy(&path, twin.join("a.db")).unwrap();
+        std::fs::copy(dir.join("a.db-wal"), twin.join("a.db-wal")).unwrap();
+        let t = Connection::open(twin.join("a.db")).unwrap();
+        t.pragma_update(None, "wal_autocheckpoint", 0).unwrap();
+        t.execute("INSERT INTO t VALUES (randomblob(9000))", [])
+            .unwrap();
+        let twin_wal = std::fs::read(twin.join("a.db-wal")).unwrap();
+        let ours = std::fs::read(dir.join("a.db-wal")).unwrap();
+        // The twin's commit starts after the last published frame (the file goes on with
+        // frames of the cycle before, which it overwrites).
+        let at = crate::wal::frame_offset(4096, frame + 1) as usize;
+        assert!(twin_wal.len() > at && twin_wal[..at] == ours[..at]);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.join("a.db-wal"))
+            .unwrap()
+            .write_all_at(&twin_wal[at..], at as u64)
+            .unwrap();
+        assert!(
+            wal_end().1 > frame,
+            "the unpublished commit validates in the -wal"
+        );
+        assert_eq!(wal_index_end(&watcher), Some(published));
+        drop(t);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn the_bundled_sqlite_is_new_enough_and_has_dbpage() {

@@ -535,6 +535,27 @@ pub fn read_verified(src: &(impl ReadAt + ?Sized), r: &FrameRef) -> io::Result<O
     Ok(Some(frame[FRAME_HEADER_BYTES..].into()))
 }
 
+/// `src` read only up to `len` bytes: a scan through it stops where SQLite's committed
+/// frames end (`sqlite::wal_index_end`), however far valid frames go on after them.
+pub struct Upto<'a, R: ?Sized> {
+    pub src: &'a R,
+    pub len: u64,
+}
+
+impl<R: ReadAt + ?Sized> ReadAt for Upto<'_, R> {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let n = self.len.saturating_sub(offset).min(buf.len() as u64) as usize;
+        if n == 0 {
+            return Ok(0);
+        }
+        self.src.read_at(&mut buf[..n], offset)
+    }
+
+    fn size(&self) -> io::Result<u64> {
+        Ok(self.src.size()?.min(self.len))
+    }
+}
+
 /// Does the frame just after `cursor` hold a valid continuation of its cycle?
 pub fn continues(src: &(impl ReadAt + ?Sized), cursor: &Cursor) -> io::Result<bool> {
     let mut frame = vec![0u8; cursor.frame_bytes() as usize];

@@ -535,3 +535,101 @@ fn a_power_loss_behind_a_lagging_shipper_state_is_detected() {
         bases(&rig, "a")
     );
 }
+
+// C13. Guards against shipping a commit SQLite itself never counted. An app killed inside
+// its commit, after SQLite synced the frames but before it published them in `-shm`, leaves
+// a whole, valid commit in `-wal`. The shipper's own connections keep `-shm` alive, so the
+// app's next start does not recover the WAL: for SQLite the commit never happened, and the
+// app's next writer overwrites its frames. A replica that took it would hold a transaction
+// the primary does not have, and, once a checkpoint resets the WAL, miss the ones that
+// replaced it. The replica must end equal to the primary, whether the app writes before
+// the checkpoint that resets the WAL (overwriting the commit's first frames) or not (the
+// commit then stays whole at the end of the old cycle).
+#[test]
+fn a_commit_cut_short_by_the_apps_death_never_reaches_the_replica() {
+    cut_short_commit("c13a", true);
+    cut_short_commit("c13b", false);
+}
+
+fn cut_short_commit(name: &str, write_before_reset: bool) {
+    use std::os::unix::fs::FileExt;
+
+    let mut rig = Rig::new(name);
+    rig.start_receiver();
+    rig.start_shipper();
+    let small = workload::Shape::Rows {
+        rows: 2,
+        payload: 200,
+    };
+    let conn = workload::open_app(&rig.db("a"), true).unwrap();
+    let mut rng = Rng::new(13);
+    for _ in 0..20 {
+        workload::write(&conn, &mut rng, small).unwrap();
+    }
+    let before = workload::txns(&conn);
+    drop(conn);
+    rig.wait_synced("a", before, Duration::from_secs(30));
+
+    // The commit the app died in: made in a twin of the primary's files (no `-shm`, so
+    // the twin's index is rebuilt from this WAL and its commit appends to it), then laid
+    // after the primary's frames, where the dying app's commit would be.
+    let twin = rig.scratch.dir("twin");
+    for f in ["a.db", "a.db-wal"] {
+        std::fs::copy(rig.primary.join(f), twin.join(f)).unwrap();
+    }
+    let t = workload::open_app(&twin.join("a.db"), true).unwrap();
+    workload::write(
+        &t,
+        &mut Rng::new(1313),
+        workload::Shape::Rows {
+            rows: 40,
+            payload: 3000,
+        },
+    )
+    .unwrap();
+    let twin_wal = std::fs::read(twin.join("a.db-wal")).unwrap();
+    drop(t);
+    let wal_path = rig.primary.join("a.db-wal");
+    let primary_wal = std::fs::read(&wal_path).unwrap();
+    let at = primary_wal.len();
+    assert!(
+        twin_wal.len() > at && twin_wal[..at] == primary_wal[..],
+        "the twin's commit did not append to the primary's WAL"
+    );
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&wal_path)
+        .unwrap()
+        .write_all_at(&twin_wal[at..], at as u64)
+        .unwrap();
+    // Give the shipper time to see the frames (inotify, or its one-second poll): it must
+    // leave them alone.
+    std::thread::sleep(Duration::from_millis(1500));
+    let replica_txns = workload::txns(&rig.replica("a"));
+    assert_eq!(
+        replica_txns, before,
+        "the replica took the unpublished commit"
+    );
+
+    // The app starts again. For SQLite the commit never happened: a checkpoint copies what
+    // SQLite counts, the WAL resets at the next write, and the app writes on.
+    let conn = workload::open_app(&rig.db("a"), true).unwrap();
+    assert_eq!(
+        workload::txns(&conn),
+        before,
+        "the primary counted the cut-short commit"
+    );
+    let mut rng = Rng::new(130);
+    if write_before_reset {
+        workload::write(&conn, &mut rng, small).unwrap();
+    }
+    conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+        .unwrap();
+    for _ in 0..5 {
+        workload::write(&conn, &mut rng, small).unwrap();
+    }
+    let now = workload::txns(&conn);
+    drop(conn);
+    rig.wait_synced("a", now, Duration::from_secs(30));
+    rig.assert_equal("a");
+}

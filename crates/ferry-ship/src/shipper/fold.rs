@@ -53,6 +53,39 @@ pub struct FoldState {
     pub busy: AtomicBool,
     /// Folds that copied every frame.
     pub complete: AtomicU64,
+    /// How far SQLite had published the last few WAL cycles, as the folder's checkpoints
+    /// saw them. A WAL resets only after a checkpoint copied all of a cycle, here the
+    /// folder's (a prepared app never checkpoints): so the end of a cycle that reset is
+    /// here, though the wal-index names the new cycle by the time the shipper looks. Without
+    /// it, the old cycle's last commits, published after the shipper's last look, could not
+    /// be told from a commit nobody published (docs/ship.md §3.2). At most
+    /// `PUBLISHED_CYCLES_MAX` cycles, the newest.
+    published: Mutex<Vec<crate::sqlite::WalIndexEnd>>,
+}
+
+/// Cycles `FoldState` remembers: the shipper looks at a reset within a step or two, and
+/// a fold is only asked for once per cycle.
+const PUBLISHED_CYCLES_MAX: usize = 4;
+
+impl FoldState {
+    /// The furthest the folder saw SQLite publish of the cycle `salts`.
+    pub fn published(&self, salts: Salts) -> Option<u32> {
+        let seen = self.published.lock().unwrap_or_else(|p| p.into_inner());
+        seen.iter().find(|e| e.salts == salts).map(|e| e.frame)
+    }
+
+    fn note(&self, end: crate::sqlite::WalIndexEnd) {
+        let mut seen = self.published.lock().unwrap_or_else(|p| p.into_inner());
+        match seen.iter_mut().find(|e| e.salts == end.salts) {
+            Some(e) => e.frame = e.frame.max(end.frame),
+            None => {
+                if seen.len() == PUBLISHED_CYCLES_MAX {
+                    seen.remove(0);
+                }
+                seen.push(end);
+            }
+        }
+    }
 }
 
 struct Job {
@@ -170,15 +203,42 @@ fn fold(
             Ok((r.get(0)?, r.get(1)?, r.get(2)?))
         })
     };
+    let header_salts = || -> Option<Salts> {
+        let f = crate::quiet::open(&job.wal).ok()?;
+        wal::read_header(&f).ok()??.ok().map(|h| h.salts)
+    };
+    // What a checkpoint copied up to is published (it reports the index's end as it
+    // began), and it is of the cycle the WAL header named before and after it: a reset in
+    // between would have had to follow a copy of the whole cycle, and the new cycle could
+    // only be a few frames long, fewer than any end of the old one we note.
+    let note = |before: Option<Salts>, log: i64| {
+        if let Some(end) = crate::sqlite::wal_index_end(&c.main) {
+            job.state.note(end);
+        }
+        if let (Some(salts), Ok(frame)) = (before, u32::try_from(log))
+            && header_salts() == Some(salts)
+        {
+            job.state.note(crate::sqlite::WalIndexEnd { salts, frame });
+        }
+    };
     if !in_cycle()? {
         return Ok((1, -1, -1));
     }
+    let before = header_salts();
     let first = passive(&c.main)?;
+    note(before, first.1);
     if c.barrier.execute_batch("BEGIN IMMEDIATE").is_err() {
         return Ok(first);
     }
     let second = match in_cycle() {
-        Ok(true) => passive(&c.main).map_err(Into::into),
+        Ok(true) => {
+            let before = header_salts();
+            let second = passive(&c.main);
+            if let Ok((_, log, _)) = second {
+                note(before, log);
+            }
+            second.map_err(Into::into)
+        }
         Ok(false) => Ok(first),
         Err(e) => Err(e.into()),
     };

@@ -47,6 +47,11 @@ pub struct ShipState {
     pub needs_base: bool,
     /// Change counters the main file may legitimately carry: `[lo, hi]`.
     pub counters: Option<(u32, u32)>,
+    /// The furthest SQLite was seen to publish of `cursor`'s cycle (docs/ship.md §3.2):
+    /// after a restart the wal-index may have moved on to a new cycle, and the frames of
+    /// the old one past the cursor are then shipped only up to here.
+    #[serde(default)]
+    pub published: Option<crate::sqlite::WalIndexEnd>,
 }
 
 /// Where the state of `name` lives in the shipper directory `dir`.

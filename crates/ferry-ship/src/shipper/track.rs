@@ -39,6 +39,18 @@ use std::time::{Duration, Instant};
 const STATE_SAVE_INTERVAL: Duration = Duration::from_secs(1);
 /// Retry a fold that a reader held up after this long, even with no new commits.
 const FOLD_RETRY: Duration = Duration::from_secs(5);
+/// A commit whose frames are in the `-wal` but not yet published in the wal-index is
+/// looked at again every `UNPUBLISHED_RECHECK`, `UNPUBLISHED_RECHECKS_FAST` times, then
+/// every `UNPUBLISHED_RECHECK_SLOW`. An app publishes right after its commit's sync (well
+/// under a millisecond to some tens of them), and in another process it says nothing when
+/// it does: inotify saw the frames written, before the sync. Seeing it soon matters: an
+/// app that checkpoints itself may reset the WAL a few milliseconds later, and a commit of
+/// the old cycle the shipper never saw published costs a base. One that stays unpublished
+/// is a commit its writer died in; it is looked at every `UNPUBLISHED_RECHECK_SLOW` until
+/// the app's next writer overwrites it, for a read of the index and of one frame each time.
+const UNPUBLISHED_RECHECK: Duration = Duration::from_millis(1);
+const UNPUBLISHED_RECHECKS_FAST: u32 = 100;
+const UNPUBLISHED_RECHECK_SLOW: Duration = Duration::from_millis(100);
 /// How often a step re-checks what rarely changes: the file's identity, its header's
 /// change counter, the `-wal` file's identity, the WAL cap. A step per commit cannot
 /// afford a stat of each every time.
@@ -192,9 +204,18 @@ pub struct Track {
     wal: Option<(FileId, File)>,
     /// The persisted part: epoch, generation, the acknowledged seq and its cursor.
     st: ShipState,
-    /// Where scanning has reached; None while the WAL was empty at the base.
+    /// Where scanning has reached; None while the WAL was empty at the base. Never past
+    /// what SQLite published (`published`).
     scan: Option<Cursor>,
     scan_stop: Stop,
+    /// The furthest SQLite's wal-index was seen to publish of the cycle it named then
+    /// (docs/ship.md §3.2). Frames past it are not committed for SQLite, whatever their
+    /// checksums say; once the index has moved on to a new cycle, this is all the shipper
+    /// knows of where the old one ended.
+    published: Option<crate::sqlite::WalIndexEnd>,
+    /// A valid commit follows what SQLite published (being published, or one its writer
+    /// died in): where the scan stopped before it, and how many times in a row.
+    unpublished: Option<(Cursor, u32)>,
     unacked: VecDeque<Unacked>,
     unacked_bytes: u64,
     /// Seq the next scanned transaction gets.
@@ -314,6 +335,8 @@ impl Track {
             wal: None,
             scan: st.cursor,
             scan_stop: Stop::End,
+            published: st.published,
+            unpublished: None,
             unacked: VecDeque::new(),
             unacked_bytes: 0,
             next_seq: acked + 1,
@@ -423,6 +446,12 @@ impl Track {
         self.save_if_due()?;
         Ok(if self.scan_stop == Stop::Budget {
             Next::Again
+        } else if let Some((_, n)) = self.unpublished {
+            Next::After(if n < UNPUBLISHED_RECHECKS_FAST {
+                UNPUBLISHED_RECHECK
+            } else {
+                UNPUBLISHED_RECHECK_SLOW
+            })
         } else {
             Next::Idle
         })
@@ -591,9 +620,19 @@ impl Track {
                         tracing::warn!(db = %self.name, frame = cursor.frame, "the WAL below the saved cursor changed");
                         return Ok(Err(BaseReason::Rewritten));
                     }
+                    // A cursor saved past what SQLite published covers a commit whose
+                    // writer died before publishing it (or one that overwrote it).
+                    if let Some(now) = crate::sqlite::wal_index_end(&self.main)
+                        && now.salts == cursor.salts
+                        && now.frame < cursor.frame
+                    {
+                        tracing::warn!(db = %self.name, frame = cursor.frame, published = now.frame, "the saved cursor is past what SQLite published");
+                        return Ok(Err(BaseReason::Rewritten));
+                    }
                     self.chain_verified = true;
                 }
-                self.scan_more(cursor, false)?;
+                let end = self.published_end(cursor.salts);
+                self.scan_more(cursor, false, end)?;
                 if std::mem::take(&mut self.forked) {
                     return Ok(Err(BaseReason::Rewritten));
                 }
@@ -605,18 +644,31 @@ impl Track {
                     self.scan = Some(h.start());
                 }
                 Proof::OldCycleGoesOn => {
-                    // Read what the old cycle still holds past our cursor, then check the
-                    // new cycle has not reached those slots while we read.
-                    self.scan_more(cursor, true)?;
+                    // Read what the old cycle still holds past our cursor, as far as SQLite
+                    // published it, then check the new cycle has not reached those slots
+                    // while we read.
+                    let seen = self.published_end(cursor.salts);
+                    self.scan_more(cursor, true, seen)?;
+                    let reached = self.scan.expect("scan_more sets it");
+                    let f = self.wal.as_ref().map(|(_, f)| f).expect("still open");
+                    if !self.forked && wal::continues(f, &reached)? {
+                        let Some(end) = self.old_cycle_end(&reached)? else {
+                            tracing::info!(db = %self.name, frame = reached.frame, "the old WAL cycle goes on past what SQLite was seen to publish, with a last commit the main file does not show");
+                            return Ok(Err(BaseReason::Reset));
+                        };
+                        self.scan_more(reached, true, end)?;
+                    }
                     if std::mem::take(&mut self.forked) {
                         return Ok(Err(BaseReason::Rewritten));
                     }
                     let f = self.wal.as_ref().map(|(_, f)| f).expect("still open");
                     let same = wal::read_header(f)?.and_then(|x| x.ok()) == Some(h);
                     if !same || wal::valid_frames(f, &h, cursor.frame + 1)? > cursor.frame {
+                        tracing::info!(db = %self.name, frame = cursor.frame, "the new WAL cycle reached the old one's frames while they were read");
                         return Ok(Err(BaseReason::Reset));
                     }
                     if self.scan == Some(cursor) {
+                        tracing::info!(db = %self.name, frame = cursor.frame, "the old WAL cycle goes on past the cursor with no commit in it");
                         return Ok(Err(BaseReason::Reset));
                     }
                 }
@@ -628,8 +680,84 @@ impl Track {
         }
     }
 
-    /// Scan committed transactions after `from`, queueing them for shipping.
-    fn scan_more(&mut self, from: Cursor, everything: bool) -> Result<(), StepError> {
+    /// After a reset, where the old cycle's published frames end, given that valid
+    /// frames follow `from`, the end of what SQLite was seen to publish: the end of the old
+    /// cycle's valid chain if its last commit is in the main file, else None.
+    ///
+    /// An app that checkpoints itself can publish its last commits and reset the WAL
+    /// between two looks of the shipper. Every commit the chain holds after `from` but the
+    /// last was published: the next one could only be written after it. The last was
+    /// too if the checkpoint that let the WAL reset copied it: then the main file holds each
+    /// of its pages as it wrote them (a checkpoint copies each page's last image as the WAL
+    /// holds it, page 1 included). A commit whose writer died before publishing it was
+    /// never copied; the main file shows it only where it changed nothing, and a page the
+    /// new cycle has copied since shows another image: both answer None, and a base is
+    /// sent, never a guess.
+    fn old_cycle_end(&self, from: &Cursor) -> Result<Option<u32>, StepError> {
+        let f = self
+            .wal
+            .as_ref()
+            .map(|(_, f)| f)
+            .expect("callers opened the WAL");
+        let positions = ScanLimits {
+            txn_inline_bytes_max: 0,
+            budget_bytes: u64::MAX,
+        };
+        let chain = wal::scan(f, from, positions)?;
+        let Some(last) = chain.txns.last() else {
+            return Ok(Some(from.frame));
+        };
+        let images: Vec<(u32, Option<Box<[u8]>>)> = match &last.pages {
+            wal::Pages::Frames(refs) => refs
+                .iter()
+                .map(|(pgno, r)| Ok((*pgno, wal::read_verified(f, r)?)))
+                .collect::<io::Result<_>>()?,
+            wal::Pages::Inline(images) => images
+                .iter()
+                .map(|(pgno, image)| (*pgno, Some(image.clone())))
+                .collect(),
+        };
+        let mut on_disk = vec![0u8; from.page_size as usize];
+        for (pgno, image) in images {
+            let Some(image) = image else {
+                return Ok(None);
+            };
+            let at = (pgno as u64 - 1) * from.page_size as u64;
+            if self.header_fd.read_exact_at(&mut on_disk, at).is_err() || on_disk[..] != image[..] {
+                return Ok(None);
+            }
+        }
+        Ok(Some(last.last_frame))
+    }
+
+    /// The last frame of the cycle `salts` that SQLite has published: from the wal-index
+    /// while it names that cycle, else the furthest it was seen to, by this track or by
+    /// the folder's locked half (`published`); 0 if it never was.
+    fn published_end(&mut self, salts: wal::Salts) -> u32 {
+        let folded = self
+            .fold_state
+            .published(salts)
+            .map(|frame| crate::sqlite::WalIndexEnd { salts, frame });
+        for now in [crate::sqlite::wal_index_end(&self.main), folded]
+            .into_iter()
+            .flatten()
+        {
+            if now.salts == salts
+                && self
+                    .published
+                    .is_none_or(|seen| seen.salts != salts || seen.frame < now.frame)
+            {
+                self.published = Some(now);
+            }
+        }
+        self.published
+            .filter(|seen| seen.salts == salts)
+            .map_or(0, |seen| seen.frame)
+    }
+
+    /// Scan committed transactions after `from` up to frame `end` (what SQLite
+    /// published), queueing them for shipping.
+    fn scan_more(&mut self, from: Cursor, everything: bool, end: u32) -> Result<(), StepError> {
         let budget = if everything {
             u64::MAX
         } else {
@@ -644,14 +772,31 @@ impl Track {
             .as_ref()
             .map(|(_, f)| f)
             .expect("callers opened the WAL");
+        let published = wal::Upto {
+            src: f,
+            len: wal::frame_offset(from.page_size, end.max(from.frame) + 1),
+        };
         let found = wal::scan(
-            f,
+            &published,
             &from,
             ScanLimits {
                 txn_inline_bytes_max: TXN_INLINE_BYTES_MAX,
                 budget_bytes: budget,
             },
         )?;
+        // A valid frame right after what SQLite published: a commit being published, or
+        // one whose writer died before it could be. Look again soon, not at the next event.
+        self.unpublished = if found.stop == Stop::End
+            && found.end.frame >= end
+            && wal::continues(f, &found.end)?
+        {
+            match self.unpublished {
+                Some((at, n)) if at == found.end => Some((at, n + 1)),
+                _ => Some((found.end, 0)),
+            }
+        } else {
+            None
+        };
         self.scan = Some(found.end);
         self.scan_stop = found.stop;
         let now = Instant::now();
@@ -816,6 +961,13 @@ impl Track {
     /// Persist the state now.
     pub fn save(&mut self) -> Result<(), StepError> {
         self.st.db = Some(self.db);
+        self.st.published = self.st.cursor.and_then(|c| {
+            let frame = self.published_end(c.salts);
+            (frame > 0).then_some(crate::sqlite::WalIndexEnd {
+                salts: c.salts,
+                frame,
+            })
+        });
         state::save(&self.state_path, &self.st)?;
         self.dirty = false;
         self.saved_at = Instant::now();
@@ -1016,6 +1168,11 @@ impl Track {
             db: Some(self.db),
             needs_base: true,
             counters: snap.counters,
+            // The snapshot was pinned at the end SQLite had published.
+            published: snap.cursor.map(|c| crate::sqlite::WalIndexEnd {
+                salts: c.salts,
+                frame: c.frame,
+            }),
         };
         self.save()?;
         let header = BaseHeader {
@@ -1057,6 +1214,7 @@ impl Track {
                 }
                 self.scan = snap.cursor;
                 self.scan_stop = Stop::End;
+                self.unpublished = None;
                 self.unacked.clear();
                 self.unacked_bytes = 0;
                 self.next_seq = 1;
@@ -1094,10 +1252,10 @@ impl Track {
     fn snapshot(&mut self) -> Result<Snapshot, StepError> {
         // Read most of the WAL before taking the write lock, so writers wait only for the
         // tail that arrives meanwhile.
-        let pre = Some(self.scan_to_end(None)?);
+        let pre = Some(self.scan_to_end(None, false)?);
         self.barrier.execute_batch("BEGIN IMMEDIATE")?;
         let pinned = (|| -> Result<Snapshot, StepError> {
-            let (cursor, counters) = self.scan_to_end(pre)?;
+            let (cursor, counters) = self.scan_to_end(pre, true)?;
             self.main.execute_batch("BEGIN")?;
             self.main
                 .query_row("SELECT count(*) FROM sqlite_master", [], |_| Ok(()))?;
@@ -1124,15 +1282,31 @@ impl Track {
         pinned
     }
 
-    /// Scan the current WAL cycle to its end, keeping only positions (no page images).
-    /// Continues from `from` when the cycle is the same and its cursor still holds.
-    fn scan_to_end(&mut self, from: Option<Tail>) -> Result<Tail, StepError> {
+    /// Scan the current WAL cycle to the end of what SQLite published, keeping only
+    /// positions (no page images). Continues from `from` when the cycle is the same and its
+    /// cursor still holds. `pinned`: the caller holds the write lock, so that end stands
+    /// still and must be read from the wal-index itself, naming this cycle: it is where
+    /// the snapshot that follows will read.
+    fn scan_to_end(&mut self, from: Option<Tail>, pinned: bool) -> Result<Tail, StepError> {
         let Some(f) = self.wal_file()? else {
             return Ok((None, None));
         };
         let Some(Ok(h)) = wal::read_header(f)? else {
             return Ok((None, None));
         };
+        if pinned && crate::sqlite::wal_index_end(&self.main).is_none_or(|now| now.salts != h.salts)
+        {
+            return Err(StepError::Io(io::Error::other(
+                "SQLite's wal-index does not name the WAL's cycle (a writer died starting a new \
+                 one?); the next commit settles it",
+            )));
+        }
+        let end = self.published_end(h.salts);
+        let f = self
+            .wal
+            .as_ref()
+            .map(|(_, f)| f)
+            .expect("wal_file opened it");
         let (mut cursor, mut counters) = (h.start(), None);
         if let Some((Some(c), cs)) = from
             && c.salts == h.salts
@@ -1145,7 +1319,11 @@ impl Track {
             txn_inline_bytes_max: 0,
             budget_bytes: u64::MAX,
         };
-        let found = wal::scan(f, &cursor, limits)?;
+        let published = wal::Upto {
+            src: f,
+            len: wal::frame_offset(h.page_size, end.max(cursor.frame) + 1),
+        };
+        let found = wal::scan(&published, &cursor, limits)?;
         for t in &found.txns {
             for c in &t.page1_counters {
                 counters = Some(match counters {
