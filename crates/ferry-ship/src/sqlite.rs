@@ -82,6 +82,16 @@ const WAL_INDEX_READS_MAX: usize = 100;
 pub fn wal_index_end(conn: &Connection) -> Option<WalIndexEnd> {
     use rusqlite::ffi;
     use std::ffi::c_void;
+    // On a connection that is not in WAL mode, `xShmMap` would create a `-shm` and attach
+    // a handle only closing the WAL detaches: ask first (it reads the schema, which opens
+    // the WAL of a WAL database).
+    let mode: String = conn
+        .prepare_cached("PRAGMA journal_mode")
+        .and_then(|mut s| s.query_row([], |r| r.get(0)))
+        .ok()?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        return None;
+    }
     let mut file: *mut ffi::sqlite3_file = std::ptr::null_mut();
     let mut region: *mut c_void = std::ptr::null_mut();
     #[allow(unsafe_code)]
@@ -129,7 +139,11 @@ pub fn wal_index_end(conn: &Connection) -> Option<WalIndexEnd> {
         }
         let [first, second] = &copies;
         let u32_at = |at: usize| u32::from_ne_bytes(first[at..at + 4].try_into().expect("4 bytes"));
-        if first == second && first[12] != 0 && u32_at(0) == WAL_INDEX_VERSION {
+        if first == second
+            && first[12] != 0
+            && u32_at(0) == WAL_INDEX_VERSION
+            && header_checksum(first) == (u32_at(40), u32_at(44))
+        {
             let salt =
                 |at: usize| u32::from_be_bytes(first[at..at + 4].try_into().expect("4 bytes"));
             return Some(WalIndexEnd {
@@ -140,6 +154,20 @@ pub fn wal_index_end(conn: &Connection) -> Option<WalIndexEnd> {
         std::thread::yield_now();
     }
     None
+}
+
+/// The checksum SQLite keeps over a wal-index header's first 40 bytes (`walChecksumBytes`
+/// in native byte order, as `walIndexWriteHdr` computes it): a header that fails it is one
+/// SQLite itself would not trust.
+fn header_checksum(h: &[u8; WAL_INDEX_HEADER_BYTES]) -> (u32, u32) {
+    let (mut s1, mut s2) = (0u32, 0u32);
+    for pair in h[..40].chunks_exact(8) {
+        let a = u32::from_ne_bytes(pair[..4].try_into().expect("4 bytes"));
+        let b = u32::from_ne_bytes(pair[4..].try_into().expect("4 bytes"));
+        s1 = s1.wrapping_add(a).wrapping_add(s2);
+        s2 = s2.wrapping_add(b).wrapping_add(s1);
+    }
+    (s1, s2)
 }
 
 /// Prepare an app's connection to a database that ferry ships:

@@ -623,13 +623,29 @@ fn cut_short_commit(name: &str, write_before_reset: bool) {
     if write_before_reset {
         workload::write(&conn, &mut rng, small).unwrap();
     }
-    conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+    let (_, log, copied): (i64, i64, i64) = conn
+        .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+        })
         .unwrap();
+    assert_eq!(log, copied, "the checkpoint did not copy the whole cycle");
     for _ in 0..5 {
         workload::write(&conn, &mut rng, small).unwrap();
     }
     let now = workload::txns(&conn);
     drop(conn);
+    let header = ferry_ship::wal::Header::parse(&std::fs::read(&wal_path).unwrap()).unwrap();
+    let old = ferry_ship::wal::Header::parse(&primary_wal).unwrap();
+    assert_ne!(header.salts, old.salts, "the WAL did not reset");
     rig.wait_synced("a", now, Duration::from_secs(30));
     rig.assert_equal("a");
+    // Written over before the reset, the commit is gone from the old cycle's chain, and its
+    // last commit (the app's) is in the main file: no base. Left whole at the old cycle's
+    // end, nothing shows it was never published but the main file, which lacks it: a base.
+    let b = bases(&rig, "a");
+    if write_before_reset {
+        assert_eq!(b.values().sum::<u64>(), 1, "{b:?}");
+    } else {
+        assert_eq!(b.get("reset"), Some(&1), "{b:?}");
+    }
 }

@@ -60,29 +60,49 @@ pub struct FoldState {
     /// it, the old cycle's last commits, published after the shipper's last look, could not
     /// be told from a commit nobody published (docs/ship.md §3.2). At most
     /// `PUBLISHED_CYCLES_MAX` cycles, the newest.
-    published: Mutex<Vec<crate::sqlite::WalIndexEnd>>,
+    published: Mutex<PublishedEnds>,
 }
-
-/// Cycles `FoldState` remembers: the shipper looks at a reset within a step or two, and
-/// a fold is only asked for once per cycle.
-const PUBLISHED_CYCLES_MAX: usize = 4;
 
 impl FoldState {
     /// The furthest the folder saw SQLite publish of the cycle `salts`.
     pub fn published(&self, salts: Salts) -> Option<u32> {
-        let seen = self.published.lock().unwrap_or_else(|p| p.into_inner());
-        seen.iter().find(|e| e.salts == salts).map(|e| e.frame)
+        self.published
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(salts)
     }
 
     fn note(&self, end: crate::sqlite::WalIndexEnd) {
-        let mut seen = self.published.lock().unwrap_or_else(|p| p.into_inner());
-        match seen.iter_mut().find(|e| e.salts == end.salts) {
+        self.published
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .note(end);
+    }
+}
+
+/// How far SQLite was seen to publish each of the last few WAL cycles (docs/ship.md
+/// §3.2): an end seen is a lower bound of that cycle's, and stays one after the wal-index
+/// moves on to the next cycle.
+#[derive(Clone, Debug, Default)]
+pub struct PublishedEnds(Vec<crate::sqlite::WalIndexEnd>);
+
+/// Cycles remembered: the shipper looks at a reset within a step or two, and a fold is
+/// only asked for once per cycle.
+const PUBLISHED_CYCLES_MAX: usize = 4;
+
+impl PublishedEnds {
+    pub fn get(&self, salts: Salts) -> Option<u32> {
+        self.0.iter().find(|e| e.salts == salts).map(|e| e.frame)
+    }
+
+    pub fn note(&mut self, end: crate::sqlite::WalIndexEnd) {
+        match self.0.iter_mut().find(|e| e.salts == end.salts) {
             Some(e) => e.frame = e.frame.max(end.frame),
             None => {
-                if seen.len() == PUBLISHED_CYCLES_MAX {
-                    seen.remove(0);
+                if self.0.len() == PUBLISHED_CYCLES_MAX {
+                    self.0.remove(0);
                 }
-                seen.push(end);
+                self.0.push(end);
             }
         }
     }
@@ -208,10 +228,15 @@ fn fold(
         wal::read_header(&f).ok()??.ok().map(|h| h.salts)
     };
     // What a checkpoint copied up to is published (it reports the index's end as it
-    // began), and it is of the cycle the WAL header named before and after it: a reset in
-    // between would have had to follow a copy of the whole cycle, and the new cycle could
-    // only be a few frames long, fewer than any end of the old one we note.
+    // began), and it is of the cycle the WAL header named before and after it: the index
+    // names another cycle than the header only while that cycle has no frame published
+    // (a writer writes the header before its frames, and publishes after), so a
+    // checkpoint of a cycle the header did not name yet reports 0.
     let note = |before: Option<Salts>, log: i64| {
+        if log < 0 {
+            // Not in WAL mode (or busy before it read the index): nothing to note.
+            return;
+        }
         if let Some(end) = crate::sqlite::wal_index_end(&c.main) {
             job.state.note(end);
         }

@@ -212,7 +212,7 @@ pub struct Track {
     /// (docs/ship.md §3.2). Frames past it are not committed for SQLite, whatever their
     /// checksums say; once the index has moved on to a new cycle, this is all the shipper
     /// knows of where the old one ended.
-    published: Option<crate::sqlite::WalIndexEnd>,
+    published: super::fold::PublishedEnds,
     /// A valid commit follows what SQLite published (being published, or one its writer
     /// died in): where the scan stopped before it, and how many times in a row.
     unpublished: Option<(Cursor, u32)>,
@@ -335,7 +335,13 @@ impl Track {
             wal: None,
             scan: st.cursor,
             scan_stop: Stop::End,
-            published: st.published,
+            published: {
+                let mut ends = super::fold::PublishedEnds::default();
+                if let Some(end) = st.published {
+                    ends.note(end);
+                }
+                ends
+            },
             unpublished: None,
             unacked: VecDeque::new(),
             unacked_bytes: 0,
@@ -731,28 +737,22 @@ impl Track {
     }
 
     /// The last frame of the cycle `salts` that SQLite has published: from the wal-index
-    /// while it names that cycle, else the furthest it was seen to, by this track or by
-    /// the folder's locked half (`published`); 0 if it never was.
+    /// while it names that cycle, else the furthest it was seen to, by this track, by the
+    /// folder's checkpoints or before a restart (`published`); 0 if it never was.
     fn published_end(&mut self, salts: wal::Salts) -> u32 {
-        let folded = self
-            .fold_state
-            .published(salts)
-            .map(|frame| crate::sqlite::WalIndexEnd { salts, frame });
-        for now in [crate::sqlite::wal_index_end(&self.main), folded]
-            .into_iter()
-            .flatten()
+        // While the index names the cycle, it is the truth (an end noted earlier may be of
+        // an index since rebuilt smaller, after a power loss).
+        if let Some(now) = crate::sqlite::wal_index_end(&self.main)
+            && now.salts == salts
         {
-            if now.salts == salts
-                && self
-                    .published
-                    .is_none_or(|seen| seen.salts != salts || seen.frame < now.frame)
-            {
-                self.published = Some(now);
-            }
+            self.published.note(now);
+            return now.frame;
         }
-        self.published
-            .filter(|seen| seen.salts == salts)
-            .map_or(0, |seen| seen.frame)
+        if let Some(frame) = self.fold_state.published(salts) {
+            self.published
+                .note(crate::sqlite::WalIndexEnd { salts, frame });
+        }
+        self.published.get(salts).unwrap_or(0)
     }
 
     /// Scan committed transactions after `from` up to frame `end` (what SQLite
@@ -1294,12 +1294,20 @@ impl Track {
         let Some(Ok(h)) = wal::read_header(f)? else {
             return Ok((None, None));
         };
-        if pinned && crate::sqlite::wal_index_end(&self.main).is_none_or(|now| now.salts != h.salts)
-        {
-            return Err(StepError::Io(io::Error::other(
-                "SQLite's wal-index does not name the WAL's cycle (a writer died starting a new \
-                 one?); the next commit settles it",
-            )));
+        if pinned {
+            match crate::sqlite::wal_index_end(&self.main) {
+                // Nothing published: the snapshot reads the main file alone, and whatever
+                // the WAL holds (a writer's frames spilled and rolled back, or one that died
+                // starting a cycle) is not in it; frames to come start a cycle of their own.
+                Some(now) if now.frame == 0 => return Ok((None, None)),
+                Some(now) if now.salts == h.salts => {}
+                _ => {
+                    return Err(StepError::Io(io::Error::other(
+                        "SQLite's wal-index cannot be read, or names another cycle than the WAL \
+                         with frames published; retrying",
+                    )));
+                }
+            }
         }
         let end = self.published_end(h.salts);
         let f = self
