@@ -474,24 +474,17 @@ impl PendingTxn {
     }
 }
 
-/// Count valid frames (committed or not) from the start of the cycle `header` names,
-/// stopping at `limit`. The length of a cycle as far as it is written.
-pub fn valid_frames(src: &(impl ReadAt + ?Sized), header: &Header, limit: u32) -> io::Result<u32> {
-    let mut cursor = header.start();
-    let fb = cursor.frame_bytes();
-    let mut frame = vec![0u8; fb as usize];
-    while cursor.frame < limit {
-        let n = src.read_at(&mut frame, frame_offset(cursor.page_size, cursor.frame + 1))?;
-        if n < frame.len() {
-            break;
-        }
-        let Some((_, sum)) = verify_frame(&cursor, &frame) else {
-            break;
-        };
-        cursor.frame += 1;
-        cursor.checksum = sum;
-    }
-    Ok(cursor.frame)
+/// Has the cycle `header` names written its frame `n` yet? A cycle writes its frames in
+/// order, each with the cycle's salts in its header (the header first, then the page), and
+/// no other cycle carries them (salt-2 is drawn at random at every reset): frame `n`
+/// carrying them means the cycle reached it. One read however long the cycle is, so a
+/// proof that it has not reached a slot takes no longer when it is long (counting valid
+/// frames did, while the app kept writing). A frame whose salts match but whose page is
+/// still being written counts as reached, which errs on the side of a base.
+pub fn reached(src: &(impl ReadAt + ?Sized), header: &Header, n: u32) -> io::Result<bool> {
+    let mut b = [0u8; FRAME_HEADER_BYTES];
+    let got = src.read_at(&mut b, frame_offset(header.page_size, n))?;
+    Ok(got == FRAME_HEADER_BYTES && FrameHeader::parse(&b).salts == header.salts)
 }
 
 /// The cumulative checksum after frame `n` of the cycle `header` names, walking and
@@ -708,7 +701,9 @@ mod tests {
         let s = scan(&bytes, &start(&new), LIMITS).unwrap();
         assert_eq!(s.txns.len(), 1);
         let h = Header::parse(&bytes).unwrap();
-        assert_eq!(valid_frames(&bytes, &h, 100).unwrap(), 1);
+        assert!(reached(&bytes, &h, 1).unwrap());
+        assert!(!reached(&bytes, &h, 2).unwrap());
+        assert!(!reached(&bytes, &h, 9).unwrap(), "past the end of the file");
     }
 
     #[test]

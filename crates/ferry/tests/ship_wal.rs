@@ -205,10 +205,27 @@ fn a_replaced_file_is_detected_and_rebased() {
     let last = w.stop();
     rig.wait_synced("a", last, Duration::from_secs(30));
 
-    // (a) Restore by rename while the shipper runs.
+    // (a) Restore by rename while the shipper runs. The old file's -wal and -shm stay a
+    // while: the shipper must not read (or fold) the new file through them, and says why
+    // it waits.
     let restored = rig.scratch.path().join("restored.db");
     standalone_db(&restored, 30, 77);
+    let restored_bytes = std::fs::read(&restored).unwrap();
     std::fs::rename(&restored, rig.db("a")).unwrap();
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            rig.db_status("a")
+                .and_then(|d| d.last_error)
+                .is_some_and(|e| e.contains("a.db-wal and a.db-shm still belong"))
+        }),
+        "{:?}",
+        rig.db_status("a")
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        std::fs::read(rig.db("a")).unwrap() == restored_bytes,
+        "the restored file changed while its predecessor's -wal was beside it"
+    );
     for s in ["-wal", "-shm"] {
         let _ = std::fs::remove_file(rig.primary.join(format!("a.db{s}")));
     }

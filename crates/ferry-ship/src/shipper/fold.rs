@@ -53,6 +53,8 @@ pub struct FoldState {
     pub busy: AtomicBool,
     /// Folds that copied every frame.
     pub complete: AtomicU64,
+    /// Set by `Folder::forget`, cleared once the folder has dropped its connections.
+    pub forget: AtomicBool,
     /// How far SQLite had published the last few WAL cycles, as the folder's checkpoints
     /// saw them. A WAL resets only after a checkpoint copied all of a cycle, here the
     /// folder's (a prepared app never checkpoints): so the end of a cycle that reset is
@@ -109,7 +111,12 @@ impl PublishedEnds {
 }
 
 struct Job {
+    /// False: only drop the connections to `path` (see `Folder::forget`).
+    fold: bool,
     path: PathBuf,
+    /// The inode the shipper tracks at `path`: a file renamed over it since is left alone
+    /// until the shipper has looked at it (its old `-wal` may still be beside it).
+    ino: u64,
     wal: PathBuf,
     salts: Option<Salts>,
     state: Arc<FoldState>,
@@ -140,12 +147,20 @@ impl Folder {
 
     /// Ask for a fold of the database at `path`; false if one is already outstanding or
     /// the queue is full. `salts`: only copy while the WAL is still in this cycle.
-    pub fn request(&self, path: &Path, salts: Option<Salts>, state: &Arc<FoldState>) -> bool {
+    pub fn request(
+        &self,
+        path: &Path,
+        ino: u64,
+        salts: Option<Salts>,
+        state: &Arc<FoldState>,
+    ) -> bool {
         if state.busy.swap(true, Ordering::SeqCst) {
             return false;
         }
         let job = Job {
+            fold: true,
             path: path.to_path_buf(),
+            ino,
             wal: crate::receiver::replica::sidecar(path, "-wal"),
             salts,
             state: state.clone(),
@@ -161,6 +176,33 @@ impl Folder {
             state.busy.store(false, Ordering::SeqCst);
         }
         sent
+    }
+
+    /// Drop the folder's connections to `path` (a step failed inside SQLite: see
+    /// `Track::failed`). SQLite shares one wal-index mapping among all of a process's
+    /// connections to a file, so new connections of the shipper's own see the files as
+    /// they are now only once the folder's are gone too: `state.forget` stays set until
+    /// they are.
+    pub fn forget(&self, path: &Path, state: &Arc<FoldState>) {
+        if state.forget.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let job = Job {
+            fold: false,
+            path: path.to_path_buf(),
+            ino: 0,
+            wal: PathBuf::new(),
+            salts: None,
+            state: state.clone(),
+        };
+        let sent = match self.tx.lock().expect("folder lock").as_ref() {
+            Some(tx) => tx.try_send(job).is_ok(),
+            None => false,
+        };
+        if !sent {
+            // A full queue (or a folder stopping): the next call asks again.
+            state.forget.store(false, Ordering::SeqCst);
+        }
     }
 
     /// Stop after the fold in progress.
@@ -182,6 +224,11 @@ struct Conns {
 fn run(rx: Receiver<Job>) {
     let mut conns: HashMap<PathBuf, Conns> = HashMap::new();
     while let Ok(job) = rx.recv() {
+        if !job.fold {
+            conns.remove(&job.path);
+            job.state.forget.store(false, Ordering::SeqCst);
+            continue;
+        }
         let outcome = fold(&mut conns, &job).map_err(|e| e.to_string());
         if let Err(e) = &outcome {
             tracing::debug!(db = %job.path.display(), "fold failed: {e}");
@@ -189,6 +236,9 @@ fn run(rx: Receiver<Job>) {
         }
         if matches!(outcome, Ok((0, log, done)) if log == done && log >= 0) {
             job.state.complete.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Ok((busy, log, done)) = outcome {
+            tracing::debug!(db = %job.path.display(), busy, log, done, "folded");
         }
         job.state.busy.store(false, Ordering::SeqCst);
     }
@@ -199,6 +249,9 @@ fn fold(
     job: &Job,
 ) -> Result<(i64, i64, i64), Box<dyn std::error::Error>> {
     let ino = crate::quiet::stat(&job.path)?.ino;
+    if ino != job.ino {
+        return Ok((1, -1, -1));
+    }
     if conns.get(&job.path).is_none_or(|c| c.ino != ino) {
         let main = crate::sqlite::open_primary(&job.path)?;
         let barrier = crate::sqlite::open_primary(&job.path)?;

@@ -55,6 +55,10 @@ const UNPUBLISHED_RECHECK_SLOW: Duration = Duration::from_millis(100);
 /// change counter, the `-wal` file's identity, the WAL cap. A step per commit cannot
 /// afford a stat of each every time.
 const IDENTITY_INTERVAL: Duration = Duration::from_millis(50);
+/// How long a replaced file waits for the `-wal` and `-shm` of the file it replaced to be
+/// removed (see `Track::wait_for_stale_sidecars`), and how often it looks meanwhile.
+const STALE_SIDECAR_WAIT: Duration = Duration::from_secs(10);
+const STALE_SIDECAR_RECHECK: Duration = Duration::from_millis(10);
 /// Folds wait while the last request took longer than this, or while more than
 /// `FOLD_UNACKED_MAX` of pages wait for acknowledgement (see `Track::may_fold`).
 const FOLD_RTT_MAX: Duration = Duration::from_millis(50);
@@ -136,12 +140,23 @@ impl BaseReason {
 /// A failed step. All are retried after a backoff; the message goes to status.
 #[derive(Debug, thiserror::Error)]
 pub enum StepError {
-    #[error("SQLite: {0}")]
+    #[error("SQLite: {0}{code}", code = extended_code(.0))]
     Sqlite(#[from] rusqlite::Error),
     #[error("I/O: {0}")]
     Io(#[from] io::Error),
     #[error("{0}")]
     Peer(String),
+}
+
+/// SQLite's extended result code when it says more than the message (which names only
+/// the primary one: "disk I/O error" is any of some thirty).
+fn extended_code(e: &rusqlite::Error) -> String {
+    match e {
+        rusqlite::Error::SqliteFailure(f, _) if f.extended_code > 0xff => {
+            format!(" (extended code {})", f.extended_code)
+        }
+        _ => String::new(),
+    }
 }
 
 impl ferry_core::Classify for StepError {
@@ -249,6 +264,12 @@ pub struct Track {
     counters_at: Instant,
     cap_at: Instant,
     wal_stat_due: bool,
+    /// The `-wal` and `-shm` files at the last identity check, and since when the file
+    /// has been seen replaced while they were still there (see `stale_sidecar`).
+    sidecars: [Option<FileId>; 2],
+    replaced_at: Option<Instant>,
+    /// A step failed inside SQLite: open new connections before the next one.
+    reopen_due: bool,
     /// Why the owed base is owed (for status and metrics).
     pending_reason: Option<BaseReason>,
     /// Bytes of the base in flight and its size, shared with status.
@@ -323,6 +344,7 @@ impl Track {
             }
         }
         let acked = st.acked_seq;
+        let sidecars = sidecar_ids(&path);
         Ok(Track {
             name: name.to_string(),
             wal_path: crate::receiver::replica::sidecar(&path, "-wal"),
@@ -365,6 +387,9 @@ impl Track {
             counters_at: Instant::now() - IDENTITY_INTERVAL,
             cap_at: Instant::now(),
             wal_stat_due: true,
+            sidecars,
+            replaced_at: None,
+            reopen_due: false,
             progress,
             folder,
             fold_state: Arc::default(),
@@ -387,6 +412,14 @@ impl Track {
         if self.fenced.is_some() {
             return Ok(Next::Fenced);
         }
+        if self.reopen_due {
+            if self.fold_state.forget.load(Ordering::SeqCst) {
+                // The folder still holds its connections (see `failed`).
+                return Ok(Next::After(STALE_SIDECAR_RECHECK));
+            }
+            self.reopen()?;
+            self.reopen_due = false;
+        }
         if self.identity_at.elapsed() >= IDENTITY_INTERVAL || self.st.needs_base {
             // At most every IDENTITY_INTERVAL: a step per commit cannot afford the stat
             // calls, and a replaced file read meanwhile fails the continuity proof anyway
@@ -402,10 +435,13 @@ impl Track {
                         ino: m.ino,
                     }) != self.db =>
                 {
+                    if let Some(wait) = self.wait_for_stale_sidecars() {
+                        return Ok(Next::After(wait));
+                    }
                     self.reopen()?;
                     self.owe_base(BaseReason::Replaced);
                 }
-                Ok(_) => {}
+                Ok(_) => self.sidecars = sidecar_ids(&self.path),
             }
         }
         if !self.st.needs_base && !self.probed && self.backing_off().is_none() {
@@ -431,7 +467,8 @@ impl Track {
         if self.over_cap()? {
             tracing::warn!(db = %self.name, limit = self.config.wal_max_bytes, "the peer is away past the WAL cap: folding, a base will follow");
             self.owe_base(BaseReason::WalCap);
-            self.folder.request(&self.path, None, &self.fold_state);
+            self.folder
+                .request(&self.path, self.db.ino, None, &self.fold_state);
             return Ok(Next::Again);
         }
         if self.may_fold() {
@@ -466,6 +503,19 @@ impl Track {
     /// Count a failure, say so once, and back off; returns the delay.
     fn failed(&mut self, e: &StepError) -> Duration {
         self.stats.failures += 1;
+        if let StepError::Sqlite(e) = e
+            && !matches!(
+                e.sqlite_error_code(),
+                Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked)
+            )
+        {
+            // A connection can be left unusable for good (a wal-index file removed or
+            // replaced under it, a descriptor gone bad); new ones see the files as they
+            // are now. The folder drops its own too: SQLite shares one wal-index mapping
+            // among all of a process's connections to a file, so ours alone would not do.
+            self.reopen_due = true;
+            self.folder.forget(&self.path, &self.fold_state);
+        }
         let msg = e.to_string();
         if self.stats.last_error.as_deref() != Some(&msg) || self.stats.failures == 1 {
             tracing::warn!(db = %self.name, failures = self.stats.failures, "{msg}");
@@ -533,6 +583,51 @@ impl Track {
         self.st.needs_base = true;
         self.unacked.clear();
         self.unacked_bytes = 0;
+    }
+
+    /// The database file was replaced (renamed over). If its old `-wal` or `-shm` is still
+    /// at its path, any connection opened on the new file now would read it through the
+    /// old file's WAL and wal-index (SQLite shares both by path), and a checkpoint would
+    /// copy the old file's pages into the new one. Whoever replaced the file is expected
+    /// to remove them (a restore does): wait for that, up to `STALE_SIDECAR_WAIT`, with
+    /// the old connections kept and nothing shipped; the time to wait again, or None to
+    /// open the new file now. Past the wait SQLite gets the new file as it stands, which
+    /// is what the app's own connections get.
+    fn wait_for_stale_sidecars(&mut self) -> Option<Duration> {
+        let now = sidecar_ids(&self.path);
+        let stale: Vec<&str> = ["-wal", "-shm"]
+            .into_iter()
+            .zip(now.iter().zip(self.sidecars.iter()))
+            .filter(|(_, (now, before))| now.is_some() && now == before)
+            .map(|(suffix, _)| suffix)
+            .collect();
+        let since = *self.replaced_at.get_or_insert_with(Instant::now);
+        if stale.is_empty() {
+            self.replaced_at = None;
+            return None;
+        }
+        let files = stale
+            .iter()
+            .map(|s| format!("{}.db{s}", self.name))
+            .collect::<Vec<_>>()
+            .join(" and ");
+        if since.elapsed() >= STALE_SIDECAR_WAIT {
+            tracing::warn!(db = %self.name, "{}.db was replaced but {files} of the file it replaced are still there after {STALE_SIDECAR_WAIT:?}: opening it anyway, as SQLite will for the app", self.name);
+            self.replaced_at = None;
+            return None;
+        }
+        let msg = format!(
+            "{}.db was replaced, but {files} still belong to the file it replaced: SQLite \
+             would read the new file through them; waiting for them to be removed",
+            self.name
+        );
+        if self.stats.last_error.as_deref() != Some(&msg) {
+            tracing::warn!(db = %self.name, "{msg}");
+        }
+        self.stats.last_error = Some(msg);
+        // Look again at the next step, not after IDENTITY_INTERVAL.
+        self.identity_at = Instant::now() - IDENTITY_INTERVAL;
+        Some(STALE_SIDECAR_RECHECK)
     }
 
     fn reopen(&mut self) -> Result<(), StepError> {
@@ -667,10 +762,17 @@ impl Track {
                     if std::mem::take(&mut self.forked) {
                         return Ok(Err(BaseReason::Rewritten));
                     }
+                    // The old cycle's chain ended right after what was read (at `reached`,
+                    // or further on with no commit) unless the new cycle had overwritten
+                    // the slot after it by then. It only grows, so a length counted now
+                    // that stops short of that slot proves it was not, and the header,
+                    // unchanged, that no second reset began meanwhile.
+                    let reached = self.scan.expect("scan_more sets it").frame;
                     let f = self.wal.as_ref().map(|(_, f)| f).expect("still open");
                     let same = wal::read_header(f)?.and_then(|x| x.ok()) == Some(h);
-                    if !same || wal::valid_frames(f, &h, cursor.frame + 1)? > cursor.frame {
-                        tracing::info!(db = %self.name, frame = cursor.frame, "the new WAL cycle reached the old one's frames while they were read");
+                    let overwritten = wal::reached(f, &h, reached + 1)?;
+                    if !same || overwritten {
+                        tracing::info!(db = %self.name, cursor = cursor.frame, reached, same_header = same, "the new WAL cycle reached the old one's frames while they were read");
                         return Ok(Err(BaseReason::Reset));
                     }
                     if self.scan == Some(cursor) {
@@ -921,10 +1023,13 @@ impl Track {
     fn fold(&mut self) -> Result<(), StepError> {
         self.save()?;
         let cursor = self.scan.expect("may_fold checked");
-        if self
-            .folder
-            .request(&self.path, Some(cursor.salts), &self.fold_state)
-        {
+        tracing::debug!(db = %self.name, frame = cursor.frame, "fold requested");
+        if self.folder.request(
+            &self.path,
+            self.db.ino,
+            Some(cursor.salts),
+            &self.fold_state,
+        ) {
             self.fold_tried = Some((cursor, Instant::now()));
         }
         Ok(())
@@ -945,7 +1050,8 @@ impl Track {
             None => 0,
         };
         if frames >= self.config.fold_min_frames as u64 {
-            self.folder.request(&self.path, None, &self.fold_state);
+            self.folder
+                .request(&self.path, self.db.ino, None, &self.fold_state);
             self.owing_fold_at = Some(Instant::now());
         }
         Ok(())
@@ -991,6 +1097,7 @@ impl Track {
         let sent_at = Instant::now();
         let reply = client.send_txns(&self.name, q, &body);
         self.last_request = sent_at.elapsed();
+        tracing::debug!(db = %self.name, txns, bytes = body.len(), ms = self.last_request.as_secs_f64() * 1e3, ok = reply.is_ok(), "request");
         let reply = reply.map_err(|e| StepError::Peer(e.0))?;
         self.stats.requests += 1;
         match reply {
@@ -1417,9 +1524,9 @@ enum Proof {
 /// that started the cycle `h` names?
 ///
 /// The order of the reads matters. The file's length and slot P+1 are read first, the
-/// new cycle's length `k` after, and the header last: the new cycle only grows, so a `k`
-/// below P counted after reading slot P+1 proves the new cycle had not reached that slot
-/// when it was read, and an unchanged header proves no further reset happened meanwhile.
+/// new cycle's reach after, and the header last: the new cycle only grows, so not having
+/// reached slot P after slot P+1 was read proves it had not reached that slot when it
+/// was read, and an unchanged header proves no further reset happened meanwhile.
 fn prove_new_cycle(f: &File, cursor: &Cursor, h: &Header) -> io::Result<Proof> {
     if h.page_size != cursor.page_size {
         return Ok(Proof::Unproven(
@@ -1451,13 +1558,14 @@ fn prove_new_cycle(f: &File, cursor: &Cursor, h: &Header) -> io::Result<Proof> {
     }
     // Slot P+1, if the file has one: does the old cycle go on there?
     let goes_on = frames_in_file > p && wal::continues(f, cursor)?;
-    let k = wal::valid_frames(f, h, p)?;
-    if k >= p {
-        // The new cycle reached our cursor's slot (or fills the file to it, which a
-        // truncation and regrowth could also explain): slot P+1 proves nothing.
+    // If it does, the caller reads on and bounds the new cycle by where the old one ended.
+    // If not, the new cycle must not have reached our cursor's slot by now (or it may have
+    // overwritten slot P+1 before it was read, or fill a file truncated and grown again to
+    // end there): it only grows, so not reached now means not reached then.
+    if !goes_on && (p == 0 || wal::reached(f, h, p)?) {
         return Ok(Proof::Unproven(
             BaseReason::Reset,
-            format!("the new cycle ({k}+ frames) reached our cursor's slot {p}"),
+            format!("the new cycle reached our cursor's slot {p}"),
         ));
     }
     if wal::read_header(f)?.and_then(|x| x.ok()).as_ref() != Some(h) {
@@ -1545,6 +1653,18 @@ fn main_counter(fd: &File) -> io::Result<Option<u32>> {
         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Ok(None),
         Err(e) => Err(e),
     }
+}
+
+/// The `-wal` and `-shm` files now beside the database file at `path`.
+fn sidecar_ids(path: &Path) -> [Option<FileId>; 2] {
+    ["-wal", "-shm"].map(|suffix| {
+        quiet::stat(&crate::receiver::replica::sidecar(path, suffix))
+            .ok()
+            .map(|m| FileId {
+                dev: m.dev,
+                ino: m.ino,
+            })
+    })
 }
 
 /// A read-only descriptor on a main database file, one per inode, never closed: closing
