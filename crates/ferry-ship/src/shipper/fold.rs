@@ -19,7 +19,7 @@ use rusqlite::Connection;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -110,9 +110,14 @@ impl PublishedEnds {
     }
 }
 
+/// What the folder thread is asked to do.
+enum Message {
+    Fold(Job),
+    /// Drop the connections to this path (see `Folder::forget`).
+    Forget(PathBuf, Arc<FoldState>),
+}
+
 struct Job {
-    /// False: only drop the connections to `path` (see `Folder::forget`).
-    fold: bool,
     path: PathBuf,
     /// The inode the shipper tracks at `path`: a file renamed over it since is left alone
     /// until the shipper has looked at it (its old `-wal` may still be beside it).
@@ -124,7 +129,7 @@ struct Job {
 
 /// The folder thread's handle.
 pub struct Folder {
-    tx: Mutex<Option<SyncSender<Job>>>,
+    tx: Mutex<Option<SyncSender<Message>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -157,21 +162,13 @@ impl Folder {
         if state.busy.swap(true, Ordering::SeqCst) {
             return false;
         }
-        let job = Job {
-            fold: true,
+        let sent = self.send(Message::Fold(Job {
             path: path.to_path_buf(),
             ino,
             wal: crate::receiver::replica::sidecar(path, "-wal"),
             salts,
             state: state.clone(),
-        };
-        let sent = match self.tx.lock().expect("folder lock").as_ref() {
-            Some(tx) => match tx.try_send(job) {
-                Ok(()) => true,
-                Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => false,
-            },
-            None => false,
-        };
+        }));
         if !sent {
             state.busy.store(false, Ordering::SeqCst);
         }
@@ -187,21 +184,17 @@ impl Folder {
         if state.forget.swap(true, Ordering::SeqCst) {
             return;
         }
-        let job = Job {
-            fold: false,
-            path: path.to_path_buf(),
-            ino: 0,
-            wal: PathBuf::new(),
-            salts: None,
-            state: state.clone(),
-        };
-        let sent = match self.tx.lock().expect("folder lock").as_ref() {
-            Some(tx) => tx.try_send(job).is_ok(),
-            None => false,
-        };
-        if !sent {
+        if !self.send(Message::Forget(path.to_path_buf(), state.clone())) {
             // A full queue (or a folder stopping): the next call asks again.
             state.forget.store(false, Ordering::SeqCst);
+        }
+    }
+
+    /// Queue a message; false if the queue is full or the folder is stopping.
+    fn send(&self, message: Message) -> bool {
+        match self.tx.lock().expect("folder lock").as_ref() {
+            Some(tx) => tx.try_send(message).is_ok(),
+            None => false,
         }
     }
 
@@ -221,14 +214,17 @@ struct Conns {
     barrier: Connection,
 }
 
-fn run(rx: Receiver<Job>) {
+fn run(rx: Receiver<Message>) {
     let mut conns: HashMap<PathBuf, Conns> = HashMap::new();
-    while let Ok(job) = rx.recv() {
-        if !job.fold {
-            conns.remove(&job.path);
-            job.state.forget.store(false, Ordering::SeqCst);
-            continue;
-        }
+    while let Ok(message) = rx.recv() {
+        let job = match message {
+            Message::Fold(job) => job,
+            Message::Forget(path, state) => {
+                conns.remove(&path);
+                state.forget.store(false, Ordering::SeqCst);
+                continue;
+            }
+        };
         let outcome = fold(&mut conns, &job).map_err(|e| e.to_string());
         if let Err(e) = &outcome {
             tracing::debug!(db = %job.path.display(), "fold failed: {e}");

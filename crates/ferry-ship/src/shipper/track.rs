@@ -264,9 +264,10 @@ pub struct Track {
     counters_at: Instant,
     cap_at: Instant,
     wal_stat_due: bool,
-    /// The `-wal` and `-shm` files at the last identity check, and since when the file
-    /// has been seen replaced while they were still there (see `stale_sidecar`).
-    sidecars: [Option<FileId>; 2],
+    /// The `-shm` file at the last identity check (the `-wal` one is `wal`'s), and since
+    /// when the file has been seen replaced while they were still there (see
+    /// `wait_for_stale_sidecars`).
+    shm: Option<FileId>,
     replaced_at: Option<Instant>,
     /// A step failed inside SQLite: open new connections before the next one.
     reopen_due: bool,
@@ -344,7 +345,7 @@ impl Track {
             }
         }
         let acked = st.acked_seq;
-        let sidecars = sidecar_ids(&path);
+        let shm = shm_id(&path);
         Ok(Track {
             name: name.to_string(),
             wal_path: crate::receiver::replica::sidecar(&path, "-wal"),
@@ -387,7 +388,7 @@ impl Track {
             counters_at: Instant::now() - IDENTITY_INTERVAL,
             cap_at: Instant::now(),
             wal_stat_due: true,
-            sidecars,
+            shm,
             replaced_at: None,
             reopen_due: false,
             progress,
@@ -441,7 +442,7 @@ impl Track {
                     self.reopen()?;
                     self.owe_base(BaseReason::Replaced);
                 }
-                Ok(_) => self.sidecars = sidecar_ids(&self.path),
+                Ok(_) => self.shm = shm_id(&self.path),
             }
         }
         if !self.st.needs_base && !self.probed && self.backing_off().is_none() {
@@ -594,23 +595,23 @@ impl Track {
     /// open the new file now. Past the wait SQLite gets the new file as it stands, which
     /// is what the app's own connections get.
     fn wait_for_stale_sidecars(&mut self) -> Option<Duration> {
-        let now = sidecar_ids(&self.path);
-        let stale: Vec<&str> = ["-wal", "-shm"]
-            .into_iter()
-            .zip(now.iter().zip(self.sidecars.iter()))
-            .filter(|(_, (now, before))| now.is_some() && now == before)
-            .map(|(suffix, _)| suffix)
-            .collect();
+        let wal_now = quiet::stat(&self.wal_path).ok().map(|m| FileId {
+            dev: m.dev,
+            ino: m.ino,
+        });
+        let wal_stale = wal_now.is_some() && wal_now == self.wal.as_ref().map(|(id, _)| *id);
+        let shm_now = shm_id(&self.path);
+        let shm_stale = shm_now.is_some() && shm_now == self.shm;
+        let files = match (wal_stale, shm_stale) {
+            (false, false) => {
+                self.replaced_at = None;
+                return None;
+            }
+            (true, true) => format!("{0}.db-wal and {0}.db-shm", self.name),
+            (true, false) => format!("{}.db-wal", self.name),
+            (false, true) => format!("{}.db-shm", self.name),
+        };
         let since = *self.replaced_at.get_or_insert_with(Instant::now);
-        if stale.is_empty() {
-            self.replaced_at = None;
-            return None;
-        }
-        let files = stale
-            .iter()
-            .map(|s| format!("{}.db{s}", self.name))
-            .collect::<Vec<_>>()
-            .join(" and ");
         if since.elapsed() >= STALE_SIDECAR_WAIT {
             tracing::warn!(db = %self.name, "{}.db was replaced but {files} of the file it replaced are still there after {STALE_SIDECAR_WAIT:?}: opening it anyway, as SQLite will for the app", self.name);
             self.replaced_at = None;
@@ -764,9 +765,9 @@ impl Track {
                     }
                     // The old cycle's chain ended right after what was read (at `reached`,
                     // or further on with no commit) unless the new cycle had overwritten
-                    // the slot after it by then. It only grows, so a length counted now
-                    // that stops short of that slot proves it was not, and the header,
-                    // unchanged, that no second reset began meanwhile.
+                    // the slot after it by then. It only grows, so not having reached that
+                    // slot now proves it had not then, and the header, unchanged, that no
+                    // second reset began meanwhile.
                     let reached = self.scan.expect("scan_more sets it").frame;
                     let f = self.wal.as_ref().map(|(_, f)| f).expect("still open");
                     let same = wal::read_header(f)?.and_then(|x| x.ok()) == Some(h);
@@ -1655,16 +1656,14 @@ fn main_counter(fd: &File) -> io::Result<Option<u32>> {
     }
 }
 
-/// The `-wal` and `-shm` files now beside the database file at `path`.
-fn sidecar_ids(path: &Path) -> [Option<FileId>; 2] {
-    ["-wal", "-shm"].map(|suffix| {
-        quiet::stat(&crate::receiver::replica::sidecar(path, suffix))
-            .ok()
-            .map(|m| FileId {
-                dev: m.dev,
-                ino: m.ino,
-            })
-    })
+/// The `-shm` file now beside the database file at `path`.
+fn shm_id(path: &Path) -> Option<FileId> {
+    quiet::stat(&crate::receiver::replica::sidecar(path, "-shm"))
+        .ok()
+        .map(|m| FileId {
+            dev: m.dev,
+            ino: m.ino,
+        })
 }
 
 /// A read-only descriptor on a main database file, one per inode, never closed: closing
