@@ -63,6 +63,40 @@ impl Classify for std::io::Error {
     }
 }
 
+/// A setting that cannot be used: which one (the library's name for it, such as
+/// `lease` or `batch`), the value given, and why. Checked once, when a component is
+/// built, before it touches anything; retrying with the same setting fails the same way.
+///
+/// Library messages name settings, never command-line flags: a CLI maps `setting` to its
+/// own flag (or environment variable) when it reports one.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{setting} = {value}: {reason}")]
+pub struct ConfigError {
+    pub setting: &'static str,
+    pub value: String,
+    pub reason: String,
+}
+
+impl ConfigError {
+    pub fn new(
+        setting: &'static str,
+        value: impl std::fmt::Display,
+        reason: impl Into<String>,
+    ) -> ConfigError {
+        ConfigError {
+            setting,
+            value: value.to_string(),
+            reason: reason.into(),
+        }
+    }
+}
+
+impl Classify for ConfigError {
+    fn class(&self) -> Class {
+        Class::Permanent
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -74,5 +108,12 @@ mod tests {
         assert!(e(std::io::ErrorKind::StorageFull).is_transient());
         assert_eq!(e(std::io::ErrorKind::NotFound).class(), Class::Permanent);
         assert_eq!(e(std::io::ErrorKind::InvalidData).class(), Class::Corrupted);
+    }
+
+    #[test]
+    fn a_config_error_names_the_setting_and_is_permanent() {
+        let e = ConfigError::new("lease", "500ms", "must be at least 1 s");
+        assert_eq!(e.to_string(), "lease = 500ms: must be at least 1 s");
+        assert_eq!(e.class(), Class::Permanent);
     }
 }

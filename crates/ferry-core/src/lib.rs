@@ -6,6 +6,7 @@
 //! - [`seams`]: the clock and randomness seams tests drive.
 //! - [`fs`]: atomic file writes with directory fsync, and directory locks.
 //! - [`metrics`]: counters, gauges and histograms rendered as Prometheus text.
+//! - [`sync`]: taking a lock whose holder panicked.
 #![forbid(unsafe_code)]
 
 pub mod backoff;
@@ -14,5 +15,6 @@ pub mod error;
 pub mod fs;
 pub mod metrics;
 pub mod seams;
+pub mod sync;
 
-pub use error::{Class, Classify};
+pub use error::{Class, Classify, ConfigError};
