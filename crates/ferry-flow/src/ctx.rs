@@ -3,10 +3,11 @@
 //! cancellation and continue-as-new. Each call takes the next journal position; on
 //! replay it returns what the journal holds there.
 
-use crate::engine::{FlowError, Limit, RunCtx, Signal, Workflow, decode, encode, lock};
+use crate::api::{FlowError, Limit, Signal, Workflow, decode, encode};
 use crate::journal::{Entry, Json, Outcome, ValueKind};
 use crate::metrics::Attempt;
 use crate::replay::{Call, Slot};
+use crate::run::{RunCtx, Watch};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::future::Future;
@@ -211,7 +212,7 @@ impl Ctx {
 
     /// The wall clock in ms by the engine's clock (a simulation's runs on tokio's time).
     fn wall_ms(&self) -> u64 {
-        self.run.shared.clock.wall_ms()
+        self.run.shared.wall_ms()
     }
 
     /// Code changes that would change a running run's path go behind a patch:
@@ -298,7 +299,7 @@ impl Ctx {
                     drop(replay);
                     self.observe_cancel(pos)?;
                     let pending = self.run.timers.get();
-                    let max = self.run.shared.limits.timers;
+                    let max = self.run.shared.limits().timers;
                     if pending >= max {
                         self.begin(pos, Entry::TimerRefused { pending, max })?;
                         return Err(FlowError::LimitExceeded {
@@ -327,7 +328,7 @@ impl Ctx {
 
     /// The wait is over: take a place again if [`Ctx::leave`] gave one up.
     async fn back(&self, held: bool) {
-        self.run.place.back(&self.run.shared, held).await;
+        self.run.place.back(&*self.run.shared, held).await;
     }
 
     /// Wait until `at_ms` by the wall clock, observing a cancellation at `pos` meanwhile.
@@ -434,9 +435,7 @@ impl Ctx {
                     },
                 )?;
                 self.count_consumed(name);
-                if let Some(e) = lock(&self.run.shared.runs).get_mut(&self.run.run) {
-                    e.inbox.consumed_one();
-                }
+                self.run.shared.consumed_one(&self.run.run);
                 return decode(v).map(Some);
             }
             let now = self.wall_ms();
@@ -529,7 +528,7 @@ impl Ctx {
             let started = encode(input).and_then(|input| {
                 self.run
                     .shared
-                    .start_run(workflow.name(), &id, input, Some(self.run.run.clone()))
+                    .start_child(workflow.name(), &id, input, &self.run.run)
             });
             if let Err(e) = started {
                 return self.refuse(pos, e);
@@ -554,15 +553,8 @@ impl Ctx {
                 return Err(e);
             }
             if waiting.is_none() {
-                let mut runs = lock(&self.run.shared.runs);
-                // Retention never forgets a child whose parent is unfinished.
-                let child = runs
-                    .get_mut(&id)
-                    .ok_or_else(|| FlowError::Invalid(format!("child run {id:?} is gone")))?;
-                match &child.status {
-                    crate::RunStatus::Finished(outcome) => {
-                        let outcome = outcome.clone();
-                        drop(runs);
+                match self.run.shared.watch(&id)? {
+                    Watch::Finished(outcome) => {
                         self.run.append(
                             Some(pos),
                             &Entry::ChildDone {
@@ -571,12 +563,7 @@ impl Ctx {
                         )?;
                         return child_result(&id, outcome);
                     }
-                    // Running, or parked (it may resume after a deploy): wait.
-                    _ => {
-                        let (tx, rx) = oneshot::channel();
-                        child.add_waiter(tx);
-                        waiting = Some(rx);
-                    }
+                    Watch::Waiting(rx) => waiting = Some(rx),
                 }
             }
             let rx = waiting.as_mut().expect("set above");
@@ -586,7 +573,7 @@ impl Ctx {
                 r = rx => Ok(Some(r.is_ok())),
                 _ = notified => Ok(None),
                 // The journal failed: the child cannot finish in this process.
-                e = self.run.shared.failure.wait() => Err(e),
+                e = self.run.shared.failure().wait() => Err(e),
             };
             self.back(held).await;
             match woke {
@@ -600,12 +587,7 @@ impl Ctx {
     }
 
     fn cancel_child(&self, id: String) {
-        let shared = self.run.shared.clone();
-        self.run.shared.spawn_here(async move {
-            if let Err(e) = shared.cancel(&id).await {
-                tracing::warn!(child = %id, "cancelling a child run: {e}");
-            }
-        });
+        self.run.shared.cancel_later(id);
     }
 
     /// Has this run observed a cancellation? True from the suspension call that
@@ -618,9 +600,7 @@ impl Ctx {
     /// publishes again as it passes the same code.
     pub fn publish<S: Serialize>(&self, state: &S) -> Result<(), FlowError> {
         let v = encode(state)?;
-        if let Some(e) = lock(&self.run.shared.runs).get_mut(&self.run.run) {
-            e.publish(v);
-        }
+        self.run.shared.publish(&self.run.run, v);
         Ok(())
     }
 
@@ -740,7 +720,7 @@ impl Ctx {
             self.pause_until(pos, retry_at).await?;
             // Output holding: the body talks to the outside world, so what it follows
             // must be durable first.
-            crate::durable::durable(&self.run.shared.log, self.run.last.get()).await?;
+            crate::durable::durable(self.run.shared.log(), self.run.last.get()).await?;
             let key = step_key(&self.run.run, self.run.generation, pos);
             let ran = match timeout {
                 None => Ok(body(StepCtx { key }).await),
@@ -750,7 +730,7 @@ impl Ctx {
             };
             // Counted once the attempt's end is known: a result that cannot be encoded
             // or journaled ends it in error.
-            let counters = &self.run.shared.counters;
+            let counters = self.run.shared.counters();
             let mut how = match &ran {
                 Ok(Ok(_)) => Attempt::Ok,
                 Ok(Err(_)) => Attempt::Error,

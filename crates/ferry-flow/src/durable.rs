@@ -1,12 +1,18 @@
-//! Waiting for durability on a shard's thread.
+//! Waiting for durability: the one way. Anything that must not leave the process before
+//! its records are durable (a step body's start, a run's result, the answer to `start`,
+//! `signal` or `cancel`) awaits [`durable`] for the end of its own last record.
 //!
-//! Every step waits for the records before it to be durable. Registered with the log
-//! one by one, each wait would take the log's lock, allocate a channel, and be woken
-//! by the log writer from its own thread, through the shard's cross-thread queue. A
-//! shard instead keeps its waiting tasks in a list of its own, and one task of the
-//! shard (the watcher) waits on the log for the lowest position among them: the log
-//! wakes one task per shard per sync, and the watcher wakes the rest on the shard's
-//! thread.
+//! On a shard's thread, many tasks wait at once. Registered with the log one by one,
+//! each wait would take the log's lock, allocate a channel, and be woken by the log
+//! writer from its own thread, through the shard's cross-thread queue. A shard instead
+//! keeps its waiting tasks in a list of its own, and one task of the shard (the
+//! watcher) waits on the log for the lowest position among them: the log wakes one task
+//! per shard per sync, and the watcher wakes the rest on the shard's thread. Off a
+//! shard's thread, [`durable`] waits on the log directly.
+//!
+//! (The one other use of the log's durability is not a wait: a shard's intake,
+//! `job::Starts`, asks the log's writer to hand over runs whose start records a sync
+//! made durable.)
 
 use crate::journal_log::JournalLog;
 use ferry_log::{Follower, Lsn};

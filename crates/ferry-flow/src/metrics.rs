@@ -2,7 +2,7 @@
 //! (docs/flow.md §7). Counters run from the engine's open; the gauge of runs by state
 //! is kept as runs change state, so a scrape never walks the runs map.
 
-use crate::engine::{Recovery, RunStatus};
+use crate::api::{Recovery, RunStatus};
 use crate::journal::Outcome;
 use ferry_core::metrics::Exposition;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};

@@ -1,0 +1,205 @@
+//! The types an application names (docs/flow.md §2): workflows and signals by name and
+//! type, the error a call returns, the limits a run lives within, where a run stands and
+//! what opening found. No behaviour beyond checking a limit and the JSON codec.
+
+use crate::journal::{Json, Outcome};
+use crate::replay::Nondeterminism;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::marker::PhantomData;
+
+/// A signal's name and payload type: `static REVIEW: Signal<Review> = Signal::new("review");`
+pub struct Signal<T> {
+    pub(crate) name: &'static str,
+    _types: PhantomData<fn(T)>,
+}
+
+impl<T> Signal<T> {
+    pub const fn new(name: &'static str) -> Self {
+        Signal {
+            name,
+            _types: PhantomData,
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+}
+
+impl<T> Clone for Signal<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for Signal<T> {}
+
+/// A workflow's name and types: `static CHECKOUT: Workflow<Order, Receipt> = Workflow::new("checkout");`
+pub struct Workflow<I, O> {
+    name: &'static str,
+    _types: PhantomData<fn(I) -> O>,
+}
+
+impl<I, O> Workflow<I, O> {
+    pub const fn new(name: &'static str) -> Self {
+        Workflow {
+            name,
+            _types: PhantomData,
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+}
+
+impl<I, O> Clone for Workflow<I, O> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<I, O> Copy for Workflow<I, O> {}
+
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum FlowError {
+    #[error("step {name:?} failed: {error}")]
+    Step { name: String, error: String },
+    #[error("child run {id:?} failed: {error}")]
+    Child { id: String, error: String },
+    /// The run was cancelled (`engine.cancel`); returned by the suspension call that
+    /// observed it, and by `result()` of a run that ended so.
+    #[error("the run was cancelled")]
+    Cancelled,
+    #[error(transparent)]
+    Nondeterminism(#[from] Nondeterminism),
+    #[error("the run is parked: {0}")]
+    Parked(String),
+    #[error("{limit} is {value}, over the limit of {max}: {}", limit.hint())]
+    LimitExceeded { limit: Limit, value: u64, max: u64 },
+    /// What `ctx.continue_as_new` returns: return it from the workflow.
+    #[error("the run continues as new")]
+    ContinuedAsNew,
+    #[error(transparent)]
+    Log(#[from] ferry_log::Error),
+    #[error("cannot encode or decode a value: {0}")]
+    Codec(String),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("the engine stopped")]
+    Stopped,
+}
+
+/// Which limit a run exceeded (docs/flow.md §6).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Limit {
+    Payload,
+    History,
+    Timers,
+    Signals,
+}
+
+impl Limit {
+    fn hint(&self) -> &'static str {
+        match self {
+            Limit::Payload => {
+                "keep large values outside the journal (a blob store) and journal a \
+                 reference, or raise Limits::payload_bytes"
+            }
+            Limit::History => {
+                "long-running workflows should ctx.continue_as_new to start a fresh \
+                 history, or raise Limits::history"
+            }
+            Limit::Timers => "await fewer sleeps at once, or raise Limits::timers",
+            Limit::Signals => {
+                "the run is not consuming its signals (wait_for); let it catch up, or \
+                 raise Limits::signals"
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for Limit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Limit::Payload => "a journal record's size in bytes",
+            Limit::History => "the run's history length (entries this generation)",
+            Limit::Timers => "the run's pending timers",
+            Limit::Signals => "the run's pending signals",
+        })
+    }
+}
+
+/// Explicit limits per run (docs/flow.md §6). A run that exceeds one fails with
+/// [`FlowError::LimitExceeded`]; other runs are unaffected. A caller exceeding one
+/// (a start input, a signal) gets the error and nothing is journaled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// The largest journal record: a step result, input, output or signal payload with
+    /// its few bytes of framing. Default 1 MiB.
+    pub payload_bytes: usize,
+    /// Entries per generation. Default 10,000.
+    pub history: u32,
+    /// Sleeps pending at once in one run. Default 1,000.
+    pub timers: u32,
+    /// Signals received and not yet consumed by one run. Default 1,000.
+    pub signals: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            payload_bytes: 1 << 20,
+            history: 10_000,
+            timers: 1_000,
+            signals: 1_000,
+        }
+    }
+}
+
+pub(crate) fn encode<T: Serialize>(v: &T) -> Result<Json, FlowError> {
+    serde_json::to_value(v).map_err(|e| FlowError::Codec(e.to_string()))
+}
+
+pub(crate) fn decode<T: DeserializeOwned>(v: Json) -> Result<T, FlowError> {
+    serde_json::from_value(v).map_err(|e| FlowError::Codec(e.to_string()))
+}
+
+/// Where a run stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RunStatus {
+    Running,
+    Finished(Outcome),
+    Parked(String),
+}
+
+/// One run, as `Engine::runs` lists it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunInfo {
+    pub id: String,
+    pub workflow: String,
+    pub generation: u32,
+    pub status: RunStatus,
+    pub parent: Option<String>,
+}
+
+/// How long opening took, and what it found.
+#[derive(Clone, Copy, Debug)]
+pub struct Recovery {
+    pub elapsed: std::time::Duration,
+    pub log_records: u64,
+    pub resumed: usize,
+    /// Bytes of a torn tail the log cut (a write a crash cut short, never acknowledged).
+    pub torn_bytes: u64,
+}
+
+/// A record of `bytes` is within `limits`' payload bound, or the error naming it.
+pub(crate) fn check_payload(limits: &Limits, bytes: usize) -> Result<(), FlowError> {
+    if bytes > limits.payload_bytes {
+        return Err(FlowError::LimitExceeded {
+            limit: Limit::Payload,
+            value: bytes as u64,
+            max: limits.payload_bytes as u64,
+        });
+    }
+    Ok(())
+}

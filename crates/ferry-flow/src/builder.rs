@@ -1,0 +1,413 @@
+//! Building an engine: its settings ([`EngineBuilder`]), checked once, and `open`:
+//! open (and recover) the log, load the newest checkpoint, rebuild every run from its
+//! journal, start the shards, and start the thread that keeps the directory.
+
+use crate::api::{FlowError, Limits, Recovery};
+use crate::api::{RunStatus, Workflow, decode, encode};
+use crate::ctx::Ctx;
+use crate::engine::Engine;
+use crate::job::{Handler, Job, Pending, Starts};
+use crate::journal_log::{Failure, JournalLog, Watched};
+use crate::metrics::Counters;
+use crate::recovery::{Journaled, journaled, recover_run};
+use crate::registry::RunEntry;
+use crate::shard::{Shard, disk};
+use crate::shared::Shared;
+use crate::upkeep::{Admin, Compaction};
+use ferry_core::seams::{Clock, SplitMix64, SystemClock};
+use ferry_core::sync::lock;
+use ferry_log::{Config as LogConfig, Log};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use tokio::sync::mpsc;
+
+/// What `EngineBuilder::wrap_files` puts between the log and its files.
+type WrapFiles = Box<dyn FnOnce(ferry_log::FileStorage) -> Arc<dyn ferry_log::Storage> + Send>;
+
+/// Builds an [`Engine`].
+pub struct EngineBuilder {
+    dir: std::path::PathBuf,
+    storage: Option<Arc<dyn ferry_log::Storage>>,
+    /// Put between the log and its files in `dir` (`wrap_files`).
+    wrap_files: Option<WrapFiles>,
+    journal: Option<Arc<dyn JournalLog>>,
+    /// The log is ferry-log on files in `dir` (no storage or journal given): only
+    /// then are there checkpoints, compaction, a status file and an inbox.
+    storage_is_files: bool,
+    shards: usize,
+    /// Runs running at once per shard (`max_running`); `None`: no bound.
+    max_running: Option<usize>,
+    log: LogConfig,
+    limits: Limits,
+    retention: std::time::Duration,
+    compact_bytes: Option<u64>,
+    compact_interval: std::time::Duration,
+    handlers: HashMap<&'static str, Handler>,
+    clock: Arc<dyn Clock>,
+    /// Run on the caller's thread, the disk's syncs timed from this seed.
+    on_this_thread: Option<u64>,
+}
+
+/// Runs running at once on one shard, unless the builder says otherwise.
+pub const DEFAULT_MAX_RUNNING: usize = 1_000;
+
+impl EngineBuilder {
+    pub fn shards(mut self, n: usize) -> Self {
+        self.shards = n;
+        self
+    }
+
+    /// How many runs may be running at once on one shard (default
+    /// [`DEFAULT_MAX_RUNNING`]; `None`: no bound). A run is running from when its shard
+    /// takes it up to its end, except while it waits in `sleep`, `wait_for`, a child's
+    /// result or a retry's backoff: then it gives up its place, and takes one again
+    /// before it goes on. Runs beyond the bound wait, in order, for a place; their starts
+    /// are journaled and acknowledged as usual. Without a bound, a burst of starts, a
+    /// recovery of many unfinished runs or a timer storm runs every one of them at once,
+    /// each with its state in memory and interleaved with all the others. Below a few
+    /// hundred, fewer records share each sync (docs/flow.md §4). A step whose body waits
+    /// for another run of the same engine holds its place meanwhile: make that run a
+    /// child instead.
+    pub fn max_running(mut self, n: Option<usize>) -> Self {
+        self.max_running = n;
+        self
+    }
+
+    /// Keep the log on `storage` instead of files in the directory (the simulation).
+    pub fn storage(mut self, storage: Arc<dyn ferry_log::Storage>) -> Self {
+        self.storage = Some(storage);
+        self
+    }
+
+    /// Keep the log on files in the directory, as by default (checkpoints, compaction,
+    /// the status file and the inbox with it), but reach them through what `wrap`
+    /// makes of them: a storage that adds to the real files, such as a fixed sync
+    /// latency for a benchmark's control, or faults for a test.
+    pub fn wrap_files(
+        mut self,
+        wrap: impl FnOnce(ferry_log::FileStorage) -> Arc<dyn ferry_log::Storage> + Send + 'static,
+    ) -> Self {
+        self.wrap_files = Some(Box::new(wrap));
+        self
+    }
+
+    /// Journal to `journal` instead of a ferry-log of the engine's own: a log that
+    /// lives elsewhere (docs/flow.md §4, "The seam"). Recovery reads it from its start;
+    /// the engine keeps no checkpoints, retires nothing and keeps no status file or
+    /// inbox in the directory, so bounding the history is the journal's job. Not with
+    /// [`EngineBuilder::storage`].
+    pub fn journal(mut self, journal: Arc<dyn JournalLog>) -> Self {
+        self.journal = Some(journal);
+        self
+    }
+
+    /// Read the wall clock (`ctx.now_ms`, timers, deadlines, retry times) from `clock`.
+    /// Default: the system's.
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Run on the caller's thread, for a deterministic simulation: `open` must then be
+    /// called inside a tokio `LocalSet` on a current-thread runtime. The shards become
+    /// tasks of that `LocalSet`, the log gets no writer thread, and a task writes and
+    /// syncs it at moments drawn from `seed` (as are `ctx.random_u64` and `ctx.uuid`).
+    /// Only with [`EngineBuilder::storage`] (or a [`EngineBuilder::journal`], which
+    /// then makes records durable itself); nothing spawned outlives the engine. With
+    /// tokio's clock paused and [`EngineBuilder::clock`] reading it, everything the
+    /// engine does follows from the seed and the caller's own calls. docs/flow.md §4.
+    pub fn on_this_thread(mut self, seed: u64) -> Self {
+        self.on_this_thread = Some(seed);
+        self
+    }
+
+    pub fn log_config(mut self, c: LogConfig) -> Self {
+        self.log = c;
+        self
+    }
+
+    pub fn limits(mut self, l: Limits) -> Self {
+        self.limits = l;
+        self
+    }
+
+    /// How long a finished run stays known (its result, `start` of its id returning
+    /// it) after compaction first saw it finished. Default a day.
+    pub fn retention(mut self, d: std::time::Duration) -> Self {
+        self.retention = d;
+        self
+    }
+
+    /// Compact once this many bytes were journaled since the last checkpoint (and at
+    /// least every minute while anything was). Default: the log's segment size.
+    pub fn compact_every(mut self, bytes: u64) -> Self {
+        self.compact_bytes = Some(bytes.max(1));
+        self
+    }
+
+    /// Never compact more often than this (a checkpoint rewrites every retained
+    /// finished run). Default 10 s.
+    pub fn compact_interval(mut self, d: std::time::Duration) -> Self {
+        self.compact_interval = d;
+        self
+    }
+
+    /// Register `f` as the code of `workflow`.
+    pub fn register<I, O, F, Fut>(mut self, workflow: Workflow<I, O>, f: F) -> Self
+    where
+        I: DeserializeOwned + 'static,
+        O: Serialize + 'static,
+        F: Fn(Ctx, I) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<O, FlowError>> + 'static,
+    {
+        let f = Arc::new(f);
+        let handler: Handler = Arc::new(move |ctx, input| {
+            let f = f.clone();
+            Box::pin(async move {
+                let input: I = decode(input)?;
+                let out = f(ctx, input).await?;
+                encode(&out)
+            })
+        });
+        self.handlers.insert(workflow.name(), handler);
+        self
+    }
+
+    /// Open the log (recovering it), rebuild every run from its journal, restart the
+    /// unfinished ones.
+    pub fn open(mut self) -> Result<Engine, FlowError> {
+        self.storage_is_files = self.storage.is_none() && self.journal.is_none();
+        if self.on_this_thread.is_some() && self.storage_is_files {
+            return Err(FlowError::Invalid(
+                "on_this_thread is for a simulation: give it its storage with .storage(..)".into(),
+            ));
+        }
+        if self.storage.is_some() && self.journal.is_some() {
+            return Err(FlowError::Invalid(
+                "give the engine a storage for its own log or a journal, not both".into(),
+            ));
+        }
+        if self.wrap_files.is_some() && !self.storage_is_files {
+            return Err(FlowError::Invalid(
+                "wrap_files wraps the log's files in the directory: it does not go with a \
+                 storage or a journal of its own"
+                    .into(),
+            ));
+        }
+        if self.shards == 0 || self.shards > 256 {
+            return Err(FlowError::Invalid(format!(
+                "shards {} must be between 1 and 256",
+                self.shards
+            )));
+        }
+        if let Some(n) = self.max_running
+            && (n == 0 || n > tokio::sync::Semaphore::MAX_PERMITS)
+        {
+            return Err(FlowError::Invalid(format!(
+                "max_running {n} must be between 1 and {} (None for no bound)",
+                tokio::sync::Semaphore::MAX_PERMITS
+            )));
+        }
+        if self.limits.payload_bytes > self.log.record_bytes_max as usize {
+            return Err(FlowError::Invalid(format!(
+                "the payload limit ({} bytes) is over the log's largest record ({} bytes)",
+                self.limits.payload_bytes, self.log.record_bytes_max
+            )));
+        }
+        let started = std::time::Instant::now();
+        let segment_bytes = self.log.segment_bytes;
+        let over_journal = self.journal.is_some();
+        // A driven log (on the caller's thread) is also kept as itself, for the task
+        // that writes it.
+        let mut driven = None;
+        let (log, opened): (Arc<dyn JournalLog>, Option<ferry_log::Recovery>) =
+            match (self.journal.take(), self.storage.take()) {
+                (Some(journal), _) => (journal, None),
+                (None, Some(st)) if self.on_this_thread.is_some() => {
+                    let (log, found) = Log::open_driven(st, self.log)?;
+                    let log = Arc::new(log);
+                    driven = Some(log.clone());
+                    (log, Some(found))
+                }
+                (None, Some(st)) => {
+                    let (log, found) = Log::open(st, self.log)?;
+                    (Arc::new(log), Some(found))
+                }
+                (None, None) => {
+                    let (log, found) = match self.wrap_files.take() {
+                        None => Log::open_dir(&self.dir, self.log)?,
+                        Some(wrap) => {
+                            // As `Log::open_dir` reports it.
+                            let files = ferry_log::FileStorage::open(&self.dir).map_err(|e| {
+                                ferry_log::Error::Io {
+                                    what: "open its directory",
+                                    source: Arc::new(e),
+                                }
+                            })?;
+                            Log::open(wrap(files), self.log)?
+                        }
+                    };
+                    (Arc::new(log), Some(found))
+                }
+            };
+        if over_journal && log.start_lsn() > 0 {
+            return Err(FlowError::Invalid(format!(
+                "the journal starts at position {}: over a journal of its own the engine keeps \
+                 no checkpoints, so it needs the whole history (from 0) to recover",
+                log.start_lsn()
+            )));
+        }
+        // Every failure of the journal, however it surfaces, is noted for the callers
+        // waiting on runs that can no longer go on.
+        let failure = Arc::new(Failure::default());
+        let log: Arc<dyn JournalLog> = Arc::new(Watched {
+            log,
+            failure: failure.clone(),
+        });
+        let dir = self.storage_is_files.then_some(self.dir.as_path());
+        let Journaled {
+            folded,
+            by_run,
+            read,
+        } = journaled(dir, &*log)?;
+        let mut txs = Vec::new();
+        let mut rxs = Vec::new();
+        let mut starts = Vec::new();
+        for _ in 0..self.shards {
+            let (tx, rx) = mpsc::unbounded_channel::<Vec<Job>>();
+            starts.push(Arc::new(Starts {
+                pending: Mutex::new(Pending::default()),
+                tx: tx.clone(),
+                // Shards that are tasks on the caller's thread never go idle for it.
+                follower: if self.on_this_thread.is_none() {
+                    log.follower()
+                } else {
+                    None
+                },
+                running: self
+                    .max_running
+                    .map(|n| Arc::new(tokio::sync::Semaphore::new(n))),
+            }));
+            txs.push(tx);
+            rxs.push(rx);
+        }
+        let shared = Arc::new_cyclic(|me| Shared {
+            me: me.clone(),
+            log: log.clone(),
+            runs: Mutex::new(BTreeMap::new()),
+            handlers: self.handlers,
+            shards: txs,
+            starts,
+            limits: self.limits,
+            clock: self.clock,
+            rng: Mutex::new(match self.on_this_thread {
+                Some(seed) => SplitMix64::seeded(seed),
+                None => SplitMix64::from_entropy(),
+            }),
+            here: self.on_this_thread.map(|_| Mutex::new(Vec::new())),
+            counters: Counters::default(),
+            failure,
+        });
+        {
+            let mut runs = lock(&shared.runs);
+            for (id, d) in &folded.finished {
+                let name = shared.workflow_name(&d.workflow);
+                let e = RunEntry::new(
+                    name,
+                    d.parent.clone(),
+                    d.generation,
+                    RunStatus::Finished(d.outcome.clone()),
+                );
+                shared.insert_recovered(&mut runs, id.clone(), e);
+            }
+        }
+        let mut resumed = 0;
+        for (run, records) in by_run {
+            if recover_run(&shared, run, records)? {
+                resumed += 1;
+            }
+        }
+        // The shards start after every run is known, so a resumed parent finds its
+        // children.
+        let shards = match self.on_this_thread {
+            None => rxs
+                .into_iter()
+                .enumerate()
+                .map(|(i, rx)| Shard::start(i, shared.clone(), rx))
+                .collect(),
+            Some(seed) => {
+                for rx in rxs {
+                    let shared2 = shared.clone();
+                    shared.spawn_here(Shard::run_here(shared2, rx));
+                }
+                if let Some(log) = driven {
+                    shared.spawn_here(disk(log, seed));
+                }
+                Vec::new()
+            }
+        };
+        let elapsed = started.elapsed();
+        // A journal of someone else's recovers before it is handed over: what the
+        // engine read of it is what it counts.
+        let (log_records, torn_bytes) = opened.map_or((read, 0), |o| (o.records, o.torn_bytes));
+        tracing::info!(
+            resumed,
+            log_records,
+            ms = elapsed.as_secs_f64() * 1e3,
+            "flow engine open"
+        );
+        let recovery = Recovery {
+            elapsed,
+            log_records,
+            resumed,
+            torn_bytes,
+        };
+        // An engine on files keeps a status file and takes requests in its directory;
+        // one on other storage (the simulation) has no directory of its own.
+        let admin = if self.storage_is_files {
+            let compaction = Compaction {
+                every_bytes: self.compact_bytes.unwrap_or(segment_bytes),
+                min_interval: self.compact_interval,
+                retention_ms: self.retention.as_millis() as u64,
+                last: std::time::Instant::now(),
+                broken: false,
+                folded,
+            };
+            Some(Admin::start(self.dir, shared.clone(), recovery, compaction))
+        } else {
+            None
+        };
+        Ok(Engine {
+            shared,
+            shards,
+            recovery,
+            admin,
+        })
+    }
+}
+
+impl Engine {
+    pub fn builder(dir: impl AsRef<Path>) -> EngineBuilder {
+        EngineBuilder {
+            dir: dir.as_ref().to_path_buf(),
+            storage: None,
+            wrap_files: None,
+            journal: None,
+            storage_is_files: true,
+            shards: 2,
+            max_running: Some(DEFAULT_MAX_RUNNING),
+            log: LogConfig::default(),
+            limits: Limits::default(),
+            retention: std::time::Duration::from_secs(24 * 3600),
+            compact_bytes: None,
+            compact_interval: std::time::Duration::from_secs(10),
+            handlers: HashMap::new(),
+            clock: Arc::new(SystemClock),
+            on_this_thread: None,
+        }
+    }
+}

@@ -1,0 +1,159 @@
+//! The runs map's entries: each run's workflow, status, generation, inbox (signals in
+//! journal order, the keys of keyed signals, a cancellation) and what fewer runs need
+//! (a parent, waiters for its result, a park position, a published state), boxed.
+
+use crate::api::RunStatus;
+use crate::journal::Json;
+use crate::run::Wake;
+use ferry_log::Lsn;
+use std::sync::Arc;
+use tokio::sync::oneshot;
+
+/// One run in the runs map. Kept small (what most runs need inline, the rest boxed
+/// when first needed): a map of a million parked runs is mostly these.
+pub(crate) struct RunEntry {
+    pub(crate) workflow: &'static str,
+    pub(crate) status: RunStatus,
+    pub(crate) generation: u32,
+    /// The end of the run's start record: `start` returns once it is durable.
+    pub(crate) start_end: Lsn,
+    pub(crate) inbox: Inbox,
+    extra: Option<Box<Extra>>,
+}
+
+/// What some runs have: a parent, callers waiting for the result, a park position, a
+/// published state.
+#[derive(Default)]
+struct Extra {
+    parent: Option<String>,
+    /// Callers of `result()` and parents waiting for this child: told its end.
+    waiters: Vec<oneshot::Sender<RunStatus>>,
+    /// A parked run's generation and the position after its journal, where a
+    /// cancellation journals its end.
+    parked_at: Option<(u32, u32)>,
+    published: Option<Json>,
+}
+
+impl RunEntry {
+    pub(crate) fn new(
+        workflow: &'static str,
+        parent: Option<String>,
+        generation: u32,
+        status: RunStatus,
+    ) -> Self {
+        let mut e = RunEntry {
+            workflow,
+            status,
+            generation,
+            start_end: 0,
+            inbox: Inbox::default(),
+            extra: None,
+        };
+        if parent.is_some() {
+            e.extra().parent = parent;
+        }
+        e
+    }
+
+    fn extra(&mut self) -> &mut Extra {
+        self.extra.get_or_insert_with(Box::default)
+    }
+
+    pub(crate) fn parent(&self) -> Option<&String> {
+        self.extra.as_ref().and_then(|x| x.parent.as_ref())
+    }
+
+    pub(crate) fn add_waiter(&mut self, tx: oneshot::Sender<RunStatus>) {
+        self.extra().waiters.push(tx);
+    }
+
+    pub(crate) fn parked_at(&self) -> Option<(u32, u32)> {
+        self.extra.as_ref().and_then(|x| x.parked_at)
+    }
+
+    pub(crate) fn set_parked_at(&mut self, at: Option<(u32, u32)>) {
+        if at.is_some() || self.extra.is_some() {
+            self.extra().parked_at = at;
+        }
+    }
+
+    pub(crate) fn published(&self) -> Option<&Json> {
+        self.extra.as_ref().and_then(|x| x.published.as_ref())
+    }
+
+    pub(crate) fn publish(&mut self, v: Json) {
+        self.extra().published = Some(v);
+    }
+
+    /// Everyone waiting for this run's end, taken (to be told it).
+    pub(crate) fn take_waiters(&mut self) -> Vec<oneshot::Sender<RunStatus>> {
+        self.extra
+            .as_mut()
+            .map(|x| std::mem::take(&mut x.waiters))
+            .unwrap_or_default()
+    }
+}
+
+/// What arrived for a run from outside: signals in journal order, a cancellation.
+#[derive(Default)]
+pub(crate) struct Inbox {
+    /// Shared with the run's context, which checks it without a lock.
+    pub(crate) wake: Arc<Wake>,
+    /// Boxed when the first signal comes.
+    mail: Option<Box<Mail>>,
+}
+
+#[derive(Default)]
+struct Mail {
+    signals: Vec<(String, Json)>,
+    /// Signals consumed (all names): `signals.len() - consumed` are pending.
+    consumed: usize,
+    /// The keys of keyed signals received (never reset: a key is delivered once).
+    keys: Vec<String>,
+}
+
+impl Inbox {
+    fn mail(&mut self) -> &mut Mail {
+        self.mail.get_or_insert_with(Box::default)
+    }
+
+    pub(crate) fn pending(&self) -> usize {
+        self.mail
+            .as_ref()
+            .map_or(0, |m| m.signals.len().saturating_sub(m.consumed))
+    }
+
+    pub(crate) fn consumed_one(&mut self) {
+        self.mail().consumed += 1;
+    }
+
+    /// Recovery: `n` signals were consumed before the journal's end.
+    pub(crate) fn set_consumed(&mut self, n: usize) {
+        if n > 0 {
+            self.mail().consumed = n;
+        }
+    }
+
+    pub(crate) fn has_key(&self, k: &str) -> bool {
+        self.mail
+            .as_ref()
+            .is_some_and(|m| m.keys.iter().any(|x| x == k))
+    }
+
+    pub(crate) fn push(&mut self, name: String, value: Json, key: Option<String>) {
+        let m = self.mail();
+        m.signals.push((name, value));
+        m.keys.extend(key);
+    }
+
+    /// The `index`th signal named `name`.
+    pub(crate) fn signal_at(&self, name: &str, index: u32) -> Option<Json> {
+        self.mail.as_ref().and_then(|m| {
+            m.signals
+                .iter()
+                .filter(|(n, _)| n == name)
+                .nth(index as usize)
+                .map(|(_, v)| v.clone())
+        })
+    }
+}

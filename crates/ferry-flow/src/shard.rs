@@ -1,0 +1,164 @@
+//! The shard executor: each shard is a thread with a current-thread tokio runtime and a
+//! `LocalSet`, running every run handed to it as a task of its own (or, on the caller's
+//! thread for a simulation, tasks of the caller's `LocalSet` over a simulated disk).
+
+use crate::job::Job;
+use crate::lifecycle::run_job;
+use crate::shared::Shared;
+use ferry_core::seams::{Rng, SplitMix64};
+use ferry_log::Log;
+use std::cell::Cell;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::Poll;
+use std::thread::JoinHandle;
+use tokio::sync::{mpsc, oneshot};
+
+thread_local! {
+    /// How many times this shard's thread has parked (its runtime's `on_thread_park`).
+    static PARKS: Cell<u64> = const { Cell::new(0) };
+}
+
+/// A shard's loop polled with nothing to do, again and again, without its thread
+/// parking: tokio's `block_on` is being woken in a loop. That happens when a thread
+/// that was waking this shard (through an `AtomicWaker`: the job channel's, the
+/// `LocalSet`'s) was preempted inside the wake, typically by this very shard on the
+/// same CPU: each registration then sees the wake in progress and wakes the shard again
+/// at once, and the shard spins until the scheduler ends its slice (3-4 ms seen in
+/// `perf sched` at W3's 25%, on 2 vCPUs, with the client thread waiting behind it).
+/// After `IDLE_POLLS_BEFORE_YIELD` such polls the shard yields its CPU, so that the
+/// preempted thread can finish its wake.
+#[derive(Default)]
+struct IdlePolls {
+    parks: u64,
+    polls: u32,
+}
+
+const IDLE_POLLS_BEFORE_YIELD: u32 = 64;
+
+impl IdlePolls {
+    fn note(&mut self) {
+        let parks = PARKS.with(Cell::get);
+        if parks != self.parks {
+            *self = IdlePolls { parks, polls: 0 };
+        }
+        self.polls += 1;
+        if self.polls >= IDLE_POLLS_BEFORE_YIELD {
+            self.polls = 0;
+            std::thread::yield_now();
+        }
+    }
+}
+
+pub(crate) struct Shard {
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Shard {
+    pub(crate) fn start(
+        i: usize,
+        shared: Arc<Shared>,
+        mut rx: mpsc::UnboundedReceiver<Vec<Job>>,
+    ) -> Shard {
+        let (stop_tx, mut stop_rx) = oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name(format!("ferry-flow-{i}"))
+            .spawn(move || {
+                // After a sync that woke this shard, the log's writer waits a moment
+                // for it to append what it ran next (`ferry_log::Follower`): until it
+                // is about to sleep.
+                let follower = shared.starts[i].follower.clone();
+                let idle = follower.clone();
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_time()
+                    .on_thread_park(move || {
+                        PARKS.with(|p| p.set(p.get() + 1));
+                        if let Some(f) = &idle {
+                            f.idle();
+                        }
+                    })
+                    .build()
+                    .expect("a current-thread runtime builds");
+                let local = tokio::task::LocalSet::new();
+                let watcher = crate::durable::Waits::install(shared.log.clone(), follower.clone());
+                local.block_on(&rt, async move {
+                    tokio::task::spawn_local(watcher);
+                    let mut idle = IdlePolls::default();
+                    // Jobs first, then the stop: what was sent before the stop runs.
+                    std::future::poll_fn(|cx| {
+                        loop {
+                            match rx.poll_recv(cx) {
+                                Poll::Ready(Some(jobs)) => {
+                                    idle.polls = 0;
+                                    for job in jobs {
+                                        tokio::task::spawn_local(run_job(
+                                            shared.clone(),
+                                            Box::new(job),
+                                        ));
+                                    }
+                                }
+                                Poll::Ready(None) => return Poll::Ready(()),
+                                Poll::Pending => {
+                                    if Pin::new(&mut stop_rx).poll(cx).is_ready() {
+                                        return Poll::Ready(());
+                                    }
+                                    idle.note();
+                                    return Poll::Pending;
+                                }
+                            }
+                        }
+                    })
+                    .await;
+                });
+                if let Some(f) = &follower {
+                    f.idle();
+                }
+            })
+            .expect("spawning a shard thread");
+        Shard {
+            stop: Some(stop_tx),
+            thread: Some(thread),
+        }
+    }
+
+    /// A shard as a task of the caller's `LocalSet` (`on_this_thread`): each job is a
+    /// task of its own, aborted with the engine.
+    pub(crate) async fn run_here(shared: Arc<Shared>, mut rx: mpsc::UnboundedReceiver<Vec<Job>>) {
+        while let Some(jobs) = rx.recv().await {
+            for job in jobs {
+                let s = shared.clone();
+                shared.spawn_here(run_job(s, Box::new(job)));
+            }
+        }
+    }
+
+    pub(crate) fn stop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The disk of an engine on the caller's thread (`on_this_thread`): write and sync what
+/// was appended at moments drawn from `seed`. Tokio's timers tick in whole milliseconds,
+/// so the gaps are 1 to 3 ms, and within a tick the disk yields a drawn number of times
+/// first (letting a drawn share of the ready tasks append before the sync), up to three
+/// times per tick.
+pub(crate) async fn disk(log: Arc<Log>, seed: u64) {
+    let mut rng = SplitMix64::seeded(seed ^ 0xd15c);
+    loop {
+        let gap = 1 + rng.below(3);
+        tokio::time::sleep(std::time::Duration::from_millis(gap)).await;
+        for _ in 0..=rng.below(3) {
+            for _ in 0..rng.below(8) {
+                tokio::task::yield_now().await;
+            }
+            log.write_pending();
+        }
+    }
+}

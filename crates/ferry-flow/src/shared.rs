@@ -1,0 +1,478 @@
+//! The engine's shared state ([`Shared`]): the journal, the runs map, the registered
+//! workflows, each shard's intake, the limits, clock and counters. Its methods are what
+//! every caller does to a run (start, signal, cancel, settle, park); it implements
+//! [`Host`], the one interface a run's code reaches the engine through.
+
+use crate::api::{self, FlowError, Limit, Limits, RunStatus};
+use crate::job::{Handler, Job, Starts};
+use crate::journal::{Entry, Json, Outcome, RECORD_KIND, RUN_ID_MAX, Record};
+use crate::journal_log::{Failure, JournalLog};
+use crate::metrics::Counters;
+use crate::registry::{Inbox, RunEntry};
+use crate::replay::Replay;
+use crate::run::{Host, RunCtx, Wake, Watch};
+use ferry_core::seams::{Clock, Rng, SplitMix64};
+use ferry_core::sync::lock;
+use ferry_log::Lsn;
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use tokio::sync::{mpsc, oneshot};
+
+/// What a cancellation does once its record is durable: nothing more (asked before),
+/// wake the run, or settle a parked run as cancelled.
+enum Then {
+    Answer,
+    Wake,
+    Settle,
+}
+
+pub(crate) struct Shared {
+    /// Itself, for work it spawns that outlives a call (a child's cancellation).
+    pub(crate) me: std::sync::Weak<Shared>,
+    /// Where every record goes: ferry-log on the engine's directory, unless the
+    /// builder was given a journal (`EngineBuilder::journal`).
+    pub(crate) log: Arc<dyn JournalLog>,
+    /// Every run by id. A B-tree, not a hash map: a hash map's resize moves every
+    /// entry under this lock at once, which stalled every shard for tens of
+    /// milliseconds at 30,000 runs.
+    pub(crate) runs: Mutex<BTreeMap<String, RunEntry>>,
+    pub(crate) handlers: HashMap<&'static str, Handler>,
+    pub(crate) shards: Vec<mpsc::UnboundedSender<Vec<Job>>>,
+    /// Runs started and not yet handed to their shard, by shard.
+    pub(crate) starts: Vec<Arc<Starts>>,
+    pub(crate) limits: Limits,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) rng: Mutex<SplitMix64>,
+    /// On the caller's thread (`on_this_thread`): every task the engine spawned there,
+    /// aborted when it is dropped. (A shard thread's tasks die with its runtime.)
+    pub(crate) here: Option<Mutex<Vec<tokio::task::AbortHandle>>>,
+    /// What `Engine::metrics` reports.
+    pub(crate) counters: Counters,
+    /// The journal's failure, once it failed (noted by `log`, a `Watched`): callers
+    /// waiting for a running run hear of it.
+    pub(crate) failure: Arc<Failure>,
+}
+
+impl Shared {
+    pub(crate) fn shard_of(&self, run: &str) -> usize {
+        // FNV-1a: stable across processes, so a run stays on its shard after a restart.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in run.bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+        (h % self.shards.len() as u64) as usize
+    }
+
+    /// A random u64 from the engine's generator (seeded in a simulation).
+    pub(crate) fn random_u64(&self) -> u64 {
+        lock(&self.rng).next_u64()
+    }
+
+    /// Spawn `task` on this thread's `LocalSet` (a shard's, or the caller's with
+    /// `on_this_thread`, where it is aborted with the engine).
+    pub(crate) fn spawn_here(&self, task: impl Future<Output = ()> + 'static) {
+        let handle = tokio::task::spawn_local(task);
+        if let Some(here) = &self.here {
+            let mut here = lock(here);
+            // Finished tasks are dropped now and then, so this stays the size of what runs.
+            if here.len() >= 64 && here.len().is_power_of_two() {
+                here.retain(|h| !h.is_finished());
+            }
+            here.push(handle.abort_handle());
+        }
+    }
+
+    /// Abort every task spawned on the caller's thread (`on_this_thread`): none is polled
+    /// again, as none of a stopped shard thread's would be.
+    pub(crate) fn abort_here(&self) {
+        if let Some(here) = &self.here {
+            for h in lock(here).drain(..) {
+                h.abort();
+            }
+        }
+    }
+
+    pub(crate) fn spawn(&self, job: Job) {
+        let _ = self.shards[self.shard_of(&job.run)].send(vec![job]);
+    }
+
+    /// Hand `job` to its shard once `end` (its start record) is durable
+    /// ([`Starts`]).
+    pub(crate) fn spawn_when_durable(&self, end: Lsn, job: Job) {
+        let starts = &self.starts[self.shard_of(&job.run)];
+        if starts.push(end, job) {
+            Starts::arm(starts.clone(), &self.log, end);
+        }
+    }
+
+    pub(crate) fn check_payload(&self, bytes: usize) -> Result<(), FlowError> {
+        api::check_payload(&self.limits, bytes)
+    }
+
+    /// Start run `id` of `workflow`, unless a run has that id. Returns the end of the
+    /// id's start record (to wait for).
+    pub(crate) fn start_run(
+        &self,
+        workflow: &str,
+        id: &str,
+        input: Json,
+        parent: Option<String>,
+    ) -> Result<Lsn, FlowError> {
+        if id.is_empty() || id.len() > RUN_ID_MAX {
+            return Err(FlowError::Invalid(format!(
+                "a run id must be 1 to {RUN_ID_MAX} bytes, not {}",
+                id.len()
+            )));
+        }
+        if parent.is_none() && id.contains('/') {
+            return Err(FlowError::Invalid(format!(
+                "run id {id:?} contains '/', which only child runs' ids (parent/generation/\
+                 position) do; pick an id without it"
+            )));
+        }
+        let (&workflow, handler) = self.handlers.get_key_value(workflow).ok_or_else(|| {
+            FlowError::Invalid(format!("no workflow named {workflow:?} is registered"))
+        })?;
+        let handler = handler.clone();
+        let mut runs = lock(&self.runs);
+        if let Some(e) = runs.get(id) {
+            // The id is taken: the same workflow gets that run back (whatever the
+            // input: docs/flow.md §1.6), another workflow would get a handle whose
+            // result is not its type.
+            if e.workflow != workflow {
+                return Err(FlowError::Invalid(format!(
+                    "run {id:?} exists as workflow {:?}, not {workflow:?}: pick another id, \
+                     or start {:?}",
+                    e.workflow, e.workflow
+                )));
+            }
+            return Ok(e.start_end);
+        }
+        let rec = Record {
+            run: id.to_string(),
+            generation: 0,
+            pos: Some(0),
+            entry: Entry::Started {
+                workflow: workflow.to_string(),
+                input: input.clone(),
+                parent: parent.clone(),
+                consumed: BTreeMap::new(),
+                cancel_seen: false,
+            },
+        };
+        let bytes = rec.encode();
+        self.check_payload(bytes.len())?;
+        let end = self.log.append(RECORD_KIND, &bytes)?;
+        let mut entry = RunEntry::new(workflow, parent, 0, RunStatus::Running);
+        entry.start_end = end;
+        self.counters.added(&entry.status, true);
+        runs.insert(id.to_string(), entry);
+        drop(runs);
+        self.spawn_when_durable(
+            end,
+            Job {
+                run: id.to_string(),
+                generation: 0,
+                replay: Replay::new([rec]),
+                input,
+                handler,
+                last: end,
+            },
+        );
+        Ok(end)
+    }
+
+    /// Ask run `id` to cancel (docs/flow.md §2). False if it had already finished.
+    pub(crate) async fn cancel(&self, id: &str) -> Result<bool, FlowError> {
+        let (end, then) = {
+            let mut runs = lock(&self.runs);
+            let e = runs
+                .get_mut(id)
+                .ok_or_else(|| FlowError::Invalid(format!("no run {id:?}")))?;
+            if matches!(e.status, RunStatus::Finished(_)) {
+                return Ok(false);
+            }
+            if e.inbox.wake.cancel.swap(true, Ordering::Relaxed) && e.parked_at().is_none() {
+                // Asked before: answer once that request is durable.
+                (self.log.end_lsn(), Then::Answer)
+            } else {
+                self.journal_cancel(id, e)?
+            }
+        };
+        crate::durable::durable(&self.log, end).await?;
+        match then {
+            Then::Answer => {}
+            Then::Wake => self.wake(id),
+            Then::Settle => self.settle(id, RunStatus::Finished(Outcome::Cancelled)),
+        }
+        Ok(true)
+    }
+
+    /// Journal run `id`'s cancellation request (and a parked run's end); the end of the
+    /// last record, and whether the run was parked.
+    fn journal_cancel(&self, id: &str, e: &mut RunEntry) -> Result<(Lsn, Then), FlowError> {
+        let request = Record {
+            run: id.to_string(),
+            generation: e.generation,
+            pos: None,
+            entry: Entry::CancelRequested,
+        };
+        let mut end = self.log.append(RECORD_KIND, &request.encode())?;
+        self.counters.cancel();
+        // A parked run is not running: nothing will observe the request, so its
+        // end is journaled here.
+        let parked = e.parked_at();
+        e.set_parked_at(None);
+        if let Some((generation, pos)) = parked {
+            let fin = Record {
+                run: id.to_string(),
+                generation,
+                pos: Some(pos),
+                entry: Entry::Finished {
+                    outcome: Outcome::Cancelled,
+                },
+            };
+            end = self.log.append(RECORD_KIND, &fin.encode())?;
+        }
+        Ok((
+            end,
+            if parked.is_some() {
+                Then::Settle
+            } else {
+                Then::Wake
+            },
+        ))
+    }
+
+    /// Journal signal `name` for run `id` and put it in the run's inbox; a signal with
+    /// a `key` the run already received is not delivered again.
+    pub(crate) async fn deliver(
+        &self,
+        id: &str,
+        name: &str,
+        value: Json,
+        key: Option<&str>,
+    ) -> Result<(), FlowError> {
+        let shared = self;
+        let (end, fresh) = {
+            let mut runs = lock(&shared.runs);
+            let generation = match runs.get(id) {
+                None => return Err(FlowError::Invalid(format!("no run {id:?}"))),
+                Some(RunEntry {
+                    status: RunStatus::Finished(_),
+                    ..
+                }) => {
+                    return Err(FlowError::Invalid(format!(
+                        "run {id:?} has finished; it takes no more signals"
+                    )));
+                }
+                Some(e) => e.generation,
+            };
+            let rec = Record {
+                run: id.to_string(),
+                generation,
+                pos: None,
+                entry: Entry::Signal {
+                    name: name.to_string(),
+                    value: value.clone(),
+                    key: key.map(str::to_string),
+                },
+            };
+            let bytes = rec.encode();
+            shared.check_payload(bytes.len())?;
+            let inbox = &mut runs.get_mut(id).expect("looked up above").inbox;
+            if let Some(k) = key
+                && inbox.has_key(k)
+            {
+                // Delivered before: answer once that delivery is durable (everything
+                // appended so far is).
+                (shared.log.end_lsn(), false)
+            } else {
+                shared.journal_signal(inbox, &bytes, name, value, key)?
+            }
+        };
+        crate::durable::durable(&shared.log, end).await?;
+        if fresh {
+            shared.wake(id);
+        }
+        Ok(())
+    }
+
+    /// Append a signal's record and put it in the inbox (under the runs lock: the
+    /// journal order and the inbox order are the same).
+    fn journal_signal(
+        &self,
+        inbox: &mut Inbox,
+        bytes: &[u8],
+        name: &str,
+        value: Json,
+        key: Option<&str>,
+    ) -> Result<(Lsn, bool), FlowError> {
+        let pending = inbox.pending();
+        if pending >= self.limits.signals as usize {
+            return Err(FlowError::LimitExceeded {
+                limit: Limit::Signals,
+                value: pending as u64 + 1,
+                max: u64::from(self.limits.signals),
+            });
+        }
+        let end = self.log.append(RECORD_KIND, bytes)?;
+        inbox.push(name.to_string(), value, key.map(str::to_string));
+        self.counters.signal();
+        Ok((end, true))
+    }
+
+    pub(crate) fn wake(&self, id: &str) {
+        if let Some(w) = lock(&self.runs).get(id).map(|e| e.inbox.wake.clone()) {
+            w.arrived.notify_waiters();
+        }
+    }
+
+    /// The run's wake-up for arrivals (signals, cancellation) and cancellation flag.
+    pub(crate) fn wake_of(&self, run: &str) -> Arc<Wake> {
+        lock(&self.runs)
+            .get(run)
+            .map(|e| e.inbox.wake.clone())
+            .unwrap_or_default()
+    }
+
+    /// The `index`th signal named `name` the run received.
+    pub(crate) fn signal_at(&self, run: &str, name: &str, index: u32) -> Option<Json> {
+        let runs = lock(&self.runs);
+        runs.get(run).and_then(|e| e.inbox.signal_at(name, index))
+    }
+
+    /// Put a run found by recovery in the map (replacing what a checkpoint said of it).
+    pub(crate) fn insert_recovered(
+        &self,
+        runs: &mut BTreeMap<String, RunEntry>,
+        id: String,
+        e: RunEntry,
+    ) {
+        self.counters.added(&e.status, false);
+        if let Some(old) = runs.insert(id, e) {
+            self.counters.removed(&old.status);
+        }
+    }
+
+    pub(crate) fn settle(&self, run: &str, status: RunStatus) {
+        let mut runs = lock(&self.runs);
+        if let Some(e) = runs.get_mut(run) {
+            self.counters.moved(&e.status, &status);
+            e.status = status.clone();
+            for w in e.take_waiters() {
+                let _ = w.send(status.clone());
+            }
+        }
+    }
+
+    pub(crate) fn park(&self, run: &RunCtx, reason: String) {
+        tracing::error!(run = %run.run, "parked: {reason}");
+        let at = (run.generation, run.replay.borrow().len());
+        lock(&self.runs)
+            .get_mut(&run.run)
+            .expect("a running run has an entry")
+            .set_parked_at(Some(at));
+        self.settle(&run.run, RunStatus::Parked(reason));
+    }
+}
+
+impl Shared {
+    /// A workflow name as the registry spells it; a name no handler has (a run of a
+    /// workflow this build does not register) is leaked, once per distinct name.
+    pub(crate) fn workflow_name(&self, name: &str) -> &'static str {
+        if let Some((&k, _)) = self.handlers.get_key_value(name) {
+            return k;
+        }
+        static UNKNOWN: Mutex<BTreeMap<String, &'static str>> = Mutex::new(BTreeMap::new());
+        lock(&UNKNOWN)
+            .entry(name.to_string())
+            .or_insert_with(|| Box::leak(name.to_string().into_boxed_str()))
+    }
+}
+
+impl Host for Shared {
+    fn log(&self) -> &Arc<dyn JournalLog> {
+        &self.log
+    }
+
+    fn failure(&self) -> &Arc<Failure> {
+        &self.failure
+    }
+
+    fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    fn wall_ms(&self) -> u64 {
+        self.clock.wall_ms()
+    }
+
+    fn random_u64(&self) -> u64 {
+        Shared::random_u64(self)
+    }
+
+    fn wake_of(&self, run: &str) -> Arc<Wake> {
+        Shared::wake_of(self, run)
+    }
+
+    fn signal_at(&self, run: &str, name: &str, index: u32) -> Option<Json> {
+        Shared::signal_at(self, run, name, index)
+    }
+
+    fn consumed_one(&self, run: &str) {
+        if let Some(e) = lock(&self.runs).get_mut(run) {
+            e.inbox.consumed_one();
+        }
+    }
+
+    fn publish(&self, run: &str, value: Json) {
+        if let Some(e) = lock(&self.runs).get_mut(run) {
+            e.publish(value);
+        }
+    }
+
+    fn start_child(
+        &self,
+        workflow: &str,
+        id: &str,
+        input: Json,
+        parent: &str,
+    ) -> Result<Lsn, FlowError> {
+        self.start_run(workflow, id, input, Some(parent.to_string()))
+    }
+
+    fn watch(&self, id: &str) -> Result<Watch, FlowError> {
+        let mut runs = lock(&self.runs);
+        // Retention never forgets a child whose parent is unfinished.
+        let child = runs
+            .get_mut(id)
+            .ok_or_else(|| FlowError::Invalid(format!("child run {id:?} is gone")))?;
+        Ok(match &child.status {
+            RunStatus::Finished(outcome) => Watch::Finished(outcome.clone()),
+            // Running, or parked (it may resume after a deploy): wait.
+            _ => {
+                let (tx, rx) = oneshot::channel();
+                child.add_waiter(tx);
+                Watch::Waiting(rx)
+            }
+        })
+    }
+
+    fn cancel_later(&self, id: String) {
+        let Some(shared) = self.me.upgrade() else {
+            return;
+        };
+        self.spawn_here(async move {
+            if let Err(e) = shared.cancel(&id).await {
+                tracing::warn!(child = %id, "cancelling a child run: {e}");
+            }
+        });
+    }
+}
