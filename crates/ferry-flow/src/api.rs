@@ -4,6 +4,7 @@
 
 use crate::journal::{Json, Outcome};
 use crate::replay::Nondeterminism;
+use ferry_core::{Class, Classify, ConfigError};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::marker::PhantomData;
@@ -60,12 +61,21 @@ impl<I, O> Clone for Workflow<I, O> {
 }
 impl<I, O> Copy for Workflow<I, O> {}
 
+/// What a call of the engine or of a run's context can fail with. Classified
+/// ([`Classify`]): `Stopped` and most journal failures are transient (reopen the engine
+/// and ask again); a damaged journal or checkpoint is corrupted; the rest are permanent
+/// (asking again gets the same answer).
 #[derive(Clone, Debug, thiserror::Error)]
 pub enum FlowError {
+    /// A step failed for good: its last attempt's error, once its retries ran out or at
+    /// once if the body said the failure was permanent ([`StepError::permanent`]).
     #[error("step {name:?} failed: {error}")]
     Step { name: String, error: String },
     #[error("child run {id:?} failed: {error}")]
     Child { id: String, error: String },
+    /// The run's code returned an error: what `result()` of a failed run returns.
+    #[error("the run failed: {error}")]
+    RunFailed { error: String },
     /// The run was cancelled (`engine.cancel`); returned by the suspension call that
     /// observed it, and by `result()` of a run that ended so.
     #[error("the run was cancelled")]
@@ -81,12 +91,133 @@ pub enum FlowError {
     ContinuedAsNew,
     #[error(transparent)]
     Log(#[from] ferry_log::Error),
+    /// A value could not be encoded as JSON or decoded as the type asked for (a type
+    /// changed between deploys, or a handle was asked for another workflow's output).
     #[error("cannot encode or decode a value: {0}")]
     Codec(String),
+    /// The journal or a checkpoint holds something this build cannot use: damage, or a
+    /// newer format. Nothing was changed; `hint` says what to do.
+    #[error("{what} is unreadable: {reason}; {hint}")]
+    Damaged {
+        what: String,
+        reason: String,
+        hint: String,
+    },
+    /// The engine knows no run by this id: it was never started here, or it finished
+    /// longer ago than the retention.
+    #[error(
+        "no run {id:?}: it was never started on this engine, or it finished longer ago \
+         than the retention"
+    )]
+    UnknownRun { id: String },
+    /// A signal came after its run had finished, and was not delivered. (Sending again
+    /// a keyed signal that was delivered before the run finished succeeds instead.)
+    #[error("run {id:?} had finished; signal {signal:?} was not delivered")]
+    RunFinished { id: String, signal: String },
+    /// A setting given to the builder cannot be used; nothing was opened.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A call the engine refuses as given (a malformed run id, a workflow that is not
+    /// registered, an id taken by another workflow); the message says which.
     #[error("{0}")]
     Invalid(String),
+    /// Reading the engine's directory failed.
+    #[error("cannot {what} {}: {source}", path.display())]
+    Io {
+        what: &'static str,
+        path: std::path::PathBuf,
+        source: std::sync::Arc<std::io::Error>,
+    },
     #[error("the engine stopped")]
     Stopped,
+}
+
+impl Classify for FlowError {
+    fn class(&self) -> Class {
+        match self {
+            FlowError::Log(e) => e.class(),
+            FlowError::Io { source, .. } => source.class(),
+            FlowError::Damaged { .. } => Class::Corrupted,
+            FlowError::Stopped => Class::Transient,
+            FlowError::Step { .. }
+            | FlowError::Child { .. }
+            | FlowError::RunFailed { .. }
+            | FlowError::Cancelled
+            | FlowError::Nondeterminism(_)
+            | FlowError::Parked(_)
+            | FlowError::LimitExceeded { .. }
+            | FlowError::ContinuedAsNew
+            | FlowError::Codec(_)
+            | FlowError::UnknownRun { .. }
+            | FlowError::RunFinished { .. }
+            | FlowError::Config(_)
+            | FlowError::Invalid(_) => Class::Permanent,
+        }
+    }
+}
+
+/// How one attempt of a step's body failed. Transient by default (any `String` or
+/// `&str` converts to one): the step's [`crate::Retry`] policy tries again. Permanent
+/// when another attempt cannot succeed (the other side refused the request for good,
+/// the input is invalid): the step fails at once with it, whatever attempts remain.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StepError {
+    pub(crate) message: String,
+    permanent: bool,
+}
+
+impl StepError {
+    /// A failure another attempt may cure (a timeout, a peer away, a 503).
+    pub fn transient(message: impl Into<String>) -> StepError {
+        StepError {
+            message: message.into(),
+            permanent: false,
+        }
+    }
+
+    /// A failure no later attempt can cure: the retry policy stops here.
+    pub fn permanent(message: impl Into<String>) -> StepError {
+        StepError {
+            message: message.into(),
+            permanent: true,
+        }
+    }
+
+    /// From any classified error: permanent unless it is transient (a corrupted input
+    /// is not retried either).
+    pub fn classified<E: Classify + std::fmt::Display>(e: &E) -> StepError {
+        if e.is_transient() {
+            StepError::transient(e.to_string())
+        } else {
+            StepError::permanent(e.to_string())
+        }
+    }
+
+    pub fn is_permanent(&self) -> bool {
+        self.permanent
+    }
+
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl std::fmt::Display for StepError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl From<String> for StepError {
+    fn from(message: String) -> StepError {
+        StepError::transient(message)
+    }
+}
+
+impl From<&str> for StepError {
+    fn from(message: &str) -> StepError {
+        StepError::transient(message)
+    }
 }
 
 /// Which limit a run exceeded (docs/flow.md §6).
@@ -202,4 +333,38 @@ pub(crate) fn check_payload(limits: &Limits, bytes: usize) -> Result<(), FlowErr
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_are_classified_by_what_asking_again_does() {
+        assert!(FlowError::Stopped.is_transient());
+        let damaged = FlowError::Damaged {
+            what: "x".into(),
+            reason: "y".into(),
+            hint: "z".into(),
+        };
+        assert_eq!(damaged.class(), Class::Corrupted);
+        assert_eq!(
+            FlowError::UnknownRun { id: "r".into() }.class(),
+            Class::Permanent
+        );
+        assert_eq!(
+            FlowError::Config(ConfigError::new("shards", 0, "must be between 1 and 256")).class(),
+            Class::Permanent
+        );
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        assert!(
+            StepError::classified(&refused)
+                .message()
+                .contains("refused")
+        );
+        assert!(!StepError::classified(&refused).is_permanent());
+        let missing = std::io::Error::from(std::io::ErrorKind::NotFound);
+        assert!(StepError::classified(&missing).is_permanent());
+        assert!(!StepError::from("503").is_permanent());
+    }
 }

@@ -14,6 +14,7 @@ use crate::registry::RunEntry;
 use crate::shard::{Shard, disk};
 use crate::shared::Shared;
 use crate::upkeep::{Admin, Compaction};
+use ferry_core::ConfigError;
 use ferry_core::seams::{Clock, SplitMix64, SystemClock};
 use ferry_core::sync::lock;
 use ferry_log::{Config as LogConfig, Log};
@@ -51,6 +52,9 @@ pub struct EngineBuilder {
     /// Run on the caller's thread, the disk's syncs timed from this seed.
     on_this_thread: Option<u64>,
 }
+
+/// The most shards an engine runs (each is a thread).
+pub const SHARDS_MAX: usize = 256;
 
 /// Runs running at once on one shard, unless the builder says otherwise.
 pub const DEFAULT_MAX_RUNNING: usize = 1_000;
@@ -177,47 +181,68 @@ impl EngineBuilder {
         self
     }
 
-    /// Open the log (recovering it), rebuild every run from its journal, restart the
-    /// unfinished ones.
-    pub fn open(mut self) -> Result<Engine, FlowError> {
-        self.storage_is_files = self.storage.is_none() && self.journal.is_none();
+    /// The settings make sense together, or the first that does not, named.
+    fn check(&self) -> Result<(), ConfigError> {
         if self.on_this_thread.is_some() && self.storage_is_files {
-            return Err(FlowError::Invalid(
-                "on_this_thread is for a simulation: give it its storage with .storage(..)".into(),
+            return Err(ConfigError::new(
+                "on_this_thread",
+                "a seed",
+                "it is for a simulation: give the engine its storage with .storage(..) too",
             ));
         }
         if self.storage.is_some() && self.journal.is_some() {
-            return Err(FlowError::Invalid(
-                "give the engine a storage for its own log or a journal, not both".into(),
+            return Err(ConfigError::new(
+                "journal",
+                "a journal",
+                "give the engine a storage for its own log or a journal, not both",
             ));
         }
         if self.wrap_files.is_some() && !self.storage_is_files {
-            return Err(FlowError::Invalid(
-                "wrap_files wraps the log's files in the directory: it does not go with a \
-                 storage or a journal of its own"
-                    .into(),
+            return Err(ConfigError::new(
+                "wrap_files",
+                "a wrapper",
+                "it wraps the log's files in the directory: it does not go with a storage or \
+                 a journal of its own",
             ));
         }
-        if self.shards == 0 || self.shards > 256 {
-            return Err(FlowError::Invalid(format!(
-                "shards {} must be between 1 and 256",
-                self.shards
-            )));
+        if self.shards == 0 || self.shards > SHARDS_MAX {
+            return Err(ConfigError::new(
+                "shards",
+                self.shards,
+                format!("must be between 1 and {SHARDS_MAX}"),
+            ));
         }
         if let Some(n) = self.max_running
             && (n == 0 || n > tokio::sync::Semaphore::MAX_PERMITS)
         {
-            return Err(FlowError::Invalid(format!(
-                "max_running {n} must be between 1 and {} (None for no bound)",
-                tokio::sync::Semaphore::MAX_PERMITS
-            )));
+            return Err(ConfigError::new(
+                "max_running",
+                n,
+                format!(
+                    "must be between 1 and {} (None for no bound)",
+                    tokio::sync::Semaphore::MAX_PERMITS
+                ),
+            ));
         }
         if self.limits.payload_bytes > self.log.record_bytes_max as usize {
-            return Err(FlowError::Invalid(format!(
-                "the payload limit ({} bytes) is over the log's largest record ({} bytes)",
-                self.limits.payload_bytes, self.log.record_bytes_max
-            )));
+            return Err(ConfigError::new(
+                "limits.payload_bytes",
+                self.limits.payload_bytes,
+                format!(
+                    "is over the log's largest record ({} bytes, log_config's \
+                     record_bytes_max): raise that too, or lower the payload limit",
+                    self.log.record_bytes_max
+                ),
+            ));
         }
+        Ok(())
+    }
+
+    /// Open the log (recovering it), rebuild every run from its journal, restart the
+    /// unfinished ones.
+    pub fn open(mut self) -> Result<Engine, FlowError> {
+        self.storage_is_files = self.storage.is_none() && self.journal.is_none();
+        self.check()?;
         let started = std::time::Instant::now();
         let segment_bytes = self.log.segment_bytes;
         let over_journal = self.journal.is_some();
@@ -255,10 +280,11 @@ impl EngineBuilder {
                 }
             };
         if over_journal && log.start_lsn() > 0 {
-            return Err(FlowError::Invalid(format!(
-                "the journal starts at position {}: over a journal of its own the engine keeps \
-                 no checkpoints, so it needs the whole history (from 0) to recover",
-                log.start_lsn()
+            return Err(FlowError::Config(ConfigError::new(
+                "journal",
+                format!("a journal starting at {}", log.start_lsn()),
+                "over a journal of its own the engine keeps no checkpoints, so it needs the \
+                 whole history (from position 0) to recover",
             )));
         }
         // Every failure of the journal, however it surfaces, is noted for the callers
@@ -316,12 +342,13 @@ impl EngineBuilder {
             let mut runs = lock(&shared.runs);
             for (id, d) in &folded.finished {
                 let name = shared.workflow_name(&d.workflow);
-                let e = RunEntry::new(
+                let mut e = RunEntry::new(
                     name,
                     d.parent.clone(),
                     d.generation,
                     RunStatus::Finished(d.outcome.clone()),
                 );
+                e.inbox.remember_keys(&d.keys);
                 shared.insert_recovered(&mut runs, id.clone(), e);
             }
         }

@@ -31,6 +31,11 @@ pub(crate) struct Done {
     /// When compaction first saw it finished (ms since the epoch): retention counts
     /// from here.
     pub finished_ms: u64,
+    /// The keys of keyed signals it received: a sender retrying one after the run
+    /// finished is told it was delivered. (Absent in checkpoints written before keys
+    /// were kept: those runs answer such a retry as undelivered.)
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub keys: Vec<String>,
 }
 
 /// An unfinished run's records that replay needs.
@@ -84,6 +89,14 @@ impl Folded {
                 }) => (workflow, parent),
                 _ => ("?".to_string(), None),
             };
+            let keys = a
+                .records
+                .iter()
+                .filter_map(|r| match Record::decode(r).ok()?.entry {
+                    Entry::Signal { key, .. } => key,
+                    _ => None,
+                })
+                .collect();
             let run = rec.run.to_string();
             self.active.remove(&run);
             self.finished.insert(
@@ -94,6 +107,7 @@ impl Folded {
                     generation,
                     outcome,
                     finished_ms: now_ms,
+                    keys,
                 },
             );
             return Ok(());

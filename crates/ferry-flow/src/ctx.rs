@@ -3,7 +3,7 @@
 //! cancellation and continue-as-new. Each call takes the next journal position; on
 //! replay it returns what the journal holds there.
 
-use crate::api::{FlowError, Limit, Signal, Workflow, decode, encode};
+use crate::api::{FlowError, Limit, Signal, StepError, Workflow, decode, encode};
 use crate::journal::{Entry, Json, Outcome, ValueKind};
 use crate::metrics::Attempt;
 use crate::replay::{Call, Slot};
@@ -105,9 +105,12 @@ impl Drop for Pending<'_> {
     }
 }
 
-/// How often a step is tried, and how long between tries: exponential from `first`,
-/// doubling, capped at `max`. The retry time is journaled with each failed attempt, so
-/// a restart neither retries early nor starts the count again.
+/// How often a step is tried, and how long between tries: after the n-th failed attempt,
+/// a time drawn uniformly between `first` and `first·2^(n-1)` (capped at `max`):
+/// ferry-core's backoff with jitter, floored at `first`, so retries of many runs that
+/// failed together spread out, and none comes sooner than `first`. The retry time is
+/// journaled with each failed attempt, so a restart neither retries early nor starts
+/// the count again. A permanent failure ([`StepError::permanent`]) is not retried.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Retry {
     pub max_attempts: u32,
@@ -135,9 +138,15 @@ impl Retry {
         }
     }
 
-    fn delay(&self, failed_attempt: u32) -> Duration {
-        let factor = 1u32 << failed_attempt.saturating_sub(1).min(20);
-        (self.first * factor).min(self.max)
+    /// How long to wait after failed attempt `failed_attempt` (1 = the first), drawn
+    /// from `seed` (the engine's generator: replayable in a simulation).
+    fn delay(&self, failed_attempt: u32, seed: u64) -> Duration {
+        let first = self.first.min(self.max);
+        let backoff = ferry_core::backoff::Backoff::new(first, self.max, first);
+        backoff.delay(
+            failed_attempt,
+            &mut ferry_core::seams::SplitMix64::seeded(seed),
+        )
     }
 }
 
@@ -168,7 +177,7 @@ impl<'a, T, F, Fut> std::future::IntoFuture for Step<'a, T, F>
 where
     T: Serialize + DeserializeOwned + 'a,
     F: FnMut(StepCtx) -> Fut + 'a,
-    Fut: Future<Output = Result<T, String>> + 'a,
+    Fut: Future<Output = Result<T, StepError>> + 'a,
 {
     type Output = Result<T, FlowError>;
     type IntoFuture = Pin<Box<dyn Future<Output = Result<T, FlowError>> + 'a>>;
@@ -181,9 +190,11 @@ where
     }
 }
 
-/// What a step's body gets: the key to pass to the outside world.
+/// What a step's body gets: the key to pass to the outside world, and which attempt
+/// this is.
 pub struct StepCtx {
     key: String,
+    attempt: u32,
 }
 
 /// `run/generation/position`: built once per step, so without `format!`'s machinery.
@@ -202,6 +213,12 @@ impl StepCtx {
     /// Stable across re-executions of the same step of the same run: `run/generation/position`.
     pub fn key(&self) -> &str {
         &self.key
+    }
+
+    /// This attempt's number, from 1; counted across restarts (a failed attempt is
+    /// journaled), so attempt 3 after a crash is the third attempt, not the first.
+    pub fn attempt(&self) -> u32 {
+        self.attempt
     }
 }
 
@@ -651,7 +668,7 @@ impl Ctx {
     where
         T: Serialize + DeserializeOwned + 'a,
         F: FnMut(StepCtx) -> Fut + 'a,
-        Fut: Future<Output = Result<T, String>> + 'a,
+        Fut: Future<Output = Result<T, StepError>> + 'a,
     {
         Step {
             ctx: self,
@@ -673,7 +690,7 @@ impl Ctx {
     where
         T: Serialize + DeserializeOwned,
         F: FnMut(StepCtx) -> Fut,
-        Fut: Future<Output = Result<T, String>>,
+        Fut: Future<Output = Result<T, StepError>>,
     {
         // What the journal says: done, or attempts that failed and when to retry.
         let (pos, mut attempt, mut retry_at) = {
@@ -723,8 +740,8 @@ impl Ctx {
             crate::durable::durable(self.run.shared.log(), self.run.last.get()).await?;
             let key = step_key(&self.run.run, self.run.generation, pos);
             let ran = match timeout {
-                None => Ok(body(StepCtx { key }).await),
-                Some(d) => tokio::time::timeout(d, body(StepCtx { key }))
+                None => Ok(body(StepCtx { key, attempt }).await),
+                Some(d) => tokio::time::timeout(d, body(StepCtx { key, attempt }))
                     .await
                     .map_err(|_| d),
             };
@@ -736,8 +753,11 @@ impl Ctx {
                 Ok(Err(_)) => Attempt::Error,
                 Err(_) => Attempt::TimedOut,
             };
-            let attempt_result =
-                ran.unwrap_or_else(|d| Err(format!("attempt {attempt} timed out after {d:?}")));
+            let attempt_result = ran.unwrap_or_else(|d| {
+                Err(StepError::transient(format!(
+                    "attempt {attempt} timed out after {d:?}"
+                )))
+            });
             let outcome = match attempt_result {
                 Ok(v) => match encode(&v) {
                     Ok(v) => Outcome::Ok(v),
@@ -746,22 +766,23 @@ impl Ctx {
                         return Err(e);
                     }
                 },
-                Err(e) if attempt < retry.max_attempts => {
+                Err(e) if attempt < retry.max_attempts && !e.is_permanent() => {
                     counters.attempt(how);
-                    retry_at = self.wall_ms() + retry.delay(attempt).as_millis() as u64;
+                    let delay = retry.delay(attempt, self.run.shared.random_u64());
+                    retry_at = self.wall_ms() + delay.as_millis() as u64;
                     self.run.append(
                         Some(pos),
                         &Entry::StepAttempt {
                             name: name.clone(),
                             attempt,
-                            error: e,
+                            error: e.message,
                             retry_at_ms: retry_at,
                         },
                     )?;
                     attempt += 1;
                     continue;
                 }
-                Err(e) => Outcome::Err(e),
+                Err(e) => Outcome::Err(e.message),
             };
             let mut done = Entry::Step {
                 name,
@@ -788,5 +809,30 @@ impl Ctx {
             };
             return step_result(&name, outcome);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_retry_waits_at_least_first_and_at_most_its_doubling_window() {
+        let retry = Retry::exponential(10, Duration::from_millis(100));
+        for seed in 0..200 {
+            assert_eq!(retry.delay(1, seed), Duration::from_millis(100));
+            for failed in 2..12u32 {
+                let window = (Duration::from_millis(100) * (1 << (failed - 1))).min(retry.max);
+                let d = retry.delay(failed, seed);
+                assert!(d >= retry.first && d <= window, "{failed}: {d:?}");
+            }
+        }
+        // A first delay above the cap waits the cap.
+        let slow = Retry {
+            max_attempts: 3,
+            first: Duration::from_secs(90),
+            max: Duration::from_secs(60),
+        };
+        assert_eq!(slow.delay(1, 7), Duration::from_secs(60));
     }
 }

@@ -88,7 +88,7 @@ impl Engine {
             let runs = lock(&self.shared.runs);
             let e = runs
                 .get(id)
-                .ok_or_else(|| FlowError::Invalid(format!("no run {id:?}")))?;
+                .ok_or_else(|| FlowError::UnknownRun { id: id.into() })?;
             e.published().cloned()
         };
         v.map(decode).transpose()
@@ -187,7 +187,9 @@ impl<O: DeserializeOwned> RunHandle<O> {
             let mut runs = lock(&shared.runs);
             let entry = runs
                 .get_mut(&self.id)
-                .ok_or_else(|| FlowError::Invalid(format!("no run {:?}", self.id)))?;
+                .ok_or_else(|| FlowError::UnknownRun {
+                    id: self.id.clone(),
+                })?;
             match &entry.status {
                 RunStatus::Running => {
                     let (tx, rx) = oneshot::channel();
@@ -211,10 +213,7 @@ impl<O: DeserializeOwned> RunHandle<O> {
 fn status_result<O: DeserializeOwned>(s: RunStatus) -> Result<O, FlowError> {
     match s {
         RunStatus::Finished(Outcome::Ok(v)) => decode(v),
-        RunStatus::Finished(Outcome::Err(e)) => Err(FlowError::Step {
-            name: "workflow".into(),
-            error: e,
-        }),
+        RunStatus::Finished(Outcome::Err(error)) => Err(FlowError::RunFailed { error }),
         RunStatus::Finished(Outcome::Cancelled) => Err(FlowError::Cancelled),
         RunStatus::Parked(reason) => Err(FlowError::Parked(reason)),
         RunStatus::Running => Err(FlowError::Stopped),

@@ -1,10 +1,23 @@
-//! ferry-flow: durable execution for ordinary async Rust (docs/flow.md).
+//! ferry-flow: durable execution for ordinary async Rust (docs/flow.md is the
+//! contract).
 //!
-//! `journal`: what a run records and how it is framed in ferry-log; `replay`: the
-//! cursor that checks a run's code against its journal; `engine`: runs, shards, recovery,
-//! cancellation, continue-as-new, limits; `ctx`: what workflow code calls; `durable`:
-//! how a shard's tasks wait for the log; `journal_log`: the seam between the engine
-//! and the log it journals to. docs/flow.md marks what is planned.
+//! The rooms, from the bottom up:
+//! - `journal` (what a run records, framed in ferry-log) and `replay` (the cursor that
+//!   checks a run's code against its journal): pure.
+//! - `api`: the types an application names (workflows, signals, errors, limits).
+//! - `journal_log`: the seam between the engine and the log it journals to; `durable`:
+//!   the one way to wait for durability.
+//! - `run`: one run's state and its `Host` trait, the only interface through which `ctx`
+//!   (what workflow code calls) reaches the engine.
+//! - `registry` (the runs map's entries), `job` (runs handed to shards), `shared` (the
+//!   engine's shared state and what callers do to runs), `lifecycle` (a run's
+//!   generations and end), `shard` (the executor), `recovery` (replay after a restart,
+//!   [`read_journal`]), `checkpoint` and `upkeep` (compaction, the status file and the
+//!   request inbox; `admin` is their file protocol), `metrics`.
+//! - `builder` (settings, `open`) and `engine` ([`Engine`], [`RunHandle`]) on top.
+//!
+//! ferry-log's types an application may need (its settings, errors, storage seam) are
+//! re-exported here, so an app depends on ferry-flow alone.
 
 pub mod admin;
 mod api;
@@ -26,10 +39,19 @@ mod shard;
 mod shared;
 mod upkeep;
 
-pub use api::{FlowError, Limit, Limits, Recovery, RunInfo, RunStatus, Signal, Workflow};
-pub use builder::{DEFAULT_MAX_RUNNING, EngineBuilder};
+pub use api::{
+    FlowError, Limit, Limits, Recovery, RunInfo, RunStatus, Signal, StepError, Workflow,
+};
+pub use builder::{DEFAULT_MAX_RUNNING, EngineBuilder, SHARDS_MAX};
 pub use ctx::{Ctx, Retry, Step, StepCtx};
 pub use engine::{Engine, RunHandle};
-pub use journal::Outcome;
+pub use ferry_core::{Class, Classify, ConfigError};
+/// ferry-log whole, for a [`JournalLog`] implementation (its `Lsn`, `Follower`, `Record`).
+pub use ferry_log as log;
+pub use ferry_log::sim::SimStorage;
+pub use ferry_log::{
+    Config as LogConfig, Error as LogError, FileStorage, Stats as LogStats, Storage,
+};
+pub use journal::{Entry, Outcome, Record};
 pub use journal_log::JournalLog;
-pub use recovery::{read_journal, read_journal_on};
+pub use recovery::{FinishedRun, Journal, read_journal, read_journal_on};

@@ -5,7 +5,7 @@
 use crate::api::{FlowError, RunStatus};
 use crate::checkpoint::{self, Folded};
 use crate::job::{Job, next_start};
-use crate::journal::{Entry, RECORD_KIND, Record};
+use crate::journal::{Entry, Outcome, RECORD_KIND, Record};
 use crate::journal_log::JournalLog;
 use crate::registry::RunEntry;
 use crate::replay::Replay;
@@ -135,21 +135,76 @@ pub(crate) fn recover_run(
     Ok(resume)
 }
 
-/// The journal records an engine directory holds for the runs a restart would replay,
-/// by run, in order: the newest checkpoint's records of each unfinished run, then
-/// every record the log holds after it, read as an engine's open would read them (a
-/// torn tail is not a record). Reads a copy of the log's segments and the checkpoints
-/// (in the system's temporary directory, removed afterwards), so the directory is left
-/// exactly as it is and the next open still finds what it must repair; no engine may
-/// be writing it meanwhile. For tools and tests that check what is durable, e.g. which
-/// step results a crash left.
-pub fn read_journal(dir: impl AsRef<Path>) -> Result<BTreeMap<String, Vec<Record>>, FlowError> {
+/// What an engine directory holds for each run, as a restart would find it: read by
+/// [`read_journal`].
+#[derive(Clone, Debug, Default)]
+pub struct Journal {
+    /// The runs a restart replays (unfinished ones, and those that finished after the
+    /// newest checkpoint), each with its records in order: the checkpoint's, then the
+    /// log's after it.
+    pub records: BTreeMap<String, Vec<Record>>,
+    /// Runs the newest checkpoint holds as finished (within the retention): their
+    /// outcomes, without their records.
+    pub finished: BTreeMap<String, FinishedRun>,
+}
+
+/// A finished run as a checkpoint keeps it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FinishedRun {
+    pub workflow: String,
+    pub parent: Option<String>,
+    pub generation: u32,
+    pub outcome: Outcome,
+}
+
+impl Journal {
+    /// How run `id` ended, if the journal says it did (in the checkpoint or in its
+    /// records); `None` for a run still going, or one the journal does not hold.
+    pub fn outcome(&self, id: &str) -> Option<&Outcome> {
+        if let Some(f) = self.finished.get(id) {
+            return Some(&f.outcome);
+        }
+        self.records
+            .get(id)?
+            .iter()
+            .rev()
+            .find_map(|r| match &r.entry {
+                Entry::Finished { outcome } => Some(outcome),
+                _ => None,
+            })
+    }
+
+    /// Does the journal hold run `id` at all?
+    pub fn has(&self, id: &str) -> bool {
+        self.finished.contains_key(id) || self.records.contains_key(id)
+    }
+
+    /// Every step result the journal holds, as (run, step name, outcome), in run order
+    /// then journal order: the steps a restart will not run again.
+    pub fn steps(&self) -> impl Iterator<Item = (&str, &str, &Outcome)> {
+        self.records.iter().flat_map(|(run, records)| {
+            records.iter().filter_map(move |r| match &r.entry {
+                Entry::Step { name, outcome, .. } => Some((run.as_str(), name.as_str(), outcome)),
+                _ => None,
+            })
+        })
+    }
+}
+
+/// The journal an engine directory holds ([`Journal`]): the newest checkpoint's
+/// finished runs and the records of each unfinished run, then every record the log
+/// holds after it, read as an engine's open would read them (a torn tail is not a
+/// record). Reads a copy of the log's segments and the checkpoints (in the system's
+/// temporary directory, removed afterwards), so the directory is left exactly as it is
+/// and the next open still finds what it must repair; no engine may be writing it
+/// meanwhile. For tools and tests that check what is durable, e.g. which step results
+/// a crash left.
+pub fn read_journal(dir: impl AsRef<Path>) -> Result<Journal, FlowError> {
     let dir = dir.as_ref();
-    let io = |what: &str, e: std::io::Error| {
-        FlowError::Invalid(format!(
-            "reading the journal in {}: {what}: {e}",
-            dir.display()
-        ))
+    let io = |what: &'static str, path: &Path, e: std::io::Error| FlowError::Io {
+        what,
+        path: path.to_path_buf(),
+        source: Arc::new(e),
     };
     static COPIES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let copy = std::env::temp_dir().join(format!(
@@ -157,16 +212,16 @@ pub fn read_journal(dir: impl AsRef<Path>) -> Result<BTreeMap<String, Vec<Record
         std::process::id(),
         COPIES.fetch_add(1, Ordering::Relaxed)
     ));
-    std::fs::create_dir_all(&copy).map_err(|e| io("make a directory for the copy", e))?;
+    std::fs::create_dir_all(&copy).map_err(|e| io("make the directory", &copy, e))?;
     let read = (|| {
-        for entry in std::fs::read_dir(dir).map_err(|e| io("list it", e))? {
-            let entry = entry.map_err(|e| io("list it", e))?;
+        for entry in std::fs::read_dir(dir).map_err(|e| io("list", dir, e))? {
+            let entry = entry.map_err(|e| io("list", dir, e))?;
             let name = entry.file_name();
             let name = name.to_string_lossy();
             // Segments and checkpoints: what an open reads (spares hold nothing).
             if name.ends_with(".seg") || name.starts_with("checkpoint-") {
                 std::fs::copy(entry.path(), copy.join(&*name))
-                    .map_err(|e| io(&format!("copy {name}"), e))?;
+                    .map_err(|e| io("copy", &entry.path(), e))?;
             }
         }
         let (log, _) = Log::open_dir(&copy, LogConfig::default())?;
@@ -179,19 +234,34 @@ pub fn read_journal(dir: impl AsRef<Path>) -> Result<BTreeMap<String, Vec<Record
 /// [`read_journal`] for a log on `storage` (an engine off files, which keeps no
 /// checkpoints: the log is all there is). The log is recovered in place, so pass a
 /// copy of a state that the engine's own open must still find (`SimStorage::copy`).
-pub fn read_journal_on(
-    storage: Arc<dyn ferry_log::Storage>,
-) -> Result<BTreeMap<String, Vec<Record>>, FlowError> {
+pub fn read_journal_on(storage: Arc<dyn ferry_log::Storage>) -> Result<Journal, FlowError> {
     let (log, _) = Log::open(storage, LogConfig::default())?;
     read_log(log, None)
 }
 
-/// What an open of `log` (and of the checkpoints in `dir`) replays, by run; then the
-/// log is closed.
-fn read_log(log: Log, dir: Option<&Path>) -> Result<BTreeMap<String, Vec<Record>>, FlowError> {
+/// What an open of `log` (and of the checkpoints in `dir`) finds; then the log is
+/// closed.
+fn read_log(log: Log, dir: Option<&Path>) -> Result<Journal, FlowError> {
     let journaled = journaled(dir, &log)?;
     log.close()?;
-    Ok(journaled.by_run)
+    let finished = journaled
+        .folded
+        .finished
+        .into_iter()
+        .map(|(id, d)| {
+            let run = FinishedRun {
+                workflow: d.workflow,
+                parent: d.parent,
+                generation: d.generation,
+                outcome: d.outcome,
+            };
+            (id, run)
+        })
+        .collect();
+    Ok(Journal {
+        records: journaled.by_run,
+        finished,
+    })
 }
 
 /// What an open replays.
@@ -211,9 +281,14 @@ pub(crate) fn journaled(dir: Option<&Path>, log: &dyn JournalLog) -> Result<Jour
         Some(dir) => load_checkpoint(dir, log)?,
         None => Folded::default(),
     };
-    let mut by_run: BTreeMap<String, Vec<Record>> = folded
-        .active_records()
-        .map_err(|e| FlowError::Codec(format!("the newest checkpoint holds a bad record ({e})")))?;
+    let mut by_run: BTreeMap<String, Vec<Record>> =
+        folded
+            .active_records()
+            .map_err(|reason| FlowError::Damaged {
+                what: "a record in the newest checkpoint".into(),
+                reason,
+                hint: RESTORE.into(),
+            })?;
     let mut bad = None;
     let mut read = 0u64;
     log.read(folded.lsn, &mut |r| {
@@ -224,14 +299,19 @@ pub(crate) fn journaled(dir: Option<&Path>, log: &dyn JournalLog) -> Result<Jour
         match Record::decode(r.payload) {
             Ok(rec) => by_run.entry(rec.run.clone()).or_default().push(rec),
             Err(e) => {
-                bad.get_or_insert(format!("record at {}: {e}", r.lsn));
+                bad.get_or_insert((r.lsn, e.to_string()));
             }
         }
     })?;
-    if let Some(e) = bad {
-        return Err(FlowError::Codec(format!(
-            "the journal holds a record this build cannot read ({e})"
-        )));
+    if let Some((lsn, reason)) = bad {
+        return Err(FlowError::Damaged {
+            what: format!("the journal's record at {lsn}"),
+            reason,
+            hint: "it passed the log's checksum, so it was written by another build of \
+                   ferry-flow (open the directory with that build) or by a bug; nothing \
+                   was changed"
+                .into(),
+        });
     }
     Ok(Journaled {
         folded,
@@ -240,39 +320,63 @@ pub(crate) fn journaled(dir: Option<&Path>, log: &dyn JournalLog) -> Result<Jour
     })
 }
 
+/// What to do about a damaged directory whose log no longer holds everything.
+const RESTORE: &str = "restore the directory (with its checkpoint files) from a copy";
+
 /// The newest checkpoint in `dir` (none: an empty one), checked against the log.
 fn load_checkpoint(dir: &Path, log: &dyn JournalLog) -> Result<Folded, FlowError> {
-    let io = |e: std::io::Error| FlowError::Invalid(format!("reading {}: {e}", dir.display()));
-    let found = checkpoint::list(dir).map_err(io)?;
+    let found = checkpoint::list(dir).map_err(|e| FlowError::Io {
+        what: "list",
+        path: dir.to_path_buf(),
+        source: Arc::new(e),
+    })?;
     let folded = match found.last() {
         None => Folded::default(),
         Some((_, path)) => {
-            let bytes = std::fs::read(path).map_err(io)?;
-            Folded::decode(&bytes).map_err(|e| {
-                FlowError::Codec(format!(
-                    "the checkpoint {} is unreadable: {e}; the log before it was retired, so \
-                     restore the directory from a copy",
-                    path.display()
-                ))
+            let bytes = std::fs::read(path).map_err(|e| FlowError::Io {
+                what: "read",
+                path: path.clone(),
+                source: Arc::new(e),
+            })?;
+            Folded::decode(&bytes).map_err(|reason| FlowError::Damaged {
+                what: format!("the checkpoint {}", path.display()),
+                reason,
+                hint: if log.start_lsn() == 0 {
+                    // Nothing was retired: the log alone rebuilds every run.
+                    "the log still holds everything from its start, so move this file \
+                     out of the directory and open again (the engine rebuilds from the log)"
+                        .into()
+                } else {
+                    format!(
+                        "the log before position {} was retired and this checkpoint is all \
+                         that holds it: {RESTORE}",
+                        log.start_lsn()
+                    )
+                },
             })?
         }
     };
     if log.start_lsn() > folded.lsn {
-        return Err(FlowError::Invalid(format!(
-            "the log in {} starts at {} but no checkpoint covers what came before it; \
-             restore the directory (with its checkpoint files) from a copy",
-            dir.display(),
-            log.start_lsn()
-        )));
+        return Err(FlowError::Damaged {
+            what: format!("the engine directory {}", dir.display()),
+            reason: format!(
+                "its log starts at {} but no checkpoint covers what came before it",
+                log.start_lsn()
+            ),
+            hint: RESTORE.into(),
+        });
     }
     if log.end_lsn() < folded.lsn {
-        return Err(FlowError::Invalid(format!(
-            "the checkpoint in {} covers the log up to {} but the log ends at {}: the log \
-             was replaced or cut; restore the directory from a copy",
-            dir.display(),
-            folded.lsn,
-            log.end_lsn()
-        )));
+        return Err(FlowError::Damaged {
+            what: format!("the engine directory {}", dir.display()),
+            reason: format!(
+                "its checkpoint covers the log up to {} but the log ends at {}: the log \
+                 was replaced or cut",
+                folded.lsn,
+                log.end_lsn()
+            ),
+            hint: RESTORE.into(),
+        });
     }
     // Older checkpoints, segments below this one and half-written checkpoints may be
     // left by a crash between writing it and cleaning up.

@@ -127,6 +127,14 @@ impl Inbox {
         self.mail().consumed += 1;
     }
 
+    /// Recovery of a finished run from a checkpoint: the keys of the keyed signals it
+    /// received, without the signals.
+    pub(crate) fn remember_keys(&mut self, keys: &[String]) {
+        if !keys.is_empty() {
+            self.mail().keys.extend_from_slice(keys);
+        }
+    }
+
     /// Recovery: `n` signals were consumed before the journal's end.
     pub(crate) fn set_consumed(&mut self, n: usize) {
         if n > 0 {

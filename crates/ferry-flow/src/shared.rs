@@ -190,7 +190,7 @@ impl Shared {
             let mut runs = lock(&self.runs);
             let e = runs
                 .get_mut(id)
-                .ok_or_else(|| FlowError::Invalid(format!("no run {id:?}")))?;
+                .ok_or_else(|| FlowError::UnknownRun { id: id.into() })?;
             if matches!(e.status, RunStatus::Finished(_)) {
                 return Ok(false);
             }
@@ -258,39 +258,34 @@ impl Shared {
         let shared = self;
         let (end, fresh) = {
             let mut runs = lock(&shared.runs);
-            let generation = match runs.get(id) {
-                None => return Err(FlowError::Invalid(format!("no run {id:?}"))),
-                Some(RunEntry {
-                    status: RunStatus::Finished(_),
-                    ..
-                }) => {
-                    return Err(FlowError::Invalid(format!(
-                        "run {id:?} has finished; it takes no more signals"
-                    )));
-                }
-                Some(e) => e.generation,
-            };
-            let rec = Record {
-                run: id.to_string(),
-                generation,
-                pos: None,
-                entry: Entry::Signal {
-                    name: name.to_string(),
-                    value: value.clone(),
-                    key: key.map(str::to_string),
-                },
-            };
-            let bytes = rec.encode();
-            shared.check_payload(bytes.len())?;
-            let inbox = &mut runs.get_mut(id).expect("looked up above").inbox;
+            let e = runs
+                .get_mut(id)
+                .ok_or_else(|| FlowError::UnknownRun { id: id.into() })?;
             if let Some(k) = key
-                && inbox.has_key(k)
+                && e.inbox.has_key(k)
             {
-                // Delivered before: answer once that delivery is durable (everything
-                // appended so far is).
+                // Delivered before (perhaps before the run finished): answer once that
+                // delivery is durable (everything appended so far is).
                 (shared.log.end_lsn(), false)
+            } else if matches!(e.status, RunStatus::Finished(_)) {
+                return Err(FlowError::RunFinished {
+                    id: id.into(),
+                    signal: name.into(),
+                });
             } else {
-                shared.journal_signal(inbox, &bytes, name, value, key)?
+                let rec = Record {
+                    run: id.to_string(),
+                    generation: e.generation,
+                    pos: None,
+                    entry: Entry::Signal {
+                        name: name.to_string(),
+                        value: value.clone(),
+                        key: key.map(str::to_string),
+                    },
+                };
+                let bytes = rec.encode();
+                shared.check_payload(bytes.len())?;
+                shared.journal_signal(&mut e.inbox, &bytes, name, value, key)?
             }
         };
         crate::durable::durable(&shared.log, end).await?;

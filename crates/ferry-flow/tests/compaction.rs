@@ -3,7 +3,9 @@
 //! finished runs are forgotten after the retention period and their ids can be used
 //! again.
 
-use ferry_flow::{Ctx, Engine, EngineBuilder, FlowError, RunStatus, Signal, Workflow};
+use ferry_flow::{
+    Class, Classify, Ctx, Engine, EngineBuilder, FlowError, RunStatus, Signal, Workflow,
+};
 use ferry_testkit::{Scratch, eventually};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -207,11 +209,67 @@ async fn a_damaged_checkpoint_refuses_to_open() {
     bytes[mid] ^= 4;
     std::fs::write(&cp, &bytes).unwrap();
     let err = match builder(&dir).open() {
+        Err(e) => e,
+        Ok(_) => panic!("opened on a damaged checkpoint"),
+    };
+    assert!(matches!(err, FlowError::Damaged { .. }), "{err:?}");
+    assert_eq!(err.class(), Class::Corrupted);
+    let msg = err.to_string();
+    assert!(
+        msg.contains("is unreadable") && msg.contains("checksum") && msg.contains("restore"),
+        "the log before the checkpoint was retired, so only a copy helps: {msg}"
+    );
+}
+
+/// Guards the hint a damaged checkpoint gives when the log still holds everything
+/// from its start (nothing retired): moving the file aside must really be enough, so
+/// the test follows the hint and checks every run is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_checkpoint_over_a_whole_log_can_be_moved_aside() {
+    let scratch = Scratch::new("flow-bad-checkpoint-whole-log");
+    let dir = scratch.dir("flow");
+    // Segments far larger than what is written: nothing is ever retired.
+    let whole = |dir: &Path| builder(dir).log_config(ferry_log::Config::default());
+    {
+        let engine = whole(&dir).open().unwrap();
+        for i in 0..20 {
+            let h = engine
+                .start(CHAIN, &format!("r{i}"), &(i * 2))
+                .await
+                .unwrap();
+            h.result().await.unwrap();
+        }
+        eventually("a checkpoint", || files(&dir, "checkpoint") == 1).await;
+        assert_eq!(engine.log_stats().segments, 1, "nothing retired");
+    }
+    let cp = checkpoint_file(&dir);
+    let mut bytes = std::fs::read(&cp).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 4;
+    std::fs::write(&cp, &bytes).unwrap();
+    let err = match whole(&dir).open() {
         Err(e) => e.to_string(),
         Ok(_) => panic!("opened on a damaged checkpoint"),
     };
-    assert!(
-        err.contains("is unreadable") && err.contains("checksum"),
-        "{err}"
-    );
+    assert!(err.contains("move this file"), "{err}");
+    std::fs::rename(&cp, scratch.dir("aside").join("damaged")).unwrap();
+    let engine = whole(&dir).open().unwrap();
+    for i in 0..20 {
+        let out = engine.run::<u32>(&format!("r{i}")).unwrap().result().await;
+        assert_eq!(out.unwrap(), want(i * 2));
+    }
+}
+
+fn checkpoint_file(dir: &Path) -> std::path::PathBuf {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_str()
+                .unwrap()
+                .starts_with("checkpoint-")
+        })
+        .unwrap()
 }

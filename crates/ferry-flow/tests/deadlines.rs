@@ -57,7 +57,7 @@ fn open(sim: &Arc<SimStorage>, clock: &Arc<TokioClock>, marks: &Marks, round: u6
                                 let mut m = m.lock().unwrap();
                                 m.push(("attempt", c.wall_ms()));
                                 if m.len() == 1 {
-                                    Err("503, retry later".to_string())
+                                    Err("503, retry later".into())
                                 } else {
                                     Ok(7)
                                 }

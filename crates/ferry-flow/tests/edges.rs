@@ -222,3 +222,71 @@ async fn a_signal_sent_twice_with_one_key_is_delivered_once_also_after_a_restart
     let out = engine.run::<String>("r").unwrap().result().await.unwrap();
     assert_eq!(out, "Some(1) None");
 }
+
+/// Guards docs/flow.md §2's promise to a sender that retries `signal_once` after a crash:
+/// the retry returns once the first delivery is durable, even when the run consumed it
+/// and finished meanwhile, so the sender can tell a delivered signal from a lost one.
+/// Checked in the same process, after a restart that replays the log, and after
+/// compaction folded the finished run into a checkpoint (the log before it retired).
+/// A key never delivered is refused as `RunFinished`, an unknown run as `UnknownRun`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_signal_once_succeeds_after_the_run_finished_also_from_a_checkpoint() {
+    let scratch = Scratch::new("flow-signal-once-finished");
+    let dir = scratch.dir("flow");
+    let open = |dir: &std::path::Path, compact: bool| {
+        let mut b = Engine::builder(dir).register(W, |ctx: Ctx, _: u32| async move {
+            let a = ctx.wait_for(GO, None).await?;
+            Ok(format!("{a:?}"))
+        });
+        if compact {
+            b = b.compact_every(1).compact_interval(Duration::ZERO);
+        }
+        b.open().unwrap()
+    };
+    let refused = |r: Result<(), FlowError>| {
+        assert!(
+            matches!(&r, Err(FlowError::RunFinished { id, signal }) if id == "r" && signal == "go"),
+            "{r:?}"
+        );
+    };
+    {
+        let engine = open(&dir, false);
+        engine.start(W, "r", &0).await.unwrap();
+        engine.signal_once("r", GO, &1, "approve-1").await.unwrap();
+        let out = engine.run::<String>("r").unwrap().result().await.unwrap();
+        assert_eq!(out, "Some(1)");
+        engine.signal_once("r", GO, &1, "approve-1").await.unwrap();
+        refused(engine.signal_once("r", GO, &2, "approve-2").await);
+        refused(engine.signal("r", GO, &3).await);
+    }
+    {
+        // Replayed from the log.
+        let engine = open(&dir, true);
+        engine.signal_once("r", GO, &1, "approve-1").await.unwrap();
+        refused(engine.signal_once("r", GO, &2, "approve-2").await);
+        eventually("a compaction", || {
+            engine
+                .metrics()
+                .lines()
+                .any(|l| l.starts_with("ferry_flow_compactions_total ") && !l.ends_with(" 0"))
+        })
+        .await;
+    }
+    let journal = ferry_flow::read_journal(&dir).unwrap();
+    assert!(
+        journal.finished.contains_key("r") && !journal.records.contains_key("r"),
+        "the checkpoint holds the run as finished: {journal:?}"
+    );
+    // From the checkpoint alone.
+    let engine = open(&dir, false);
+    engine.signal_once("r", GO, &1, "approve-1").await.unwrap();
+    refused(engine.signal_once("r", GO, &2, "approve-2").await);
+    assert!(matches!(
+        engine.signal_once("nobody", GO, &1, "approve-1").await,
+        Err(FlowError::UnknownRun { id }) if id == "nobody"
+    ));
+    assert_eq!(
+        engine.run::<String>("r").unwrap().result().await.unwrap(),
+        "Some(1)"
+    );
+}

@@ -211,15 +211,60 @@ async fn a_failed_step_fails_the_run_with_its_error() {
     let engine = Engine::builder(scratch.dir("flow"))
         .register(ORDER, |ctx: Ctx, _n: u32| async move {
             let _: u32 = ctx
-                .step("charge", |_| async { Err("card declined".to_string()) })
+                .step("charge", |_| async { Err("card declined".into()) })
                 .await?;
             Ok("paid".to_string())
         })
         .open()
         .unwrap();
     let run = engine.start(ORDER, "f", &1).await.unwrap();
-    let msg = run.result().await.unwrap_err().to_string();
-    assert!(msg.contains("card declined"), "{msg}");
+    let err = run.result().await.unwrap_err();
+    // The run failed (not a step named "workflow"): its error carries the step's.
+    assert!(
+        matches!(&err, FlowError::RunFailed { error } if error.contains("step \"charge\" failed: card declined")),
+        "{err:?}"
+    );
+}
+
+/// Guards the retry policy's stop on a permanent failure: a step whose body says a
+/// failure is permanent is not tried again, however many attempts its policy allows,
+/// while transient failures before it are retried; each attempt sees its own number.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permanent_step_error_stops_the_retries_and_attempts_are_numbered() {
+    use ferry_flow::{Retry, StepError};
+    static SEEN: std::sync::Mutex<Vec<u32>> = std::sync::Mutex::new(Vec::new());
+    let scratch = Scratch::new("flow-permanent");
+    let engine = Engine::builder(scratch.dir("flow"))
+        .register(ORDER, |ctx: Ctx, _n: u32| async move {
+            let _: u32 = ctx
+                .step("charge", |s| {
+                    let attempt = s.attempt();
+                    async move {
+                        SEEN.lock().unwrap().push(attempt);
+                        if attempt < 3 {
+                            Err(StepError::transient("gateway timeout"))
+                        } else {
+                            Err(StepError::permanent("card reported stolen"))
+                        }
+                    }
+                })
+                .retry(Retry::exponential(10, Duration::from_millis(1)))
+                .await?;
+            Ok("paid".to_string())
+        })
+        .open()
+        .unwrap();
+    let run = engine.start(ORDER, "p", &1).await.unwrap();
+    let err = run.result().await.unwrap_err();
+    assert!(
+        matches!(&err, FlowError::RunFailed { error } if error.contains("card reported stolen")),
+        "{err:?}"
+    );
+    assert_eq!(
+        *SEEN.lock().unwrap(),
+        vec![1, 2, 3],
+        "stopped at the permanent one"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -351,7 +396,7 @@ async fn retries_back_off_time_out_and_keep_their_count_across_a_restart() {
                     let n = ATTEMPTS.fetch_add(1, Ordering::SeqCst) + 1;
                     assert_eq!(key, "r/0/1", "every attempt gets the same key");
                     match n {
-                        1 => Err("503".to_string()),
+                        1 => Err("503".into()),
                         2 => {
                             tokio::time::sleep(Duration::from_secs(5)).await;
                             Ok(0)
@@ -383,7 +428,7 @@ async fn retries_back_off_time_out_and_keep_their_count_across_a_restart() {
             let _: u32 = ctx
                 .step("down", |_| async {
                     GIVE_UP.fetch_add(1, Ordering::SeqCst);
-                    Err("connection refused".to_string())
+                    Err("connection refused".into())
                 })
                 .retry(Retry::exponential(3, Duration::from_millis(1)))
                 .await?;
@@ -456,10 +501,10 @@ async fn signals_arrive_in_order_time_out_and_survive_a_restart() {
     );
     assert!(matches!(
         engine.signal("sig", REVIEW, &"late".to_string()).await,
-        Err(FlowError::Invalid(_))
+        Err(FlowError::RunFinished { id, signal }) if id == "sig" && signal == "review"
     ));
     assert!(matches!(
         engine.signal("nobody", REVIEW, &"x".to_string()).await,
-        Err(FlowError::Invalid(_))
+        Err(FlowError::UnknownRun { id }) if id == "nobody"
     ));
 }

@@ -66,7 +66,7 @@ async fn a_cancelled_run_cleans_up_and_ends_cancelled_also_across_a_restart() {
     assert_eq!(CLEANUPS.load(Ordering::SeqCst), 1);
     assert!(matches!(
         engine.cancel("nope").await,
-        Err(FlowError::Invalid(_))
+        Err(FlowError::UnknownRun { .. })
     ));
 }
 
@@ -225,7 +225,7 @@ async fn a_child_runs_once_and_its_result_survives_a_restart_of_the_parent() {
                         CHILD_STEPS.fetch_add(1, Ordering::SeqCst);
                         async move {
                             if n == 0 {
-                                Err("zero".to_string())
+                                Err("zero".into())
                             } else {
                                 Ok(n * 2)
                             }

@@ -95,7 +95,7 @@ fn child_runs_workflows(dir: PathBuf) {
 /// The steps whose results the directory holds for runs a restart would replay (its
 /// checkpoint's and its log's), read as the next open will find them.
 fn durable_steps(dir: &Path) -> BTreeSet<(String, u32)> {
-    common::steps_held(ferry_flow::read_journal(dir).unwrap())
+    common::steps_held(&ferry_flow::read_journal(dir).unwrap())
 }
 
 #[test]

@@ -24,7 +24,7 @@ async fn modes(ctx: Ctx, mode: u32) -> Result<u32, FlowError> {
         1 => {
             ctx.step("flaky", |_| async {
                 match FLAKY.fetch_add(1, Ordering::SeqCst) {
-                    0 | 1 => Err("not yet".to_string()),
+                    0 | 1 => Err("not yet".into()),
                     _ => Ok(1),
                 }
             })

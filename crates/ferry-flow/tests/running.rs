@@ -163,7 +163,8 @@ fn a_bound_of_zero_is_refused() {
         .err()
         .expect("max_running 0 is refused");
     assert!(
-        err.to_string().contains("max_running 0 must be between 1"),
+        matches!(&err, ferry_flow::FlowError::Config(c) if c.setting == "max_running" && c.value == "0"),
         "{err}"
     );
+    assert!(err.to_string().contains("must be between 1"), "{err}");
 }

@@ -311,7 +311,7 @@ async fn simulate(seed: u64, mode: Mode) -> Result<Vec<Line>, String> {
 fn durable_steps(sim: &Arc<SimStorage>) -> Result<BTreeSet<(String, u32)>, String> {
     let journal = ferry_flow::read_journal_on(Arc::new(sim.copy()))
         .map_err(|e| format!("reading the journal: {e}"))?;
-    Ok(common::steps_held(journal))
+    Ok(common::steps_held(&journal))
 }
 
 /// The metrics' runs by state, kept as runs change state, agree with the runs map.

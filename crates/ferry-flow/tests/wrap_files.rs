@@ -102,7 +102,7 @@ fn a_wrapper_with_a_storage_of_its_own_is_refused() {
         .err()
         .expect("refused");
     assert!(
-        matches!(&err, FlowError::Invalid(m) if m.contains("wrap_files")),
+        matches!(&err, FlowError::Config(c) if c.setting == "wrap_files"),
         "{err}"
     );
 }

@@ -21,8 +21,7 @@ use axum::extract::{Query, State};
 use axum::routing::post;
 use clap::Args;
 use ferry_flow::admin::{self, Request};
-use ferry_flow::journal::Entry;
-use ferry_flow::{Ctx, Engine, FlowError, Retry, Signal, Workflow};
+use ferry_flow::{Ctx, Engine, FlowError, Retry, Signal, StepError, Workflow};
 use serde::Deserialize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -106,10 +105,12 @@ fn call(
     what: &'static str,
     key: String,
     n: u32,
-) -> impl std::future::Future<Output = Result<String, String>> + use<> {
+) -> impl std::future::Future<Output = Result<String, StepError>> + use<> {
     let url = format!("{service}/{what}?key={key}&order={n}");
     async move {
-        tokio::task::spawn_blocking(move || {
+        // A service that does not answer, or answers with an error, may answer the
+        // next attempt: every failure here is transient.
+        let answer = tokio::task::spawn_blocking(move || {
             ureq::post(&url)
                 .send_empty()
                 .map_err(|e| e.to_string())?
@@ -118,7 +119,8 @@ fn call(
                 .map_err(|e| e.to_string())
         })
         .await
-        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())?;
+        Ok(answer?)
     }
 }
 
@@ -419,16 +421,12 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
 /// (order, step name) of every step result the journal in `dir` holds for the runs a
 /// restart replays.
 fn held_steps(dir: &Path) -> anyhow::Result<BTreeSet<(u32, String)>> {
-    let mut held = BTreeSet::new();
-    for (run, records) in ferry_flow::read_journal(dir)? {
-        let Some(n) = run.strip_prefix("order-").and_then(|n| n.parse().ok()) else {
-            continue;
-        };
-        for r in records {
-            if let Entry::Step { name, .. } = r.entry {
-                held.insert((n, name));
-            }
-        }
-    }
-    Ok(held)
+    let journal = ferry_flow::read_journal(dir)?;
+    Ok(journal
+        .steps()
+        .filter_map(|(run, name, _)| {
+            let n = run.strip_prefix("order-")?.parse().ok()?;
+            Some((n, name.to_string()))
+        })
+        .collect())
 }
