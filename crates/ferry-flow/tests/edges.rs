@@ -3,6 +3,8 @@
 //! more calls and a restart, two waits for the same signal at once, signals sent once
 //! per key.
 
+mod common;
+
 use ferry_flow::{Ctx, Engine, FlowError, Limits, RunStatus, Signal, Workflow};
 use ferry_testkit::{Scratch, eventually};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -29,8 +31,8 @@ async fn journal_a_then_wait(dir: &std::path::Path) {
         .unwrap();
     engine.start(W, "r", &0).await.unwrap();
     eventually("the wait", || waiting.load(Ordering::SeqCst) == 1).await;
-    // Let the WaitStarted record become durable before the engine goes.
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // The start, step "a" and the WaitStarted record, durable before the engine goes.
+    common::journaled(&engine, 3).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -164,7 +166,8 @@ async fn a_call_refused_by_a_limit_leaves_no_hole_for_the_replay() {
         let engine = open(&dir);
         engine.start(W, "r", &0).await.unwrap();
         eventually("the wait", || WAITING.load(Ordering::SeqCst) == 1).await;
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        // Start, TimerSet, TimerRefused, TimerFired, step "report", WaitStarted.
+        common::journaled(&engine, 6).await;
     }
     let engine = open(&dir);
     eventually("the replay", || WAITING.load(Ordering::SeqCst) == 2).await;
@@ -185,7 +188,8 @@ async fn two_waits_for_one_name_take_one_signal_each() {
         .open()
         .unwrap();
     engine.start(W, "r", &0).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(30)).await;
+    // Both waits journaled (the start and two WaitStarted) before the signals come.
+    common::journaled(&engine, 3).await;
     engine.signal("r", GO, &1).await.unwrap();
     engine.signal("r", GO, &2).await.unwrap();
     // (join! rotates which future it polls first: which wait took which signal varies;

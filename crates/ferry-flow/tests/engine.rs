@@ -2,6 +2,8 @@
 //! run again after a restart, starting an id twice gives one run, a run whose code took
 //! another path is parked (and stays parked), a failed step fails the run.
 
+mod common;
+
 use ferry_flow::{Ctx, Engine, FlowError, RunStatus, Workflow};
 use ferry_testkit::{Scratch, eventually};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -363,7 +365,8 @@ async fn a_durable_sleep_keeps_its_wake_up_time_across_a_restart_and_never_fires
         let engine = open(&dir, code);
         engine.start(ORDER, "s", &1).await.unwrap();
         eventually("step before", || !TIMES.lock().unwrap().is_empty()).await;
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // The start, step "before" and the timer, durable before the engine goes.
+        common::journaled(&engine, 3).await;
     }
     // Down past the wake-up time: the timer keeps its original time and fires at once
     // on restart (about 700 ms after "before"), instead of 400 ms after the restart
