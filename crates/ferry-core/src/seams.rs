@@ -26,10 +26,16 @@ impl Clock for SystemClock {
 
 /// Milliseconds since the Unix epoch by the system clock (0 if it is before 1970).
 pub fn wall_ms() -> u64 {
+    (wall_ns() / 1_000_000) as u64
+}
+
+/// Nanoseconds since the Unix epoch by the system clock (0 if it is before 1970): for
+/// names that sort by when they were made.
+pub fn wall_ns() -> u128 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or(Duration::ZERO)
-        .as_millis() as u64
+        .as_nanos()
 }
 
 /// A source of random u64s. `SplitMix64` is the default: small, fast, and reproducible
@@ -61,10 +67,7 @@ impl SplitMix64 {
     pub fn from_entropy() -> Self {
         let local = 0u8;
         let addr = &local as *const u8 as u64;
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or(Duration::ZERO)
-            .as_nanos() as u64;
+        let nanos = wall_ns() as u64;
         let mut s = SplitMix64::seeded(nanos ^ (u64::from(std::process::id()) << 32) ^ addr);
         s.next_u64();
         s

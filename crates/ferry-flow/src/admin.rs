@@ -175,10 +175,7 @@ pub fn send(dir: &Path, req: &Request) -> io::Result<String> {
     std::fs::create_dir_all(&inbox)?;
     let id = format!(
         "{:020}-{}",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_nanos(),
+        ferry_core::seams::wall_ns(),
         std::process::id()
     );
     let bytes = serde_json::to_vec(req).expect("requests serialize");
@@ -193,10 +190,7 @@ pub(crate) fn age(id: &str) -> Duration {
         .next()
         .and_then(|t| t.parse::<u128>().ok())
         .unwrap_or(0);
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_nanos();
+    let now = ferry_core::seams::wall_ns();
     Duration::from_nanos(now.saturating_sub(made).min(u64::MAX as u128) as u64)
 }
 

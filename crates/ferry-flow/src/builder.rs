@@ -243,7 +243,7 @@ impl EngineBuilder {
     pub fn open(mut self) -> Result<Engine, FlowError> {
         self.storage_is_files = self.storage.is_none() && self.journal.is_none();
         self.check()?;
-        let started = std::time::Instant::now();
+        let started = self.clock.now();
         let segment_bytes = self.log.segment_bytes;
         let over_journal = self.journal.is_some();
         // A driven log (on the caller's thread) is also kept as itself, for the task
@@ -377,7 +377,7 @@ impl EngineBuilder {
                 Vec::new()
             }
         };
-        let elapsed = started.elapsed();
+        let elapsed = shared.clock.now().saturating_duration_since(started);
         // A journal of someone else's recovers before it is handed over: what the
         // engine read of it is what it counts.
         let (log_records, torn_bytes) = opened.map_or((read, 0), |o| (o.records, o.torn_bytes));
@@ -400,7 +400,7 @@ impl EngineBuilder {
                 every_bytes: self.compact_bytes.unwrap_or(segment_bytes),
                 min_interval: self.compact_interval,
                 retention_ms: self.retention.as_millis() as u64,
-                last: std::time::Instant::now(),
+                last: shared.clock.now(),
                 broken: false,
                 folded,
             };

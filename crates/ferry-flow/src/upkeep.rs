@@ -11,6 +11,14 @@ use ferry_core::sync::lock;
 use std::path::Path;
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// How often the directory thread removes old replies, and how old a reply must be.
+const PRUNE_EVERY: Duration = Duration::from_secs(60);
+const REPLY_KEEP: Duration = Duration::from_secs(600);
+/// A request queued while no engine ran, for a run the application has not started
+/// again yet, waits this long after opening before it is answered "no run".
+const LATE_START_GRACE: Duration = Duration::from_secs(10);
 
 /// Compaction's state: what is folded so far, and when to fold more.
 pub(crate) struct Compaction {
@@ -28,26 +36,28 @@ impl Compaction {
     fn maybe_run(&mut self, shared: &Shared, dir: &Path) {
         let durable = shared.log.durable_lsn();
         let behind = durable.saturating_sub(self.folded.lsn);
-        let since = self.last.elapsed();
+        let now = shared.clock.now();
+        let since = now.saturating_duration_since(self.last);
         let due = (behind >= self.every_bytes && since >= self.min_interval)
             || (behind > 0 && since >= std::time::Duration::from_secs(60));
         if self.broken || !due {
             return;
         }
-        self.last = std::time::Instant::now();
+        self.last = now;
         let result = self.run(shared, dir);
         if let Err(e) = &result {
             tracing::warn!("compaction: {e}");
         }
-        shared
-            .counters
-            .compacted(self.last.elapsed(), result.map_err(|_| ()));
+        shared.counters.compacted(
+            shared.clock.now().saturating_duration_since(self.last),
+            result.map_err(|_| ()),
+        );
     }
 
     /// Fold what became durable, expire old finished runs, write the checkpoint, then
     /// retire the segments it covers; how many it retired.
     fn run(&mut self, shared: &Shared, dir: &Path) -> Result<usize, String> {
-        let t = std::time::Instant::now();
+        let t = shared.clock.now();
         let now = shared.clock.wall_ms();
         let mut bad = None;
         let folded = &mut self.folded;
@@ -100,7 +110,12 @@ impl Compaction {
             finished = folded.finished.len(),
             expired = removed,
             retired,
-            ms = t.elapsed().as_secs_f64() * 1e3,
+            ms = shared
+                .clock
+                .now()
+                .saturating_duration_since(t)
+                .as_secs_f64()
+                * 1e3,
             "checkpoint written"
         );
         Ok(retired)
@@ -128,13 +143,15 @@ impl Admin {
                     .enable_time()
                     .build()
                     .expect("a current-thread runtime builds");
+                let clock = shared.clock.clone();
                 let mut pruned: Option<std::time::Instant> = None;
-                let opened = std::time::Instant::now();
+                let opened = clock.now();
                 shared.write_status(&dir, recovery, true);
                 loop {
-                    if pruned.is_none_or(|t| t.elapsed() > std::time::Duration::from_secs(60)) {
-                        admin::prune_replies(&dir, std::time::Duration::from_secs(600));
-                        pruned = Some(std::time::Instant::now());
+                    let now = clock.now();
+                    if pruned.is_none_or(|t| now.saturating_duration_since(t) > PRUNE_EVERY) {
+                        admin::prune_replies(&dir, REPLY_KEEP);
+                        pruned = Some(now);
                     }
                     for (id, req) in admin::pending(&dir) {
                         let reply = match req {
@@ -155,8 +172,8 @@ impl Admin {
                             Ok(
                                 admin::Request::Signal { run, .. } | admin::Request::Cancel { run },
                             ) if !lock(&shared.runs).contains_key(run.as_str())
-                                && admin::age(&id) > opened.elapsed()
-                                && opened.elapsed() < std::time::Duration::from_secs(10) =>
+                                && admin::age(&id) > now.saturating_duration_since(opened)
+                                && now.saturating_duration_since(opened) < LATE_START_GRACE =>
                             {
                                 continue;
                             }
