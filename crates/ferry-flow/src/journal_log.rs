@@ -24,6 +24,7 @@
 //! [`crate::EngineBuilder::journal`]) the engine keeps no checkpoints and retires
 //! nothing: keeping its history bounded is the journal's owner's job.
 
+use ferry_core::sync::lock;
 use ferry_log::{Error, Follower, Log, Lsn, Record, Stats};
 use std::future::Future;
 use std::pin::Pin;
@@ -138,7 +139,7 @@ pub(crate) struct Failure {
 impl Failure {
     /// The failure, if the journal failed.
     pub(crate) fn get(&self) -> Option<Error> {
-        self.error.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        lock(&self.error).clone()
     }
 
     /// Resolves with the failure once there is one (at once if there is).
@@ -161,7 +162,7 @@ impl Failure {
         if !matches!(e, Error::Io { .. } | Error::PreviousIo { .. }) {
             return;
         }
-        let mut error = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        let mut error = lock(&self.error);
         if error.is_none() {
             tracing::error!(
                 "the journal failed; runs stop in this process and resume from what is \
