@@ -105,61 +105,121 @@ pub struct Reply {
     pub message: String,
 }
 
+/// Why the status, metrics or an answer of an engine directory could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    /// No engine ever opened the directory (or it is another kind of directory).
+    #[error(
+        "{} does not exist: no flow engine has opened {} (or it is another kind of \
+         directory)", path.display(), dir.display()
+    )]
+    NoStatus { dir: PathBuf, path: PathBuf },
+    #[error("cannot {what} {}: {source}", path.display())]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+    /// The status file is not what this build writes (damaged, or another version).
+    #[error("{} does not parse: {reason}", path.display())]
+    Unreadable { path: PathBuf, reason: String },
+    /// The engine runs but did not answer in time (busy, or stopping): ask again.
+    #[error("the engine (pid {pid}) did not answer within {timeout:?}")]
+    NoAnswer { pid: u32, timeout: Duration },
+    /// The engine answered with a refusal.
+    #[error("the engine (pid {pid}): {message}")]
+    Refused { pid: u32, message: String },
+    /// The engine that last opened the directory wrote no metrics (it predates them).
+    #[error("the engine that last opened {} wrote no metrics: it predates them", dir.display())]
+    NoMetrics { dir: PathBuf },
+}
+
+impl ferry_core::Classify for AdminError {
+    fn class(&self) -> ferry_core::Class {
+        use ferry_core::Class;
+        match self {
+            AdminError::Io { source, .. } => source.class(),
+            AdminError::NoAnswer { .. } => Class::Transient,
+            AdminError::Unreadable { .. } => Class::Corrupted,
+            AdminError::NoStatus { .. }
+            | AdminError::Refused { .. }
+            | AdminError::NoMetrics { .. } => Class::Permanent,
+        }
+    }
+}
+
 /// Read `dir`'s status file.
-pub fn read_status(dir: &Path) -> Result<Status, String> {
+pub fn read_status(dir: &Path) -> Result<Status, AdminError> {
     let path = dir.join(STATUS_FILE);
     let bytes = std::fs::read(&path).map_err(|e| {
         if e.kind() == io::ErrorKind::NotFound {
-            format!(
-                "{} does not exist: no flow engine has opened {} (or it is another kind of directory)",
-                path.display(),
-                dir.display()
-            )
+            AdminError::NoStatus {
+                dir: dir.to_path_buf(),
+                path: path.clone(),
+            }
         } else {
-            format!("cannot read {}: {e}", path.display())
+            AdminError::Io {
+                what: "read",
+                path: path.clone(),
+                source: e,
+            }
         }
     })?;
-    serde_json::from_slice(&bytes).map_err(|e| format!("{} does not parse: {e}", path.display()))
+    serde_json::from_slice(&bytes).map_err(|e| AdminError::Unreadable {
+        path,
+        reason: e.to_string(),
+    })
+}
+
+/// Leave `req` in `dir`'s inbox, as [`send`] does, reporting where it failed.
+fn ask(dir: &Path, req: &Request) -> Result<String, AdminError> {
+    send(dir, req).map_err(|e| AdminError::Io {
+        what: "leave a request in",
+        path: dir.join(INBOX),
+        source: e,
+    })
 }
 
 /// The status of `dir`: fresh from its engine if one runs (asked for and waited up to
 /// `timeout`), else the last one an engine wrote.
-pub fn fresh_status(dir: &Path, timeout: Duration) -> Result<Status, String> {
+pub fn fresh_status(dir: &Path, timeout: Duration) -> Result<Status, AdminError> {
     let st = read_status(dir)?;
     if !engine_alive(&st) {
         return Ok(st);
     }
-    let id = send(dir, &Request::Status).map_err(|e| format!("cannot ask the engine: {e}"))?;
+    let id = ask(dir, &Request::Status)?;
     match wait_reply(dir, &id, timeout) {
         Some(_) => read_status(dir),
-        None => Err(format!(
-            "the engine (pid {}) did not write its status within {timeout:?}",
-            st.pid
-        )),
+        None => Err(AdminError::NoAnswer {
+            pid: st.pid,
+            timeout,
+        }),
     }
 }
 
 /// The metrics of `dir`'s engine (Prometheus text), and whether they are fresh from a
 /// running engine (asked for and waited up to `timeout`) or the last an engine wrote.
-pub fn fresh_metrics(dir: &Path, timeout: Duration) -> Result<(String, bool), String> {
+pub fn fresh_metrics(dir: &Path, timeout: Duration) -> Result<(String, bool), AdminError> {
     let st = read_status(dir)?;
     if !engine_alive(&st) {
         if st.metrics.is_empty() {
-            return Err(format!(
-                "the engine that last opened {} wrote no metrics: it predates them",
-                dir.display()
-            ));
+            return Err(AdminError::NoMetrics {
+                dir: dir.to_path_buf(),
+            });
         }
         return Ok((st.metrics, false));
     }
-    let id = send(dir, &Request::Metrics).map_err(|e| format!("cannot ask the engine: {e}"))?;
+    let id = ask(dir, &Request::Metrics)?;
     match wait_reply(dir, &id, timeout) {
         Some(r) if r.ok => Ok((r.message, true)),
-        Some(r) => Err(format!("the engine (pid {}): {}", st.pid, r.message)),
-        None => Err(format!(
-            "the engine (pid {}) did not answer within {timeout:?}",
-            st.pid
-        )),
+        Some(r) => Err(AdminError::Refused {
+            pid: st.pid,
+            message: r.message,
+        }),
+        None => Err(AdminError::NoAnswer {
+            pid: st.pid,
+            timeout,
+        }),
     }
 }
 

@@ -16,7 +16,7 @@ pub enum FlowSub {
     Show(ShowArgs),
     /// Print the engine's metrics in the Prometheus text format (fresh from a running
     /// engine, else as it last wrote them), e.g. for node_exporter's textfile collector.
-    Metrics(DirArg),
+    Metrics(MetricsArgs),
     /// Send a signal to a run (VALUE is JSON; default null). Returns once the engine
     /// journaled it durably.
     Signal(SignalArgs),
@@ -30,6 +30,15 @@ pub struct DirArg {
     /// The engine's directory (its log, status file and inbox).
     #[arg(long, env = "FERRY_FLOW_DIR")]
     pub dir: PathBuf,
+}
+
+#[derive(Args)]
+pub struct MetricsArgs {
+    #[command(flatten)]
+    pub dir: DirArg,
+    /// Print JSON: {"fresh", "samples": [{"name", "labels", "value"}]}.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args)]
@@ -92,7 +101,7 @@ pub fn run(sub: FlowSub) -> anyhow::Result<()> {
     match sub {
         FlowSub::List(a) => list(a),
         FlowSub::Show(a) => show(a),
-        FlowSub::Metrics(a) => metrics(&a.dir),
+        FlowSub::Metrics(a) => metrics(&a.dir.dir, a.json),
         FlowSub::Signal(a) => {
             let value: serde_json::Value = serde_json::from_str(&a.value).map_err(|e| {
                 anyhow::anyhow!(
@@ -117,7 +126,7 @@ pub fn run(sub: FlowSub) -> anyhow::Result<()> {
 }
 
 fn status(dir: &Path) -> anyhow::Result<Status> {
-    admin::fresh_status(dir, Duration::from_secs(10)).map_err(|e| anyhow::anyhow!(e))
+    Ok(admin::fresh_status(dir, Duration::from_secs(10))?)
 }
 
 fn list(a: ListArgs) -> anyhow::Result<()> {
@@ -158,9 +167,14 @@ fn list(a: ListArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn metrics(dir: &Path) -> anyhow::Result<()> {
-    let (text, fresh) =
-        admin::fresh_metrics(dir, Duration::from_secs(10)).map_err(|e| anyhow::anyhow!(e))?;
+fn metrics(dir: &Path, json: bool) -> anyhow::Result<()> {
+    let (text, fresh) = admin::fresh_metrics(dir, Duration::from_secs(10))?;
+    if json {
+        let samples = crate::table::prometheus_samples(&text);
+        let out = serde_json::json!({ "fresh": fresh, "samples": samples });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
     if !fresh {
         eprintln!(
             "no engine runs on {}: these are the metrics the last one wrote",
