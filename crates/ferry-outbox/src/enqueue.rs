@@ -208,7 +208,7 @@ impl OutboxConnection for SqliteConnection {
              FROM json_each(?1) WHERE true ON CONFLICT (message_id) DO NOTHING RETURNING id, message_id",
         )
         .bind(serde_json::Value::Array(rows).to_string())
-        .bind(crate::store::now_ms())
+        .bind(i64::try_from(ferry_core::seams::wall_ms()).expect("wall-clock milliseconds fit an i64"))
         .fetch_all(&mut *self)
         .await
         .map_err(not_installed)?;

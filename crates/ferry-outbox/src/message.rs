@@ -96,6 +96,17 @@ pub enum EnqueueError {
     Db(#[from] sqlx::Error),
 }
 
+impl ferry_core::Classify for EnqueueError {
+    fn class(&self) -> ferry_core::Class {
+        match self {
+            EnqueueError::Invalid { .. } | EnqueueError::NotInstalled(_) => {
+                ferry_core::Class::Permanent
+            }
+            EnqueueError::Db(e) => crate::error::classify(e),
+        }
+    }
+}
+
 /// Check `m` against `limits` and the format rules; the error names the field, its size
 /// and the limit.
 pub fn validate(m: &Message, limits: &Limits) -> Result<(), EnqueueError> {

@@ -2,10 +2,13 @@
 //! in one transaction and is safe to run any number of times, from several processes at
 //! once (Postgres: under an advisory lock; SQLite: under the write lock).
 
+use crate::error::{DbError, Op};
+use ferry_core::{Class, Classify};
 use sqlx::{Connection, PgConnection, SqliteConnection};
 
-/// The schema version this build writes and reads.
-pub const VERSION: i32 = 1;
+/// The schema version this build writes and reads. Version 2 added the relays' totals
+/// (`relays`, crate::totals); nothing else changed.
+pub const VERSION: i32 = 2;
 
 /// Postgres, version 1. `ferry_outbox.enqueue` is the SQL way to enqueue, for apps in any
 /// language; it checks the same limits as the Rust API (payload from
@@ -146,14 +149,80 @@ CREATE TABLE ferry_outbox_key_seqs (key TEXT PRIMARY KEY, last_seq INTEGER NOT N
 CREATE TABLE ferry_outbox_paused_topics (topic TEXT PRIMARY KEY, paused_at INTEGER NOT NULL);
 "#;
 
+/// Postgres, version 2: each relay's cumulative counters (crate::totals), so that
+/// `ferry outbox status` shows them across relay restarts.
+const PG_V2: &str = r#"
+CREATE TABLE ferry_outbox.relays (
+    owner            text PRIMARY KEY,
+    transport        text NOT NULL DEFAULT '',
+    started_at       timestamptz NOT NULL DEFAULT now(),
+    seen_at          timestamptz NOT NULL DEFAULT now(),
+    stopped          boolean NOT NULL DEFAULT false,
+    breaker_open     boolean NOT NULL DEFAULT false,
+    last_error       text,
+    leased           bigint NOT NULL DEFAULT 0,
+    published        bigint NOT NULL DEFAULT 0,
+    duplicates       bigint NOT NULL DEFAULT 0,
+    settled          bigint NOT NULL DEFAULT 0,
+    fenced           bigint NOT NULL DEFAULT 0,
+    retried          bigint NOT NULL DEFAULT 0,
+    unavailable      bigint NOT NULL DEFAULT 0,
+    uncertain        bigint NOT NULL DEFAULT 0,
+    reconciled       bigint NOT NULL DEFAULT 0,
+    parked           bigint NOT NULL DEFAULT 0,
+    db_errors        bigint NOT NULL DEFAULT 0,
+    breaker_openings bigint NOT NULL DEFAULT 0
+);
+"#;
+
+/// SQLite, version 2: the same table (times in ms since the Unix epoch).
+const SQLITE_V2: &str = r#"
+CREATE TABLE ferry_outbox_relays (
+    owner            TEXT PRIMARY KEY,
+    transport        TEXT NOT NULL DEFAULT '',
+    started_at       INTEGER NOT NULL,
+    seen_at          INTEGER NOT NULL,
+    stopped          INTEGER NOT NULL DEFAULT 0,
+    breaker_open     INTEGER NOT NULL DEFAULT 0,
+    last_error       TEXT,
+    leased           INTEGER NOT NULL DEFAULT 0,
+    published        INTEGER NOT NULL DEFAULT 0,
+    duplicates       INTEGER NOT NULL DEFAULT 0,
+    settled          INTEGER NOT NULL DEFAULT 0,
+    fenced           INTEGER NOT NULL DEFAULT 0,
+    retried          INTEGER NOT NULL DEFAULT 0,
+    unavailable      INTEGER NOT NULL DEFAULT 0,
+    uncertain        INTEGER NOT NULL DEFAULT 0,
+    reconciled       INTEGER NOT NULL DEFAULT 0,
+    parked           INTEGER NOT NULL DEFAULT 0,
+    db_errors        INTEGER NOT NULL DEFAULT 0,
+    breaker_openings INTEGER NOT NULL DEFAULT 0
+);
+"#;
+
 #[derive(Debug, thiserror::Error)]
 pub enum InstallError {
     #[error(
         "the outbox schema in this database is version {found}, newer than this ferry ({VERSION}); upgrade ferry"
     )]
     Newer { found: i32 },
-    #[error("installing the outbox schema failed: {0}")]
-    Db(#[from] sqlx::Error),
+    #[error(transparent)]
+    Db(#[from] DbError),
+}
+
+impl From<sqlx::Error> for InstallError {
+    fn from(e: sqlx::Error) -> InstallError {
+        InstallError::Db(DbError::new(Op::Install, e))
+    }
+}
+
+impl Classify for InstallError {
+    fn class(&self) -> Class {
+        match self {
+            InstallError::Newer { .. } => Class::Permanent,
+            InstallError::Db(e) => e.class(),
+        }
+    }
 }
 
 /// What `install` did.
@@ -188,6 +257,9 @@ pub async fn install_pg(conn: &mut PgConnection) -> Result<Installed, InstallErr
             let from = found.unwrap_or(0);
             if from < 1 {
                 sqlx::raw_sql(PG_V1).execute(&mut *tx).await?;
+            }
+            if from < 2 {
+                sqlx::raw_sql(PG_V2).execute(&mut *tx).await?;
             }
             sqlx::query("DELETE FROM ferry_outbox.schema_version")
                 .execute(&mut *tx)
@@ -231,6 +303,9 @@ pub async fn install_sqlite(conn: &mut SqliteConnection) -> Result<Installed, In
                 let from = found.unwrap_or(0);
                 if from < 1 {
                     sqlx::raw_sql(SQLITE_V1).execute(&mut *conn).await?;
+                }
+                if from < 2 {
+                    sqlx::raw_sql(SQLITE_V2).execute(&mut *conn).await?;
                 }
                 sqlx::query("DELETE FROM ferry_outbox_schema_version")
                     .execute(&mut *conn)

@@ -3,27 +3,36 @@
 //! pause). Each function is one statement on Postgres; on SQLite, where statements cost
 //! no round trip, a settle is one short write transaction of per-row statements.
 //!
-//! Every write a relay makes after its lease requires the generation it leased with and
-//! an unexpired lease; rows that fail that are reported back as fenced, untouched.
+//! Every write a relay makes after its lease requires the generation it leased with, its
+//! own name as the lease owner and an unexpired lease; rows that fail that are reported
+//! back as fenced, untouched, with how their generation compares now ([`Fence`]).
+//!
+//! Time: Postgres statements use the server's `now()`; SQLite has no server, so its
+//! times are the store's [`Clock`] (`wall_ms`), the system clock unless a test sets one.
 
+use crate::error::{ConnectError, DbContext, DbError, Op};
+use ferry_core::ConfigError;
+use ferry_core::epoch::{Epoch, Fence};
+use ferry_core::seams::{Clock, SystemClock};
 use serde::Serialize;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{PgPool, Row, SqlitePool};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::str::FromStr;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::Arc;
+use std::time::Duration;
 
-/// Milliseconds since the Unix epoch: SQLite's clock for the outbox.
-pub fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
+/// Where the outbox lives, and the clock SQLite's times come from.
+#[derive(Clone)]
+pub struct Store {
+    db: Db,
+    clock: Arc<dyn Clock>,
 }
 
-/// Where the outbox lives.
+/// The database behind a [`Store`].
 #[derive(Clone, Debug)]
-pub enum Store {
+pub enum Db {
     Pg(PgPool),
     Sqlite(SqlitePool),
 }
@@ -32,17 +41,22 @@ pub enum Store {
 #[derive(Clone, Debug)]
 pub struct Leased {
     pub id: i64,
-    pub generation: i64,
+    /// The lease's fencing token: bumped by every lease, required by every later write.
+    pub generation: Epoch,
     pub message_id: String,
     pub topic: String,
     pub key: Option<String>,
     pub seq: Option<i64>,
     pub payload: Vec<u8>,
     pub headers: BTreeMap<String, String>,
-    /// Message-attributable refusals so far.
+    /// Message-attributable refusals so far (never negative: the schema's default is 0 and
+    /// only a settle adds to it).
     pub attempts: i32,
     /// An earlier presentation may have reached the transport.
     pub uncertain: bool,
+    /// Why this row cannot be published as it is (its stored headers do not read back as
+    /// a JSON object of strings: written around the enqueue checks). The relay parks it.
+    pub defect: Option<String>,
 }
 
 /// What the relay writes back for one leased message.
@@ -58,8 +72,42 @@ pub enum Settle {
         uncertain: Uncertain,
         error: String,
     },
-    /// Attempts are spent: parked until an operator requeues or discards it.
+    /// Attempts are spent (or the message can never be published): parked until an
+    /// operator requeues or discards it. Spends one attempt.
     Park { error: String },
+}
+
+impl Settle {
+    /// Attempts this settle adds to the row.
+    pub fn attempts_spent(&self) -> i32 {
+        match self {
+            Settle::Confirmed => 0,
+            Settle::Retry { attempt, .. } => i32::from(*attempt),
+            Settle::Park { .. } => 1,
+        }
+    }
+}
+
+/// One row of a settle: the lease it was taken under and what to write.
+#[derive(Clone, Debug)]
+pub struct SettleRow {
+    pub id: i64,
+    pub generation: Epoch,
+    /// The attempts the row had when leased: the settle checks it writes exactly these
+    /// plus [`Settle::attempts_spent`] (attempts only rise, one per refusal).
+    pub attempts: i32,
+    pub settle: Settle,
+}
+
+impl SettleRow {
+    pub fn new(m: &Leased, settle: Settle) -> SettleRow {
+        SettleRow {
+            id: m.id,
+            generation: m.generation,
+            attempts: m.attempts,
+            settle,
+        }
+    }
 }
 
 /// What a settle does to a message's uncertain mark.
@@ -79,8 +127,19 @@ pub struct Settled {
     pub deleted: u64,
     pub returned: u64,
     pub parked: u64,
-    /// Rows this relay no longer held (re-leased, or its lease ran out): not written.
-    pub fenced: Vec<i64>,
+    /// Rows this relay no longer held: not written.
+    pub fenced: Vec<FencedRow>,
+}
+
+/// A row a relay wrote nothing to because it no longer held it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FencedRow {
+    pub id: i64,
+    /// The relay's generation against the row's now: `Stale { held }` when another
+    /// lease took it since; `Current` when the lease ran out (or was reclaimed) and no
+    /// one leased it again yet. None when the row is gone (settled by a later holder, or
+    /// discarded).
+    pub fence: Option<Fence>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
@@ -96,6 +155,12 @@ pub struct Status {
     pub oldest_uncertain_secs: Option<f64>,
     pub parked_messages: Vec<ParkedMessage>,
     pub paused_topics: Vec<String>,
+    /// Every relay's counters summed, since the schema was installed (relays record
+    /// theirs every few seconds and when they stop: see [`crate::totals`]).
+    pub relay_totals: crate::totals::Totals,
+    /// Each relay that recorded its counters, newest first (retired ones summed in one
+    /// row named `(retired)`).
+    pub relays: Vec<crate::totals::RelayRow>,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -126,31 +191,35 @@ const STATUS_PARKED_MAX: i64 = 20;
 
 impl Store {
     /// Connect to `url`: `postgres://…` or `sqlite:PATH` (a bare path is SQLite too).
-    pub async fn connect(url: &str) -> Result<Store, String> {
+    pub async fn connect(url: &str) -> Result<Store, ConnectError> {
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            let opts = PgConnectOptions::from_str(url)
-                .map_err(|e| format!("--db {}: not a Postgres URL: {e}", redact(url)))?;
+            let opts = PgConnectOptions::from_str(url).map_err(|e| {
+                ConfigError::new("db", redact(url), format!("not a Postgres URL: {e}"))
+            })?;
+            let user = opts.get_username().to_string();
             // One direct connection first: a pool would report an unreachable server as
             // "pool timed out", hiding the reason.
             let first = <sqlx::PgConnection as sqlx::Connection>::connect_with(&opts)
                 .await
-                .map_err(|e| format!("cannot reach the database at {}: {e}", redact(url)))?;
+                .map_err(|e| ConnectError::postgres(redact(url), user, e))?;
             let _ = sqlx::Connection::close(first).await;
             let pool = PgPoolOptions::new()
                 .max_connections(POOL_CONNECTIONS_MAX)
                 .acquire_timeout(Duration::from_secs(10))
                 .connect_lazy_with(opts);
-            return Ok(Store::Pg(pool));
+            return Ok(Store::from_db(Db::Pg(pool)));
         }
         let path = url
             .strip_prefix("sqlite://")
             .or_else(|| url.strip_prefix("sqlite:"))
             .unwrap_or(url);
         if path.contains("://") {
-            return Err(format!(
-                "--db {}: use postgres://USER@HOST/DB or sqlite:PATH",
-                redact(url)
-            ));
+            return Err(ConfigError::new(
+                "db",
+                redact(url),
+                "use postgres://USER@HOST/DB or sqlite:PATH",
+            )
+            .into());
         }
         let opts = SqliteConnectOptions::new()
             .filename(path)
@@ -161,30 +230,69 @@ impl Store {
             .max_connections(POOL_CONNECTIONS_MAX)
             .connect_with(opts)
             .await
-            .map_err(|e| format!("cannot open the SQLite database {path}: {e}"))?;
-        Ok(Store::Sqlite(pool))
+            .map_err(|e| ConnectError::sqlite(path.to_string(), e))?;
+        Ok(Store::from_db(Db::Sqlite(pool)))
+    }
+
+    /// A store over a pool the caller already has, on the system clock.
+    pub fn from_db(db: Db) -> Store {
+        Store {
+            db,
+            clock: Arc::new(SystemClock),
+        }
+    }
+
+    /// The same store reading SQLite's times from `clock` (tests drive time with it).
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Store {
+        self.clock = clock;
+        self
+    }
+
+    pub fn db(&self) -> &Db {
+        &self.db
+    }
+
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.clock
+    }
+
+    /// Milliseconds since the Unix epoch by the store's clock: SQLite's times.
+    pub(crate) fn now_ms(&self) -> i64 {
+        i64::try_from(self.clock.wall_ms()).expect("wall-clock milliseconds fit an i64")
     }
 
     /// Create or upgrade the schema.
     pub async fn install(&self) -> Result<crate::schema::Installed, crate::schema::InstallError> {
-        match self {
-            Store::Pg(p) => crate::schema::install_pg(&mut *p.acquire().await?).await,
-            Store::Sqlite(p) => crate::schema::install_sqlite(&mut *p.acquire().await?).await,
+        match &self.db {
+            Db::Pg(p) => {
+                let mut c = p.acquire().await.doing(Op::Install)?;
+                crate::schema::install_pg(&mut c).await
+            }
+            Db::Sqlite(p) => {
+                let mut c = p.acquire().await.doing(Op::Install)?;
+                crate::schema::install_sqlite(&mut c).await
+            }
         }
     }
 
     /// The installed schema version, or None when there is none.
-    pub async fn schema_version(&self) -> Result<Option<i32>, sqlx::Error> {
-        let q = match self {
-            Store::Pg(_) => {
-                "SELECT max(version) FROM ferry_outbox.schema_version \
-                 WHERE to_regclass('ferry_outbox.schema_version') IS NOT NULL"
+    pub async fn schema_version(&self) -> Result<Option<i32>, DbError> {
+        let r = match &self.db {
+            Db::Pg(p) => {
+                sqlx::query_scalar::<_, Option<i32>>(
+                    "SELECT max(version) FROM ferry_outbox.schema_version \
+                     WHERE to_regclass('ferry_outbox.schema_version') IS NOT NULL",
+                )
+                .fetch_one(p)
+                .await
             }
-            Store::Sqlite(_) => "SELECT max(version) FROM ferry_outbox_schema_version",
-        };
-        let r = match self {
-            Store::Pg(p) => sqlx::query_scalar::<_, Option<i32>>(q).fetch_one(p).await,
-            Store::Sqlite(p) => sqlx::query_scalar::<_, Option<i32>>(q).fetch_one(p).await,
+            Db::Sqlite(p) => {
+                sqlx::query_scalar::<_, Option<i32>>(
+                    "SELECT max(version) FROM ferry_outbox_schema_version",
+                )
+                .fetch_one(p)
+                .await
+            }
         };
         match r {
             Ok(v) => Ok(v),
@@ -194,7 +302,7 @@ impl Store {
             {
                 Ok(None)
             }
-            Err(e) => Err(e),
+            Err(e) => Err(DbError::new(Op::SchemaVersion, e)),
         }
     }
 
@@ -204,9 +312,10 @@ impl Store {
         owner: &str,
         batch: u32,
         lease: Duration,
-    ) -> Result<Vec<Leased>, sqlx::Error> {
-        match self {
-            Store::Pg(p) => {
+    ) -> Result<Vec<Leased>, DbError> {
+        let lease_ms = millis(lease);
+        match &self.db {
+            Db::Pg(p) => {
                 let rows = sqlx::query(
                     "WITH c AS ( \
                        SELECT m.id FROM ferry_outbox.messages m \
@@ -224,15 +333,19 @@ impl Store {
                      RETURNING m.id, m.generation, m.message_id, m.topic, m.key, m.seq, m.payload, \
                                m.headers::text AS headers, m.attempts, m.uncertain_since IS NOT NULL AS uncertain",
                 )
-                .bind(batch as i64)
+                .bind(i64::from(batch))
                 .bind(owner)
-                .bind(lease.as_millis() as i64)
+                .bind(lease_ms)
                 .fetch_all(p)
-                .await?;
-                rows.iter().map(RowReaders::leased).collect()
+                .await
+                .doing(Op::Lease)?;
+                rows.iter()
+                    .map(RowReaders::leased)
+                    .collect::<Result<_, _>>()
+                    .doing(Op::Lease)
             }
-            Store::Sqlite(p) => {
-                let now = now_ms();
+            Db::Sqlite(p) => {
+                let now = self.now_ms();
                 let rows = sqlx::query(
                     "UPDATE ferry_outbox_messages \
                      SET state = 1, generation = generation + 1, lease_owner = ?1, lease_until = ?2 \
@@ -248,15 +361,17 @@ impl Store {
                                uncertain_since IS NOT NULL AS uncertain",
                 )
                 .bind(owner)
-                .bind(now + lease.as_millis() as i64)
+                .bind(now.saturating_add(lease_ms))
                 .bind(now)
-                .bind(batch as i64)
+                .bind(i64::from(batch))
                 .fetch_all(p)
-                .await?;
+                .await
+                .doing(Op::Lease)?;
                 let mut out: Vec<Leased> = rows
                     .iter()
                     .map(RowReaders::leased)
-                    .collect::<Result<_, _>>()?;
+                    .collect::<Result<_, _>>()
+                    .doing(Op::Lease)?;
                 // RETURNING order is unspecified in SQLite; keep the claim order.
                 out.sort_by_key(|m| m.id);
                 Ok(out)
@@ -264,211 +379,158 @@ impl Store {
         }
     }
 
-    /// Extend the lease of `held` (id, generation) by `lease`; returns the ids still held.
+    /// Extend the lease of `held` (id, generation), leased by `owner`, by `lease`;
+    /// returns the ids still held. Rows not returned are fenced: see [`Store::fences`].
     pub async fn extend(
         &self,
-        held: &[(i64, i64)],
+        owner: &str,
+        held: &[(i64, Epoch)],
         lease: Duration,
-    ) -> Result<Vec<i64>, sqlx::Error> {
-        let (ids, gens): (Vec<i64>, Vec<i64>) = held.iter().copied().unzip();
-        match self {
-            Store::Pg(p) => {
+    ) -> Result<Vec<i64>, DbError> {
+        let (ids, gens): (Vec<i64>, Vec<i64>) =
+            held.iter().map(|(id, g)| (*id, epoch_to_sql(*g))).unzip();
+        let lease_ms = millis(lease);
+        match &self.db {
+            Db::Pg(p) => {
                 sqlx::query_scalar(
                     "UPDATE ferry_outbox.messages m SET lease_until = now() + $3 * interval '1 millisecond' \
                      FROM unnest($1::bigint[], $2::bigint[]) AS s(id, generation) \
                      WHERE m.id = s.id AND m.generation = s.generation AND m.state = 1 \
-                       AND m.lease_until > now() \
+                       AND m.lease_owner = $4 AND m.lease_until > now() \
                      RETURNING m.id",
                 )
                 .bind(&ids)
                 .bind(&gens)
-                .bind(lease.as_millis() as i64)
+                .bind(lease_ms)
+                .bind(owner)
                 .fetch_all(p)
                 .await
+                .doing(Op::Extend)
             }
-            Store::Sqlite(p) => {
-                let now = now_ms();
-                let mut tx = p.begin().await?;
+            Db::Sqlite(p) => {
+                let now = self.now_ms();
+                let mut tx = p.begin().await.doing(Op::Extend)?;
                 let mut kept = Vec::new();
-                for (id, generation) in held {
+                for (id, generation) in ids.iter().zip(&gens) {
                     let n = sqlx::query(
                         "UPDATE ferry_outbox_messages SET lease_until = ?1 \
-                         WHERE id = ?2 AND generation = ?3 AND state = 1 AND lease_until > ?4",
+                         WHERE id = ?2 AND generation = ?3 AND state = 1 AND lease_owner = ?5 \
+                           AND lease_until > ?4",
                     )
-                    .bind(now + lease.as_millis() as i64)
+                    .bind(now.saturating_add(lease_ms))
                     .bind(id)
                     .bind(generation)
                     .bind(now)
+                    .bind(owner)
                     .execute(&mut *tx)
-                    .await?
+                    .await
+                    .doing(Op::Extend)?
                     .rows_affected();
                     if n == 1 {
                         kept.push(*id);
                     }
                 }
-                tx.commit().await?;
+                tx.commit().await.doing(Op::Extend)?;
                 Ok(kept)
             }
         }
     }
 
-    /// Write back the outcome of each leased message, in one transaction.
-    pub async fn settle(&self, outcomes: &[(i64, i64, Settle)]) -> Result<Settled, sqlx::Error> {
-        let mut settled = Settled::default();
-        if outcomes.is_empty() {
-            return Ok(settled);
+    /// Write back the outcome of each row leased by `owner`, in one transaction.
+    ///
+    /// Panics (an invariant of this code, not of the data) when the statement reports a
+    /// write it was not asked for: a row outside the batch, under another generation,
+    /// or with attempts other than the leased ones plus those spent.
+    pub async fn settle(&self, owner: &str, rows: &[SettleRow]) -> Result<Settled, DbError> {
+        if rows.is_empty() {
+            return Ok(Settled::default());
         }
         let mut cols = SettleColumns::default();
-        for (id, generation, s) in outcomes {
-            cols.push(*id, *generation, s);
+        for r in rows {
+            cols.push(r);
         }
-        let written: Vec<(i64, i16)> = match self {
-            Store::Pg(p) => {
-                sqlx::query_as(
-                    "WITH s AS ( \
-                   SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::smallint[], $4::int[], \
-                                        $5::bigint[], $6::smallint[], $7::text[]) \
-                     AS s(id, generation, action, attempt, delay_ms, uncertain, error)), \
-                 gone AS ( \
-                   DELETE FROM ferry_outbox.messages m USING s \
-                   WHERE m.id = s.id AND s.action = 0 AND m.generation = s.generation \
-                     AND m.state = 1 AND m.lease_until > now() \
-                   RETURNING m.id), \
-                 back AS ( \
-                   UPDATE ferry_outbox.messages m SET \
-                     state = CASE WHEN s.action = 2 THEN 2 ELSE 0 END, \
-                     attempts = m.attempts + s.attempt, \
-                     next_attempt_at = now() + s.delay_ms * interval '1 millisecond', \
-                     uncertain_since = CASE s.uncertain WHEN 0 THEN NULL \
-                       WHEN 1 THEN coalesce(m.uncertain_since, now()) ELSE m.uncertain_since END, \
-                     last_error = coalesce(s.error, m.last_error), \
-                     lease_owner = NULL, lease_until = NULL \
-                   FROM s \
-                   WHERE m.id = s.id AND s.action <> 0 AND m.generation = s.generation \
-                     AND m.state = 1 AND m.lease_until > now() \
-                   RETURNING m.id, m.state) \
-                 SELECT id, 0::smallint FROM gone UNION ALL SELECT id, state FROM back",
-                )
-                .bind(&cols.ids)
-                .bind(&cols.generations)
-                .bind(&cols.actions)
-                .bind(&cols.attempts)
-                .bind(&cols.delays_ms)
-                .bind(&cols.uncertain)
-                .bind(&cols.errors)
-                .fetch_all(p)
-                .await?
-            }
-            Store::Sqlite(p) => {
-                let now = now_ms();
-                let mut tx = p.begin().await?;
-                let mut written = Vec::new();
-                // Confirmed rows (nearly all of them) go in one statement.
-                let confirmed: Vec<[i64; 2]> = (0..cols.ids.len())
-                    .filter(|&i| cols.actions[i] == 0)
-                    .map(|i| [cols.ids[i], cols.generations[i]])
-                    .collect();
-                if !confirmed.is_empty() {
-                    let gone: Vec<i64> = sqlx::query_scalar(
-                        "DELETE FROM ferry_outbox_messages \
-                         WHERE (id, generation) IN (SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') \
-                                                    FROM json_each(?1)) \
-                           AND state = 1 AND lease_until > ?2 RETURNING id",
-                    )
-                    .bind(serde_json::to_string(&confirmed).expect("integers serialise"))
-                    .bind(now)
-                    .fetch_all(&mut *tx)
-                    .await?;
-                    written.extend(gone.into_iter().map(|id| (id, 0i16)));
-                }
-                for i in (0..cols.ids.len()).filter(|&i| cols.actions[i] != 0) {
-                    let n = {
-                        sqlx::query(
-                            "UPDATE ferry_outbox_messages SET \
-                               state = CASE WHEN ?4 = 2 THEN 2 ELSE 0 END, \
-                               attempts = attempts + ?5, \
-                               next_attempt_at = ?3 + ?6, \
-                               uncertain_since = CASE ?7 WHEN 0 THEN NULL \
-                                 WHEN 1 THEN coalesce(uncertain_since, ?3) ELSE uncertain_since END, \
-                               last_error = coalesce(?8, last_error), \
-                               lease_owner = NULL, lease_until = NULL \
-                             WHERE id = ?1 AND generation = ?2 AND state = 1 AND lease_until > ?3",
-                        )
-                        .bind(cols.ids[i])
-                        .bind(cols.generations[i])
-                        .bind(now)
-                        .bind(cols.actions[i])
-                        .bind(cols.attempts[i])
-                        .bind(cols.delays_ms[i])
-                        .bind(cols.uncertain[i])
-                        .bind(&cols.errors[i])
-                        .execute(&mut *tx)
-                        .await?
-                        .rows_affected()
-                    };
-                    if n == 1 {
-                        written.push((cols.ids[i], if cols.actions[i] == 2 { 2 } else { 0 }));
-                    }
-                }
-                tx.commit().await?;
-                written
-            }
+        let written: Vec<Written> = match &self.db {
+            Db::Pg(p) => settle_pg(p, owner, &cols).await.doing(Op::Settle)?,
+            Db::Sqlite(p) => settle_sqlite(p, owner, &cols, self.now_ms())
+                .await
+                .doing(Op::Settle)?,
         };
-        let actions: std::collections::HashMap<i64, i16> = cols
-            .ids
-            .iter()
-            .copied()
-            .zip(cols.actions.iter().copied())
-            .collect();
-        let mut done = std::collections::HashSet::new();
-        for (id, state) in &written {
-            done.insert(*id);
-            match (actions.get(id).copied().unwrap_or(1), state) {
-                (0, _) => settled.deleted += 1,
-                (_, 2) => settled.parked += 1,
-                _ => settled.returned += 1,
+        let mut settled = account(rows, &written);
+        if !settled.fenced.is_empty() {
+            let lost: Vec<(i64, Epoch)> = rows
+                .iter()
+                .filter(|r| settled.fenced.iter().any(|f| f.id == r.id))
+                .map(|r| (r.id, r.generation))
+                .collect();
+            // Only for the report: a failure to read them leaves them fenced, reason unknown.
+            if let Ok(f) = self.fences(&lost).await {
+                settled.fenced = f;
             }
         }
-        settled.fenced = cols
-            .ids
-            .iter()
-            .copied()
-            .filter(|id| !done.contains(id))
-            .collect();
         Ok(settled)
+    }
+
+    /// How each of `rows` (id, the generation a relay held) compares with the row now.
+    pub async fn fences(&self, rows: &[(i64, Epoch)]) -> Result<Vec<FencedRow>, DbError> {
+        let ids: Vec<i64> = rows.iter().map(|(id, _)| *id).collect();
+        let current: Vec<(i64, i64)> = match &self.db {
+            Db::Pg(p) => sqlx::query_as(
+                "SELECT id, generation FROM ferry_outbox.messages WHERE id = ANY($1)",
+            )
+            .bind(&ids)
+            .fetch_all(p)
+            .await
+            .doing(Op::Settle)?,
+            Db::Sqlite(p) => sqlx::query_as(
+                "SELECT id, generation FROM ferry_outbox_messages \
+                 WHERE id IN (SELECT value FROM json_each(?1))",
+            )
+            .bind(serde_json::to_string(&ids).expect("integers serialise"))
+            .fetch_all(p)
+            .await
+            .doing(Op::Settle)?,
+        };
+        let current: HashMap<i64, i64> = current.into_iter().collect();
+        Ok(rows
+            .iter()
+            .map(|(id, mine)| FencedRow {
+                id: *id,
+                fence: current
+                    .get(id)
+                    .map(|g| Fence::check(*mine, epoch_from_sql(*g).unwrap_or(Epoch(0)))),
+            })
+            .collect())
     }
 
     /// Put messages whose lease ran out back to pending, marked uncertain (their holder
     /// may have published them). Returns how many.
-    pub async fn reclaim_expired(&self) -> Result<u64, sqlx::Error> {
-        Ok(match self {
-            Store::Pg(p) => sqlx::query(
+    pub async fn reclaim_expired(&self) -> Result<u64, DbError> {
+        let r = match &self.db {
+            Db::Pg(p) => sqlx::query(
                 "UPDATE ferry_outbox.messages SET state = 0, lease_owner = NULL, lease_until = NULL, \
                    next_attempt_at = now(), uncertain_since = coalesce(uncertain_since, now()) \
                  WHERE state = 1 AND lease_until <= now()",
             )
             .execute(p)
-            .await?
-            .rows_affected(),
-            Store::Sqlite(p) => {
-                let now = now_ms();
-                sqlx::query(
-                    "UPDATE ferry_outbox_messages SET state = 0, lease_owner = NULL, lease_until = NULL, \
-                       next_attempt_at = ?1, uncertain_since = coalesce(uncertain_since, ?1) \
-                     WHERE state = 1 AND lease_until <= ?1",
-                )
-                .bind(now)
-                .execute(p)
-                .await?
-                .rows_affected()
-            }
-        })
+            .await
+            .map(|r| r.rows_affected()),
+            Db::Sqlite(p) => sqlx::query(
+                "UPDATE ferry_outbox_messages SET state = 0, lease_owner = NULL, lease_until = NULL, \
+                   next_attempt_at = ?1, uncertain_since = coalesce(uncertain_since, ?1) \
+                 WHERE state = 1 AND lease_until <= ?1",
+            )
+            .bind(self.now_ms())
+            .execute(p)
+            .await
+            .map(|r| r.rows_affected()),
+        };
+        r.doing(Op::Reclaim)
     }
 
-    /// Depth by state, ages, parked messages and paused topics.
-    pub async fn status(&self) -> Result<Status, sqlx::Error> {
-        match self {
-            Store::Pg(p) => {
+    /// Depth by state, ages, parked messages, paused topics and the relays' totals.
+    pub async fn status(&self) -> Result<Status, DbError> {
+        let (counts, oldest, parked, paused) = match &self.db {
+            Db::Pg(p) => {
                 let c = sqlx::query(
                     "SELECT count(*) FILTER (WHERE state = 0 AND uncertain_since IS NULL), \
                             count(*) FILTER (WHERE state = 0 AND uncertain_since IS NOT NULL), \
@@ -477,7 +539,8 @@ impl Store {
                      FROM ferry_outbox.messages",
                 )
                 .fetch_one(p)
-                .await?;
+                .await
+                .doing(Op::Status)?;
                 let oldest: Option<f64> = sqlx::query_scalar(
                     "SELECT extract(epoch FROM now() - min(m.enqueued_at))::float8 FROM ferry_outbox.messages m \
                      WHERE m.state = 0 AND m.next_attempt_at <= now() \
@@ -486,31 +549,35 @@ impl Store {
                             WHERE e.ordered AND e.key = m.key AND e.seq < m.seq))",
                 )
                 .fetch_one(p)
-                .await?;
+                .await
+                .doing(Op::Status)?;
                 let parked = sqlx::query(
                     "SELECT id, message_id, topic, key, attempts, last_error FROM ferry_outbox.messages \
                      WHERE state = 2 ORDER BY id LIMIT $1",
                 )
                 .bind(STATUS_PARKED_MAX)
                 .fetch_all(p)
-                .await?;
-                let paused = sqlx::query_scalar(
+                .await
+                .doing(Op::Status)?;
+                let paused: Vec<String> = sqlx::query_scalar(
                     "SELECT topic FROM ferry_outbox.paused_topics ORDER BY topic",
                 )
                 .fetch_all(p)
-                .await?;
-                Ok(status_from(
-                    c.counts()?,
+                .await
+                .doing(Op::Status)?;
+                (
+                    c.counts().doing(Op::Status)?,
                     oldest,
                     parked
                         .iter()
                         .map(RowReaders::parked)
-                        .collect::<Result<_, _>>()?,
+                        .collect::<Result<Vec<_>, _>>()
+                        .doing(Op::Status)?,
                     paused,
-                ))
+                )
             }
-            Store::Sqlite(p) => {
-                let now = now_ms();
+            Db::Sqlite(p) => {
+                let now = self.now_ms();
                 let c = sqlx::query(
                     "SELECT coalesce(sum(state = 0 AND uncertain_since IS NULL), 0), \
                             coalesce(sum(state = 0 AND uncertain_since IS NOT NULL), 0), \
@@ -520,7 +587,8 @@ impl Store {
                 )
                 .bind(now)
                 .fetch_one(p)
-                .await?;
+                .await
+                .doing(Op::Status)?;
                 let oldest: Option<f64> = sqlx::query_scalar(
                     "SELECT (?1 - min(m.enqueued_at)) / 1000.0 FROM ferry_outbox_messages m \
                      WHERE m.state = 0 AND m.next_attempt_at <= ?1 \
@@ -530,46 +598,63 @@ impl Store {
                 )
                 .bind(now)
                 .fetch_one(p)
-                .await?;
+                .await
+                .doing(Op::Status)?;
                 let parked = sqlx::query(
                     "SELECT id, message_id, topic, key, attempts, last_error FROM ferry_outbox_messages \
                      WHERE state = 2 ORDER BY id LIMIT ?1",
                 )
                 .bind(STATUS_PARKED_MAX)
                 .fetch_all(p)
-                .await?;
-                let paused = sqlx::query_scalar(
+                .await
+                .doing(Op::Status)?;
+                let paused: Vec<String> = sqlx::query_scalar(
                     "SELECT topic FROM ferry_outbox_paused_topics ORDER BY topic",
                 )
                 .fetch_all(p)
-                .await?;
-                Ok(status_from(
-                    c.counts()?,
+                .await
+                .doing(Op::Status)?;
+                (
+                    c.counts().doing(Op::Status)?,
                     oldest,
                     parked
                         .iter()
                         .map(RowReaders::parked)
-                        .collect::<Result<_, _>>()?,
+                        .collect::<Result<Vec<_>, _>>()
+                        .doing(Op::Status)?,
                     paused,
-                ))
+                )
             }
-        }
+        };
+        let (relay_totals, relays) = self.relay_rows().await?;
+        Ok(Status {
+            pending: counts.pending,
+            uncertain: counts.uncertain,
+            leased: counts.leased,
+            parked: counts.parked,
+            oldest_claimable_secs: oldest,
+            oldest_uncertain_secs: counts.oldest_uncertain_secs,
+            parked_messages: parked,
+            paused_topics: paused,
+            relay_totals,
+            relays,
+        })
     }
 
     /// Put parked messages back to pending with their attempts reset. Returns how many.
-    pub async fn requeue(&self, which: &Select) -> Result<u64, sqlx::Error> {
-        self.operate(which, false).await
+    pub async fn requeue(&self, which: &Select) -> Result<u64, DbError> {
+        self.operate(which, false).await.doing(Op::Requeue)
     }
 
     /// Delete parked messages for good. Returns how many.
-    pub async fn discard(&self, which: &Select) -> Result<u64, sqlx::Error> {
-        self.operate(which, true).await
+    pub async fn discard(&self, which: &Select) -> Result<u64, DbError> {
+        self.operate(which, true).await.doing(Op::Discard)
     }
 
     async fn operate(&self, which: &Select, delete: bool) -> Result<u64, sqlx::Error> {
         let (ids, message_ids, topic, all) = which.columns();
-        Ok(match self {
-            Store::Pg(p) => {
+        Ok(match &self.db {
+            Db::Pg(p) => {
                 let head = if delete {
                     "DELETE FROM ferry_outbox.messages WHERE state = 2"
                 } else {
@@ -588,17 +673,14 @@ impl Store {
                 .await?
                 .rows_affected()
             }
-            Store::Sqlite(p) => {
+            Db::Sqlite(p) => {
                 let head = if delete {
-                    "DELETE FROM ferry_outbox_messages WHERE state = 2".to_string()
+                    "DELETE FROM ferry_outbox_messages WHERE state = 2"
                 } else {
-                    format!(
-                        "UPDATE ferry_outbox_messages SET state = 0, attempts = 0, next_attempt_at = {}, \
-                         last_error = NULL WHERE state = 2",
-                        now_ms()
-                    )
+                    "UPDATE ferry_outbox_messages SET state = 0, attempts = 0, next_attempt_at = ?5, \
+                     last_error = NULL WHERE state = 2"
                 };
-                // `head` is one of two statements above (a number at most); the rest is bound.
+                // `head` is one of two literals above; everything else is bound.
                 sqlx::query(sqlx::AssertSqlSafe(format!(
                     "{head} AND (?4 OR id IN (SELECT value FROM json_each(?1)) \
                      OR message_id IN (SELECT value FROM json_each(?2)) OR topic = ?3)"
@@ -607,6 +689,7 @@ impl Store {
                 .bind(serde_json::to_string(&message_ids).expect("ids serialise"))
                 .bind(&topic)
                 .bind(all)
+                .bind(self.now_ms())
                 .execute(p)
                 .await?
                 .rows_affected()
@@ -615,46 +698,54 @@ impl Store {
     }
 
     /// Stop relays taking messages of `topic` (those already leased finish).
-    pub async fn pause(&self, topic: &str) -> Result<(), sqlx::Error> {
-        match self {
-            Store::Pg(p) => {
-                sqlx::query("INSERT INTO ferry_outbox.paused_topics (topic) VALUES ($1) ON CONFLICT DO NOTHING")
-                    .bind(topic)
-                    .execute(p)
-                    .await?;
-            }
-            Store::Sqlite(p) => {
-                sqlx::query("INSERT OR IGNORE INTO ferry_outbox_paused_topics (topic, paused_at) VALUES (?, ?)")
-                    .bind(topic)
-                    .bind(now_ms())
-                    .execute(p)
-                    .await?;
-            }
+    pub async fn pause(&self, topic: &str) -> Result<(), DbError> {
+        match &self.db {
+            Db::Pg(p) => sqlx::query(
+                "INSERT INTO ferry_outbox.paused_topics (topic) VALUES ($1) ON CONFLICT DO NOTHING",
+            )
+            .bind(topic)
+            .execute(p)
+            .await
+            .map(|_| ()),
+            Db::Sqlite(p) => sqlx::query(
+                "INSERT OR IGNORE INTO ferry_outbox_paused_topics (topic, paused_at) VALUES (?, ?)",
+            )
+            .bind(topic)
+            .bind(self.now_ms())
+            .execute(p)
+            .await
+            .map(|_| ()),
         }
-        Ok(())
+        .doing(Op::Pause)
     }
 
-    pub async fn resume(&self, topic: &str) -> Result<(), sqlx::Error> {
-        let q = match self {
-            Store::Pg(_) => "DELETE FROM ferry_outbox.paused_topics WHERE topic = $1",
-            Store::Sqlite(_) => "DELETE FROM ferry_outbox_paused_topics WHERE topic = ?",
-        };
-        match self {
-            Store::Pg(p) => {
-                sqlx::query(q).bind(topic).execute(p).await?;
-            }
-            Store::Sqlite(p) => {
-                sqlx::query(q).bind(topic).execute(p).await?;
-            }
+    pub async fn resume(&self, topic: &str) -> Result<(), DbError> {
+        match &self.db {
+            Db::Pg(p) => sqlx::query("DELETE FROM ferry_outbox.paused_topics WHERE topic = $1")
+                .bind(topic)
+                .execute(p)
+                .await
+                .map(|_| ()),
+            Db::Sqlite(p) => sqlx::query("DELETE FROM ferry_outbox_paused_topics WHERE topic = ?")
+                .bind(topic)
+                .execute(p)
+                .await
+                .map(|_| ()),
         }
-        Ok(())
+        .doing(Op::Resume)
     }
 
     pub async fn close(&self) {
-        match self {
-            Store::Pg(p) => p.close().await,
-            Store::Sqlite(p) => p.close().await,
+        match &self.db {
+            Db::Pg(p) => p.close().await,
+            Db::Sqlite(p) => p.close().await,
         }
+    }
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store").field("db", &self.db).finish()
     }
 }
 
@@ -667,6 +758,195 @@ impl Select {
             Select::AllParked => (vec![], vec![], None, true),
         }
     }
+}
+
+/// A row a settle statement wrote: its id, generation, state and attempts afterwards
+/// (a deleted row's as they were).
+#[derive(Debug)]
+struct Written {
+    id: i64,
+    generation: i64,
+    state: i16,
+    attempts: i32,
+}
+
+impl From<(i64, i64, i16, i32)> for Written {
+    fn from((id, generation, state, attempts): (i64, i64, i16, i32)) -> Written {
+        Written {
+            id,
+            generation,
+            state,
+            attempts,
+        }
+    }
+}
+
+/// Postgres: the whole batch in one statement.
+async fn settle_pg(
+    p: &PgPool,
+    owner: &str,
+    cols: &SettleColumns,
+) -> Result<Vec<Written>, sqlx::Error> {
+    let rows: Vec<(i64, i64, i16, i32)> = sqlx::query_as(
+        "WITH s AS ( \
+           SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::smallint[], $4::int[], \
+                                $5::bigint[], $6::smallint[], $7::text[]) \
+             AS s(id, generation, action, attempt, delay_ms, uncertain, error)), \
+         gone AS ( \
+           DELETE FROM ferry_outbox.messages m USING s \
+           WHERE m.id = s.id AND s.action = 0 AND m.generation = s.generation \
+             AND m.state = 1 AND m.lease_owner = $8 AND m.lease_until > now() \
+           RETURNING m.id, m.generation, m.attempts), \
+         back AS ( \
+           UPDATE ferry_outbox.messages m SET \
+             state = CASE WHEN s.action = 2 THEN 2 ELSE 0 END, \
+             attempts = m.attempts + s.attempt, \
+             next_attempt_at = now() + s.delay_ms * interval '1 millisecond', \
+             uncertain_since = CASE s.uncertain WHEN 0 THEN NULL \
+               WHEN 1 THEN coalesce(m.uncertain_since, now()) ELSE m.uncertain_since END, \
+             last_error = coalesce(s.error, m.last_error), \
+             lease_owner = NULL, lease_until = NULL \
+           FROM s \
+           WHERE m.id = s.id AND s.action <> 0 AND m.generation = s.generation \
+             AND m.state = 1 AND m.lease_owner = $8 AND m.lease_until > now() \
+           RETURNING m.id, m.generation, m.state, m.attempts) \
+         SELECT id, generation, 0::smallint AS state, attempts FROM gone \
+         UNION ALL SELECT id, generation, state, attempts FROM back",
+    )
+    .bind(&cols.ids)
+    .bind(&cols.generations)
+    .bind(&cols.actions)
+    .bind(&cols.attempts)
+    .bind(&cols.delays_ms)
+    .bind(&cols.uncertain)
+    .bind(&cols.errors)
+    .bind(owner)
+    .fetch_all(p)
+    .await?;
+    Ok(rows.into_iter().map(Written::from).collect())
+}
+
+/// SQLite: one short write transaction; confirmed rows (nearly all of them) in one
+/// statement, the rest one statement each.
+async fn settle_sqlite(
+    p: &SqlitePool,
+    owner: &str,
+    cols: &SettleColumns,
+    now: i64,
+) -> Result<Vec<Written>, sqlx::Error> {
+    let mut tx = p.begin().await?;
+    let mut written: Vec<Written> = Vec::new();
+    let confirmed: Vec<[i64; 2]> = (0..cols.ids.len())
+        .filter(|&i| cols.actions[i] == 0)
+        .map(|i| [cols.ids[i], cols.generations[i]])
+        .collect();
+    if !confirmed.is_empty() {
+        let gone: Vec<(i64, i64, i16, i32)> = sqlx::query_as(
+            "DELETE FROM ferry_outbox_messages \
+             WHERE (id, generation) IN (SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') \
+                                        FROM json_each(?1)) \
+               AND state = 1 AND lease_owner = ?3 AND lease_until > ?2 \
+             RETURNING id, generation, 0 AS state, attempts",
+        )
+        .bind(serde_json::to_string(&confirmed).expect("integers serialise"))
+        .bind(now)
+        .bind(owner)
+        .fetch_all(&mut *tx)
+        .await?;
+        written.extend(gone.into_iter().map(Written::from));
+    }
+    for i in (0..cols.ids.len()).filter(|&i| cols.actions[i] != 0) {
+        let back: Option<(i64, i64, i16, i32)> = sqlx::query_as(
+            "UPDATE ferry_outbox_messages SET \
+               state = CASE WHEN ?4 = 2 THEN 2 ELSE 0 END, \
+               attempts = attempts + ?5, \
+               next_attempt_at = ?3 + ?6, \
+               uncertain_since = CASE ?7 WHEN 0 THEN NULL \
+                 WHEN 1 THEN coalesce(uncertain_since, ?3) ELSE uncertain_since END, \
+               last_error = coalesce(?8, last_error), \
+               lease_owner = NULL, lease_until = NULL \
+             WHERE id = ?1 AND generation = ?2 AND state = 1 AND lease_owner = ?9 \
+               AND lease_until > ?3 \
+             RETURNING id, generation, state, attempts",
+        )
+        .bind(cols.ids[i])
+        .bind(cols.generations[i])
+        .bind(now)
+        .bind(cols.actions[i])
+        .bind(cols.attempts[i])
+        .bind(cols.delays_ms[i])
+        .bind(cols.uncertain[i])
+        .bind(&cols.errors[i])
+        .bind(owner)
+        .fetch_optional(&mut *tx)
+        .await?;
+        written.extend(back.map(Written::from));
+    }
+    tx.commit().await?;
+    Ok(written)
+}
+
+/// Count what a settle wrote, checking the settle path's invariants on the way: cheap
+/// (a map lookup per row), so they stay on in release builds.
+fn account(rows: &[SettleRow], written: &[Written]) -> Settled {
+    let asked: HashMap<i64, &SettleRow> = rows.iter().map(|r| (r.id, r)).collect();
+    assert_eq!(
+        asked.len(),
+        rows.len(),
+        "settle invariant: a batch holds each row once"
+    );
+    let mut done: HashMap<i64, ()> = HashMap::with_capacity(written.len());
+    let mut settled = Settled::default();
+    for w in written {
+        let r = asked.get(&w.id).unwrap_or_else(|| {
+            panic!(
+                "settle invariant: a settle writes only rows of its own batch, yet row {} was written",
+                w.id
+            )
+        });
+        assert!(
+            done.insert(w.id, ()).is_none(),
+            "settle invariant: a settle writes each row once, yet row {} was written twice",
+            w.id
+        );
+        assert_eq!(
+            epoch_from_sql(w.generation).ok(),
+            Some(r.generation),
+            "settle invariant: a settle writes only rows of its own lease (row {})",
+            w.id
+        );
+        let want = r
+            .attempts
+            .checked_add(r.settle.attempts_spent())
+            .expect("settle invariant: attempts never wrap");
+        let want = if r.settle == Settle::Confirmed {
+            r.attempts
+        } else {
+            want
+        };
+        assert_eq!(
+            w.attempts, want,
+            "settle invariant: attempts only rise, by one per refusal (row {}: leased with {}, {:?})",
+            w.id, r.attempts, r.settle
+        );
+        let counter = match (&r.settle, w.state) {
+            (Settle::Confirmed, _) => &mut settled.deleted,
+            (_, 2) => &mut settled.parked,
+            _ => &mut settled.returned,
+        };
+        *counter = counter
+            .checked_add(1)
+            .expect("settle invariant: counts never wrap");
+    }
+    settled.fenced = rows
+        .iter()
+        .filter(|r| !done.contains_key(&r.id))
+        .map(|r| FencedRow {
+            id: r.id,
+            fence: None,
+        })
+        .collect();
+    settled
 }
 
 /// Settle outcomes as columns, for `unnest` on Postgres and a loop on SQLite.
@@ -684,18 +964,17 @@ struct SettleColumns {
 }
 
 impl SettleColumns {
-    fn push(&mut self, id: i64, generation: i64, s: &Settle) {
-        let (action, attempt, delay, uncertain, error) = match s {
-            Settle::Confirmed => (0, 0, 0, 0, None),
+    fn push(&mut self, r: &SettleRow) {
+        let (action, delay, uncertain, error) = match &r.settle {
+            Settle::Confirmed => (0, 0, 0, None),
             Settle::Retry {
                 retry_in,
-                attempt,
                 uncertain,
                 error,
+                ..
             } => (
                 1,
-                *attempt as i32,
-                retry_in.as_millis() as i64,
+                millis(*retry_in),
                 match uncertain {
                     Uncertain::Clear => 0,
                     Uncertain::Mark => 1,
@@ -703,7 +982,7 @@ impl SettleColumns {
                 },
                 Some(error.clone()),
             ),
-            Settle::Park { error } => (2, 1, 0, 0, Some(error.clone())),
+            Settle::Park { error } => (2, 0, 0, Some(error.clone())),
         };
         // Error texts come from transports (response bodies): no NUL (Postgres text
         // refuses it, failing the whole batch's settle) and no unbounded length.
@@ -717,14 +996,32 @@ impl SettleColumns {
                 None => clean,
             }
         });
-        self.ids.push(id);
-        self.generations.push(generation);
+        self.ids.push(r.id);
+        self.generations.push(epoch_to_sql(r.generation));
         self.actions.push(action);
-        self.attempts.push(attempt);
+        self.attempts.push(r.settle.attempts_spent());
         self.delays_ms.push(delay);
         self.uncertain.push(uncertain);
         self.errors.push(error);
     }
+}
+
+/// A generation as stored (bigint). Generations come from the database and rise by one
+/// per lease, so they never reach i64::MAX.
+fn epoch_to_sql(e: Epoch) -> i64 {
+    i64::try_from(e.0).expect("a generation read from the database fits its bigint column")
+}
+
+/// A stored generation; negative ones were written around the relay and fail validation.
+fn epoch_from_sql(g: i64) -> Result<Epoch, sqlx::Error> {
+    u64::try_from(g)
+        .map(Epoch)
+        .map_err(|_| sqlx::Error::Decode(format!("outbox generation {g} is negative").into()))
+}
+
+/// A duration in whole milliseconds for SQL; saturating (a lease of 292 million years).
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
 /// Readers of the rows the status and lease statements return, for both stores' row
@@ -734,17 +1031,22 @@ macro_rules! row_readers {
         impl RowReaders for $row {
             fn leased(&self) -> Result<Leased, sqlx::Error> {
                 let headers: String = self.try_get("headers")?;
+                let (headers, defect) = match parse_headers(&headers) {
+                    Ok(h) => (h, None),
+                    Err(e) => (BTreeMap::new(), Some(e)),
+                };
                 Ok(Leased {
                     id: self.try_get("id")?,
-                    generation: self.try_get("generation")?,
+                    generation: epoch_from_sql(self.try_get("generation")?)?,
                     message_id: self.try_get("message_id")?,
                     topic: self.try_get("topic")?,
                     key: self.try_get("key")?,
                     seq: self.try_get("seq")?,
                     payload: self.try_get("payload")?,
-                    headers: parse_headers(&headers)?,
+                    headers,
                     attempts: self.try_get("attempts")?,
                     uncertain: self.try_get("uncertain")?,
+                    defect,
                 })
             }
 
@@ -790,34 +1092,16 @@ struct Counts {
     oldest_uncertain_secs: Option<f64>,
 }
 
-fn status_from(
-    c: Counts,
-    oldest_claimable_secs: Option<f64>,
-    parked_messages: Vec<ParkedMessage>,
-    paused_topics: Vec<String>,
-) -> Status {
-    Status {
-        pending: c.pending,
-        uncertain: c.uncertain,
-        leased: c.leased,
-        parked: c.parked,
-        oldest_claimable_secs,
-        oldest_uncertain_secs: c.oldest_uncertain_secs,
-        parked_messages,
-        paused_topics,
-    }
-}
-
 /// Headers as stored: a JSON object of strings (the enqueue paths check it). A row
-/// written around them with other JSON values keeps them as their JSON text rather than
-/// failing the whole lease; anything but an object is reported.
-fn parse_headers(s: &str) -> Result<BTreeMap<String, String>, sqlx::Error> {
+/// written around them with other JSON values keeps them as their JSON text; anything
+/// but an object is the row's defect (the relay parks it, naming this).
+fn parse_headers(s: &str) -> Result<BTreeMap<String, String>, String> {
     let v: serde_json::Value = serde_json::from_str(s).map_err(|e| {
-        sqlx::Error::Decode(format!("outbox headers {s:?} are not JSON: {e}").into())
+        format!("its headers {s:?} are not JSON ({e}); fix the row's headers, then requeue it")
     })?;
     let serde_json::Value::Object(map) = v else {
-        return Err(sqlx::Error::Decode(
-            format!("outbox headers {s:?} are not an object").into(),
+        return Err(format!(
+            "its headers {s:?} are not a JSON object; fix the row's headers, then requeue it"
         ));
     };
     Ok(map

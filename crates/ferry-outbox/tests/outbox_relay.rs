@@ -6,63 +6,12 @@
 mod common;
 
 use common::*;
-use ferry_outbox::relay::{Relay, RelayConfig};
+use ferry_outbox::relay::RelayConfig;
 use ferry_outbox::sink::Faults;
 use ferry_outbox::store::Select;
-use ferry_outbox::transport::{self, TransportOptions};
-use ferry_outbox::{Message, Store};
-use std::sync::Arc;
+use ferry_outbox::transport::TransportOptions;
+use ferry_outbox::{Db, Message, Store};
 use std::time::Duration;
-
-async fn sqlite_store(dir: &ferry_testkit::Scratch) -> Store {
-    let url = format!("sqlite:{}", dir.path().join("app.db").display());
-    let store = Store::connect(&url).await.unwrap();
-    store.install().await.unwrap();
-    store
-}
-
-async fn pg_store(db: &TestDb) -> Store {
-    let store = Store::connect(&db.url).await.unwrap();
-    store.install().await.unwrap();
-    store
-}
-
-fn fast_config() -> RelayConfig {
-    RelayConfig {
-        batch: 64,
-        window: 16,
-        poll: Duration::from_millis(200),
-        ..RelayConfig::default()
-    }
-}
-
-/// Start a relay on `store` to `to`.
-async fn start_relay(
-    store: &Store,
-    to: &str,
-    config: RelayConfig,
-    options: TransportOptions,
-) -> (Arc<Relay>, ferry_outbox::relay::Running) {
-    let t = transport::connect(to, &options).await.unwrap();
-    let relay = Relay::new(store.clone(), Arc::from(t), config).unwrap();
-    let running = relay.spawn();
-    (relay, running)
-}
-
-async fn drained(store: &Store, limit: Duration) -> bool {
-    let end = tokio::time::Instant::now() + limit;
-    loop {
-        let st = store.status().await.unwrap();
-        if st.pending + st.uncertain + st.leased == 0 {
-            return true;
-        }
-        if tokio::time::Instant::now() >= end {
-            eprintln!("not drained: {st:?}");
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
 
 // The embedded default: SQLite to a webhook. Guards against lost, duplicated, reordered
 // or rolled-back messages on the plain path, with the app writing while the relay runs.
@@ -79,7 +28,7 @@ async fn sqlite_to_a_webhook_delivers_every_committed_message_once_in_key_order(
     let (relay, running) = start_relay(&store, &sink.url, fast_config(), options).await;
     let ledger = write_workload(&app, 400, 12, 1).await;
     assert!(drained(&store, Duration::from_secs(30)).await);
-    running.stop().await;
+    running.stop().await.unwrap();
     ledger.check(&sink.sink.received());
     assert_eq!(sink.sink.bad_signatures(), 0);
     let st = relay.status();
@@ -137,7 +86,7 @@ async fn three_postgres_relays_racing_to_jetstream_keep_key_order_without_duplic
     };
     assert!(drained(&store, Duration::from_secs(60)).await);
     for (_, running) in relays {
-        running.stop().await;
+        running.stop().await.unwrap();
     }
     let got = stream_contents(&js, &stream_name).await;
     ledger.check(&got);
@@ -213,7 +162,7 @@ async fn a_poison_message_is_parked_while_other_keys_flow_and_requeue_delivers_i
     );
     relay.wake();
     assert!(drained(&store, Duration::from_secs(30)).await);
-    running.stop().await;
+    running.stop().await.unwrap();
     ledger.committed.push(poison);
     ledger.committed.push(after);
     // Received order per key: the fixed key arrives poison then after.
@@ -256,7 +205,7 @@ async fn a_transport_outage_spends_no_attempts_and_heals_by_itself() {
     s.set_faults(Faults::default());
     let sink = RunningSink::start_on(port, s).await;
     assert!(drained(&store, Duration::from_secs(60)).await);
-    running.stop().await;
+    running.stop().await.unwrap();
     ledger.check(&sink.sink.received());
     let st = relay.status();
     assert_eq!(st.parked, 0);
@@ -286,7 +235,7 @@ async fn a_lost_acknowledgement_is_resolved_by_the_same_id_without_a_duplicate()
     app.write(std::slice::from_ref(&m), true).await.unwrap();
     let mut ledger = write_workload(&app, 20, 3, 7).await;
     assert!(drained(&store, Duration::from_secs(30)).await);
-    running.stop().await;
+    running.stop().await.unwrap();
     ledger.committed.insert(0, m);
     ledger.check(&sink.sink.received());
     assert_eq!(
@@ -309,7 +258,7 @@ async fn a_long_open_transaction_delays_only_its_own_key_and_keeps_its_order() {
     let db = TestDb::create().await;
     let store = pg_store(&db).await;
     let app = App::open(&store).await;
-    let Store::Pg(pool) = &store else {
+    let Db::Pg(pool) = store.db() else {
         unreachable!()
     };
     let sink = RunningSink::start(None).await;
@@ -342,7 +291,7 @@ async fn a_long_open_transaction_delays_only_its_own_key_and_keeps_its_order() {
     ledger.committed.push(a);
     ledger.committed.push(b);
     assert!(drained(&store, Duration::from_secs(20)).await);
-    running.stop().await;
+    running.stop().await.unwrap();
     ledger.check(&sink.sink.received());
 }
 
@@ -350,7 +299,8 @@ async fn a_long_open_transaction_delays_only_its_own_key_and_keeps_its_order() {
 // outcome it reports, and the holder after it settles normally.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_settle_after_the_lease_ran_out_writes_nothing() {
-    use ferry_outbox::store::Settle;
+    use ferry_core::epoch::Fence;
+    use ferry_outbox::store::{FencedRow, Settle, SettleRow};
     let db = TestDb::create().await;
     let dir = ferry_testkit::Scratch::new("outbox-fence-sqlite");
     for store in [pg_store(&db).await, sqlite_store(&dir).await] {
@@ -383,17 +333,26 @@ async fn a_settle_after_the_lease_ran_out_writes_nothing() {
             "a message whose holder vanished is uncertain"
         );
         let stale = store
-            .settle(&[(first[0].id, first[0].generation, Settle::Confirmed)])
+            .settle("one", &[SettleRow::new(&first[0], Settle::Confirmed)])
             .await
             .unwrap();
-        assert_eq!(stale.fenced, vec![first[0].id]);
+        assert_eq!(
+            stale.fenced,
+            vec![FencedRow {
+                id: first[0].id,
+                fence: Some(Fence::Stale {
+                    held: second[0].generation
+                })
+            }],
+            "the stale settle is told it was leased again since"
+        );
         assert_eq!(
             store.status().await.unwrap().leased,
             1,
             "the stale settle wrote"
         );
         let ok = store
-            .settle(&[(second[0].id, second[0].generation, Settle::Confirmed)])
+            .settle("two", &[SettleRow::new(&second[0], Settle::Confirmed)])
             .await
             .unwrap();
         assert_eq!(ok.deleted, 1);
@@ -408,7 +367,7 @@ async fn a_settle_after_the_lease_ran_out_writes_nothing() {
 async fn bad_messages_are_refused_at_enqueue_and_nothing_is_written() {
     let db = TestDb::create().await;
     let store = pg_store(&db).await;
-    let Store::Pg(pool) = &store else {
+    let Db::Pg(pool) = store.db() else {
         unreachable!()
     };
     let mut tx = pool.begin().await.unwrap();
@@ -459,7 +418,7 @@ async fn bad_messages_are_refused_at_enqueue_and_nothing_is_written() {
     // Enqueue before install says what to do.
     let fresh = TestDb::create().await;
     let s2 = Store::connect(&fresh.url).await.unwrap();
-    let Store::Pg(p2) = &s2 else { unreachable!() };
+    let Db::Pg(p2) = s2.db() else { unreachable!() };
     let mut c = p2.acquire().await.unwrap();
     let e = ferry_outbox::enqueue(&mut *c, &Message::new("t", b"x".to_vec()))
         .await
@@ -480,8 +439,8 @@ async fn enqueue_is_idempotent_by_message_id_on_both_stores() {
             .ordered_by("k")
             .with_id("same-id");
         let other = Message::new("t", b"y".to_vec()).ordered_by("k");
-        let got = match &store {
-            Store::Pg(p) => {
+        let got = match store.db() {
+            Db::Pg(p) => {
                 let mut tx = p.begin().await.unwrap();
                 let r =
                     ferry_outbox::enqueue_many(&mut *tx, &[m.clone(), m.clone(), other.clone()])
@@ -491,7 +450,7 @@ async fn enqueue_is_idempotent_by_message_id_on_both_stores() {
                 tx.commit().await.unwrap();
                 (r, again)
             }
-            Store::Sqlite(p) => {
+            Db::Sqlite(p) => {
                 let mut tx = p.begin().await.unwrap();
                 let r =
                     ferry_outbox::enqueue_many(&mut *tx, &[m.clone(), m.clone(), other.clone()])
@@ -540,7 +499,7 @@ async fn a_slow_transport_keeps_its_leases_extended_and_sends_nothing_twice() {
     let (relay, running) = start_relay(&store, &sink.url, config, options).await;
     let ledger = write_workload(&app, 15, 8, 60).await;
     assert!(drained(&store, Duration::from_secs(60)).await);
-    running.stop().await;
+    running.stop().await.unwrap();
     ledger.check(&sink.sink.received());
     let st = relay.status();
     assert_eq!(
@@ -595,7 +554,7 @@ async fn a_lost_jetstream_acknowledgement_is_resolved_by_the_stream_s_dedup() {
     );
     proxy.faults().delay_ms.store(0, Ordering::SeqCst);
     assert!(drained(&store, Duration::from_secs(30)).await);
-    running.stop().await;
+    running.stop().await.unwrap();
     let st = relay.status();
     assert_eq!(st.reconciled, 1, "{st:?}");
     let mut stream = js.get_stream(&stream_name).await.unwrap();

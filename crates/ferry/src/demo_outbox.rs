@@ -15,7 +15,7 @@ use anyhow::{anyhow, ensure};
 use ferry_outbox::relay::{Relay, RelayConfig};
 use ferry_outbox::sink::Sink;
 use ferry_outbox::transport::{TransportOptions, webhook::Webhook};
-use ferry_outbox::{Message, Store};
+use ferry_outbox::{Db, Message, Store};
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
 use std::sync::Arc;
@@ -40,7 +40,7 @@ async fn demo(root: &Path, orders: u64) -> anyhow::Result<()> {
     let url = format!("sqlite:{}", dir.join("shop.db").display());
     let store = Store::connect(&url).await.map_err(|e| anyhow!(e))?;
     store.install().await?;
-    let Store::Sqlite(pool) = &store else {
+    let Db::Sqlite(pool) = store.db() else {
         unreachable!("a sqlite: URL opens SQLite")
     };
     sqlx::query("CREATE TABLE orders (id INTEGER PRIMARY KEY, customer TEXT NOT NULL, total INTEGER NOT NULL)")
@@ -130,7 +130,7 @@ async fn demo(root: &Path, orders: u64) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     let drain = drain_started.elapsed();
-    running.stop().await;
+    running.stop().await?;
     if let Some(s) = server.take() {
         s.abort();
     }

@@ -3,9 +3,11 @@
 use crate::table;
 use anyhow::{Context, anyhow, bail};
 use clap::{Args, Subcommand};
+use ferry_core::ConfigError;
+use ferry_outbox::ConnectError;
 use ferry_outbox::relay::{Relay, RelayConfig};
 use ferry_outbox::store::{Select, Status, Store, redact};
-use ferry_outbox::transport::{self, TransportOptions};
+use ferry_outbox::transport::{self, TransportError, TransportOptions};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -101,6 +103,9 @@ pub struct SelectArgs {
     /// Every parked message.
     #[arg(long)]
     pub all_parked: bool,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args)]
@@ -109,6 +114,9 @@ pub struct TopicArgs {
     pub db: DbArg,
     #[arg(long)]
     pub topic: String,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 pub fn run(sub: OutboxSub) -> anyhow::Result<()> {
@@ -127,25 +135,81 @@ pub fn run(sub: OutboxSub) -> anyhow::Result<()> {
             OutboxSub::Pause(a) => {
                 let store = open(&a.db.db).await?;
                 store.pause(&a.topic).await?;
-                println!(
-                    "topic {} paused: relays take none of its messages until `ferry outbox resume`",
-                    a.topic
-                );
+                if a.json {
+                    print_json(&serde_json::json!({"topic": a.topic, "paused": true}))?;
+                } else {
+                    println!(
+                        "topic {} paused: relays take none of its messages until `ferry outbox resume`",
+                        a.topic
+                    );
+                }
                 Ok(())
             }
             OutboxSub::Resume(a) => {
                 let store = open(&a.db.db).await?;
                 store.resume(&a.topic).await?;
-                println!("topic {} resumed", a.topic);
+                if a.json {
+                    print_json(&serde_json::json!({"topic": a.topic, "paused": false}))?;
+                } else {
+                    println!("topic {} resumed", a.topic);
+                }
                 Ok(())
             }
         }
     })
 }
 
+fn print_json(v: &impl serde::Serialize) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(v)?);
+    Ok(())
+}
+
+/// The flag (and environment variable) behind a library setting, for messages: the
+/// library names settings, the CLI names its flags.
+fn flag(setting: &str) -> &str {
+    match setting {
+        "db" => "--db",
+        "to" => "--to",
+        "stream" => "--stream",
+        "lanes" => "--lanes",
+        "batch" => "--batch",
+        "window" => "--window",
+        "lease" => "--lease-ms",
+        "max_attempts" => "--max-attempts",
+        "poll" => "--poll-ms",
+        "publish_timeout" => "--publish-timeout-ms",
+        other => other,
+    }
+}
+
+/// A setting's error as the user gave it: `--batch 0: must be between 1 and 10000`.
+/// `given` is the flag's value as typed, when the CLI has it.
+fn config_error(e: &ConfigError, given: Option<String>) -> anyhow::Error {
+    anyhow!(
+        "{} {}: {}",
+        flag(e.setting),
+        given.unwrap_or_else(|| e.value.clone()),
+        e.reason
+    )
+}
+
+fn connect_error(e: ConnectError) -> anyhow::Error {
+    match e {
+        ConnectError::Config(c) => config_error(&c, None),
+        other => anyhow!(other),
+    }
+}
+
+fn transport_error(e: TransportError) -> anyhow::Error {
+    match e {
+        TransportError::Config(c) => config_error(&c, None),
+        other => anyhow!(other),
+    }
+}
+
 /// Connect and check the schema is there and not newer than this build.
 async fn open(url: &str) -> anyhow::Result<Store> {
-    let store = Store::connect(url).await.map_err(|e| anyhow!(e))?;
+    let store = Store::connect(url).await.map_err(connect_error)?;
     match store.schema_version().await? {
         None => bail!(
             "{} has no outbox schema: run `ferry outbox install --db {}` first",
@@ -167,7 +231,7 @@ async fn open(url: &str) -> anyhow::Result<Store> {
 }
 
 async fn install(a: DbArg) -> anyhow::Result<()> {
-    let store = Store::connect(&a.db).await.map_err(|e| anyhow!(e))?;
+    let store = Store::connect(&a.db).await.map_err(connect_error)?;
     let done = store.install().await?;
     match done {
         ferry_outbox::schema::Installed::Created => println!(
@@ -216,7 +280,7 @@ async fn relay(a: RelayArgs) -> anyhow::Result<()> {
     };
     let t = transport::connect(&a.to, &options)
         .await
-        .map_err(|e| anyhow!(e))?;
+        .map_err(transport_error)?;
     let config = RelayConfig {
         lanes: a.lanes,
         batch: a.batch,
@@ -226,14 +290,26 @@ async fn relay(a: RelayArgs) -> anyhow::Result<()> {
         poll: Duration::from_millis(a.poll_ms),
         ..RelayConfig::default()
     };
-    if options.publish_timeout >= config.lease / 2 {
+    let lease = config.lease;
+    let relay = Relay::new(store.clone(), Arc::from(t), config).map_err(|e| {
+        let given = match e.setting {
+            "lanes" => a.lanes.to_string(),
+            "batch" => a.batch.to_string(),
+            "window" => a.window.to_string(),
+            "lease" => a.lease_ms.to_string(),
+            "max_attempts" => a.max_attempts.to_string(),
+            "poll" => a.poll_ms.to_string(),
+            _ => e.value.clone(),
+        };
+        config_error(&e, Some(given))
+    })?;
+    if options.publish_timeout >= lease / 2 {
         bail!(
             "--publish-timeout-ms {} must be under half of --lease-ms {}: a publish must end before the lease needs extending",
             a.publish_timeout_ms,
             a.lease_ms
         );
     }
-    let relay = Relay::new(store.clone(), Arc::from(t), config).map_err(|e| anyhow!(e))?;
     if let Some(listener) = listener {
         tracing::info!(addr = %listener.local_addr()?, "serving /metrics and /status");
         let (r1, r2, s) = (relay.clone(), relay.clone(), store.clone());
@@ -263,11 +339,16 @@ async fn relay(a: RelayArgs) -> anyhow::Result<()> {
     tracing::info!(db = %redact(&a.db.db), to = %a.to, "relaying");
     let r = relay.clone();
     let progress = tokio::spawn(async move { report_progress(r).await });
-    relay.run(crate::terminated()).await;
+    let ended = relay.run(crate::terminated()).await;
     progress.abort();
     store.close().await;
-    tracing::info!("relay stopped: every batch in flight was settled");
-    Ok(())
+    match ended {
+        Ok(()) => {
+            tracing::info!("relay stopped: every batch in flight was settled");
+            Ok(())
+        }
+        Err(e) => Err(anyhow!(e)),
+    }
 }
 
 /// Log what the relay did every 10 s while it does something.
@@ -329,8 +410,7 @@ async fn status(a: StatusArgs) -> anyhow::Result<()> {
     let store = open(&a.db.db).await?;
     let st = store.status().await?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&st)?);
-        return Ok(());
+        return print_json(&st);
     }
     print!("{}", render(&st));
     Ok(())
@@ -382,6 +462,56 @@ fn render(st: &Status) -> String {
             st.paused_topics.join(", ")
         ));
     }
+    if !st.relays.is_empty() {
+        let t = &st.relay_totals;
+        out.push_str(&format!(
+            "\nrelays, all time: published {}, duplicates {}, unavailable {}, uncertain {}, fenced {}, retried {}, parked {}, db errors {}, breaker openings {}\n",
+            t.published,
+            t.duplicates,
+            t.unavailable,
+            t.uncertain,
+            t.fenced,
+            t.retried,
+            t.parked,
+            t.db_errors,
+            t.breaker_openings
+        ));
+        let rows: Vec<Vec<String>> = st
+            .relays
+            .iter()
+            .map(|r| {
+                vec![
+                    r.owner.clone(),
+                    r.transport.clone(),
+                    if r.stopped {
+                        format!("stopped {:.0} s ago", r.seen_secs_ago)
+                    } else {
+                        format!("{:.0} s ago", r.seen_secs_ago)
+                    },
+                    if r.breaker_open { "open" } else { "closed" }.to_string(),
+                    r.totals.published.to_string(),
+                    r.totals.duplicates.to_string(),
+                    r.totals.unavailable.to_string(),
+                    r.totals.db_errors.to_string(),
+                    r.last_error.clone().unwrap_or_default(),
+                ]
+            })
+            .collect();
+        out.push_str(&table::render(
+            &[
+                "relay",
+                "transport",
+                "seen",
+                "breaker",
+                "published",
+                "duplicates",
+                "unavailable",
+                "db errors",
+                "last error",
+            ],
+            &rows,
+        ));
+    }
     out
 }
 
@@ -400,6 +530,10 @@ async fn operate(a: SelectArgs, discard: bool) -> anyhow::Result<()> {
     } else {
         store.requeue(&which).await?
     };
+    if a.json {
+        let key = if discard { "discarded" } else { "requeued" };
+        return print_json(&serde_json::json!({ key: n }));
+    }
     println!(
         "{n} parked message{} {}",
         if n == 1 { "" } else { "s" },

@@ -317,7 +317,25 @@ async fn nats_away_longer_than_the_retry_budget_parks_nothing_and_resumes_by_its
         0,
         "the outage spent attempts"
     );
+    let openings = relay.counter("ferry_outbox_breaker_openings_total");
     relay.stop();
+    // The log says what happened, with the server, once per event: one pause line per
+    // opening of the breaker (each stating the pause in force), the lost connection and
+    // the reconnection.
+    let log = std::fs::read_to_string(scratch.path().join("relay.log")).unwrap();
+    let pauses = log
+        .lines()
+        .filter(|l| l.contains("pausing publishing for"))
+        .count() as u64;
+    assert!(openings >= 1, "the breaker never opened");
+    assert_eq!(pauses, openings, "one pause line per opening:\n{log}");
+    assert!(
+        log.lines().any(|l| l.contains("WARN")
+            && l.contains("lost the connection to NATS")
+            && l.contains(&nats.url())),
+        "{log}"
+    );
+    assert!(log.contains("reconnected to NATS"), "{log}");
     let client = async_nats::connect(nats.url()).await.unwrap();
     let js = async_nats::jetstream::new(client);
     let got = stream_contents(&js, "ORDERS").await;
@@ -371,7 +389,7 @@ async fn bad_configuration_is_refused_at_start_up_with_what_and_where() {
                 "--stream",
                 "NO_SUCH_STREAM",
             ],
-            "stream \"NO_SUCH_STREAM\" is not there",
+            "--stream NO_SUCH_STREAM: NATS at",
         ),
         (
             vec![
@@ -382,7 +400,7 @@ async fn bad_configuration_is_refused_at_start_up_with_what_and_where() {
                 "--to",
                 "http://127.0.0.1:9/",
             ],
-            "cannot reach the database at postgres://postgres@127.0.0.1:1/x",
+            "cannot connect to Postgres at postgres://postgres@127.0.0.1:1/x as postgres",
         ),
         (
             vec![
@@ -395,7 +413,20 @@ async fn bad_configuration_is_refused_at_start_up_with_what_and_where() {
                 "--batch",
                 "0",
             ],
-            "--batch 0 must be between",
+            "--batch 0: must be between",
+        ),
+        (
+            vec![
+                "outbox",
+                "relay",
+                "--db",
+                &db,
+                "--to",
+                "http://127.0.0.1:9/",
+                "--lease-ms",
+                "500",
+            ],
+            "--lease-ms 500: must be at least 1000 ms",
         ),
         (
             vec![

@@ -17,13 +17,21 @@
 //!   sqlite-e2e --dir D --n N --sink-port P
 //!       SQLite store, a producer writing N messages (100 per transaction) while a relay
 //!       publishes to a local webhook sink; end-to-end messages/s.
+//!   blip --db URL --nats URL [--trials T] [--cut-ms C] [--n N] [--lanes L] [--batch B]
+//!        [--window W]
+//!       A relay publishes a backlog to JetStream through a TCP fault proxy; mid-drain
+//!       the proxy cuts the relay's connection and refuses new ones for C ms. Per
+//!       trial: from the restore to the relay's first confirmed publish, and to the
+//!       first message reaching the server (a core subscriber on it directly).
 
 use ferry_outbox::Message;
 use ferry_outbox::relay::{Relay, RelayConfig};
-use ferry_outbox::store::Store;
+use ferry_outbox::store::{Db, Store};
 use ferry_outbox::transport::{self, TransportOptions};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+mod blip;
 
 fn flag(args: &[String], name: &str) -> Option<String> {
     args.iter()
@@ -40,6 +48,13 @@ fn num<T: std::str::FromStr>(args: &[String], name: &str, default: T) -> T {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let args: Vec<String> = std::env::args().collect();
+    // FERRY_LOG=info (or a filter) shows the relays' logs on stderr.
+    if let Ok(filter) = std::env::var("FERRY_LOG") {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let out = match args.get(1).map(String::as_str) {
         Some("nats-ceiling") => nats_ceiling(&args).await,
         Some("fill") => fill(&args).await,
@@ -48,6 +63,7 @@ async fn main() {
         Some("latency") => latency(&args).await,
         Some("sqlite-e2e") => sqlite_e2e(&args).await,
         Some("stream") => stream(&args).await,
+        Some("blip") => blip::run(&args).await,
         _ => Err("usage: see the module doc".to_string()),
     };
     match out {
@@ -118,7 +134,7 @@ fn pct(sorted: &[Duration], p: f64) -> f64 {
 
 async fn store(args: &[String]) -> Result<Store, String> {
     let url = flag(args, "--db").ok_or("--db URL")?;
-    let s = Store::connect(&url).await?;
+    let s = Store::connect(&url).await.map_err(|e| e.to_string())?;
     s.install().await.map_err(|e| e.to_string())?;
     Ok(s)
 }
@@ -143,15 +159,15 @@ async fn fill(args: &[String]) -> Result<serde_json::Value, String> {
                 }
             })
             .collect();
-        match &s {
-            Store::Pg(p) => {
+        match s.db() {
+            Db::Pg(p) => {
                 let mut tx = p.begin().await.map_err(|e| e.to_string())?;
                 ferry_outbox::enqueue_many(&mut *tx, &chunk)
                     .await
                     .map_err(|e| e.to_string())?;
                 tx.commit().await.map_err(|e| e.to_string())?;
             }
-            Store::Sqlite(p) => {
+            Db::Sqlite(p) => {
                 let mut tx = p.begin().await.map_err(|e| e.to_string())?;
                 ferry_outbox::enqueue_many(&mut *tx, &chunk)
                     .await
@@ -170,7 +186,11 @@ async fn connect_transport(args: &[String]) -> Result<Arc<dyn transport::Transpo
         nats_stream: flag(args, "--stream"),
         ..TransportOptions::default()
     };
-    Ok(Arc::from(transport::connect(&to, &options).await?))
+    Ok(Arc::from(
+        transport::connect(&to, &options)
+            .await
+            .map_err(|e| e.to_string())?,
+    ))
 }
 
 async fn drain(args: &[String]) -> Result<serde_json::Value, String> {
@@ -188,7 +208,8 @@ async fn drain(args: &[String]) -> Result<serde_json::Value, String> {
                 &format!("http://127.0.0.1:{port}/hook"),
                 &TransportOptions::default(),
             )
-            .await?,
+            .await
+            .map_err(|e| e.to_string())?,
         )
     } else {
         connect_transport(args).await?
@@ -206,7 +227,7 @@ async fn drain(args: &[String]) -> Result<serde_json::Value, String> {
     let mut running = Vec::new();
     let mut rs = Vec::new();
     for _ in 0..relays {
-        let r = Relay::new(s.clone(), t.clone(), config.clone())?;
+        let r = Relay::new(s.clone(), t.clone(), config.clone()).map_err(|e| e.to_string())?;
         running.push(r.spawn());
         rs.push(r);
     }
@@ -219,7 +240,7 @@ async fn drain(args: &[String]) -> Result<serde_json::Value, String> {
     }
     let secs = start.elapsed().as_secs_f64();
     for r in running {
-        r.stop().await;
+        r.stop().await.map_err(|e| e.to_string())?;
     }
     let published: u64 = rs.iter().map(|r| r.status().published).sum();
     let fenced: u64 = rs.iter().map(|r| r.status().fenced).sum();
@@ -236,7 +257,7 @@ async fn onerow(args: &[String]) -> Result<serde_json::Value, String> {
     let s = store(args).await?;
     let t = connect_transport(args).await?;
     let seconds: f64 = num(args, "--seconds", 10.0);
-    let Store::Pg(pool) = &s else {
+    let Db::Pg(pool) = s.db() else {
         return Err("onerow runs on Postgres".into());
     };
     for ddl in [
@@ -268,7 +289,7 @@ async fn onerow(args: &[String]) -> Result<serde_json::Value, String> {
         let mut tx = pool.begin().await.map_err(|e| e.to_string())?;
         sqlx::query("DELETE FROM ferry_outbox.messages WHERE id = $1 AND generation = $2 AND lease_until > now()")
             .bind(m.id)
-            .bind(m.generation)
+            .bind(m.generation.0 as i64)
             .execute(&mut *tx)
             .await
             .map_err(|e| e.to_string())?;
@@ -330,7 +351,8 @@ async fn latency(args: &[String]) -> Result<serde_json::Value, String> {
             poll: Duration::from_millis(200),
             ..RelayConfig::default()
         },
-    )?;
+    )
+    .map_err(|e| e.to_string())?;
     let running = relay.spawn();
     let producers = 8;
     let mut tasks = Vec::new();
@@ -339,7 +361,7 @@ async fn latency(args: &[String]) -> Result<serde_json::Value, String> {
         let s = s.clone();
         let prefix = prefix.clone();
         tasks.push(tokio::spawn(async move {
-            let Store::Pg(pool) = &s else { return 0u64 };
+            let Db::Pg(pool) = s.db() else { return 0u64 };
             let start = Instant::now();
             let mut n = 0u64;
             while start.elapsed().as_secs_f64() < seconds {
@@ -381,7 +403,7 @@ async fn latency(args: &[String]) -> Result<serde_json::Value, String> {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    running.stop().await;
+    running.stop().await.unwrap();
     let mut lat: Vec<Duration> = arrivals
         .await
         .map_err(|e| e.to_string())?
@@ -398,7 +420,7 @@ async fn sqlite_e2e(args: &[String]) -> Result<serde_json::Value, String> {
     let dir = flag(args, "--dir").ok_or("--dir")?;
     let n: u64 = num(args, "--n", 100_000);
     let url = format!("sqlite:{dir}/bench.db");
-    let s = Store::connect(&url).await?;
+    let s = Store::connect(&url).await.map_err(|e| e.to_string())?;
     s.install().await.map_err(|e| e.to_string())?;
     let sink = ferry_outbox::sink::Sink::new(None);
     let l = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -410,7 +432,8 @@ async fn sqlite_e2e(args: &[String]) -> Result<serde_json::Value, String> {
         &format!("http://127.0.0.1:{port}/hook"),
         &TransportOptions::default(),
     )
-    .await?;
+    .await
+    .map_err(|e| e.to_string())?;
     let relay = Relay::new(
         s.clone(),
         Arc::from(t),
@@ -421,10 +444,11 @@ async fn sqlite_e2e(args: &[String]) -> Result<serde_json::Value, String> {
             poll: Duration::from_millis(100),
             ..RelayConfig::default()
         },
-    )?;
+    )
+    .map_err(|e| e.to_string())?;
     let running = relay.spawn();
     let start = Instant::now();
-    let Store::Sqlite(pool) = &s else {
+    let Db::Sqlite(pool) = s.db() else {
         unreachable!()
     };
     let mut i = 0;
@@ -449,7 +473,7 @@ async fn sqlite_e2e(args: &[String]) -> Result<serde_json::Value, String> {
         }
     }
     let secs = start.elapsed().as_secs_f64();
-    running.stop().await;
+    running.stop().await.unwrap();
     server.abort();
     Ok(
         serde_json::json!({"messages": n, "write_secs": wrote, "secs": secs, "per_sec": n as f64 / secs, "duplicates": sink.duplicates()}),

@@ -11,115 +11,198 @@
 //! other 4xx and 3xx refused (redirects are not followed: a POST must not turn into a
 //! GET); connection refused unavailable; a timeout or cut after the request went out
 //! unknown.
+//!
+//! The HTTP client is ureq (blocking, the project's one HTTP client library): each
+//! request runs on tokio's blocking pool, so the relay's publish window (per lane)
+//! bounds how many run at once.
 
-use super::{Outcome, PublishFuture, Transport, TransportOptions};
+use super::{Outcome, PublishFuture, Transport, TransportError, TransportOptions};
 use crate::store::Leased;
+use ferry_core::ConfigError;
+use ferry_core::seams::Clock;
 use hmac::{Hmac, KeyInit, Mac};
 use sha2::Sha256;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::io::Read;
+use std::sync::Arc;
+use std::time::Duration;
 
 pub struct Webhook {
-    url: reqwest::Url,
-    client: reqwest::Client,
+    url: String,
+    /// `url` without credentials or query, for logs and errors.
+    shown: String,
+    agent: ureq::Agent,
     secret: Option<Vec<u8>>,
     dedup_window: Duration,
+    clock: Arc<dyn Clock>,
 }
 
 /// Bytes of a refusal's body kept in `last_error`.
 const ERROR_BODY_BYTES_MAX: usize = 512;
+/// Bytes of a confirmation's body read (and dropped) so its connection can be reused;
+/// a longer body costs a new connection, nothing else.
+const OK_BODY_BYTES_MAX: u64 = 64 << 10;
+/// Idle connections kept to the endpoint: one per publish in flight, up to a window of
+/// 256 (beyond that, connections are opened per request).
+const IDLE_CONNECTIONS_MAX: usize = 256;
+/// Connecting takes at most this (or the publish timeout, if shorter): a connection
+/// that cannot be made within it is unavailable, and nothing was sent.
+const CONNECT_TIMEOUT_MAX: Duration = Duration::from_secs(5);
 
 impl Webhook {
-    pub fn new(url: &str, options: &TransportOptions) -> Result<Webhook, String> {
-        let url = reqwest::Url::parse(url).map_err(|e| format!("--to {url}: {e}"))?;
-        if url.host_str().is_none() {
-            return Err(format!("--to {url}: the webhook URL needs a host"));
-        }
-        let client = reqwest::Client::builder()
-            .timeout(options.publish_timeout)
-            .connect_timeout(options.publish_timeout.min(Duration::from_secs(5)))
-            .redirect(reqwest::redirect::Policy::none())
-            .pool_max_idle_per_host(256)
+    pub fn new(url: &str, options: &TransportOptions) -> Result<Webhook, TransportError> {
+        let uri: ureq::http::Uri = url
+            .parse()
+            .map_err(|e| ConfigError::new("to", url, format!("not a URL: {e}")))?;
+        let Some(host) = uri.host() else {
+            return Err(ConfigError::new("to", url, "the webhook URL needs a host").into());
+        };
+        let shown = format!(
+            "{}://{host}{}{}",
+            uri.scheme_str().unwrap_or("http"),
+            uri.port().map(|p| format!(":{p}")).unwrap_or_default(),
+            uri.path()
+        );
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .timeout_global(Some(options.publish_timeout))
+            .timeout_connect(Some(options.publish_timeout.min(CONNECT_TIMEOUT_MAX)))
+            .max_redirects(0)
+            .max_redirects_will_error(false)
+            .http_status_as_error(false)
+            .max_idle_connections(IDLE_CONNECTIONS_MAX)
+            .max_idle_connections_per_host(IDLE_CONNECTIONS_MAX)
             .build()
-            .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
+            .into();
         Ok(Webhook {
-            url,
-            client,
+            url: url.to_string(),
+            shown,
+            agent,
             secret: options.webhook_secret.clone(),
             dedup_window: options.webhook_dedup_window,
+            clock: options.clock.clone(),
         })
     }
 
     async fn post(&self, msg: &Leased) -> Outcome {
-        let ts = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs())
-            .to_string();
-        let mut req = self
-            .client
-            .post(self.url.clone())
-            .header("Idempotency-Key", &msg.message_id)
-            .header("Ferry-Topic", &msg.topic)
-            .header("Ferry-Timestamp", &ts)
-            .header("Content-Type", "application/octet-stream");
+        let ts = (self.clock.wall_ms() / 1000).to_string();
+        let mut headers: Vec<(String, String)> = vec![
+            ("Idempotency-Key".into(), msg.message_id.clone()),
+            ("Ferry-Topic".into(), msg.topic.clone()),
+            ("Ferry-Timestamp".into(), ts.clone()),
+            ("Content-Type".into(), "application/octet-stream".into()),
+        ];
         if let Some(k) = &msg.key {
-            req = req.header("Ferry-Key", k);
+            headers.push(("Ferry-Key".into(), k.clone()));
         }
         if let Some(s) = msg.seq {
-            req = req.header("Ferry-Seq", s.to_string());
+            headers.push(("Ferry-Seq".into(), s.to_string()));
         }
         for (k, v) in &msg.headers {
-            req = req.header(k.as_str(), v.as_str());
+            headers.push((k.clone(), v.clone()));
         }
         if let Some(secret) = &self.secret {
-            req = req.header(
-                "Ferry-Signature",
+            headers.push((
+                "Ferry-Signature".into(),
                 format!("v1={}", sign(secret, &ts, &msg.message_id, &msg.payload)),
-            );
+            ));
         }
-        let resp = match req.body(msg.payload.clone()).send().await {
-            Ok(r) => r,
-            Err(e) if e.is_connect() => {
-                return Outcome::Unavailable {
-                    reason: format!("cannot connect to {}: {e}", self.describe()),
-                    retry_after: None,
-                    server_error: false,
-                };
+        let (agent, url, shown, body) = (
+            self.agent.clone(),
+            self.url.clone(),
+            self.shown.clone(),
+            msg.payload.clone(),
+        );
+        match tokio::task::spawn_blocking(move || send(&agent, &url, &shown, headers, body)).await {
+            Ok(o) => o,
+            // The blocking task panicked or the runtime is shutting down: the request may
+            // have gone out.
+            Err(e) => {
+                Outcome::Unknown(format!("the request to {} did not finish: {e}", self.shown))
             }
-            Err(e) if e.is_builder() => {
-                return Outcome::Refused(format!("cannot build the request: {e}"));
-            }
-            Err(e) => return Outcome::Unknown(format!("no answer from {}: {e}", self.describe())),
-        };
-        let status = resp.status();
-        if status.is_success() {
-            return Outcome::Confirmed { duplicate: false };
-        }
-        let retry_after = resp
-            .headers()
-            .get(reqwest::header::RETRY_AFTER)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .map(Duration::from_secs);
-        let body = resp.bytes().await.unwrap_or_default();
-        let excerpt = String::from_utf8_lossy(&body[..body.len().min(ERROR_BODY_BYTES_MAX)])
-            .trim()
-            .to_string();
-        let reason = format!("HTTP {status} from {}: {excerpt}", self.describe());
-        match status.as_u16() {
-            // The endpoint (or what stands in front of it) says it is away or overloaded.
-            408 | 429 | 502..=504 => Outcome::Unavailable {
-                reason,
-                retry_after,
-                server_error: false,
-            },
-            500..=599 => Outcome::Unavailable {
-                reason,
-                retry_after,
-                server_error: true,
-            },
-            _ => Outcome::Refused(reason),
         }
     }
+}
+
+/// One blocking POST and what its answer means.
+fn send(
+    agent: &ureq::Agent,
+    url: &str,
+    shown: &str,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+) -> Outcome {
+    let mut req = agent.post(url);
+    for (k, v) in &headers {
+        req = req.header(k.as_str(), v.as_str());
+    }
+    let mut resp = match req.send(&body[..]) {
+        Ok(r) => r,
+        Err(e) => return failed(shown, e),
+    };
+    let status = resp.status();
+    if status.is_success() {
+        let _ = resp
+            .body_mut()
+            .with_config()
+            .limit(OK_BODY_BYTES_MAX)
+            .read_to_vec();
+        return Outcome::Confirmed { duplicate: false };
+    }
+    let retry_after = resp
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(Duration::from_secs);
+    let mut excerpt = Vec::new();
+    let _ = resp
+        .body_mut()
+        .as_reader()
+        .take(ERROR_BODY_BYTES_MAX as u64)
+        .read_to_end(&mut excerpt);
+    let excerpt = String::from_utf8_lossy(&excerpt).trim().to_string();
+    let reason = format!("HTTP {status} from {shown}: {excerpt}");
+    match status.as_u16() {
+        // The endpoint (or what stands in front of it) says it is away or overloaded.
+        408 | 429 | 502..=504 => Outcome::Unavailable {
+            reason,
+            retry_after,
+            server_error: false,
+        },
+        500..=599 => Outcome::Unavailable {
+            reason,
+            retry_after,
+            server_error: true,
+        },
+        _ => Outcome::Refused(reason),
+    }
+}
+
+/// A request that got no answer: unavailable when it surely never left (no
+/// connection), refused when it could not be built from the message, otherwise unknown.
+fn failed(shown: &str, e: ureq::Error) -> Outcome {
+    use std::io::ErrorKind as K;
+    use ureq::Error as E;
+    use ureq::Timeout as T;
+    let not_sent = match &e {
+        E::Io(io) => matches!(
+            io.kind(),
+            K::ConnectionRefused | K::AddrNotAvailable | K::NetworkUnreachable | K::HostUnreachable
+        ),
+        E::ConnectionFailed | E::HostNotFound | E::Timeout(T::Connect | T::Resolve) => true,
+        E::Tls(_) | E::Rustls(_) => true,
+        _ => false,
+    };
+    if not_sent {
+        return Outcome::Unavailable {
+            reason: format!("cannot connect to {shown}: {e}"),
+            retry_after: None,
+            server_error: false,
+        };
+    }
+    if matches!(e, E::Http(_) | E::BadUri(_)) {
+        return Outcome::Refused(format!("cannot build the request: {e}"));
+    }
+    Outcome::Unknown(format!("no answer from {shown}: {e}"))
 }
 
 impl Transport for Webhook {
@@ -128,10 +211,7 @@ impl Transport for Webhook {
     }
 
     fn describe(&self) -> String {
-        let mut u = self.url.clone();
-        let _ = u.set_password(None);
-        u.set_query(None);
-        u.to_string()
+        self.shown.clone()
     }
 
     fn dedup_window(&self) -> Option<Duration> {

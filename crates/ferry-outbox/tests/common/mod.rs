@@ -3,9 +3,12 @@
 //! check every scenario ends with.
 #![allow(dead_code)]
 
+use ferry_outbox::relay::{Relay, RelayConfig};
 use ferry_outbox::sink::{Received, Sink};
-use ferry_outbox::{Message, Store};
+use ferry_outbox::transport::{self, TransportOptions};
+use ferry_outbox::{Db, Message, Store};
 use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
@@ -185,6 +188,56 @@ impl Ledger {
     }
 }
 
+pub async fn sqlite_store(dir: &ferry_testkit::Scratch) -> Store {
+    let url = format!("sqlite:{}", dir.path().join("app.db").display());
+    let store = Store::connect(&url).await.unwrap();
+    store.install().await.unwrap();
+    store
+}
+
+pub async fn pg_store(db: &TestDb) -> Store {
+    let store = Store::connect(&db.url).await.unwrap();
+    store.install().await.unwrap();
+    store
+}
+
+pub fn fast_config() -> RelayConfig {
+    RelayConfig {
+        batch: 64,
+        window: 16,
+        poll: Duration::from_millis(200),
+        ..RelayConfig::default()
+    }
+}
+
+/// Start a relay on `store` to `to`.
+pub async fn start_relay(
+    store: &Store,
+    to: &str,
+    config: RelayConfig,
+    options: TransportOptions,
+) -> (Arc<Relay>, ferry_outbox::relay::Running) {
+    let t = transport::connect(to, &options).await.unwrap();
+    let relay = Relay::new(store.clone(), Arc::from(t), config).unwrap();
+    let running = relay.spawn();
+    (relay, running)
+}
+
+pub async fn drained(store: &Store, limit: Duration) -> bool {
+    let end = tokio::time::Instant::now() + limit;
+    loop {
+        let st = store.status().await.unwrap();
+        if st.pending + st.uncertain + st.leased == 0 {
+            return true;
+        }
+        if tokio::time::Instant::now() >= end {
+            eprintln!("not drained: {st:?}");
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Wait until `f` holds, polling; false at the deadline.
 pub async fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     let end = tokio::time::Instant::now() + limit;
@@ -210,9 +263,9 @@ pub enum App {
 
 impl App {
     pub async fn open(store: &Store) -> App {
-        let app = match store {
-            Store::Pg(p) => App::Pg(p.clone()),
-            Store::Sqlite(p) => App::Sqlite(p.clone()),
+        let app = match store.db() {
+            Db::Pg(p) => App::Pg(p.clone()),
+            Db::Sqlite(p) => App::Sqlite(p.clone()),
         };
         let ddl = "CREATE TABLE IF NOT EXISTS orders (message_id TEXT PRIMARY KEY, key TEXT)";
         match &app {
@@ -324,4 +377,46 @@ pub async fn stream_contents(js: &async_nats::jetstream::Context, name: &str) ->
         });
     }
     got
+}
+
+/// A JetStream stream of the test's own on `SUBJECT_PREFIX.>`, named like its subjects.
+pub async fn create_stream(js: &async_nats::jetstream::Context, prefix: &str) -> String {
+    let name = unique(prefix);
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: name.clone(),
+        subjects: vec![format!("{name}.>")],
+        duplicate_window: Duration::from_secs(120),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    name
+}
+
+/// Write `n` messages to `topic` over `keys` ordered keys, `per_txn` per transaction
+/// (every seventh transaction rolled back); returns the ledger.
+pub async fn write_to(app: &App, topic: &str, n: usize, keys: usize, per_txn: usize) -> Ledger {
+    let mut l = Ledger::default();
+    let mut i = 0;
+    let mut t = 0;
+    while i < n {
+        let msgs: Vec<Message> = (i..(i + per_txn).min(n))
+            .map(|j| {
+                Message::new(topic, format!("{j}").into_bytes())
+                    .ordered_by(format!("k{}", j % keys))
+            })
+            .collect();
+        i += msgs.len();
+        let commit = t % 7 != 6;
+        t += 1;
+        app.write(&msgs, commit).await.unwrap();
+        let mut sorted = msgs;
+        sorted.sort_by(|a, b| a.key.cmp(&b.key));
+        if commit {
+            l.committed.extend(sorted);
+        } else {
+            l.rolled_back.extend(sorted);
+        }
+    }
+    l
 }
