@@ -1,0 +1,211 @@
+//! `blip`: how long after a short network cut a relay publishes again.
+//!
+//! Per trial: a fresh stream and a backlog of `--n` messages; one relay (the CLI's
+//! defaults: 2 lanes, batch 256, window 64, 10 s publish timeout) publishes them to
+//! JetStream through ferry-testkit's TCP fault proxy. Once it is publishing steadily,
+//! the proxy cuts the relay's connection at its next bytes and refuses new connections
+//! for `--cut-ms`; then it lets them through again (the restore). Measured from the
+//! restore: the relay's first confirmed publish (its transport's answer, stamped by a
+//! wrapper), and the first message reaching the server (a core subscriber connected to
+//! NATS directly, not through the proxy).
+
+use ferry_outbox::Message;
+use ferry_outbox::relay::{Relay, RelayConfig};
+use ferry_outbox::store::{Db, Leased, Store};
+use ferry_outbox::transport::{self, Outcome, PublishFuture, Transport, TransportOptions};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::{flag, num};
+
+/// A transport that stamps every confirmed publish.
+struct Stamped {
+    inner: Arc<dyn Transport>,
+    confirmed: Arc<Mutex<Vec<Instant>>>,
+}
+
+impl Transport for Stamped {
+    fn publish<'a>(&'a self, msg: &'a Leased) -> PublishFuture<'a> {
+        Box::pin(async move {
+            let o = self.inner.publish(msg).await;
+            if matches!(o, Outcome::Confirmed { .. }) {
+                self.confirmed.lock().unwrap().push(Instant::now());
+            }
+            o
+        })
+    }
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn dedup_window(&self) -> Option<Duration> {
+        self.inner.dedup_window()
+    }
+}
+
+pub async fn run(args: &[String]) -> Result<serde_json::Value, String> {
+    let db = flag(args, "--db").ok_or("--db URL")?;
+    let nats = flag(args, "--nats").unwrap_or_else(|| "nats://127.0.0.1:4222".into());
+    let trials: usize = num(args, "--trials", 3);
+    let cut = Duration::from_millis(num(args, "--cut-ms", 2000));
+    let mut results = Vec::new();
+    for trial in 0..trials {
+        let r = one(args, &db, &nats, trial, cut).await?;
+        eprintln!("trial {trial}: {r}");
+        results.push(r);
+    }
+    let mut resume: Vec<f64> = results
+        .iter()
+        .filter_map(|r| r["resume_ms"].as_f64())
+        .collect();
+    resume.sort_by(|a, b| a.total_cmp(b));
+    let mut arrive: Vec<f64> = results
+        .iter()
+        .filter_map(|r| r["first_arrival_ms"].as_f64())
+        .collect();
+    arrive.sort_by(|a, b| a.total_cmp(b));
+    Ok(serde_json::json!({
+        "cut_ms": cut.as_millis() as u64,
+        "median_resume_ms": resume.get(resume.len() / 2),
+        "median_first_arrival_ms": arrive.get(arrive.len() / 2),
+        "trials": results,
+    }))
+}
+
+async fn one(
+    args: &[String],
+    db: &str,
+    nats: &str,
+    trial: usize,
+    cut: Duration,
+) -> Result<serde_json::Value, String> {
+    let n: u64 = num(args, "--n", 30_000);
+    let s = Store::connect(db).await.map_err(|e| e.to_string())?;
+    s.install().await.map_err(|e| e.to_string())?;
+    let Db::Pg(pool) = s.db() else {
+        return Err("blip runs on Postgres".into());
+    };
+    sqlx::query("DELETE FROM ferry_outbox.messages")
+        .execute(pool)
+        .await
+        .map_err(|e| e.to_string())?;
+    let client = async_nats::connect(nats).await.map_err(|e| e.to_string())?;
+    let js = async_nats::jetstream::new(client.clone());
+    let name = format!("BENCH_BLIP_{}_{trial}", std::process::id());
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: name.clone(),
+        subjects: vec![format!("{name}.>")],
+        duplicate_window: Duration::from_secs(120),
+        ..Default::default()
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    let topic = format!("{name}.x");
+    let mut i = 0;
+    while i < n {
+        let chunk: Vec<Message> = (i..(i + 1000).min(n))
+            .map(|j| {
+                Message::new(topic.clone(), vec![b'x'; 256]).ordered_by(format!("k{}", j % 1000))
+            })
+            .collect();
+        let mut tx = pool.begin().await.map_err(|e| e.to_string())?;
+        ferry_outbox::enqueue_many(&mut *tx, &chunk)
+            .await
+            .map_err(|e| e.to_string())?;
+        tx.commit().await.map_err(|e| e.to_string())?;
+        i += chunk.len() as u64;
+    }
+    // Arrivals at the server, seen by a subscriber that is not behind the proxy.
+    let arrivals = Arc::new(Mutex::new(Vec::<Instant>::new()));
+    let mut sub = client
+        .subscribe(topic.clone())
+        .await
+        .map_err(|e| e.to_string())?;
+    let arrivals2 = arrivals.clone();
+    let watcher = tokio::spawn(async move {
+        use futures_util::StreamExt;
+        while sub.next().await.is_some() {
+            arrivals2.lock().unwrap().push(Instant::now());
+        }
+    });
+    let target: std::net::SocketAddr = nats
+        .trim_start_matches("nats://")
+        .parse()
+        .map_err(|e| format!("--nats {nats}: {e}"))?;
+    let proxy = ferry_testkit::proxy::FaultProxy::start(target);
+    let options = TransportOptions {
+        nats_stream: Some(name.clone()),
+        ..TransportOptions::default()
+    };
+    let inner = transport::connect(&format!("nats://127.0.0.1:{}", proxy.port()), &options)
+        .await
+        .map_err(|e| e.to_string())?;
+    let confirmed = Arc::new(Mutex::new(Vec::new()));
+    let t = Stamped {
+        inner: Arc::from(inner),
+        confirmed: confirmed.clone(),
+    };
+    let relay = Relay::new(
+        s.clone(),
+        Arc::new(t),
+        RelayConfig {
+            lanes: num(args, "--lanes", 2),
+            batch: num(args, "--batch", 256),
+            window: num(args, "--window", 64),
+            ..RelayConfig::default()
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    let running = relay.spawn();
+    let steady = Instant::now();
+    while confirmed.lock().unwrap().len() < 2000 {
+        if steady.elapsed() > Duration::from_secs(60) {
+            return Err("the relay did not reach 2000 publishes in 60 s".into());
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The cut: the relay's connection breaks at its next bytes; reconnects are refused.
+    proxy.faults().refuse.store(true, Ordering::SeqCst);
+    proxy.faults().cut_after.store(1, Ordering::SeqCst);
+    let cut_at = Instant::now();
+    tokio::time::sleep(cut).await;
+    proxy.faults().refuse.store(false, Ordering::SeqCst);
+    let restored = Instant::now();
+    let before_cut = confirmed.lock().unwrap().len();
+    let after = |v: &Mutex<Vec<Instant>>| v.lock().unwrap().iter().copied().find(|t| *t > restored);
+    let deadline = restored + Duration::from_secs(90);
+    let first = loop {
+        if let Some(t) = after(&confirmed) {
+            break Some(t);
+        }
+        if Instant::now() > deadline {
+            break None;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    };
+    // Let the server's copy arrive too.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let first_arrival = after(&arrivals);
+    let during = confirmed
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|t| **t > cut_at && **t <= restored)
+        .count();
+    let st = relay.status();
+    running.stop().await.unwrap();
+    watcher.abort();
+    let _ = js.delete_stream(&name).await;
+    s.close().await;
+    let ms = |t: Option<Instant>| t.map(|t| t.duration_since(restored).as_secs_f64() * 1000.0);
+    Ok(serde_json::json!({
+        "trial": trial,
+        "resume_ms": ms(first),
+        "first_arrival_ms": ms(first_arrival),
+        "confirmed_before_restore": before_cut,
+        "confirmed_during_cut": during,
+        "unavailable": st.unavailable,
+        "uncertain": st.uncertain,
+        "proxy_connections": proxy.faults().connections.load(Ordering::Relaxed),
+    }))
+}
