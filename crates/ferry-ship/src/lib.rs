@@ -13,6 +13,7 @@ pub mod names;
 pub mod proto;
 pub mod quiet;
 pub mod receiver;
+pub mod ship_state;
 pub mod shipper;
 pub mod sqlite;
 pub mod wal;

@@ -1,8 +1,10 @@
 //! Database names. A name is what both sides call one database: the primary's file is
 //! `NAME.db` in the shipper's directory and the replica's is `NAME.db` in the receiver's.
-//! Names travel in URLs and become file names, so they keep to a safe alphabet.
+//! Names travel in URLs and become file names, so they keep to a safe alphabet. Both
+//! sides derive their files' paths from names here ([`sidecar`]).
 
 use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
 
 /// Longest name, in bytes: well under any file system's 255-byte name limit once
 /// `.db-wal` and the `.ferry/` suffixes are added.
@@ -44,6 +46,14 @@ pub fn from_argument(arg: &str) -> Result<String, String> {
     Ok(name.to_string())
 }
 
+/// `path` with a suffix appended to its file name (`x.db` → `x.db-wal`): SQLite's
+/// sidecar files, and ferry's own files beside a database.
+pub fn sidecar(path: &Path, suffix: &str) -> PathBuf {
+    let mut s = path.as_os_str().to_os_string();
+    s.push(suffix);
+    PathBuf::from(s)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -58,5 +68,9 @@ mod tests {
         assert_eq!(from_file_name(OsStr::new("a.db-wal")), None);
         assert_eq!(from_file_name(OsStr::new(".a.db")), None);
         assert_eq!(from_argument("a.db").unwrap(), "a");
+        assert_eq!(
+            sidecar(Path::new("d/a.db"), "-wal"),
+            Path::new("d/a.db-wal")
+        );
     }
 }

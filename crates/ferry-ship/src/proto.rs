@@ -17,6 +17,23 @@
 use ferry_core::epoch::Epoch;
 use serde::{Deserialize, Serialize};
 
+/// Page bytes per `txns` request the shipper sends. At 8 MiB a request is a few ms on a
+/// LAN and well below the receiver's 64 MiB body limit; a bigger backlog goes in several
+/// requests.
+pub const BATCH_BYTES_MAX: usize = 8 << 20;
+/// Page bytes per record. A transaction larger than this is sent in parts, which the
+/// receiver spools until the last one arrives.
+pub const PART_BYTES_MAX: usize = 4 << 20;
+/// The receiver's default largest `txns` body: twice the shipper's batch and more, so a
+/// receiver shared with shippers configured larger still takes their requests. At the
+/// limit the receiver answers 413 and the shipper halves its batch.
+pub const BODY_BYTES_MAX: u64 = 64 << 20;
+
+// A part plus its record overhead must fit in a batch, or a large transaction could never
+// be sent; and a batch must fit in the receiver's default body limit with room to spare.
+const _: () = assert!(PART_BYTES_MAX + (64 << 10) <= BATCH_BYTES_MAX);
+const _: () = assert!((BATCH_BYTES_MAX as u64) * 2 <= BODY_BYTES_MAX);
+
 pub const RECORD_MAGIC: [u8; 4] = *b"FSTR";
 pub const RECORD_HEADER_BYTES: usize = 44;
 pub const RECORD_TRAILER_BYTES: usize = 4;

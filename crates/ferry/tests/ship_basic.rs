@@ -113,7 +113,7 @@ fn promotion_under_load_fences_the_old_primary_and_equals_the_last_ack() {
 
     // A shipper started on the promoted database ships with the new epoch, which the
     // receiver accepts with a base.
-    let state = ferry_ship::shipper::state::load(
+    let state = ferry_ship::ship_state::load(
         &promoted
             .parent()
             .unwrap()

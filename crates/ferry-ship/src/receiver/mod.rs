@@ -29,9 +29,7 @@ use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, mpsc};
 use std::time::Instant;
 
-/// Default largest `txns` body: the shipper sends at most 8 MiB of pages per request, so
-/// this leaves room for a receiver shared with shippers configured larger.
-pub const BODY_BYTES_MAX: u64 = 64 << 20;
+pub use crate::proto::BODY_BYTES_MAX;
 /// Default largest base.
 pub const BASE_BYTES_MAX: u64 = 64 << 30;
 /// How a receiver is set up. Checked by [`Receiver::open`].
@@ -134,11 +132,11 @@ impl Receiver {
         crate::sqlite::check_dbpage(
             &rusqlite::Connection::open_in_memory().map_err(|e| e.to_string())?,
         )?;
-        if config.max_body_bytes < crate::shipper::BATCH_BYTES_MAX as u64 * 2 {
+        if config.max_body_bytes < proto::BATCH_BYTES_MAX as u64 * 2 {
             return Err(format!(
                 "--max-body-bytes {} is below twice the shipper's batch size ({} bytes): shippers would be refused",
                 config.max_body_bytes,
-                crate::shipper::BATCH_BYTES_MAX
+                proto::BATCH_BYTES_MAX
             ));
         }
         let ferry_dir = config.dir.join(".ferry");
@@ -966,7 +964,7 @@ impl Slot {
         for (name, suffix) in [("db-wal", "-wal"), ("db-shm", "-shm"), ("db", "")] {
             let from = self.paths.attic.join(name);
             if from.exists() {
-                std::fs::rename(&from, replica::sidecar(&self.paths.replica, suffix))
+                std::fs::rename(&from, crate::names::sidecar(&self.paths.replica, suffix))
                     .map_err(io)?;
             }
         }
@@ -983,7 +981,7 @@ impl Slot {
         std::fs::create_dir_all(&aside)
             .and_then(|_| {
                 for suffix in ["", "-wal", "-shm"] {
-                    let from = replica::sidecar(&self.paths.replica, suffix);
+                    let from = crate::names::sidecar(&self.paths.replica, suffix);
                     if from.exists() {
                         std::fs::rename(&from, aside.join(format!("{}.db{suffix}", self.name)))?;
                     }
@@ -1455,7 +1453,7 @@ impl Slot {
     fn status(&self) -> ReplicaStatus {
         let bytes = [
             &self.paths.replica,
-            &replica::sidecar(&self.paths.replica, "-wal"),
+            &crate::names::sidecar(&self.paths.replica, "-wal"),
         ]
         .iter()
         .filter_map(|p| std::fs::metadata(p).ok())
@@ -1512,11 +1510,14 @@ pub fn offline_status(dir: &Path) -> Result<ReceiverStatus, String> {
     for name in names {
         let paths = Paths::new(dir, &name);
         let record = StateFile::open(&paths.state).map(|(_, r)| r.unwrap_or_default());
-        let bytes = [&paths.replica, &replica::sidecar(&paths.replica, "-wal")]
-            .iter()
-            .filter_map(|p| std::fs::metadata(p).ok())
-            .map(|m| m.len())
-            .sum();
+        let bytes = [
+            &paths.replica,
+            &crate::names::sidecar(&paths.replica, "-wal"),
+        ]
+        .iter()
+        .filter_map(|p| std::fs::metadata(p).ok())
+        .map(|m| m.len())
+        .sum();
         let (pos, last_error) = match record {
             Ok(r) if r.intent == Intent::None => (r.pos, None),
             Ok(r) => (
@@ -1648,7 +1649,7 @@ pub fn promote(
         ));
     }
     if !copied {
-        let tmp = replica::sidecar(dest, ".promote-tmp");
+        let tmp = crate::names::sidecar(dest, ".promote-tmp");
         if let Some(parent) = dest.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent)
                 .map_err(|e| format!("cannot create {}: {e}", parent.display()))?;
@@ -1661,7 +1662,7 @@ pub fn promote(
         let _ = replica::remove_with_sidecars(&tmp);
         ferry_core::fs::fsync_dir(&ferry_core::fs::parent_dir(dest)).map_err(|e| e.to_string())?;
     }
-    crate::shipper::state::seed_promoted(dest, fenced.epoch)
+    crate::ship_state::seed_promoted(dest, fenced.epoch)
         .map_err(|e| format!("writing the new primary's shipper state: {e}"))?;
     slot.replica = None;
     slot.drop_replica().map_err(|e| e.to_string())?;

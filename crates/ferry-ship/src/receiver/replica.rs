@@ -12,6 +12,7 @@
 //! witness to tell which, because SQLite commits all of a transaction's pages or none.
 
 use super::state::{Intent, Pos, Record, StateFile, Witness};
+use crate::names::sidecar;
 use crate::proto::BaseHeader;
 use rusqlite::{Connection, OpenFlags, OptionalExtension, params};
 use std::io::{self, Read};
@@ -486,13 +487,6 @@ pub fn swap_in(built: &Path, replica: &Path, attic: &Path) -> io::Result<()> {
     ferry_core::fs::fsync_dir(&ferry_core::fs::parent_dir(built))?;
     let _ = std::fs::remove_dir_all(attic);
     Ok(())
-}
-
-/// `path` with a suffix appended to its file name (`x.db` → `x.db-wal`).
-pub fn sidecar(path: &Path, suffix: &str) -> PathBuf {
-    let mut s = path.as_os_str().to_os_string();
-    s.push(suffix);
-    PathBuf::from(s)
 }
 
 /// Remove a database file and its `-wal` and `-shm`.

@@ -165,7 +165,7 @@ impl Folder {
         let sent = self.send(Message::Fold(Job {
             path: path.to_path_buf(),
             ino,
-            wal: crate::receiver::replica::sidecar(path, "-wal"),
+            wal: crate::names::sidecar(path, "-wal"),
             salts,
             state: state.clone(),
         }));

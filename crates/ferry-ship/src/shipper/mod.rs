@@ -12,7 +12,6 @@
 
 pub mod client;
 pub mod fold;
-pub mod state;
 pub mod track;
 
 use client::Client;
@@ -28,12 +27,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use track::{BaseProgress, Next, Track, TrackConfig};
 
-/// Page bytes per `txns` request. At 8 MiB a request is a few ms on a LAN and well below
-/// the receiver's 64 MiB body limit; a bigger backlog goes in several requests.
-pub const BATCH_BYTES_MAX: usize = 8 << 20;
-/// Page bytes per record. A transaction larger than this is sent in parts, which the
-/// receiver spools until the last one arrives.
-pub const PART_BYTES_MAX: usize = 4 << 20;
+pub use crate::proto::{BATCH_BYTES_MAX, PART_BYTES_MAX};
 /// A transaction with more page bytes than this is not copied into memory when scanned;
 /// its frames are read again (and verified) when shipped.
 pub const TXN_INLINE_BYTES_MAX: u64 = 8 << 20;
@@ -62,10 +56,6 @@ const SNAPSHOT_INTERVAL: Duration = Duration::from_millis(100);
 /// The directory is rescanned for new databases this often (inotify does it sooner).
 const RESCAN: Duration = Duration::from_secs(5);
 
-// A part plus its record overhead must fit in a batch, or a large transaction could never
-// be sent; and a batch must fit in the receiver's default body limit with room to spare.
-const _: () = assert!(PART_BYTES_MAX + (64 << 10) <= BATCH_BYTES_MAX);
-const _: () = assert!((BATCH_BYTES_MAX as u64) * 2 <= crate::receiver::BODY_BYTES_MAX);
 const _: () = assert!(TXN_INLINE_BYTES_MAX <= UNACKED_BYTES_MAX);
 
 /// How a shipper is set up. Checked by [`Shipper::start`].
@@ -846,7 +836,7 @@ pub fn metrics(status: &ShipperStatus) -> String {
 }
 
 /// A database's name and its saved state (or why it could not be read).
-pub type SavedState = (String, Result<state::ShipState, String>);
+pub type SavedState = (String, Result<crate::ship_state::ShipState, String>);
 
 /// The on-disk view of a shipper directory, for `ferry ship status` without a running
 /// shipper: each database's persisted state.
@@ -864,7 +854,8 @@ pub fn offline_status(dir: &Path) -> Result<Vec<SavedState>, String> {
             let f = e.file_name();
             let name = f.to_str()?.strip_suffix(".json")?.to_string();
             crate::names::validate(&name).ok()?;
-            let st = state::load(&e.path()).and_then(|s| s.ok_or_else(|| "missing".to_string()));
+            let st = crate::ship_state::load(&e.path())
+                .and_then(|s| s.ok_or_else(|| "missing".to_string()));
             Some((name, st))
         })
         .collect();

@@ -14,12 +14,13 @@
 //! can re-prove against the WAL, or one that leads to a base.
 
 use super::client::{Client, Reply};
-use super::state::{self, FileId, Fingerprint, ShipState};
-use super::{BATCH_BYTES_MAX, PART_BYTES_MAX, TXN_INLINE_BYTES_MAX, UNACKED_BYTES_MAX};
+use super::{TXN_INLINE_BYTES_MAX, UNACKED_BYTES_MAX};
 use crate::proto::{
     self, BaseHeader, Code, EpochQuery, Position, RecordHeader, Refusal, TxnsQuery,
 };
+use crate::proto::{BATCH_BYTES_MAX, PART_BYTES_MAX};
 use crate::quiet;
+use crate::ship_state::{self as state, FileId, Fingerprint, ShipState};
 use crate::wal::{self, Cursor, Header, Pages, ScanLimits, Stop, Txn};
 use ferry_core::backoff::Backoff;
 use ferry_core::epoch::Epoch;
@@ -348,7 +349,7 @@ impl Track {
         let shm = shm_id(&path);
         Ok(Track {
             name: name.to_string(),
-            wal_path: crate::receiver::replica::sidecar(&path, "-wal"),
+            wal_path: crate::names::sidecar(&path, "-wal"),
             header_fd: main_fd(&path)?,
             path,
             state_path,
@@ -1658,7 +1659,7 @@ fn main_counter(fd: &File) -> io::Result<Option<u32>> {
 
 /// The `-shm` file now beside the database file at `path`.
 fn shm_id(path: &Path) -> Option<FileId> {
-    quiet::stat(&crate::receiver::replica::sidecar(path, "-shm"))
+    quiet::stat(&crate::names::sidecar(path, "-shm"))
         .ok()
         .map(|m| FileId {
             dev: m.dev,

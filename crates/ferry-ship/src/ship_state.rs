@@ -1,4 +1,6 @@
-//! What the shipper persists per database (`DIR/.ferry-ship/NAME.json`, docs/ship.md §3.7).
+//! What the shipper persists per database (`DIR/.ferry-ship/NAME.json`, docs/ship.md §3.7),
+//! written by the shipper and, for a new primary, by promotion (`seed_promoted`): both
+//! sides use it, so it sits below them.
 //!
 //! It is a hint that may lag: the receiver's position is the truth. It is written
 //! atomically (temp file, fsync, rename, fsync directory) after a base, before a fold, at
