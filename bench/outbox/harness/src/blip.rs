@@ -41,6 +41,9 @@ impl Transport for Stamped {
     fn dedup_window(&self) -> Option<Duration> {
         self.inner.dedup_window()
     }
+    fn connections(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        self.inner.connections()
+    }
 }
 
 pub async fn run(args: &[String]) -> Result<serde_json::Value, String> {
