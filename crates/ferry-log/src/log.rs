@@ -8,11 +8,12 @@ use crate::format::{
 };
 use crate::storage::{FileStorage, Storage};
 use crate::{Error, Lsn};
+use ferry_core::sync::lock;
 use std::collections::VecDeque;
 use std::io;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
@@ -227,7 +228,7 @@ impl Follower {
         // SeqCst on both sides: either the writer sees the count at zero, or this sees
         // it following and wakes it, under the lock it waits with.
         if f.working.fetch_sub(1, Ordering::SeqCst) == 1 && f.following.load(Ordering::SeqCst) {
-            let _g = f.lock.lock().unwrap_or_else(|p| p.into_inner());
+            let _g = lock(&f.lock);
             f.cv.notify_one();
         }
     }
@@ -332,12 +333,6 @@ impl<T> std::ops::Deref for CacheLine<T> {
     type Target = T;
     fn deref(&self) -> &T {
         &self.0
-    }
-}
-
-impl Inner {
-    fn lock(&self) -> MutexGuard<'_, Shared> {
-        self.shared.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
@@ -458,7 +453,7 @@ impl Log {
         let Some(filled) = filled.as_mut() else {
             return false;
         };
-        let batches = take_batches(&mut self.inner.lock());
+        let batches = take_batches(&mut lock(&self.inner.shared));
         if batches.is_empty() {
             return false;
         }
@@ -482,7 +477,7 @@ impl Log {
         }
         let frame = FRAME_HEADER_BYTES + payload.len() as u64;
         let crc = frame_crc(kind, payload);
-        let mut s = inner.lock();
+        let mut s = lock(&inner.shared);
         loop {
             if let Some(cause) = &s.poisoned {
                 return Err(Error::PreviousIo {
@@ -539,12 +534,16 @@ impl Log {
 
     /// Where the oldest segment kept starts: reading from here reads everything kept.
     pub fn start_lsn(&self) -> Lsn {
-        self.inner.lock().segments.first().copied().unwrap_or(0)
+        lock(&self.inner.shared)
+            .segments
+            .first()
+            .copied()
+            .unwrap_or(0)
     }
 
     /// The end of the last record appended.
     pub fn end_lsn(&self) -> Lsn {
-        self.inner.lock().end
+        lock(&self.inner.shared).end
     }
 
     /// Block until `lsn` is durable. Not from inside an async task: use [`Log::durable`].
@@ -643,7 +642,7 @@ impl Log {
         follower: Option<Arc<AtomicBool>>,
         tx: Notify,
     ) -> Result<Option<Notify>, (Error, Notify)> {
-        let mut s = self.inner.lock();
+        let mut s = lock(&self.inner.shared);
         // The writer publishes under this lock: checked again, no wake-up is missed.
         if self.durable_lsn() >= lsn {
             return Ok(Some(tx));
@@ -677,7 +676,7 @@ impl Log {
     /// kept (see [`Log::retire_below`]) is an error.
     pub fn read(&self, from: Lsn, mut f: impl FnMut(Record<'_>)) -> Result<Lsn, Error> {
         let (segments, durable) = {
-            let s = self.inner.lock();
+            let s = lock(&self.inner.shared);
             (s.segments.clone(), self.durable_lsn())
         };
         if let Some(&oldest) = segments.first()
@@ -709,7 +708,7 @@ impl Log {
                     BatchRead::Valid { frames, extent } => (frames, extent),
                     // Retired while this read ran, and maybe made into a new segment
                     // since: not damage.
-                    BatchRead::Bad(_) if !self.inner.lock().segments.contains(&seg) => {
+                    BatchRead::Bad(_) if !lock(&self.inner.shared).segments.contains(&seg) => {
                         return Err(Error::Invalid(format!(
                             "the segment at position {seg} was retired while it was read"
                         )));
@@ -746,9 +745,9 @@ impl Log {
     /// how many were retired. A reader still reading them fails.
     pub fn retire_below(&self, lsn: Lsn) -> Result<usize, Error> {
         let durable = self.durable_lsn();
-        let _one_at_a_time = self.retiring.lock().unwrap_or_else(|p| p.into_inner());
+        let _one_at_a_time = lock(&self.retiring);
         let victims: Vec<Lsn> = {
-            let s = self.inner.lock();
+            let s = lock(&self.inner.shared);
             s.segments
                 .windows(2)
                 // Only once the next segment holds a durable batch: recovery must always
@@ -767,13 +766,7 @@ impl Log {
         // at most, the next interval's likely need, and `spare_segments` in all.
         let st = &*self.inner.storage;
         let want = self.inner.config.spare_segments.min(victims.len());
-        let room = want.saturating_sub(
-            self.inner
-                .spares
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .len(),
-        );
+        let room = want.saturating_sub(lock(&self.inner.spares).len());
         let keep_from = victims.len().saturating_sub(room);
         for (i, &v) in victims.iter().enumerate() {
             let name = segment_name(v);
@@ -782,22 +775,18 @@ impl Log {
                 st.remove(&name)
                     .map_err(|e| Error::io("remove a retired segment", e))?;
             }
-            self.inner.lock().segments.retain(|&f| f != v);
+            lock(&self.inner.shared).segments.retain(|&f| f != v);
             st.sync_dir()
                 .map_err(|e| Error::io("sync its directory after retiring a segment", e))?;
             if kept {
-                self.inner
-                    .spares
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push(spare_name(v));
+                lock(&self.inner.spares).push(spare_name(v));
             }
         }
         Ok(victims.len())
     }
 
     pub fn stats(&self) -> Stats {
-        let s = self.inner.lock();
+        let s = lock(&self.inner.shared);
         Stats {
             durable: self.durable_lsn(),
             end: s.end,
@@ -811,14 +800,14 @@ impl Log {
     pub fn close(self) -> Result<(), Error> {
         self.write_pending();
         if self.inner.driven
-            && self.inner.lock().poisoned.is_none()
+            && lock(&self.inner.shared).poisoned.is_none()
             && let Ok(filled) = self.filled.lock()
             && let Some(filled) = filled.as_ref()
         {
             cut_reused(&self.inner, filled);
         }
         self.shutdown();
-        match &self.inner.lock().poisoned {
+        match &lock(&self.inner.shared).poisoned {
             Some(cause) => Err(Error::PreviousIo {
                 cause: cause.clone(),
             }),
@@ -829,14 +818,14 @@ impl Log {
     /// Stop the writer once it wrote what was appended. A driven log dropped writes
     /// nothing more (its driver decided what became durable).
     fn shutdown(&self) {
-        self.inner.lock().closing = true;
+        lock(&self.inner.shared).closing = true;
         self.inner.work.notify_all();
         self.inner.space.notify_all();
         let f = &*self.inner.follow;
         f.closing.store(true, Ordering::SeqCst);
-        drop(f.lock.lock().unwrap_or_else(|p| p.into_inner()));
+        drop(lock(&f.lock));
         f.cv.notify_all();
-        let handle = self.writer.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let handle = lock(&self.writer).take();
         if let Some(h) = handle {
             // Dropped by the writer itself (an `on_durable` call that held the last
             // handle): it writes what is left and ends once that call returns.
@@ -858,7 +847,7 @@ fn write_loop(inner: &Inner, mut filled: Filled) {
     loop {
         follow(&inner.follow, inner.config.follow);
         let batches: Vec<Sealed> = {
-            let mut s = inner.lock();
+            let mut s = lock(&inner.shared);
             loop {
                 let batches = take_batches(&mut s);
                 if !batches.is_empty() {
@@ -903,7 +892,7 @@ fn follow(f: &Follow, limit: Duration) {
         return;
     }
     let until = Instant::now() + limit;
-    let mut g = f.lock.lock().unwrap_or_else(|p| p.into_inner());
+    let mut g = lock(&f.lock);
     f.following.store(true, Ordering::SeqCst);
     while f.working.load(Ordering::SeqCst) > 0 && !f.closing.load(Ordering::SeqCst) {
         let now = Instant::now();
@@ -943,7 +932,7 @@ fn write_and_publish(inner: &Inner, mut batches: Vec<Sealed>, filled: &mut Fille
     let bytes: u64 = batches.iter().map(|b| b.bytes.len() as u64).sum();
     // Buffers not kept are freed after the lock is let go (a large one is an munmap).
     let mut freed = Vec::new();
-    let mut s = inner.lock();
+    let mut s = lock(&inner.shared);
     s.pending_bytes -= batches.iter().map(|b| b.pending).sum::<u64>();
     for b in batches {
         if s.spare.len() < SPARE_MAX && b.bytes.capacity() <= SPARE_BYTES_MAX {
@@ -1032,7 +1021,7 @@ fn segment_from_spare(inner: &Inner, name: &str, header: &[u8]) -> Option<u64> {
     let st = &*inner.storage;
     loop {
         let spare = {
-            let mut spares = inner.spares.lock().unwrap_or_else(|p| p.into_inner());
+            let mut spares = lock(&inner.spares);
             if spares.is_empty() {
                 return None;
             }

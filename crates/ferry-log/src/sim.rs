@@ -7,6 +7,7 @@
 
 use crate::storage::Storage;
 use ferry_core::seams::{Rng, SplitMix64};
+use ferry_core::sync::lock;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::sync::Mutex;
@@ -109,39 +110,35 @@ impl SimStorage {
         }
     }
 
-    fn sim(&self) -> std::sync::MutexGuard<'_, Sim> {
-        self.sim.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     /// Fail the `n`th write from now (1 = the next one); it leaves a random prefix.
     pub fn fail_write_after(&self, n: u64) {
-        let mut s = self.sim();
+        let mut s = lock(&self.sim);
         s.fail_write_at = Some(s.writes + n);
     }
 
     /// Fail the `n`th sync from now; what it covered may or may not survive a crash.
     pub fn fail_sync_after(&self, n: u64) {
-        let mut s = self.sim();
+        let mut s = lock(&self.sim);
         s.fail_sync_at = Some(s.syncs + n);
     }
 
     /// Fail the `n`th directory sync from now: the creations, removals and renames it
     /// would have made durable stay undecided, for a crash to decide.
     pub fn fail_sync_dir_after(&self, n: u64) {
-        let mut s = self.sim();
+        let mut s = lock(&self.sim);
         s.fail_sync_dir_at = Some(s.dir_syncs + n);
     }
 
     /// The process dies: every call fails until `crash`.
     pub fn halt(&self) {
-        self.sim().halted = true;
+        lock(&self.sim).halted = true;
     }
 
     /// The process died but the machine did not (after `halt`): the page cache keeps
     /// everything written, still unsynced, for a later `crash` to decide. Calls succeed
     /// again.
     pub fn kill(&self) {
-        let mut s = self.sim();
+        let mut s = lock(&self.sim);
         s.halted = false;
         s.fail_write_at = None;
         s.fail_sync_at = None;
@@ -151,7 +148,7 @@ impl SimStorage {
     /// Power loss after `halt` (or instead of it): keep what was durable and a random
     /// part of the rest, then let calls succeed again.
     pub fn crash(&self) {
-        let mut s = self.sim();
+        let mut s = lock(&self.sim);
         let s = &mut *s;
         let mut after = BTreeMap::new();
         let names: Vec<String> = s.files.keys().cloned().collect();
@@ -210,10 +207,10 @@ impl SimStorage {
     /// reading a state (after a `crash`, say) without recovering it in place, which
     /// would leave the next open nothing to cut or repair.
     pub fn copy(&self) -> SimStorage {
-        let s = self.sim();
+        let s = lock(&self.sim);
         let copy = SimStorage::new(0);
         {
-            let mut c = copy.sim();
+            let mut c = lock(&copy.sim);
             c.files = s
                 .files
                 .iter()
@@ -226,7 +223,7 @@ impl SimStorage {
 
     /// Flip one bit of what a file durably holds (and shows), for damage tests.
     pub fn flip_bit(&self, name: &str, offset: u64, bit: u8) {
-        let mut s = self.sim();
+        let mut s = lock(&self.sim);
         let f = s.files.get_mut(name).expect("flip_bit: no such file");
         f.current[offset as usize] ^= 1 << bit;
         f.durable[offset as usize] ^= 1 << bit;
@@ -234,14 +231,14 @@ impl SimStorage {
 
     /// Writes and syncs so far (to place faults).
     pub fn counts(&self) -> (u64, u64) {
-        let s = self.sim();
+        let s = lock(&self.sim);
         (s.writes, s.syncs)
     }
 }
 
 impl Storage for SimStorage {
     fn list(&self) -> io::Result<Vec<String>> {
-        let s = self.sim();
+        let s = lock(&self.sim);
         if s.halted {
             return Err(halted());
         }
@@ -249,7 +246,7 @@ impl Storage for SimStorage {
     }
 
     fn create(&self, name: &str) -> io::Result<()> {
-        let mut s = self.sim();
+        let mut s = lock(&self.sim);
         if s.halted {
             return Err(halted());
         }
@@ -261,7 +258,7 @@ impl Storage for SimStorage {
     }
 
     fn len(&self, name: &str) -> io::Result<u64> {
-        let s = self.sim();
+        let s = lock(&self.sim);
         if s.halted {
             return Err(halted());
         }
@@ -272,7 +269,7 @@ impl Storage for SimStorage {
     }
 
     fn read_at(&self, name: &str, offset: u64, buf: &mut [u8]) -> io::Result<usize> {
-        let s = self.sim();
+        let s = lock(&self.sim);
         if s.halted {
             return Err(halted());
         }
@@ -284,7 +281,7 @@ impl Storage for SimStorage {
     }
 
     fn write_at(&self, name: &str, offset: u64, data: &[u8]) -> io::Result<()> {
-        let mut s = self.sim();
+        let mut s = lock(&self.sim);
         if s.halted {
             return Err(halted());
         }
@@ -309,7 +306,7 @@ impl Storage for SimStorage {
     }
 
     fn sync(&self, name: &str) -> io::Result<()> {
-        let mut s = self.sim();
+        let mut s = lock(&self.sim);
         if s.halted {
             return Err(halted());
         }
@@ -326,7 +323,7 @@ impl Storage for SimStorage {
     }
 
     fn truncate(&self, name: &str, len: u64) -> io::Result<()> {
-        let mut s = self.sim();
+        let mut s = lock(&self.sim);
         if s.halted {
             return Err(halted());
         }
@@ -338,7 +335,7 @@ impl Storage for SimStorage {
     }
 
     fn remove(&self, name: &str) -> io::Result<()> {
-        let mut s = self.sim();
+        let mut s = lock(&self.sim);
         if s.halted {
             return Err(halted());
         }
@@ -348,7 +345,7 @@ impl Storage for SimStorage {
     }
 
     fn sync_dir(&self) -> io::Result<()> {
-        let mut s = self.sim();
+        let mut s = lock(&self.sim);
         if s.halted {
             return Err(halted());
         }
@@ -364,7 +361,7 @@ impl Storage for SimStorage {
     /// Until the next `sync_dir`, a crash may keep the old name, the new one, both or
     /// neither: harsher than a real rename, which keeps exactly one.
     fn rename(&self, from: &str, to: &str) -> io::Result<()> {
-        let mut s = self.sim();
+        let mut s = lock(&self.sim);
         if s.halted {
             return Err(halted());
         }

@@ -5,6 +5,7 @@
 //! All names are plain file names in the log's one directory.
 
 use ferry_core::fs::DirLock;
+use ferry_core::sync::lock;
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -65,7 +66,7 @@ impl FileStorage {
     }
 
     fn file(&self, name: &str) -> io::Result<Arc<File>> {
-        let mut files = self.files.lock().unwrap_or_else(|p| p.into_inner());
+        let mut files = lock(&self.files);
         if let Some(f) = files.get(name) {
             return Ok(f.clone());
         }
@@ -97,10 +98,7 @@ impl Storage for FileStorage {
             .write(true)
             .create_new(true)
             .open(self.dir.join(name))?;
-        self.files
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(name.to_string(), Arc::new(f));
+        lock(&self.files).insert(name.to_string(), Arc::new(f));
         Ok(())
     }
 
@@ -135,10 +133,7 @@ impl Storage for FileStorage {
     }
 
     fn remove(&self, name: &str) -> io::Result<()> {
-        self.files
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(name);
+        lock(&self.files).remove(name);
         std::fs::remove_file(self.dir.join(name))
     }
 
@@ -160,7 +155,7 @@ impl Storage for FileStorage {
             Err(e) => return Err(e),
         }
         std::fs::rename(a, b)?;
-        let mut files = self.files.lock().unwrap_or_else(|p| p.into_inner());
+        let mut files = lock(&self.files);
         if let Some(f) = files.remove(from) {
             files.insert(to.to_string(), f);
         }
