@@ -15,6 +15,7 @@ mod storage;
 pub use crate::log::{Config, Follower, Log, Record, Recovery, Stats, WRITE_BUCKETS};
 pub use crate::storage::{FileStorage, Storage};
 
+use ferry_core::ConfigError;
 use ferry_core::error::{Class, Classify};
 use std::io;
 use std::sync::Arc;
@@ -47,8 +48,14 @@ pub enum Error {
     },
     #[error("a record of {len} bytes exceeds the log's limit of {max} bytes")]
     TooLarge { len: usize, max: u32 },
+    /// A request the log refuses (a reserved kind, a position past the end or
+    /// retired); nothing changed.
     #[error("{0}")]
     Invalid(String),
+    /// A setting of [`Config`] the log cannot use, named with its value; the log was
+    /// not opened and nothing on disk changed.
+    #[error("the log cannot open with this configuration: {0}")]
+    Config(#[from] ConfigError),
     #[error("the log is closed")]
     Closed,
 }
@@ -70,6 +77,7 @@ impl Classify for Error {
             Error::Io { .. } | Error::PreviousIo { .. } => Class::Permanent,
             Error::Corrupted { .. } => Class::Corrupted,
             Error::TooLarge { .. } | Error::Invalid(_) | Error::Closed => Class::Permanent,
+            Error::Config(e) => e.class(),
         }
     }
 }

@@ -434,16 +434,25 @@ fn bad_requests_are_refused_and_change_nothing() {
         pending_bytes_max: 1,
         ..Config::default()
     };
-    assert!(matches!(
-        Log::open_dir(&scratch.dir("other"), bad),
-        Err(Error::Invalid(_))
-    ));
+    match Log::open_dir(&scratch.dir("other"), bad) {
+        Err(Error::Config(e)) => assert_eq!(e.setting, "record_bytes_max", "{e}"),
+        other => panic!(
+            "a record larger than a segment accepted: {:?}",
+            other.map(|_| ())
+        ),
+    }
     let too_many_spares = Config {
         spare_segments: 65,
         ..small()
     };
     match Log::open_dir(&scratch.dir("other"), too_many_spares) {
-        Err(Error::Invalid(e)) => assert!(e.contains("spare_segments 65"), "{e}"),
+        Err(Error::Config(e)) => {
+            assert_eq!(
+                (e.setting, e.value.as_str()),
+                ("spare_segments", "65"),
+                "{e}"
+            )
+        }
         other => panic!("65 spares accepted: {:?}", other.map(|_| ())),
     }
     log.close().unwrap();
