@@ -46,13 +46,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use waiters::Waiters;
+use writer::Writer;
 
 /// See the crate docs. Cheap to share behind an `Arc`; every method takes `&self`.
 pub struct Log {
     inner: Arc<Inner>,
     writer: Mutex<Option<JoinHandle<()>>>,
-    /// A driven log's write position (the writer thread keeps its own).
-    filled: Mutex<Option<Filled>>,
+    /// A driven log's writer state (the writer thread keeps its own).
+    writer_state: Mutex<Option<Writer>>,
     /// Held by `retire_below`: one retirement at a time.
     retiring: Mutex<()>,
 }
@@ -118,18 +119,21 @@ impl Log {
             follow: Arc::default(),
             spares: Mutex::new(found.spares),
         });
-        let filled = Filled {
-            seg,
-            len: found.last_file_len,
-            reused: false,
-        };
-        let (writer, filled) = if driven {
-            (None, Some(filled))
+        let state = Writer::new(
+            Filled {
+                seg,
+                len: found.last_file_len,
+                reused: false,
+            },
+            found.recovery.end,
+        );
+        let (writer, state) = if driven {
+            (None, Some(state))
         } else {
             let w = inner.clone();
             let writer = std::thread::Builder::new()
                 .name("ferry-log-writer".into())
-                .spawn(move || writer::write_loop(&w, filled))
+                .spawn(move || writer::write_loop(&w, state))
                 .map_err(|e| Error::io("start its writer thread", e))?;
             (Some(writer), None)
         };
@@ -137,7 +141,7 @@ impl Log {
             Log {
                 inner,
                 writer: Mutex::new(writer),
-                filled: Mutex::new(filled),
+                writer_state: Mutex::new(state),
                 retiring: Mutex::new(()),
             },
             recovery,
@@ -150,17 +154,17 @@ impl Log {
     pub fn write_pending(&self) -> bool {
         // A write that panicked took its batches with it: writing what follows would
         // leave a hole, so a driven log whose write panicked writes nothing more.
-        let Ok(mut filled) = self.filled.lock() else {
+        let Ok(mut state) = self.writer_state.lock() else {
             return false;
         };
-        let Some(filled) = filled.as_mut() else {
+        let Some(state) = state.as_mut() else {
             return false;
         };
         let batches = writer::take_batches(&mut lock(&self.inner.shared));
         if batches.is_empty() {
             return false;
         }
-        writer::write_and_publish(&self.inner, batches, filled);
+        writer::write_and_publish(&self.inner, batches, state);
         true
     }
 
@@ -283,10 +287,10 @@ impl Log {
         self.write_pending();
         if self.inner.driven
             && lock(&self.inner.shared).poisoned.is_none()
-            && let Ok(filled) = self.filled.lock()
-            && let Some(filled) = filled.as_ref()
+            && let Ok(state) = self.writer_state.lock()
+            && let Some(state) = state.as_ref()
         {
-            writer::cut_reused(&self.inner, filled);
+            writer::cut_reused(&self.inner, &state.filled);
         }
         self.shutdown();
         match &lock(&self.inner.shared).poisoned {

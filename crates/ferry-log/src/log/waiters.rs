@@ -75,11 +75,112 @@ impl Waiters {
     /// at or below it, in order.
     pub(super) fn release(&mut self, durable: Lsn) -> Vec<Waiting> {
         let n = self.queue.partition_point(|w| w.lsn <= durable);
-        self.queue.drain(..n).collect()
+        // Guarantee 2, both ways, on the queue's order that `insert` keeps: a wait
+        // never wakes before its position is durable, and none it covers stays asleep.
+        let done: Vec<Waiting> = self
+            .queue
+            .drain(..n)
+            .inspect(|w| assert!(w.lsn <= durable, "a sync releases only the waits it covers"))
+            .collect();
+        assert!(
+            self.queue.front().is_none_or(|w| w.lsn > durable),
+            "a sync releases every wait it covers"
+        );
+        done
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.queue.len()
     }
 
     /// Every wait, to be failed.
     pub(super) fn take_all(&mut self) -> VecDeque<Waiting> {
         std::mem::take(&mut self.queue)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_core::seams::{Rng, SplitMix64};
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
+
+    /// A wait for `lsn` that records, in `woken`, its id once it is answered.
+    fn wait(lsn: Lsn, id: u64, woken: &Arc<Mutex<Vec<(u64, bool)>>>) -> Waiting {
+        let woken = woken.clone();
+        Waiting {
+            lsn,
+            tx: Notify::Call(Box::new(move |r| {
+                woken.lock().unwrap().push((id, r.is_ok()))
+            })),
+            follower: None,
+        }
+    }
+
+    #[test]
+    fn each_sync_releases_exactly_the_waits_it_covers_in_position_order() {
+        // Against a reference model (a BTreeMap of position to waits): waits arrive
+        // out of order, as shards wait on what they appended earlier; each sync moves
+        // `durable` on by a random step and must release exactly the model's waits at
+        // or below it, lowest position first, and nothing twice.
+        let mut rng = SplitMix64::seeded(11);
+        let woken = Arc::new(Mutex::new(Vec::new()));
+        let mut waiters = Waiters::default();
+        let mut model: BTreeMap<Lsn, Vec<u64>> = BTreeMap::new();
+        let (mut durable, mut end, mut id) = (0, 0, 0);
+        for _ in 0..2000 {
+            end += 1 + rng.below(50);
+            for _ in 0..rng.below(4) {
+                let lsn = durable + 1 + rng.below(end - durable);
+                waiters.insert(wait(lsn, id, &woken));
+                model.entry(lsn).or_default().push(id);
+                id += 1;
+            }
+            durable += rng.below(end - durable + 1);
+            let released: Vec<Lsn> = waiters.release(durable).iter().map(|w| w.lsn).collect();
+            let mut expected = Vec::new();
+            while let Some(e) = model.first_entry() {
+                if *e.key() > durable {
+                    break;
+                }
+                let (lsn, ids) = e.remove_entry();
+                expected.extend(ids.iter().map(|_| lsn));
+            }
+            assert_eq!(released, expected, "durable {durable}");
+            assert_eq!(waiters.len(), model.values().map(Vec::len).sum::<usize>());
+        }
+    }
+
+    #[test]
+    fn waits_for_one_position_are_answered_in_the_order_they_came() {
+        let woken = Arc::new(Mutex::new(Vec::new()));
+        let mut waiters = Waiters::default();
+        for (lsn, id) in [(30, 0), (10, 1), (30, 2), (20, 3), (10, 4)] {
+            waiters.insert(wait(lsn, id, &woken));
+        }
+        for w in waiters.release(25) {
+            w.tx.send(Ok(()));
+        }
+        assert_eq!(
+            *woken.lock().unwrap(),
+            vec![(1, true), (4, true), (3, true)]
+        );
+        for w in waiters.take_all() {
+            w.tx.send(Err(Error::Closed));
+        }
+        assert_eq!(woken.lock().unwrap()[3..], [(0, false), (2, false)]);
+        assert_eq!(waiters.len(), 0);
+    }
+
+    #[test]
+    fn a_wait_whose_receiver_is_gone_is_abandoned() {
+        let (tx, rx) = oneshot::channel();
+        let n = Notify::Channel(tx);
+        assert!(!n.abandoned());
+        drop(rx);
+        assert!(n.abandoned());
+        assert!(!Notify::Call(Box::new(|_| {})).abandoned());
     }
 }

@@ -18,7 +18,7 @@
 
 use super::batch::Sealed;
 use super::follow::wait_for_followers;
-use super::space::{Filled, ZERO_AHEAD, ZERO_STEP, ZEROES, segment_from_spare};
+use super::space::{Filled, ZEROES, segment_from_spare, top_up};
 use super::state::{Inner, Shared};
 use super::stats::Stats;
 use crate::format::{self, SEGMENT_HEADER_BYTES, SegmentHeader, segment_name};
@@ -28,9 +28,31 @@ use std::io;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+/// What the writer keeps from one cycle to the next (a driven log's holder keeps it
+/// for it, in `Log`).
+pub(super) struct Writer {
+    /// How far the newest segment's file reaches.
+    pub(super) filled: Filled,
+    /// The end of the last batch written: the next batch starts here, or a segment
+    /// does. `durable <= written <= ` the end of the batches closed for the writer
+    /// (`Batches::closed_end`): a batch that started elsewhere would leave a hole in
+    /// the log, or write over a record.
+    written: Lsn,
+}
+
+impl Writer {
+    /// The writer of a log that ends at `end`, its newest segment's file as `filled`.
+    pub(super) fn new(filled: Filled, end: Lsn) -> Writer {
+        Writer {
+            filled,
+            written: end,
+        }
+    }
+}
+
 /// The writer thread: take what filled, write it, sync it, publish, wake who it
 /// covers; until the log closes.
-pub(super) fn write_loop(inner: &Inner, mut filled: Filled) {
+pub(super) fn write_loop(inner: &Inner, mut writer: Writer) {
     loop {
         wait_for_followers(&inner.follow, inner.config.follow);
         let batches: Vec<Sealed> = {
@@ -44,7 +66,7 @@ pub(super) fn write_loop(inner: &Inner, mut filled: Filled) {
                     let clean = s.poisoned.is_none();
                     drop(s);
                     if clean {
-                        cut_reused(inner, &filled);
+                        cut_reused(inner, &writer.filled);
                     }
                     return;
                 }
@@ -53,7 +75,7 @@ pub(super) fn write_loop(inner: &Inner, mut filled: Filled) {
                 s.writer_asleep = false;
             }
         };
-        write_and_publish(inner, batches, &mut filled);
+        write_and_publish(inner, batches, &mut writer);
     }
 }
 
@@ -64,7 +86,10 @@ pub(super) fn cut_reused(inner: &Inner, filled: &Filled) {
     if !filled.reused {
         return;
     }
-    let end = inner.durable.load(Ordering::SeqCst) - filled.seg;
+    // A wrapped length would extend the file rather than cut it.
+    let end = (inner.durable.load(Ordering::SeqCst))
+        .checked_sub(filled.seg)
+        .expect("the log ends in its newest segment");
     let name = segment_name(filled.seg);
     let st = &*inner.storage;
     if let Err(e) = st.truncate(&name, end).and_then(|()| st.sync(&name)) {
@@ -82,12 +107,12 @@ pub(super) fn take_batches(s: &mut Shared) -> Vec<Sealed> {
 
 /// Write and sync `batches` (at least one), then publish the durable position and wake
 /// the waiters it covers; or poison the log and fail every waiter.
-pub(super) fn write_and_publish(inner: &Inner, mut batches: Vec<Sealed>, filled: &mut Filled) {
+pub(super) fn write_and_publish(inner: &Inner, mut batches: Vec<Sealed>, writer: &mut Writer) {
     for b in &mut batches {
         format::seal(&mut b.bytes, b.seg + b.offset);
     }
     let began = std::time::Instant::now();
-    let result = write_batches(inner, &batches, filled);
+    let result = write_batches(inner, &batches, writer);
     let took = began.elapsed().as_micros() as u64;
     let end = batches.last().expect("at least one batch").end;
     let batches_n = batches.len() as u64;
@@ -104,6 +129,19 @@ pub(super) fn write_and_publish(inner: &Inner, mut batches: Vec<Sealed>, filled:
             s.stats.bytes_written += bytes;
             s.stats.write_us_log2[Stats::write_bucket(took)] += 1;
             s.stats.write_us += took;
+            // Only the writer stores `durable`. A position published lower than before
+            // would let a wait registered meanwhile see it durable and then not; one
+            // past what was closed for the writer, a record not yet written.
+            let before = inner.durable.load(Ordering::SeqCst);
+            assert!(
+                before < end,
+                "the durable position only rises ({before} to {end})"
+            );
+            assert!(
+                end <= s.batches.closed_end(),
+                "durable <= written <= appended ({end} past {})",
+                s.batches.closed_end()
+            );
             inner.durable.store(end, Ordering::SeqCst);
             let done = s.waiters.release(end);
             drop(s);
@@ -137,13 +175,28 @@ pub(super) fn write_and_publish(inner: &Inner, mut batches: Vec<Sealed>, filled:
 
 /// Write `batches` (creating segments as they begin) and sync every segment written.
 /// Returns the number of syncs and of segments made from spares.
-fn write_batches(inner: &Inner, batches: &[Sealed], filled: &mut Filled) -> io::Result<(u64, u64)> {
+fn write_batches(inner: &Inner, batches: &[Sealed], writer: &mut Writer) -> io::Result<(u64, u64)> {
     let st = &*inner.storage;
+    let Writer { filled, written } = writer;
     let mut syncs = 0;
     let mut reused = 0;
     let mut unsynced: Option<Lsn> = None;
     for b in batches {
         let name = segment_name(b.seg);
+        // Recovery reads a segment batch by batch from its header, and the log from
+        // segment to segment: a batch that did not start where the last one ended
+        // would make the records after it unreadable, or overwrite acknowledged ones.
+        if b.creates_segment {
+            assert!(
+                b.seg == *written && b.offset == SEGMENT_HEADER_BYTES,
+                "a segment starts where the last batch ended, its first batch after its header"
+            );
+        } else {
+            assert!(
+                b.seg + b.offset == *written,
+                "batches are written in log order, each where the last one ended"
+            );
+        }
         if b.creates_segment {
             // The old segment is complete and synced before the new one exists, so only
             // the newest segment can ever have a torn tail.
@@ -180,15 +233,12 @@ fn write_batches(inner: &Inner, batches: &[Sealed], filled: &mut Filled) -> io::
             syncs += 2;
         }
         st.write_at(&name, b.offset, &b.bytes)?;
+        *written = b.end;
         unsynced = Some(b.seg);
         let end = b.offset + b.bytes.len() as u64;
         if filled.seg == b.seg {
             filled.len = filled.len.max(end);
-            let limit = inner.config.segment_bytes;
-            if filled.len + ZERO_STEP <= end + ZERO_AHEAD && filled.len < limit {
-                let upto = (end + ZERO_AHEAD)
-                    .min(limit)
-                    .min(filled.len + 2 * ZERO_STEP);
+            if let Some(upto) = top_up(filled.len, end, inner.config.segment_bytes) {
                 st.write_at(&name, filled.len, &ZEROES[..(upto - filled.len) as usize])?;
                 filled.len = upto;
             }
