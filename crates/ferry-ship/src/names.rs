@@ -10,25 +10,50 @@ use std::path::{Path, PathBuf};
 /// `.db-wal` and the `.ferry/` suffixes are added.
 pub const NAME_BYTES_MAX: usize = 128;
 
+/// A name that cannot be used, and why.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("database name {name:?} {problem}")]
+pub struct NameError {
+    pub name: String,
+    pub problem: NameProblem,
+}
+
+/// What is wrong with a name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum NameProblem {
+    #[error("must be 1 to {NAME_BYTES_MAX} bytes long")]
+    Length,
+    #[error("must not start with '.'")]
+    LeadingDot,
+    #[error("contains {0:?}; use letters, digits, '_', '-' and '.'")]
+    Character(char),
+}
+
+impl ferry_core::Classify for NameError {
+    /// The same name fails the same way every time: a person must pick another.
+    fn class(&self) -> ferry_core::Class {
+        ferry_core::Class::Permanent
+    }
+}
+
 /// Check a name: 1 to 128 bytes of `A-Z a-z 0-9 _ - .`, not starting with `.`.
-pub fn validate(name: &str) -> Result<(), String> {
-    if name.is_empty() || name.len() > NAME_BYTES_MAX {
-        return Err(format!(
-            "database name {name:?} must be 1 to {NAME_BYTES_MAX} bytes long"
-        ));
-    }
-    if name.starts_with('.') {
-        return Err(format!("database name {name:?} must not start with '.'"));
-    }
-    if let Some(c) = name
+pub fn validate(name: &str) -> Result<(), NameError> {
+    let problem = if name.is_empty() || name.len() > NAME_BYTES_MAX {
+        NameProblem::Length
+    } else if name.starts_with('.') {
+        NameProblem::LeadingDot
+    } else if let Some(c) = name
         .chars()
         .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.')))
     {
-        return Err(format!(
-            "database name {name:?} contains {c:?}; use letters, digits, '_', '-' and '.'"
-        ));
-    }
-    Ok(())
+        NameProblem::Character(c)
+    } else {
+        return Ok(());
+    };
+    Err(NameError {
+        name: name.to_string(),
+        problem,
+    })
 }
 
 /// The name of a database file `NAME.db`, if it is one ferry ships.
@@ -40,7 +65,7 @@ pub fn from_file_name(file: &OsStr) -> Option<String> {
 }
 
 /// Accept `NAME` or `NAME.db` from a person.
-pub fn from_argument(arg: &str) -> Result<String, String> {
+pub fn from_argument(arg: &str) -> Result<String, NameError> {
     let name = arg.strip_suffix(".db").unwrap_or(arg);
     validate(name)?;
     Ok(name.to_string())
@@ -68,6 +93,11 @@ mod tests {
         assert_eq!(from_file_name(OsStr::new("a.db-wal")), None);
         assert_eq!(from_file_name(OsStr::new(".a.db")), None);
         assert_eq!(from_argument("a.db").unwrap(), "a");
+        assert_eq!(
+            validate("a/b").unwrap_err().to_string(),
+            "database name \"a/b\" contains '/'; use letters, digits, '_', '-' and '.'"
+        );
+        assert_eq!(validate(".x").unwrap_err().problem, NameProblem::LeadingDot);
         assert_eq!(
             sidecar(Path::new("d/a.db"), "-wal"),
             Path::new("d/a.db-wal")

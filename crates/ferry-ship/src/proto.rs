@@ -125,6 +125,49 @@ pub enum BodyError {
     },
 }
 
+impl ferry_core::Classify for BodyError {
+    /// Bytes damaged or cut in transit fail validation (the shipper resends them); a body
+    /// that is well carried but not well formed fails the same way every time.
+    fn class(&self) -> ferry_core::Class {
+        match self {
+            BodyError::Crc { .. } | BodyError::Truncated { .. } => ferry_core::Class::Corrupted,
+            _ => ferry_core::Class::Permanent,
+        }
+    }
+}
+
+/// Why a base stream's header or trailer was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BaseError {
+    #[error("the base ended inside its {BASE_HEADER_BYTES}-byte header")]
+    ShortHeader,
+    #[error("the base does not start with the base magic: it is not a ferry base stream")]
+    Magic,
+    #[error("the base header failed its CRC32C: damaged in transit")]
+    HeaderCrc,
+    #[error("the base's page size {0} is not a SQLite page size")]
+    PageSize(u32),
+    #[error("the base's generation is 0; generations are non-zero")]
+    Generation,
+    #[error("the base ended without its trailer: the upload was cut short")]
+    NoTrailer,
+    #[error("the base's pages failed their CRC32C: damaged in transit")]
+    PagesCrc,
+}
+
+impl ferry_core::Classify for BaseError {
+    /// Damage in transit or a cut upload fail validation (the shipper sends the base again);
+    /// a header that is whole but says something impossible fails the same way every time.
+    fn class(&self) -> ferry_core::Class {
+        match self {
+            BaseError::PageSize(_) | BaseError::Generation | BaseError::Magic => {
+                ferry_core::Class::Permanent
+            }
+            _ => ferry_core::Class::Corrupted,
+        }
+    }
+}
+
 /// Decode and validate every record of a body. Nothing is returned unless all of it is
 /// well formed, so a damaged body changes nothing.
 pub fn decode_records(body: &[u8], page_size: u32) -> Result<Vec<Record<'_>>, BodyError> {
@@ -240,19 +283,15 @@ impl BaseHeader {
         b
     }
 
-    pub fn decode(b: &[u8]) -> Result<BaseHeader, String> {
+    pub fn decode(b: &[u8]) -> Result<BaseHeader, BaseError> {
         if b.len() < BASE_HEADER_BYTES {
-            return Err(format!(
-                "the base ended inside its {BASE_HEADER_BYTES}-byte header"
-            ));
+            return Err(BaseError::ShortHeader);
         }
         if b[0..8] != BASE_MAGIC {
-            return Err(
-                "the base does not start with the base magic: it is not a ferry base stream".into(),
-            );
+            return Err(BaseError::Magic);
         }
         if crc32c::crc32c(&b[..60]) != le32(b, 60) {
-            return Err("the base header failed its CRC32C: damaged in transit".into());
+            return Err(BaseError::HeaderCrc);
         }
         let h = BaseHeader {
             page_size: le32(b, 8),
@@ -264,13 +303,10 @@ impl BaseHeader {
             wal_checksum: le64(b, 48),
         };
         if !crate::wal::valid_page_size(h.page_size) {
-            return Err(format!(
-                "the base's page size {} is not a SQLite page size",
-                h.page_size
-            ));
+            return Err(BaseError::PageSize(h.page_size));
         }
         if h.generation == 0 {
-            return Err("the base's generation is 0; generations are non-zero".into());
+            return Err(BaseError::Generation);
         }
         Ok(h)
     }
@@ -292,12 +328,12 @@ pub fn base_trailer(pages_crc: u32) -> [u8; BASE_TRAILER_BYTES] {
 }
 
 /// Check a trailer against the CRC of the pages received.
-pub fn check_base_trailer(t: &[u8], pages_crc: u32) -> Result<(), String> {
+pub fn check_base_trailer(t: &[u8], pages_crc: u32) -> Result<(), BaseError> {
     if t.len() != BASE_TRAILER_BYTES || t[4..8] != BASE_TRAILER_MAGIC {
-        return Err("the base ended without its trailer: the upload was cut short".into());
+        return Err(BaseError::NoTrailer);
     }
     if le32(t, 0) != pages_crc {
-        return Err("the base's pages failed their CRC32C: damaged in transit".into());
+        return Err(BaseError::PagesCrc);
     }
     Ok(())
 }
@@ -462,12 +498,14 @@ mod tests {
         assert_eq!(BaseHeader::decode(&b).unwrap(), h);
         let mut bad = b;
         bad[13] ^= 1;
-        assert!(BaseHeader::decode(&bad).unwrap_err().contains("CRC32C"));
+        assert_eq!(BaseHeader::decode(&bad), Err(BaseError::HeaderCrc));
+        assert!(BaseError::HeaderCrc.to_string().contains("CRC32C"));
         assert!(check_base_trailer(&base_trailer(7), 7).is_ok());
         assert!(check_base_trailer(&base_trailer(7), 8).is_err());
         assert!(
             check_base_trailer(&[0; 3], 8)
                 .unwrap_err()
+                .to_string()
                 .contains("cut short")
         );
     }

@@ -61,32 +61,66 @@ pub fn path(dir: &Path, name: &str) -> PathBuf {
     dir.join(".ferry-ship").join(format!("{name}.json"))
 }
 
+/// A state file that exists but cannot be used. The shipper sends a base and overwrites
+/// it; a person reading status sees which file and why.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error("cannot read {}: {source}", path.display())]
+    Read { path: PathBuf, source: io::Error },
+    #[error("{} is not a valid shipper state: {source}", path.display())]
+    Parse {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+    #[error("{} has version {found}, this ferry writes {VERSION}", path.display())]
+    Version { path: PathBuf, found: u32 },
+    #[error("{} holds an impossible WAL position", path.display())]
+    Impossible { path: PathBuf },
+}
+
+impl ferry_core::Classify for StateError {
+    fn class(&self) -> ferry_core::Class {
+        match self {
+            StateError::Read { source, .. } => source.class(),
+            StateError::Version { .. } => ferry_core::Class::Permanent,
+            StateError::Parse { .. } | StateError::Impossible { .. } => {
+                ferry_core::Class::Corrupted
+            }
+        }
+    }
+}
+
 /// Load a state file: Ok(None) if it is missing; an error names the file if it is not
 /// readable (the caller sends a base and overwrites it).
-pub fn load(path: &Path) -> Result<Option<ShipState>, String> {
+pub fn load(path: &Path) -> Result<Option<ShipState>, StateError> {
     let bytes = match std::fs::read(path) {
         Ok(b) => b,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+        Err(source) => {
+            return Err(StateError::Read {
+                path: path.to_path_buf(),
+                source,
+            });
+        }
     };
-    let state: ShipState = serde_json::from_slice(&bytes)
-        .map_err(|e| format!("{} is not a valid shipper state: {e}", path.display()))?;
+    let state: ShipState = serde_json::from_slice(&bytes).map_err(|source| StateError::Parse {
+        path: path.to_path_buf(),
+        source,
+    })?;
     if state.version != VERSION {
-        return Err(format!(
-            "{} has version {}, this ferry writes {VERSION}",
-            path.display(),
-            state.version
-        ));
+        return Err(StateError::Version {
+            path: path.to_path_buf(),
+            found: state.version,
+        });
     }
     // A WAL of 2^31 frames would be at least 8 TiB: such a cursor is damage, not a place.
     if state
         .cursor
         .is_some_and(|c| c.frame >= 1 << 31 || !crate::wal::valid_page_size(c.page_size))
     {
-        return Err(format!(
-            "{} holds an impossible WAL position",
-            path.display()
-        ));
+        return Err(StateError::Impossible {
+            path: path.to_path_buf(),
+        });
     }
     Ok(Some(state))
 }

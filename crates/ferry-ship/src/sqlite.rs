@@ -22,28 +22,46 @@ pub const SQLITE_VERSION_MIN: i32 = 3_051_003;
 /// out an app's write transaction, short enough that a stuck lock shows up in status.
 pub const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The linked SQLite cannot run ferry-ship. Permanent: only another build fixes it.
+#[derive(Debug, thiserror::Error)]
+pub enum LibraryError {
+    #[error(
+        "SQLite {version} is linked, but ferry-ship needs 3.51.3 or later (earlier versions can lose \
+         committed writes when a checkpoint races a writer); build with rusqlite's bundled SQLite"
+    )]
+    TooOld { version: &'static str },
+    #[error(
+        "this build of SQLite lacks the sqlite_dbpage table the receiver applies pages with ({source}); \
+         build ferry from its workspace, whose .cargo/config.toml sets \
+         LIBSQLITE3_FLAGS=SQLITE_ENABLE_DBPAGE_VTAB"
+    )]
+    NoDbpage { source: rusqlite::Error },
+}
+
+impl ferry_core::Classify for LibraryError {
+    fn class(&self) -> ferry_core::Class {
+        ferry_core::Class::Permanent
+    }
+}
+
 /// Refuse to run on a SQLite that has the WAL-reset bug.
-pub fn check_library() -> Result<(), String> {
-    let v = rusqlite::version_number();
-    if v < SQLITE_VERSION_MIN {
-        return Err(format!(
-            "SQLite {} is linked, but ferry-ship needs 3.51.3 or later (earlier versions can lose \
-             committed writes when a checkpoint races a writer); build with rusqlite's bundled SQLite",
-            rusqlite::version()
-        ));
+pub fn check_library() -> Result<(), LibraryError> {
+    if rusqlite::version_number() < SQLITE_VERSION_MIN {
+        return Err(LibraryError::TooOld {
+            version: rusqlite::version(),
+        });
     }
     Ok(())
 }
 
 /// Refuse to apply pages without `sqlite_dbpage`.
-pub fn check_dbpage(conn: &Connection) -> Result<(), String> {
-    conn.query_row("SELECT count(*) FROM sqlite_dbpage WHERE pgno = 1", [], |_| Ok(())).map_err(|e| {
-        format!(
-            "this build of SQLite lacks the sqlite_dbpage table the receiver applies pages with ({e}); \
-             build ferry from its workspace, whose .cargo/config.toml sets \
-             LIBSQLITE3_FLAGS=SQLITE_ENABLE_DBPAGE_VTAB"
-        )
-    })
+pub fn check_dbpage(conn: &Connection) -> Result<(), LibraryError> {
+    conn.query_row(
+        "SELECT count(*) FROM sqlite_dbpage WHERE pgno = 1",
+        [],
+        |_| Ok(()),
+    )
+    .map_err(|source| LibraryError::NoDbpage { source })
 }
 
 /// Where SQLite's wal-index (`-shm`) says the WAL's committed frames end: the salts of the

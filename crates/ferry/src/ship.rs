@@ -3,6 +3,7 @@
 use crate::table;
 use anyhow::{Context, anyhow, bail};
 use clap::Args;
+use ferry_core::ConfigError;
 use ferry_core::epoch::Epoch;
 use ferry_ship::receiver::{ReceiverStatus, server};
 use ferry_ship::shipper::{FOLD_MIN_FRAMES, ShipperStatus, WAL_MAX_BYTES};
@@ -113,6 +114,51 @@ pub struct PromoteArgs {
     pub json: bool,
 }
 
+/// The flag that gives a library setting (`ShipperConfig`, `ReceiverConfig`, promote's
+/// destination): library errors name settings, a person typed flags.
+fn flag_of(setting: &str) -> &str {
+    match setting {
+        "dir" => "--dir",
+        "peer" => "--peer",
+        "names" => "--db",
+        "token" => "--token-file",
+        "epoch" => "--epoch",
+        "workers" => "--workers",
+        "wal_max_bytes" => "--wal-max-bytes",
+        "fold_min_frames" => "--fold-min-frames",
+        "nice" => "--nice",
+        "max_body_bytes" => "--max-body-bytes",
+        "max_base_bytes" => "--max-base-bytes",
+        "dest" => "--to",
+        other => other,
+    }
+}
+
+/// A library error as one sentence: its message already carries its cause, which `{:#}`
+/// would print a second time.
+fn said(e: impl std::fmt::Display) -> anyhow::Error {
+    anyhow!("{e}")
+}
+
+/// A setting error as a person reads it: the flag, the value given, why, with any other
+/// setting the reason names spelled as its flag too.
+fn flagged(e: &ConfigError) -> anyhow::Error {
+    let mut reason = e.reason.clone();
+    for setting in [
+        "wal_max_bytes",
+        "fold_min_frames",
+        "max_body_bytes",
+        "max_base_bytes",
+    ] {
+        reason = reason.replace(setting, flag_of(setting));
+    }
+    if e.setting == "token" {
+        // The value is a secret: name the file it came from instead.
+        return anyhow!("the token in --token-file {reason}");
+    }
+    anyhow!("{} {}: {reason}", flag_of(e.setting), e.value)
+}
+
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -129,7 +175,7 @@ pub fn ship(a: ShipArgs) -> anyhow::Result<()> {
         .iter()
         .map(|n| ferry_ship::names::from_argument(n))
         .collect::<Result<_, _>>()
-        .map_err(|e| anyhow!(e))?;
+        .map_err(said)?;
     config.token = crate::read_token(&a.token_file)?;
     config.epoch = a.epoch.map(Epoch);
     config.workers = a.workers;
@@ -149,7 +195,10 @@ pub fn ship(a: ShipArgs) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    let shipper = Arc::new(Shipper::start(config.clone()).map_err(|e| anyhow!(e))?);
+    let shipper = Arc::new(Shipper::start(config.clone()).map_err(|e| match e {
+        ferry_ship::shipper::StartError::Config(c) => flagged(&c),
+        e => said(e),
+    })?);
     tracing::info!(dir = %config.dir.display(), peer = %config.peer, "shipping");
     rt.block_on(async {
         if let Some(listener) = listener {
@@ -203,7 +252,10 @@ pub fn receive(a: ReceiveArgs) -> anyhow::Result<()> {
     config.max_base_bytes = a.max_base_bytes;
     config.base_quick_check = !a.no_base_check;
     let listen = a.listen.expect("clap requires --listen");
-    let receiver = Receiver::open(config.clone()).map_err(|e| anyhow!(e))?;
+    let receiver = Receiver::open(config.clone()).map_err(|e| match e {
+        ferry_ship::receiver::OpenError::Config(c) => flagged(&c),
+        e => said(e),
+    })?;
     receiver.start_checkpointer();
     let rt = runtime()?;
     rt.block_on(async {
@@ -216,7 +268,7 @@ pub fn receive(a: ReceiveArgs) -> anyhow::Result<()> {
 }
 
 pub fn promote(a: PromoteArgs) -> anyhow::Result<()> {
-    let name = ferry_ship::names::from_argument(&a.name).map_err(|e| anyhow!(e))?;
+    let name = ferry_ship::names::from_argument(&a.name).map_err(said)?;
     let mut last = std::time::Instant::now();
     let mut progress = |done: u32, total: u32| {
         if last.elapsed() >= Duration::from_secs(2) {
@@ -224,7 +276,10 @@ pub fn promote(a: PromoteArgs) -> anyhow::Result<()> {
             last = std::time::Instant::now();
         }
     };
-    let p = ferry_ship::promote(&a.dir, &name, &a.to, &mut progress).map_err(|e| anyhow!(e))?;
+    let p = ferry_ship::promote(&a.dir, &name, &a.to, &mut progress).map_err(|e| match e {
+        ferry_ship::receiver::PromoteError::Config(c) => flagged(&c),
+        e => said(e),
+    })?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&p)?);
     } else {
@@ -316,13 +371,13 @@ pub fn ship_status(a: ShipStatusArgs) -> anyhow::Result<()> {
     let Some(dir) = a.dir else {
         bail!("give --url of a running shipper's --metrics-listen, or --dir of its directory")
     };
-    let states = ferry_ship::shipper::offline_status(&dir).map_err(|e| anyhow!(e))?;
+    let states = ferry_ship::shipper::offline_status(&dir).map_err(said)?;
     if a.json {
         let v: Vec<_> = states
             .iter()
             .map(|(n, s)| match s {
                 Ok(s) => serde_json::json!({"name": n, "state": s}),
-                Err(e) => serde_json::json!({"name": n, "error": e}),
+                Err(e) => serde_json::json!({"name": n, "error": e.to_string()}),
             })
             .collect();
         println!("{}", serde_json::to_string_pretty(&v)?);
@@ -342,7 +397,7 @@ pub fn ship_status(a: ShipStatusArgs) -> anyhow::Result<()> {
                 s.acked_seq.to_string(),
                 if s.needs_base { "yes" } else { "no" }.into(),
             ],
-            Err(e) => vec![n.clone(), "-".into(), "-".into(), "-".into(), e.clone()],
+            Err(e) => vec![n.clone(), "-".into(), "-".into(), "-".into(), e.to_string()],
         })
         .collect();
     print!(
@@ -357,7 +412,7 @@ pub fn receive_status(a: ReceiveStatusArgs) -> anyhow::Result<()> {
     let status: ReceiverStatus = if let Some(url) = a.url {
         get_json(&format!("{}/status", url.trim_end_matches('/')), token)?
     } else if let Some(dir) = a.dir {
-        ferry_ship::receiver::offline_status(&dir).map_err(|e| anyhow!(e))?
+        ferry_ship::receiver::offline_status(&dir).map_err(said)?
     } else {
         bail!("give --url of a running receiver, or --dir of its directory");
     };

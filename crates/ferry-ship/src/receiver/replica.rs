@@ -589,7 +589,8 @@ fn read_trailer(body: &mut dyn Read, crc: u32) -> Result<(), ReplicaError> {
             n => got += n,
         }
     }
-    crate::proto::check_base_trailer(&t[..got], crc).map_err(ReplicaError::Invalid)?;
+    crate::proto::check_base_trailer(&t[..got], crc)
+        .map_err(|e| ReplicaError::Invalid(e.to_string()))?;
     let mut extra = [0u8; 1];
     if body.read(&mut extra)? != 0 {
         return Err(ReplicaError::Invalid(

@@ -1,7 +1,7 @@
 //! HTTP to the receiver (docs/ship.md §5), blocking, on the shipper's worker threads.
 
 use crate::proto::{EpochQuery, Position, Refusal, TxnsQuery};
-use ferry_core::{Class, Classify};
+use ferry_core::{Class, Classify, ConfigError};
 use std::io::Read;
 use std::time::Duration;
 
@@ -40,24 +40,31 @@ pub struct Client {
 }
 
 impl Client {
-    /// `peer` must be an `http://` or `https://` URL.
-    pub fn new(peer: &str, token: Option<String>) -> Result<Client, String> {
+    /// `peer` must be an `http://` or `https://` URL. A bad one is a [`ConfigError`] for
+    /// the setting `peer` (or `token`, whose value it never repeats).
+    pub fn new(peer: &str, token: Option<String>) -> Result<Client, ConfigError> {
         let base_url = peer.trim_end_matches('/').to_string();
         let rest = base_url
             .strip_prefix("http://")
             .or_else(|| base_url.strip_prefix("https://"))
             .ok_or_else(|| {
-                format!(
-                    "peer URL {peer:?} needs a scheme: write http://HOST:PORT or https://HOST:PORT"
+                ConfigError::new(
+                    "peer",
+                    peer,
+                    "needs a scheme: write http://HOST:PORT or https://HOST:PORT",
                 )
             })?;
         if rest.is_empty() || rest.starts_with('/') {
-            return Err(format!("peer URL {peer:?} names no host"));
+            return Err(ConfigError::new("peer", peer, "names no host"));
         }
         if let Some(t) = &token
             && (t.is_empty() || t.chars().any(|c| c.is_control() || c == ' '))
         {
-            return Err("the token is empty or holds spaces or control characters".into());
+            return Err(ConfigError::new(
+                "token",
+                "(not shown)",
+                "is empty or holds spaces or control characters",
+            ));
         }
         let agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
@@ -186,10 +193,13 @@ mod tests {
     #[test]
     fn a_peer_url_without_a_scheme_is_refused_with_the_fix() {
         let e = Client::new("127.0.0.1:7350", None).err().unwrap();
-        assert!(e.contains("http://"), "{e}");
+        assert_eq!(e.setting, "peer");
+        assert!(e.reason.contains("http://"), "{e}");
         assert!(Client::new("http://", None).is_err());
         assert!(Client::new("http://127.0.0.1:1/", None).is_ok());
         assert!(Client::new("https://standby.example:443", Some("t0k".into())).is_ok());
-        assert!(Client::new("http://x:1", Some("a b".into())).is_err());
+        let e = Client::new("http://x:1", Some("a b".into())).err().unwrap();
+        assert_eq!(e.setting, "token");
+        assert!(!e.to_string().contains("a b"), "the token leaked: {e}");
     }
 }

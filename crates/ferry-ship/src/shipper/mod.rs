@@ -11,10 +11,14 @@
 //!   wake the database directly.
 
 pub mod client;
+pub mod error;
 pub mod fold;
 pub mod track;
 
+use crate::ship_state::{ShipState, StateError};
 use client::Client;
+pub use error::{OfflineError, StartError, StepError};
+use ferry_core::ConfigError;
 use ferry_core::epoch::Epoch;
 use ferry_core::fs::DirLock;
 use ferry_core::metrics::Exposition;
@@ -93,6 +97,59 @@ impl ShipperConfig {
             fold_min_frames: FOLD_MIN_FRAMES,
             nice: NICE,
         }
+    }
+}
+
+impl ShipperConfig {
+    /// Check every setting once, before anything starts; an error names the setting as
+    /// this struct spells it.
+    pub fn check(&self) -> Result<(), ConfigError> {
+        if self.workers == 0 || self.workers > 64 {
+            return Err(ConfigError::new(
+                "workers",
+                self.workers,
+                "must be between 1 and 64",
+            ));
+        }
+        if !(0..=19).contains(&self.nice) {
+            return Err(ConfigError::new(
+                "nice",
+                self.nice,
+                "must be between 0 and 19",
+            ));
+        }
+        if self.fold_min_frames == 0 {
+            return Err(ConfigError::new("fold_min_frames", 0, "must be at least 1"));
+        }
+        // The cap must leave room to reach the fold threshold twice over (at 4 KiB pages),
+        // or every burst would end in a base.
+        let min_cap = self.fold_min_frames as u64 * (4096 + 24) * 2;
+        if self.wal_max_bytes < min_cap {
+            return Err(ConfigError::new(
+                "wal_max_bytes",
+                self.wal_max_bytes,
+                format!(
+                    "is too small for fold_min_frames {}: it must be at least {min_cap} \
+                     (twice the fold threshold at 4 KiB pages), or every burst of writes would end in a base",
+                    self.fold_min_frames
+                ),
+            ));
+        }
+        for n in &self.names {
+            crate::names::validate(n)
+                .map_err(|e| ConfigError::new("names", format!("{n:?}"), e.problem.to_string()))?;
+        }
+        let meta = std::fs::metadata(&self.dir).map_err(|e| {
+            ConfigError::new("dir", self.dir.display(), format!("cannot be used: {e}"))
+        })?;
+        if !meta.is_dir() {
+            return Err(ConfigError::new(
+                "dir",
+                self.dir.display(),
+                "is not a directory",
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -206,44 +263,16 @@ impl Slot {
 
 impl Shipper {
     /// Check the configuration, lock the directory and start shipping.
-    pub fn start(config: ShipperConfig) -> Result<Shipper, String> {
+    pub fn start(config: ShipperConfig) -> Result<Shipper, StartError> {
         crate::sqlite::check_library()?;
         let client = Client::new(&config.peer, config.token.clone())?;
-        if config.workers == 0 || config.workers > 64 {
-            return Err(format!(
-                "--workers {} must be between 1 and 64",
-                config.workers
-            ));
-        }
-        if !(0..=19).contains(&config.nice) {
-            return Err(format!("--nice {} must be between 0 and 19", config.nice));
-        }
-        if config.fold_min_frames == 0 {
-            return Err("--fold-min-frames must be at least 1".into());
-        }
-        // The cap must leave room to reach the fold threshold twice over (at 4 KiB pages),
-        // or every burst would end in a base.
-        let min_cap = config.fold_min_frames as u64 * (4096 + 24) * 2;
-        if config.wal_max_bytes < min_cap {
-            return Err(format!(
-                "--wal-max-bytes {} is too small for --fold-min-frames {}: it must be at least {min_cap} \
-                 (twice the fold threshold at 4 KiB pages), or every burst of writes would end in a base",
-                config.wal_max_bytes, config.fold_min_frames
-            ));
-        }
-        for n in &config.names {
-            crate::names::validate(n)?;
-        }
-        let meta = std::fs::metadata(&config.dir)
-            .map_err(|e| format!("cannot use --dir {}: {e}", config.dir.display()))?;
-        if !meta.is_dir() {
-            return Err(format!("--dir {} is not a directory", config.dir.display()));
-        }
+        config.check()?;
         let state_dir = config.dir.join(".ferry-ship");
-        std::fs::create_dir_all(&state_dir)
-            .map_err(|e| format!("cannot create {}: {e}", state_dir.display()))?;
-        let lock = DirLock::try_acquire(&state_dir.join("lock"), "another ferry shipper")
-            .map_err(|e| e.to_string())?;
+        std::fs::create_dir_all(&state_dir).map_err(|source| StartError::StateDir {
+            path: state_dir.clone(),
+            source,
+        })?;
+        let lock = DirLock::try_acquire(&state_dir.join("lock"), "another ferry shipper")?;
         let config_nice = config.nice;
         let inner = Arc::new(Inner {
             config,
@@ -836,17 +865,15 @@ pub fn metrics(status: &ShipperStatus) -> String {
 }
 
 /// A database's name and its saved state (or why it could not be read).
-pub type SavedState = (String, Result<crate::ship_state::ShipState, String>);
+pub type SavedState = (String, Result<ShipState, StateError>);
 
 /// The on-disk view of a shipper directory, for `ferry ship status` without a running
 /// shipper: each database's persisted state.
-pub fn offline_status(dir: &Path) -> Result<Vec<SavedState>, String> {
+pub fn offline_status(dir: &Path) -> Result<Vec<SavedState>, OfflineError> {
     let state_dir = dir.join(".ferry-ship");
-    let rd = std::fs::read_dir(&state_dir).map_err(|e| {
-        format!(
-            "{} has no shipper state ({e}); has `ferry ship` run there?",
-            dir.display()
-        )
+    let rd = std::fs::read_dir(&state_dir).map_err(|source| OfflineError {
+        dir: dir.to_path_buf(),
+        source,
     })?;
     let mut out: Vec<_> = rd
         .flatten()
@@ -854,8 +881,14 @@ pub fn offline_status(dir: &Path) -> Result<Vec<SavedState>, String> {
             let f = e.file_name();
             let name = f.to_str()?.strip_suffix(".json")?.to_string();
             crate::names::validate(&name).ok()?;
-            let st = crate::ship_state::load(&e.path())
-                .and_then(|s| s.ok_or_else(|| "missing".to_string()));
+            let path = e.path();
+            let st = crate::ship_state::load(&path).and_then(|s| {
+                // Listed a moment ago, gone now: say so as a read that found nothing.
+                s.ok_or_else(|| StateError::Read {
+                    path,
+                    source: std::io::ErrorKind::NotFound.into(),
+                })
+            });
             Some((name, st))
         })
         .collect();

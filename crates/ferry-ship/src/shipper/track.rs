@@ -14,6 +14,7 @@
 //! can re-prove against the WAL, or one that leads to a base.
 
 use super::client::{Client, Reply};
+use super::error::StepError;
 use super::{TXN_INLINE_BYTES_MAX, UNACKED_BYTES_MAX};
 use crate::proto::{
     self, BaseHeader, Code, EpochQuery, Position, RecordHeader, Refusal, TxnsQuery,
@@ -134,52 +135,6 @@ impl BaseReason {
             BaseReason::WalCap => "wal_cap",
             BaseReason::PeerLost => "peer_lost",
             BaseReason::PageSize => "page_size",
-        }
-    }
-}
-
-/// A failed step. All are retried after a backoff; the message goes to status.
-#[derive(Debug, thiserror::Error)]
-pub enum StepError {
-    #[error("SQLite: {0}{code}", code = extended_code(.0))]
-    Sqlite(#[from] rusqlite::Error),
-    #[error("I/O: {0}")]
-    Io(#[from] io::Error),
-    #[error("{0}")]
-    Peer(String),
-}
-
-/// SQLite's extended result code when it says more than the message (which names only
-/// the primary one: "disk I/O error" is any of some thirty).
-fn extended_code(e: &rusqlite::Error) -> String {
-    match e {
-        rusqlite::Error::SqliteFailure(f, _) if f.extended_code > 0xff => {
-            format!(" (extended code {})", f.extended_code)
-        }
-        _ => String::new(),
-    }
-}
-
-impl ferry_core::Classify for StepError {
-    /// Everything a step meets is retried after a backoff, but the class says whether
-    /// waiting can cure it: a busy lock or an unreachable peer can, a corrupt database
-    /// file or a permission cannot (the step keeps failing and status says why).
-    fn class(&self) -> ferry_core::Class {
-        use ferry_core::Class;
-        match self {
-            StepError::Sqlite(e) => match e.sqlite_error_code() {
-                Some(
-                    rusqlite::ErrorCode::DatabaseBusy
-                    | rusqlite::ErrorCode::DatabaseLocked
-                    | rusqlite::ErrorCode::DiskFull,
-                ) => Class::Transient,
-                Some(rusqlite::ErrorCode::DatabaseCorrupt | rusqlite::ErrorCode::NotADatabase) => {
-                    Class::Corrupted
-                }
-                _ => Class::Permanent,
-            },
-            StepError::Io(e) => e.class(),
-            StepError::Peer(_) => Class::Transient,
         }
     }
 }
