@@ -38,6 +38,7 @@ pub use stats::{Stats, WRITE_BUCKETS};
 use crate::storage::{FileStorage, Storage};
 use crate::{Error, Lsn};
 use batch::Batches;
+use ferry_core::seams::{Clock, SystemClock};
 use ferry_core::sync::lock;
 use space::Filled;
 use state::{CacheLine, Inner, Shared};
@@ -68,7 +69,18 @@ impl Log {
     /// Open (or create) the log on `storage`: recover (docs/log.md §4), then start the
     /// writer.
     pub fn open(storage: Arc<dyn Storage>, config: Config) -> Result<(Log, Recovery), Error> {
-        Log::open_with(storage, config, false)
+        Log::open_with(storage, config, false, Arc::new(SystemClock))
+    }
+
+    /// [`Log::open`], with the writer reading the time it decides by (how long it has
+    /// waited for its followers, [`Config::follow`]) from `clock`, for tests that
+    /// drive it.
+    pub fn open_with_clock(
+        storage: Arc<dyn Storage>,
+        config: Config,
+        clock: Arc<dyn Clock>,
+    ) -> Result<(Log, Recovery), Error> {
+        Log::open_with(storage, config, false, clock)
     }
 
     /// [`Log::open`] without a writer thread: nothing becomes durable until the caller
@@ -79,13 +91,15 @@ impl Log {
         storage: Arc<dyn Storage>,
         config: Config,
     ) -> Result<(Log, Recovery), Error> {
-        Log::open_with(storage, config, true)
+        // A driven log does not wait for followers: it has no decision that reads time.
+        Log::open_with(storage, config, true, Arc::new(SystemClock))
     }
 
     fn open_with(
         storage: Arc<dyn Storage>,
         config: Config,
         driven: bool,
+        clock: Arc<dyn Clock>,
     ) -> Result<(Log, Recovery), Error> {
         config.check()?;
         let found = recovery::recover(&*storage, config.spare_segments)?;
@@ -118,6 +132,7 @@ impl Log {
             driven,
             follow: Arc::default(),
             spares: Mutex::new(found.spares),
+            clock,
         });
         let state = Writer::new(
             Filled {

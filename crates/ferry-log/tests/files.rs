@@ -328,6 +328,55 @@ fn a_follower_that_never_goes_idle_delays_the_writer_at_most_its_follow() {
     assert_eq!(all(&log).len(), 5);
 }
 
+/// A clock that reads an hour later each time.
+struct Hours {
+    start: Instant,
+    reads: std::sync::atomic::AtomicU64,
+}
+
+impl ferry_core::seams::Clock for Hours {
+    fn now(&self) -> Instant {
+        let n = self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.start + Duration::from_secs(3600 * n)
+    }
+    fn wall_ms(&self) -> u64 {
+        0
+    }
+}
+
+/// Guards the wiring of the writer's clock: its wait for a follower that never goes
+/// idle must end when the clock it was given says `follow` has passed. Read from the
+/// system clock, each of these syncs would wait an hour.
+#[test]
+fn the_writers_wait_for_followers_reads_the_clock_it_was_given() {
+    let scratch = Scratch::new("log-follow-clock");
+    let storage = ferry_log::FileStorage::open(&scratch.dir("log")).unwrap();
+    let config = Config {
+        follow: Duration::from_secs(3600),
+        ..Config::default()
+    };
+    let clock = Arc::new(Hours {
+        start: Instant::now(),
+        reads: Default::default(),
+    });
+    let (log, _) = Log::open_with_clock(Arc::new(storage), config, clock.clone()).unwrap();
+    let follower = log.follower();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    for i in 0..3u8 {
+        let end = log.append(1, &[i]).unwrap();
+        rt.block_on(log.durable_following(end, &follower)).unwrap();
+    }
+    let end = log.append(1, b"other").unwrap();
+    log.wait_durable(end).unwrap();
+    assert!(
+        clock.reads.load(std::sync::atomic::Ordering::SeqCst) >= 2,
+        "the writer read the clock"
+    );
+    log.close().unwrap();
+}
+
 #[test]
 fn async_waiters_resolve_when_durable() {
     let scratch = Scratch::new("log-async");

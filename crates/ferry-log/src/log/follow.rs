@@ -10,6 +10,7 @@
 //! Nothing here is persisted; the wait only decides which sync a follower's reply
 //! rides.
 
+use ferry_core::seams::Clock;
 use ferry_core::sync::lock;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -37,7 +38,11 @@ impl Follower {
         let f = &*self.follow;
         // SeqCst on both sides: either the writer sees the count at zero, or this sees
         // it following and wakes it, under the lock it waits with.
-        if f.working.fetch_sub(1, Ordering::SeqCst) == 1 && f.following.load(Ordering::SeqCst) {
+        let working = f.working.fetch_sub(1, Ordering::SeqCst);
+        // One idle per wake (`woken` went from set to clear): a count wrapped below
+        // zero would make the writer wait out `follow` after every sync, for ever.
+        assert!(working > 0, "followers working never falls below zero");
+        if working == 1 && f.following.load(Ordering::SeqCst) {
             let _g = lock(&f.lock);
             f.cv.notify_one();
         }
@@ -75,24 +80,172 @@ impl Follow {
     }
 }
 
-/// Wait up to `limit` (`Config::follow`) for the followers the last sync woke to go
-/// idle.
-pub(super) fn wait_for_followers(f: &Follow, limit: Duration) {
-    if limit.is_zero() || f.working.load(Ordering::SeqCst) == 0 {
-        return;
+/// Why the writer's wait for its followers ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Followed {
+    /// No wait: `follow` is zero, or the last sync woke no follower.
+    Off,
+    /// Every follower woken went idle.
+    Idle,
+    /// The log is closing.
+    Closing,
+    /// `follow` ran out with a follower still working.
+    TimedOut,
+}
+
+/// What the writer does next in its wait for followers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Next {
+    Stop(Followed),
+    /// Sleep on the condition variable this long at most, then look again.
+    Sleep(Duration),
+}
+
+/// One look at the followers: `working` of them not idle yet, the log `closing`, the
+/// clock at `now`, the wait ending at `until`. Idle and closing end the wait even past
+/// the deadline.
+pub(super) fn next(working: usize, closing: bool, now: Instant, until: Instant) -> Next {
+    if working == 0 {
+        Next::Stop(Followed::Idle)
+    } else if closing {
+        Next::Stop(Followed::Closing)
+    } else if now >= until {
+        Next::Stop(Followed::TimedOut)
+    } else {
+        Next::Sleep(until - now)
     }
-    let until = Instant::now() + limit;
+}
+
+/// Wait up to `limit` (`Config::follow`), by `clock`, for the followers the last sync
+/// woke to go idle. The clock is read only if a follower is working.
+pub(super) fn wait_for_followers(f: &Follow, limit: Duration, clock: &dyn Clock) -> Followed {
+    if limit.is_zero() || f.working.load(Ordering::SeqCst) == 0 {
+        return Followed::Off;
+    }
+    let until = clock.now() + limit;
     let mut g = lock(&f.lock);
     f.following.store(true, Ordering::SeqCst);
-    while f.working.load(Ordering::SeqCst) > 0 && !f.closing.load(Ordering::SeqCst) {
-        let now = Instant::now();
-        if now >= until {
-            break;
+    let followed = loop {
+        let working = f.working.load(Ordering::SeqCst);
+        let closing = f.closing.load(Ordering::SeqCst);
+        match next(working, closing, clock.now(), until) {
+            Next::Stop(why) => break why,
+            Next::Sleep(d) => {
+                g = f.cv.wait_timeout(g, d).unwrap_or_else(|p| p.into_inner()).0;
+            }
         }
-        g =
-            f.cv.wait_timeout(g, until - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-    }
+    };
     f.following.store(false, Ordering::SeqCst);
+    followed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU64;
+
+    #[test]
+    fn idle_and_closing_end_the_wait_even_past_its_deadline() {
+        let t = Instant::now();
+        let until = t + Duration::from_micros(25);
+        assert_eq!(next(0, false, t, until), Next::Stop(Followed::Idle));
+        assert_eq!(next(0, true, until, until), Next::Stop(Followed::Idle));
+        assert_eq!(next(2, true, t, until), Next::Stop(Followed::Closing));
+        assert_eq!(next(1, false, until, until), Next::Stop(Followed::TimedOut));
+        let later = t + Duration::from_micros(10);
+        assert_eq!(
+            next(1, false, later, until),
+            Next::Sleep(Duration::from_micros(15))
+        );
+    }
+
+    /// A clock an hour later at every read.
+    struct Hours {
+        start: Instant,
+        reads: AtomicU64,
+    }
+
+    impl Clock for Hours {
+        fn now(&self) -> Instant {
+            let n = self.reads.fetch_add(1, Ordering::SeqCst);
+            self.start + Duration::from_secs(3600 * n)
+        }
+        fn wall_ms(&self) -> u64 {
+            0
+        }
+    }
+
+    fn follower(follow: &Arc<Follow>) -> Follower {
+        Follower {
+            follow: follow.clone(),
+            woken: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    #[test]
+    fn the_deadline_is_read_from_the_clock_given() {
+        // With the system clock this wait would last an hour: a follower that never
+        // goes idle is waited for until the clock given says `follow` has passed.
+        let f = Arc::new(Follow::default());
+        let clock = Hours {
+            start: Instant::now(),
+            reads: AtomicU64::new(0),
+        };
+        let hour = Duration::from_secs(3600);
+        assert_eq!(wait_for_followers(&f, hour, &clock), Followed::Off);
+        assert_eq!(
+            clock.reads.load(Ordering::SeqCst),
+            0,
+            "no follower, no clock"
+        );
+        let a = follower(&f);
+        f.woke(&a.woken);
+        assert_eq!(wait_for_followers(&f, hour, &clock), Followed::TimedOut);
+        assert_eq!(
+            wait_for_followers(&f, Duration::ZERO, &clock),
+            Followed::Off
+        );
+        a.idle();
+        assert_eq!(wait_for_followers(&f, hour, &clock), Followed::Off);
+    }
+
+    #[test]
+    fn the_last_follower_to_go_idle_or_closing_wakes_the_writer() {
+        // A clock that never moves: only an idle or a close can end these waits.
+        struct Stopped(Instant);
+        impl Clock for Stopped {
+            fn now(&self) -> Instant {
+                self.0
+            }
+            fn wall_ms(&self) -> u64 {
+                0
+            }
+        }
+        let clock = Stopped(Instant::now());
+        let f = Arc::new(Follow::default());
+        let (a, b) = (follower(&f), follower(&f));
+        f.woke(&a.woken);
+        f.woke(&b.woken);
+        f.woke(&b.woken); // woken twice before going idle: counted once
+        let idle = std::thread::spawn(move || {
+            a.idle();
+            b.idle();
+            b.idle(); // idle again without a wake: nothing to count
+        });
+        let hour = Duration::from_secs(3600);
+        let followed = wait_for_followers(&f, hour, &clock);
+        assert!(
+            matches!(followed, Followed::Idle | Followed::Off),
+            "{followed:?}"
+        );
+        idle.join().unwrap();
+        assert_eq!(f.working.load(Ordering::SeqCst), 0);
+
+        let c = follower(&f);
+        f.woke(&c.woken);
+        let closer = f.clone();
+        let close = std::thread::spawn(move || closer.close());
+        assert_eq!(wait_for_followers(&f, hour, &clock), Followed::Closing);
+        close.join().unwrap();
+    }
 }

@@ -9,6 +9,7 @@ use super::stats::Stats;
 use super::waiters::Waiters;
 use crate::Lsn;
 use crate::storage::Storage;
+use ferry_core::seams::Clock;
 use std::io;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Condvar, Mutex};
@@ -51,6 +52,10 @@ pub(super) struct Inner {
     /// `Config::spare_segments`): a segment made from one is written over space the
     /// disk already holds, so its syncs write data alone (docs/log.md §3).
     pub(super) spares: Mutex<Vec<String>>,
+    /// What the writer's wait for its followers reads the time from (a decision:
+    /// tests drive it). The writer's cycle durations in `Stats` and the recovery
+    /// time are measurements, and read `Instant` directly.
+    pub(super) clock: Arc<dyn Clock>,
 }
 
 /// A value alone on its cache lines (two, for the adjacent-line prefetcher).

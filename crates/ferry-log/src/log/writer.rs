@@ -54,7 +54,7 @@ impl Writer {
 /// covers; until the log closes.
 pub(super) fn write_loop(inner: &Inner, mut writer: Writer) {
     loop {
-        wait_for_followers(&inner.follow, inner.config.follow);
+        wait_for_followers(&inner.follow, inner.config.follow, &*inner.clock);
         let batches: Vec<Sealed> = {
             let mut s = lock(&inner.shared);
             loop {
