@@ -52,3 +52,39 @@ impl Stats {
         Some(1 << WRITE_BUCKETS)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cycle_is_counted_in_the_bucket_of_its_power_of_two() {
+        assert_eq!(Stats::write_bucket(0), 0, "under 1 µs goes in the first");
+        assert_eq!(Stats::write_bucket(1), 0);
+        assert_eq!(Stats::write_bucket(2), 1);
+        assert_eq!(Stats::write_bucket(3), 1);
+        assert_eq!(Stats::write_bucket(1024), 10);
+        assert_eq!(Stats::write_bucket(1 << 23), WRITE_BUCKETS - 1);
+        assert_eq!(
+            Stats::write_bucket(u64::MAX),
+            WRITE_BUCKETS - 1,
+            "longer: the last"
+        );
+    }
+
+    #[test]
+    fn a_quantile_is_the_upper_bound_of_the_bucket_where_it_falls() {
+        let mut b = [0u64; WRITE_BUCKETS];
+        assert_eq!(Stats::write_quantile_us(&b, 0.5), None);
+        b[Stats::write_bucket(300)] = 98; // 256-512 µs
+        b[Stats::write_bucket(5000)] = 2; // 4096-8192 µs
+        assert_eq!(Stats::write_quantile_us(&b, 0.5), Some(512));
+        assert_eq!(Stats::write_quantile_us(&b, 0.98), Some(512));
+        assert_eq!(Stats::write_quantile_us(&b, 0.99), Some(8192));
+        assert_eq!(
+            Stats::write_quantile_us(&b, 0.0),
+            Some(512),
+            "at least one cycle"
+        );
+    }
+}
