@@ -81,16 +81,19 @@ impl Batches {
     }
 
     /// The end of the last record appended.
+    #[inline]
     pub(super) fn end(&self) -> Lsn {
         self.end
     }
 
+    #[inline]
     pub(super) fn pending_bytes(&self) -> u64 {
         self.pending_bytes
     }
 
     /// Where the open batch starts: every batch before it is closed, taken by the
     /// writer or waiting for it. The writer never writes past it.
+    #[inline]
     pub(super) fn closed_end(&self) -> Lsn {
         self.open_start
     }
@@ -98,6 +101,7 @@ impl Batches {
     /// Copy a frame of `kind` and `payload` (whose checksum is `crc`) into the open
     /// batch; returns the position just past it. A segment the record starts is pushed
     /// onto `segments`.
+    #[inline]
     pub(super) fn push(
         &mut self,
         kind: u8,
@@ -139,6 +143,7 @@ impl Batches {
     }
 
     /// Everything appended and not yet taken, closed, in log order.
+    #[inline]
     pub(super) fn take(&mut self) -> Vec<Sealed> {
         if !self.open.is_empty() {
             self.seal_open();
@@ -149,6 +154,7 @@ impl Batches {
     /// `batches` were written (or failed to be): their bytes are no longer pending.
     /// Their buffers are kept for the next batches, or put in `freed` to be freed
     /// after the caller lets go of the lock (a large one is an munmap).
+    #[inline]
     pub(super) fn written(&mut self, batches: Vec<Sealed>, freed: &mut Vec<Vec<u8>>) {
         let taken: u64 = batches.iter().map(|b| b.pending).sum();
         // In release a wrap here would be silent: pending_bytes near u64::MAX stops

@@ -66,6 +66,7 @@ pub(super) struct Follow {
 impl Follow {
     /// The writer is about to wake a wait of the follower whose flag is `woken`: count
     /// it working, unless it is already.
+    #[inline]
     pub(super) fn woke(&self, woken: &AtomicBool) {
         if !woken.swap(true, Ordering::SeqCst) {
             self.working.fetch_add(1, Ordering::SeqCst);

@@ -45,6 +45,7 @@ const _: () = assert!(2 * ZERO_STEP <= ZERO_AHEAD);
 /// sync, or None while more than `ZERO_AHEAD - ZERO_STEP` of them are ahead (or the
 /// file reaches the segment's end). A top-up writes at most `2 * ZERO_STEP` (what
 /// `ZEROES` holds), never past `end + ZERO_AHEAD` or the segment's end.
+#[inline]
 pub(super) fn top_up(len: u64, end: u64, segment_bytes: u64) -> Option<u64> {
     if len + ZERO_STEP <= end + ZERO_AHEAD && len < segment_bytes {
         Some(

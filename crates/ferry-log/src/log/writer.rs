@@ -146,6 +146,10 @@ pub(super) fn write_and_publish(inner: &Inner, mut batches: Vec<Sealed>, writer:
             let done = s.waiters.release(end);
             drop(s);
             for w in done {
+                // Guarantee 2: a wait never wakes before its position is durable. Checked
+                // per wait, where it wakes: the binary search that chose them trusts the
+                // queue's order and cannot tell.
+                assert!(w.lsn <= end, "a sync releases only the waits it covers");
                 // A wait given up (its receiver dropped) wakes no one to wait for.
                 if let Some(f) = &w.follower
                     && !w.tx.abandoned()
