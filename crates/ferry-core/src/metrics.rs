@@ -191,6 +191,99 @@ impl Histogram {
     }
 }
 
+/// Durations counted in power-of-two buckets of microseconds: bucket `i` counts those of
+/// 2^i to 2^(i+1) µs (the first also those under 1 µs, the last also those longer), with
+/// their sum. Plain counts, for a histogram its owner updates under a lock it holds
+/// anyway (ferry-log's writer); its quantiles are bucket upper bounds, which is as much
+/// as operators read from it (a p99 of "under 512 µs").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Log2Histogram<const N: usize> {
+    pub counts: [u64; N],
+    pub sum_us: u64,
+}
+
+impl<const N: usize> Default for Log2Histogram<N> {
+    fn default() -> Self {
+        Log2Histogram {
+            counts: [0; N],
+            sum_us: 0,
+        }
+    }
+}
+
+impl<const N: usize> Log2Histogram<N> {
+    const _BUCKETS: () = assert!(N >= 2 && N <= 63, "2 to 63 power-of-two buckets");
+
+    /// The bucket of a duration of `us` microseconds.
+    pub fn bucket(us: u64) -> usize {
+        let () = Self::_BUCKETS;
+        (u64::BITS - us.max(1).leading_zeros() - 1).min(N as u32 - 1) as usize
+    }
+
+    pub fn record(&mut self, us: u64) {
+        self.counts[Self::bucket(us)] += 1;
+        self.sum_us = self.sum_us.saturating_add(us);
+    }
+
+    pub fn count(&self) -> u64 {
+        self.counts.iter().sum()
+    }
+
+    /// The upper bound in µs of the bucket where `q` (0 to 1) of the durations end:
+    /// `q = 0.99` says 99% of them took less. None with none counted.
+    pub fn quantile_us(&self, q: f64) -> Option<u64> {
+        let total = self.count();
+        if total == 0 {
+            return None;
+        }
+        let want = (q * total as f64).ceil().max(1.0) as u64;
+        let mut seen = 0;
+        for (i, n) in self.counts.iter().enumerate() {
+            seen += n;
+            if seen >= want {
+                return Some(1 << (i + 1));
+            }
+        }
+        Some(1 << N)
+    }
+
+    /// What was counted since `earlier`, a copy of this histogram taken before.
+    pub fn since(&self, earlier: &Self) -> Self {
+        let mut d = *self;
+        for (c, e) in d.counts.iter_mut().zip(earlier.counts) {
+            *c = c.checked_sub(e).expect("a histogram's counts only rise");
+        }
+        d.sum_us = d.sum_us.saturating_sub(earlier.sum_us);
+        d
+    }
+
+    /// The upper bounds in seconds of every bucket but the last (which has none).
+    pub fn bounds_seconds() -> Vec<f64> {
+        (1..N).map(|i| (1u64 << i) as f64 / 1e6).collect()
+    }
+}
+
+impl Exposition {
+    /// A [`Log2Histogram`] of durations, in seconds.
+    pub fn histogram_log2<const N: usize>(
+        &mut self,
+        name: &str,
+        help: &str,
+        labels: &[Label<'_>],
+        h: &Log2Histogram<N>,
+    ) -> &mut Self {
+        let bounds = Log2Histogram::<N>::bounds_seconds();
+        self.histogram_counts(
+            name,
+            help,
+            labels,
+            &bounds,
+            &h.counts,
+            h.sum_us as f64 / 1e6,
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -211,5 +304,38 @@ mod tests {
         assert!(text.contains("ferry_lat_seconds_bucket{le=\"0.0001\"} 1"));
         assert!(text.contains("ferry_lat_seconds_bucket{le=\"0.005\"} 2"));
         assert!(text.contains("ferry_lat_seconds_count 2"));
+    }
+
+    #[test]
+    fn log2_buckets_hold_powers_of_two_and_quantiles_are_their_upper_bounds() {
+        type H = Log2Histogram<24>;
+        assert_eq!(H::bucket(0), 0, "under 1 µs goes in the first");
+        assert_eq!(H::bucket(1), 0);
+        assert_eq!(H::bucket(3), 1);
+        assert_eq!(H::bucket(1023), 9);
+        assert_eq!(H::bucket(1024), 10);
+        assert_eq!(H::bucket(u64::MAX), 23, "longer: the last");
+        let mut h = H::default();
+        assert_eq!(h.quantile_us(0.5), None);
+        for _ in 0..98 {
+            h.record(300); // 256-512 µs
+        }
+        let before = h;
+        h.record(5000); // 4096-8192 µs
+        h.record(5000);
+        assert_eq!(h.quantile_us(0.0), Some(512), "at least one");
+        assert_eq!(h.quantile_us(0.5), Some(512));
+        assert_eq!(h.quantile_us(0.98), Some(512));
+        assert_eq!(h.quantile_us(0.99), Some(8192));
+        assert_eq!(h.since(&before).count(), 2);
+        assert_eq!(h.since(&before).sum_us, 10_000);
+        let mut e = Exposition::new();
+        e.histogram_log2("ferry_w_seconds", "W.", &[], &h);
+        let text = e.finish();
+        assert!(
+            text.contains("ferry_w_seconds_bucket{le=\"0.000512\"} 98"),
+            "{text}"
+        );
+        assert!(text.contains("ferry_w_seconds_count 100"), "{text}");
     }
 }

@@ -295,17 +295,11 @@ impl Counters {
         for (name, help, v) in gauges {
             e.gauge(name, help, &[], v);
         }
-        // Bucket i holds cycles of 2^i to 2^(i+1) µs; the last, anything longer.
-        let bounds: Vec<f64> = (1..ferry_log::WRITE_BUCKETS)
-            .map(|i| (1u64 << i) as f64 / 1e6)
-            .collect();
-        e.histogram_counts(
+        e.histogram_log2(
             "ferry_flow_log_write_seconds",
             "The log writer's cycles (a write and an fdatasync of what filled): what the disk gives each step.",
             &[],
-            &bounds,
-            &log.write_us_log2,
-            log.write_us as f64 / 1e6,
+            &log.write_us,
         );
         e.finish()
     }

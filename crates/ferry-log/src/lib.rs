@@ -12,7 +12,9 @@ mod log;
 pub mod sim;
 mod storage;
 
-pub use crate::log::{Config, Follower, Log, Record, Recovery, Stats, WRITE_BUCKETS};
+pub use crate::log::{
+    Config, Follower, Log, Record, Recovery, Stats, WRITE_BUCKETS, WriteHistogram,
+};
 pub use crate::storage::{FileStorage, Storage};
 
 use ferry_core::ConfigError;

@@ -33,7 +33,7 @@ pub use config::Config;
 pub use follow::Follower;
 pub use read::Record;
 pub use recovery::Recovery;
-pub use stats::{Stats, WRITE_BUCKETS};
+pub use stats::{Stats, WRITE_BUCKETS, WriteHistogram};
 
 use crate::storage::{FileStorage, Storage};
 use crate::{Error, Lsn};

@@ -277,17 +277,15 @@ fn log_delta(before: ferry_log::Stats, after: ferry_log::Stats, steps: u64) -> V
 /// p99 (upper bounds of power-of-two buckets), how many took 1 ms or more, its busy
 /// time, and the buckets themselves. What the disk gave the engine while it ran.
 fn writer_delta(before: &ferry_log::Stats, after: &ferry_log::Stats) -> Value {
-    let mut b = [0u64; ferry_log::WRITE_BUCKETS];
-    for (i, d) in b.iter_mut().enumerate() {
-        *d = after.write_us_log2[i] - before.write_us_log2[i];
-    }
+    let d = after.write_us.since(&before.write_us);
+    let from_1ms = ferry_log::WriteHistogram::bucket(1024);
     json!({
-        "cycles": b.iter().sum::<u64>(),
-        "p50_us_below": ferry_log::Stats::write_quantile_us(&b, 0.5),
-        "p99_us_below": ferry_log::Stats::write_quantile_us(&b, 0.99),
-        "cycles_1ms_or_more": b[ferry_log::Stats::write_bucket(1024)..].iter().sum::<u64>(),
-        "busy_secs": (after.write_us - before.write_us) as f64 / 1e6,
-        "cycles_by_log2_us": b,
+        "cycles": d.count(),
+        "p50_us_below": d.quantile_us(0.5),
+        "p99_us_below": d.quantile_us(0.99),
+        "cycles_1ms_or_more": d.counts[from_1ms..].iter().sum::<u64>(),
+        "busy_secs": d.sum_us as f64 / 1e6,
+        "cycles_by_log2_us": d.counts,
     })
 }
 

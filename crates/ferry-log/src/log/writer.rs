@@ -20,7 +20,6 @@ use super::batch::Sealed;
 use super::follow::wait_for_followers;
 use super::space::{Filled, ZEROES, segment_from_spare, top_up};
 use super::state::{Inner, Shared};
-use super::stats::Stats;
 use crate::format::{self, SEGMENT_HEADER_BYTES, SegmentHeader, segment_name};
 use crate::{Error, Lsn};
 use ferry_core::sync::lock;
@@ -127,8 +126,7 @@ pub(super) fn write_and_publish(inner: &Inner, mut batches: Vec<Sealed>, writer:
             s.stats.syncs += syncs;
             s.stats.segments_reused += reused;
             s.stats.bytes_written += bytes;
-            s.stats.write_us_log2[Stats::write_bucket(took)] += 1;
-            s.stats.write_us += took;
+            s.stats.write_us.record(took);
             // Only the writer stores `durable`. A position published lower than before
             // would let a wait registered meanwhile see it durable and then not; one
             // past what was closed for the writer, a record not yet written.
