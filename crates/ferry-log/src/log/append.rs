@@ -41,7 +41,7 @@ pub(super) fn append(inner: &Inner, kind: u8, payload: &[u8]) -> Result<Lsn, Err
         if guard.batches.pending_bytes() < inner.config.pending_bytes_max || inner.driven {
             break;
         }
-        guard = inner.space.wait(guard).unwrap_or_else(|p| p.into_inner());
+        guard = ferry_core::sync::wait(&inner.space, guard);
     }
     let s = &mut *guard;
     let end = s.batches.push(

@@ -132,7 +132,7 @@ pub(super) fn wait_for_followers(f: &Follow, limit: Duration, clock: &dyn Clock)
         match next(working, closing, clock.now(), until) {
             Next::Stop(why) => break why,
             Next::Sleep(d) => {
-                g = f.cv.wait_timeout(g, d).unwrap_or_else(|p| p.into_inner()).0;
+                g = ferry_core::sync::wait_timeout(&f.cv, g, d);
             }
         }
     };

@@ -70,7 +70,7 @@ pub(super) fn write_loop(inner: &Inner, mut writer: Writer) {
                     return;
                 }
                 s.writer_asleep = true;
-                s = inner.work.wait(s).unwrap_or_else(|p| p.into_inner());
+                s = ferry_core::sync::wait(&inner.work, s);
                 s.writer_asleep = false;
             }
         };
