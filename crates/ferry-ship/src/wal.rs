@@ -586,8 +586,10 @@ pub fn read_header(
     Ok(Some(Header::parse(&b)))
 }
 
+/// WALs built in memory the way SQLite writes them, for the tests of every module that
+/// reads one.
 #[cfg(test)]
-mod tests {
+pub(crate) mod testing {
     use super::*;
 
     /// Build a WAL in memory the way SQLite writes one.
@@ -615,13 +617,32 @@ mod tests {
             }
         }
 
+        /// A frame whose page is `fill` repeated.
         pub fn frame(&mut self, pgno: u32, commit_size: u32, fill: u8) -> &mut Self {
+            let page = vec![fill; self.cursor.page_size as usize];
+            self.frame_with(pgno, commit_size, &page)
+        }
+    }
+
+    impl WalBuilder {
+        /// The cursor after the last frame written.
+        pub fn cursor(&self) -> Cursor {
+            self.cursor
+        }
+
+        /// The parsed header.
+        pub fn header(&self) -> Header {
+            Header::parse(&self.bytes).unwrap()
+        }
+
+        /// A frame whose page holds `page`.
+        pub fn frame_with(&mut self, pgno: u32, commit_size: u32, page: &[u8]) -> &mut Self {
+            assert_eq!(page.len(), self.cursor.page_size as usize);
             let mut f = Vec::new();
             f.extend(pgno.to_be_bytes());
             f.extend(commit_size.to_be_bytes());
-            let page = vec![fill; self.cursor.page_size as usize];
             let sum = checksum_words(self.cursor.big_endian, self.cursor.checksum, &f);
-            let sum = checksum_words(self.cursor.big_endian, sum, &page);
+            let sum = checksum_words(self.cursor.big_endian, sum, page);
             f.extend(self.cursor.salts.0.to_be_bytes());
             f.extend(self.cursor.salts.1.to_be_bytes());
             f.extend(sum.0.to_be_bytes());
@@ -633,6 +654,12 @@ mod tests {
             self
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::WalBuilder;
+    use super::*;
 
     const LIMITS: ScanLimits = ScanLimits {
         txn_inline_bytes_max: 1 << 20,

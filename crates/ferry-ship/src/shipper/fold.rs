@@ -14,7 +14,9 @@
 //! reset it sees (§3.3 rule 4), whoever caused it. A crash mid-fold leaves a partly
 //! copied WAL, which SQLite handles like any interrupted checkpoint.
 
+use super::proof::PublishedEnds;
 use crate::wal::{self, Salts};
+use ferry_core::sync::lock;
 use rusqlite::Connection;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -68,45 +70,11 @@ pub struct FoldState {
 impl FoldState {
     /// The furthest the folder saw SQLite publish of the cycle `salts`.
     pub fn published(&self, salts: Salts) -> Option<u32> {
-        self.published
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(salts)
+        lock(&self.published).get(salts)
     }
 
     fn note(&self, end: crate::sqlite::WalIndexEnd) {
-        self.published
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .note(end);
-    }
-}
-
-/// How far SQLite was seen to publish each of the last few WAL cycles (docs/ship.md
-/// §3.2): an end seen is a lower bound of that cycle's, and stays one after the wal-index
-/// moves on to the next cycle.
-#[derive(Clone, Debug, Default)]
-pub struct PublishedEnds(Vec<crate::sqlite::WalIndexEnd>);
-
-/// Cycles remembered: the shipper looks at a reset within a step or two, and a fold is
-/// only asked for once per cycle.
-const PUBLISHED_CYCLES_MAX: usize = 4;
-
-impl PublishedEnds {
-    pub fn get(&self, salts: Salts) -> Option<u32> {
-        self.0.iter().find(|e| e.salts == salts).map(|e| e.frame)
-    }
-
-    pub fn note(&mut self, end: crate::sqlite::WalIndexEnd) {
-        match self.0.iter_mut().find(|e| e.salts == end.salts) {
-            Some(e) => e.frame = e.frame.max(end.frame),
-            None => {
-                if self.0.len() == PUBLISHED_CYCLES_MAX {
-                    self.0.remove(0);
-                }
-                self.0.push(end);
-            }
-        }
+        lock(&self.published).note(end);
     }
 }
 
@@ -192,7 +160,7 @@ impl Folder {
 
     /// Queue a message; false if the queue is full or the folder is stopping.
     fn send(&self, message: Message) -> bool {
-        match self.tx.lock().expect("folder lock").as_ref() {
+        match lock(&self.tx).as_ref() {
             Some(tx) => tx.try_send(message).is_ok(),
             None => false,
         }
@@ -200,8 +168,8 @@ impl Folder {
 
     /// Stop after the fold in progress.
     pub fn shutdown(&self) {
-        self.tx.lock().expect("folder lock").take();
-        if let Some(t) = self.thread.lock().expect("folder lock").take() {
+        lock(&self.tx).take();
+        if let Some(t) = lock(&self.thread).take() {
             let _ = t.join();
         }
     }

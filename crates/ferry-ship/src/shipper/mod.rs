@@ -10,18 +10,26 @@
 //! - commits on connections prepared with [`crate::prepare_connection`] in this process
 //!   wake the database directly.
 
+pub mod base;
+pub mod batch;
 pub mod client;
 pub mod error;
+pub mod files;
 pub mod fold;
+pub mod fold_policy;
+pub mod proof;
 pub mod track;
 
 use crate::ship_state::{ShipState, StateError};
+use base::BaseProgress;
 use client::Client;
 pub use error::{OfflineError, StartError, StepError};
 use ferry_core::ConfigError;
 use ferry_core::epoch::Epoch;
 use ferry_core::fs::DirLock;
 use ferry_core::metrics::Exposition;
+use ferry_core::seams::{Clock, SystemClock};
+use ferry_core::sync::lock;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -29,7 +37,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-use track::{BaseProgress, Next, Track, TrackConfig};
+use track::{Next, Track, TrackConfig};
 
 pub use crate::proto::{BATCH_BYTES_MAX, PART_BYTES_MAX};
 /// A transaction with more page bytes than this is not copied into memory when scanned;
@@ -60,10 +68,14 @@ const SNAPSHOT_INTERVAL: Duration = Duration::from_millis(100);
 /// The directory is rescanned for new databases this often (inotify does it sooner).
 const RESCAN: Duration = Duration::from_secs(5);
 
-const _: () = assert!(TXN_INLINE_BYTES_MAX <= UNACKED_BYTES_MAX);
+/// How often a step re-checks what rarely changes: the file's identity, its header's
+/// change counter, the `-wal` file's identity, the WAL cap. A step per commit cannot
+/// afford a stat of each every time; a file replaced in between fails the continuity
+/// proof anyway (its WAL has other salts).
+pub(crate) const IDENTITY_INTERVAL: Duration = Duration::from_millis(50);
 
 /// How a shipper is set up. Checked by [`Shipper::start`].
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct ShipperConfig {
     pub dir: PathBuf,
     /// Databases to ship; empty means every `*.db` in `dir`.
@@ -82,6 +94,24 @@ pub struct ShipperConfig {
     /// costs the app's commits as little as possible. When the app keeps every core busy
     /// a nice shipper falls behind, which the lag in its status shows.
     pub nice: i32,
+    /// Time for every deadline, interval and stamp of the shipper.
+    pub clock: Arc<dyn Clock>,
+}
+
+impl std::fmt::Debug for ShipperConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShipperConfig")
+            .field("dir", &self.dir)
+            .field("names", &self.names)
+            .field("peer", &self.peer)
+            .field("token", &self.token.as_ref().map(|_| "(set)"))
+            .field("epoch", &self.epoch)
+            .field("workers", &self.workers)
+            .field("wal_max_bytes", &self.wal_max_bytes)
+            .field("fold_min_frames", &self.fold_min_frames)
+            .field("nice", &self.nice)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ShipperConfig {
@@ -96,6 +126,7 @@ impl ShipperConfig {
             wal_max_bytes: WAL_MAX_BYTES,
             fold_min_frames: FOLD_MIN_FRAMES,
             nice: NICE,
+            clock: Arc::new(SystemClock),
         }
     }
 }
@@ -250,8 +281,8 @@ impl Slot {
     }
 
     /// Step again as soon as the pace allows: true to queue now, or false with `due` set.
-    fn pace(&mut self) -> bool {
-        match self.paced(Instant::now()) {
+    fn pace(&mut self, now: Instant) -> bool {
+        match self.paced(now) {
             Some(at) => {
                 self.due = Some(at);
                 false
@@ -272,19 +303,20 @@ impl Shipper {
             path: state_dir.clone(),
             source,
         })?;
-        let lock = DirLock::try_acquire(&state_dir.join("lock"), "another ferry shipper")?;
+        let dir_lock = DirLock::try_acquire(&state_dir.join("lock"), "another ferry shipper")?;
         let config_nice = config.nice;
+        let now = config.clock.now();
         let inner = Arc::new(Inner {
             config,
             client,
-            started: Instant::now(),
-            _lock: lock,
+            started: now,
+            _lock: dir_lock,
             sched: Mutex::new(Sched::default()),
             cv: Condvar::new(),
             dbs: Mutex::new(BTreeMap::new()),
             stop: AtomicBool::new(false),
             folder: fold::Folder::start(config_nice),
-            discovered: Mutex::new(Instant::now()),
+            discovered: Mutex::new(now),
         });
         // Watch before the first scan of the directory, so that a database created in
         // between is seen by one or the other.
@@ -329,21 +361,14 @@ impl Shipper {
         let poke = self.inner.config.dir.join(".ferry-ship").join("stop");
         let _ = std::fs::write(&poke, b"");
         let _ = std::fs::remove_file(&poke);
-        let threads: Vec<_> = std::mem::take(&mut *self.threads.lock().expect("threads lock"));
+        let threads: Vec<_> = std::mem::take(&mut *lock(&self.threads));
         for t in threads {
             let _ = t.join();
         }
         self.inner.folder.shutdown();
-        let entries: Vec<_> = self
-            .inner
-            .dbs
-            .lock()
-            .expect("dbs lock")
-            .values()
-            .cloned()
-            .collect();
+        let entries: Vec<_> = lock(&self.inner.dbs).values().cloned().collect();
         for e in entries {
-            if let Some(t) = e.track.lock().unwrap_or_else(|p| p.into_inner()).as_mut()
+            if let Some(t) = lock(&e.track).as_mut()
                 && let Err(err) = t.save()
             {
                 tracing::warn!(db = %t.name, "saving state at shutdown: {err}");
@@ -369,6 +394,10 @@ fn spawn(name: &str, nice: i32, f: impl FnOnce() + Send + 'static) -> JoinHandle
 }
 
 impl Inner {
+    fn now(&self) -> Instant {
+        self.config.clock.now()
+    }
+
     /// Track the configured names, or every `*.db` in the directory.
     fn discover(self: &Arc<Self>) {
         let names: Vec<String> = if self.config.names.is_empty() {
@@ -398,7 +427,7 @@ impl Inner {
             return;
         }
         {
-            let mut dbs = self.dbs.lock().expect("dbs lock");
+            let mut dbs = lock(&self.dbs);
             if dbs.contains_key(name) {
                 return;
             }
@@ -423,7 +452,7 @@ impl Inner {
                 name.to_string(),
                 Arc::new(Entry {
                     track: Mutex::new(None),
-                    refreshed: Mutex::new(Instant::now()),
+                    refreshed: Mutex::new(self.now()),
                     snapshot: Mutex::new(DbStatus {
                         name: name.to_string(),
                         state: "starting".into(),
@@ -436,18 +465,18 @@ impl Inner {
             );
         }
         tracing::info!(db = name, "tracking");
-        let mut s = self.sched.lock().expect("sched lock");
+        let mut s = lock(&self.sched);
         s.slots.entry(name.to_string()).or_default().parked = false;
         drop(s);
         self.wake(name);
     }
 
     fn is_tracked(&self, name: &str) -> bool {
-        self.dbs.lock().expect("dbs lock").contains_key(name)
+        lock(&self.dbs).contains_key(name)
     }
 
     fn wake(&self, name: &str) {
-        let mut s = self.sched.lock().expect("sched lock");
+        let mut s = lock(&self.sched);
         let Some(slot) = s.slots.get_mut(name) else {
             return;
         };
@@ -457,7 +486,7 @@ impl Inner {
         if slot.running {
             slot.again = true;
         } else if !slot.queued {
-            if let Some(at) = slot.paced(Instant::now()) {
+            if let Some(at) = slot.paced(self.now()) {
                 // Under a stream of commits the slot is usually due already, and a worker
                 // waits for that time: only an earlier time needs one woken (a wake-up
                 // here is a syscall on the app's commit path, and the woken thread
@@ -479,20 +508,21 @@ impl Inner {
         while let Some(name) = self.next_job() {
             self.rediscover_if_due();
             let next = self.run(&name);
-            let mut s = self.sched.lock().expect("sched lock");
+            let now = self.now();
+            let mut s = lock(&self.sched);
             let slot = s.slots.entry(name.clone()).or_default();
             slot.running = false;
             let requeue = match next {
                 Next::Again => true,
                 // A batch went out, or a commit came in during the step: again, paced.
-                Next::Sent => slot.pace(),
-                Next::Idle if slot.again => slot.pace(),
+                Next::Sent => slot.pace(now),
+                Next::Idle if slot.again => slot.pace(now),
                 Next::Idle => {
-                    slot.due = Some(Instant::now() + POLL);
+                    slot.due = Some(now + POLL);
                     false
                 }
                 Next::After(d) => {
-                    slot.due = Some(Instant::now() + d);
+                    slot.due = Some(now + d);
                     false
                 }
                 Next::Gone | Next::Fenced => {
@@ -518,10 +548,11 @@ impl Inner {
     /// The backstop for missed inotify events: rescan the directory every `RESCAN`.
     fn rediscover_if_due(self: &Arc<Self>) {
         let due = {
-            let mut at = self.discovered.lock().expect("discovered lock");
-            let due = at.elapsed() >= RESCAN;
+            let mut at = lock(&self.discovered);
+            let now = self.now();
+            let due = now.saturating_duration_since(*at) >= RESCAN;
             if due {
-                *at = Instant::now();
+                *at = now;
             }
             due
         };
@@ -532,12 +563,12 @@ impl Inner {
 
     /// Wait for a database to step; None when stopping.
     fn next_job(&self) -> Option<String> {
-        let mut s = self.sched.lock().expect("sched lock");
+        let mut s = lock(&self.sched);
         loop {
             if self.stop.load(Ordering::SeqCst) {
                 return None;
             }
-            let now = Instant::now();
+            let now = self.now();
             let mut due_names = Vec::new();
             let mut earliest: Option<Instant> = None;
             for (n, slot) in &s.slots {
@@ -565,21 +596,26 @@ impl Inner {
             let wait = earliest
                 .map_or(POLL, |e| e.saturating_duration_since(now))
                 .max(Duration::from_micros(100));
-            s = self.cv.wait_timeout(s, wait).expect("sched lock").0;
+            s = self
+                .cv
+                .wait_timeout(s, wait)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 
     /// One step of `name`, opening it first if needed.
     fn run(&self, name: &str) -> Next {
-        let Some(entry) = self.dbs.lock().expect("dbs lock").get(name).cloned() else {
+        let Some(entry) = lock(&self.dbs).get(name).cloned() else {
             return Next::Gone;
         };
-        let mut guard = entry.track.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = lock(&entry.track);
         if guard.is_none() {
             let cfg = TrackConfig {
                 wal_max_bytes: self.config.wal_max_bytes,
                 fold_min_frames: self.config.fold_min_frames,
                 epoch: self.config.epoch,
+                clock: self.config.clock.clone(),
             };
             match Track::open(
                 &self.config.dir,
@@ -593,7 +629,7 @@ impl Inner {
                     if !self.config.dir.join(format!("{name}.db")).exists() {
                         return Next::Gone;
                     }
-                    let mut snap = entry.snapshot.lock().expect("snapshot lock");
+                    let mut snap = lock(&entry.snapshot);
                     snap.state = "error".into();
                     snap.failures += 1;
                     let msg = format!("cannot open {name}.db for shipping: {e}");
@@ -611,15 +647,16 @@ impl Inner {
         // The status snapshot is rebuilt when the database settles, and otherwise at most
         // every SNAPSHOT_INTERVAL: building it per step (per commit, under load) cost as
         // much as the step.
-        let mut refreshed = entry.refreshed.lock().expect("refreshed lock");
-        if next != Next::Again || refreshed.elapsed() >= SNAPSHOT_INTERVAL {
-            *refreshed = Instant::now();
+        let mut refreshed = lock(&entry.refreshed);
+        let now = self.now();
+        if next != Next::Again || now.saturating_duration_since(*refreshed) >= SNAPSHOT_INTERVAL {
+            *refreshed = now;
             let mut status = track.status();
             if next == Next::Gone {
                 status.state = "gone".into();
                 let _ = track.save();
             }
-            *entry.snapshot.lock().expect("snapshot lock") = status;
+            *lock(&entry.snapshot) = status;
         }
         next
     }
@@ -629,26 +666,20 @@ impl Inner {
             db = name,
             "the database file is gone; no longer tracking it"
         );
-        self.dbs.lock().expect("dbs lock").remove(name);
-        self.sched.lock().expect("sched lock").slots.remove(name);
+        lock(&self.dbs).remove(name);
+        lock(&self.sched).slots.remove(name);
     }
 
     fn status(&self) -> ShipperStatus {
-        let entries: Vec<_> = self
-            .dbs
-            .lock()
-            .expect("dbs lock")
-            .values()
-            .cloned()
-            .collect();
+        let entries: Vec<_> = lock(&self.dbs).values().cloned().collect();
         ShipperStatus {
             dir: self.config.dir.display().to_string(),
             peer: self.client.peer().to_string(),
-            uptime_secs: self.started.elapsed().as_secs(),
+            uptime_secs: self.now().saturating_duration_since(self.started).as_secs(),
             databases: entries
                 .iter()
                 .map(|e| {
-                    let mut s = e.snapshot.lock().expect("snapshot lock").clone();
+                    let mut s = lock(&e.snapshot).clone();
                     s.base_progress = e.progress.get();
                     if s.base_progress.is_some() {
                         s.state = "sending base".into();
