@@ -9,6 +9,7 @@
 //! - The wake registry: a commit on a prepared connection wakes any shipper in this process
 //!   that tracks the database, within microseconds.
 
+use ferry_core::sync::lock;
 use rusqlite::{Connection, OpenFlags};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -255,10 +256,7 @@ fn install_wake_hook(conn: &Connection, path: &'static PathBuf) {
 /// databases.
 fn interned(path: PathBuf) -> &'static PathBuf {
     static PATHS: OnceLock<Mutex<HashMap<PathBuf, &'static PathBuf>>> = OnceLock::new();
-    let mut paths = PATHS
-        .get_or_init(Mutex::default)
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
+    let mut paths = lock(PATHS.get_or_init(Mutex::default));
     paths
         .entry(path.clone())
         .or_insert_with(|| Box::leak(Box::new(path)))
@@ -349,9 +347,7 @@ fn registry() -> &'static Mutex<HashMap<PathBuf, Vec<Weak<Waker>>>> {
 /// Wake every shipper in this process that tracks the database at `path`.
 pub fn wake_path(path: &Path) {
     let wakers: Vec<Arc<Waker>> = {
-        let map = registry()
-            .lock()
-            .expect("the wake registry is never poisoned: no code panics under it");
+        let map = lock(registry());
         match map.get(path) {
             Some(list) => list.iter().filter_map(Weak::upgrade).collect(),
             None => return,
@@ -371,9 +367,7 @@ pub struct Registration {
 /// Register `waker` to run when a prepared connection commits to `path`.
 pub fn register_waker(path: &Path, waker: Arc<Waker>) -> Registration {
     let path = canonical(path);
-    let mut map = registry()
-        .lock()
-        .expect("the wake registry is never poisoned");
+    let mut map = lock(registry());
     let list = map.entry(path.clone()).or_default();
     list.retain(|w| w.strong_count() > 0);
     list.push(Arc::downgrade(&waker));
@@ -382,9 +376,7 @@ pub fn register_waker(path: &Path, waker: Arc<Waker>) -> Registration {
 
 impl Drop for Registration {
     fn drop(&mut self) {
-        let mut map = registry()
-            .lock()
-            .expect("the wake registry is never poisoned");
+        let mut map = lock(registry());
         if let Some(list) = map.get_mut(&self.path) {
             list.retain(|w| {
                 w.strong_count() > 0 && !std::ptr::addr_eq(w.as_ptr(), Arc::as_ptr(&self.waker))

@@ -9,6 +9,7 @@ use ferry_ship::proto::{self, BaseHeader, RecordHeader};
 use ferry_testkit::proc;
 use ferry_testkit::wait_until;
 use ferry_testkit::workload::{self, Writer, WriterConfig};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 #[test]
@@ -105,7 +106,10 @@ fn a_non_sqlite_file_and_a_wrong_token_are_reported_and_harm_nothing() {
             ..WriterConfig::default()
         },
     );
-    std::thread::sleep(Duration::from_millis(500));
+    assert!(wait_until(Duration::from_secs(30), || w
+        .written
+        .load(Ordering::SeqCst)
+        >= 50));
     let last = w.stop();
     rig.wait_synced("good", last, Duration::from_secs(30));
     let junk = rig.db_status("junk").unwrap();
@@ -177,7 +181,10 @@ fn damaged_cut_oversized_and_misaddressed_requests_are_refused_and_change_nothin
             ..WriterConfig::default()
         },
     );
-    std::thread::sleep(Duration::from_millis(400));
+    assert!(wait_until(Duration::from_secs(30), || w
+        .written
+        .load(Ordering::SeqCst)
+        >= 40));
     let last = w.stop();
     rig.wait_synced("a", last, Duration::from_secs(30));
     // From here on the test is the only client: a shipper racing the forged requests

@@ -6,6 +6,7 @@ mod common;
 use common::*;
 use ferry_testkit::workload::{self, Writer, WriterConfig};
 use ferry_testkit::{proc, wait_until};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 // Guards against split brain after a failover: once a replica is promoted, the old
@@ -24,7 +25,12 @@ fn promotion_under_load_fences_the_old_primary_and_equals_the_last_ack() {
             ..WriterConfig::default()
         },
     );
-    std::thread::sleep(Duration::from_secs(3));
+    // Ship under load for a while: until the replica shows 600 transactions.
+    assert!(
+        wait_until(Duration::from_secs(60), || rig.replica_txns("app") >= 600),
+        "shipping under load stalled: {:?}",
+        rig.db_status("app")
+    );
     let last = writer.stop();
     rig.wait_synced("app", last, Duration::from_secs(30));
     rig.assert_equal("app");
@@ -43,7 +49,14 @@ fn promotion_under_load_fences_the_old_primary_and_equals_the_last_ack() {
             ..WriterConfig::default()
         },
     );
-    std::thread::sleep(Duration::from_millis(500));
+    // Promote once the replica holds some of the new writer's transactions, so that the
+    // promoted copy must show them.
+    assert!(
+        wait_until(Duration::from_secs(30), || rig.replica_txns("app")
+            > last + 30),
+        "the second writer's transactions did not ship: {:?}",
+        rig.db_status("app")
+    );
     let promoted = rig.scratch.path().join("new-primary").join("app.db");
     let (code, out, err) = proc::run(
         ferry(),
@@ -140,15 +153,29 @@ fn sigterm_saves_state_and_a_restart_resumes_without_a_base() {
             ..WriterConfig::default()
         },
     );
-    std::thread::sleep(Duration::from_secs(1));
+    assert!(
+        wait_until(Duration::from_secs(30), || rig.replica_txns("a") >= 100),
+        "nothing shipped before the stop: {:?}",
+        rig.db_status("a")
+    );
     assert_eq!(
         rig.stop_shipper(),
         Some(0),
         "the shipper did not exit cleanly on SIGTERM"
     );
-    std::thread::sleep(Duration::from_millis(500));
+    // The app writes on while no shipper runs: the restarted one must resume from its
+    // saved state with a backlog to ship, not only new commits.
+    let at_stop = writer.written.load(Ordering::SeqCst);
+    assert!(wait_until(Duration::from_secs(30), || {
+        writer.written.load(Ordering::SeqCst) >= at_stop + 50
+    }));
+    let backlog = writer.written.load(Ordering::SeqCst);
     rig.start_shipper();
-    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        wait_until(Duration::from_secs(30), || rig.replica_txns("a") >= backlog),
+        "the restarted shipper did not ship the backlog: {:?}",
+        rig.db_status("a")
+    );
     let last = writer.stop();
     rig.wait_synced("a", last, Duration::from_secs(30));
     rig.assert_equal("a");

@@ -79,7 +79,13 @@ fn receiver_killed_mid_apply_and_mid_parts_resumes_without_a_base() {
             ..WriterConfig::default()
         },
     );
-    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        wait_until(Duration::from_secs(30), || rig
+            .position("a")
+            .is_some_and(|p| p.seq > 10)),
+        "nothing was applied before the kills: {:?}",
+        rig.db_status("a")
+    );
     for _ in 0..10 {
         std::thread::sleep(Duration::from_millis(rng.range(50, 500)));
         rig.kill_receiver();
@@ -180,14 +186,24 @@ fn garbage_after_the_replica_wal_is_dropped_on_restart() {
             ..WriterConfig::default()
         },
     );
-    std::thread::sleep(Duration::from_millis(800));
+    assert!(wait_until(Duration::from_secs(30), || rig
+        .position("a")
+        .is_some_and(|p| p.seq > 50)));
+    let before = rig.position("a").unwrap().seq;
     rig.kill_receiver();
     let wal = replica_wal(&rig, "a");
     let mut bytes = std::fs::read(&wal).unwrap();
     bytes.extend_from_slice(&Rng::new(5).bytes(6000));
     std::fs::write(&wal, bytes).unwrap();
     rig.start_receiver();
-    std::thread::sleep(Duration::from_millis(500));
+    // The restarted receiver recovered past the garbage and applies again.
+    assert!(
+        wait_until(Duration::from_secs(30), || rig
+            .position("a")
+            .is_some_and(|p| p.seq > before)),
+        "the receiver did not apply after its restart: {:?}",
+        rig.position("a")
+    );
     let last = writer.stop();
     rig.wait_synced("a", last, Duration::from_secs(30));
     rig.assert_equal("a");
@@ -294,7 +310,10 @@ fn a_base_cut_by_either_side_dying_leaves_the_old_replica_or_the_new_one() {
             ..WriterConfig::default()
         },
     );
-    std::thread::sleep(Duration::from_millis(300));
+    assert!(wait_until(Duration::from_secs(30), || w
+        .written
+        .load(std::sync::atomic::Ordering::SeqCst)
+        >= 30));
     rig.kill_shipper();
     // Lose the shipper's state so that it sends a base again, and cut that one too.
     let _ = std::fs::remove_file(rig.primary.join(".ferry-ship").join("a.json"));

@@ -36,18 +36,40 @@ fn cut_refused_and_slow_connections_are_retried_and_change_nothing() {
         > 20));
     let f = proxy.faults();
 
-    // Cut requests mid-body, at random byte counts.
-    for _ in 0..8 {
+    // Cut requests mid-body, at random byte counts: each cut happens before the next.
+    for i in 0..8 {
         f.cut_after.store(rng.range(100, 20_000), Ordering::SeqCst);
-        std::thread::sleep(Duration::from_millis(rng.range(50, 300)));
+        assert!(
+            wait_until(Duration::from_secs(20), || f
+                .cut_after
+                .load(Ordering::SeqCst)
+                == 0),
+            "cut {i} never happened"
+        );
     }
-    // Refuse every connection for a while.
+    // Refuse every connection for a while: cut the one in use, and wait until the shipper
+    // has been refused reconnecting (twice) and says so in its status.
+    let connections = f.connections.load(Ordering::SeqCst);
     f.refuse.store(true, Ordering::SeqCst);
-    std::thread::sleep(Duration::from_millis(800));
+    f.cut_after.store(100, Ordering::SeqCst);
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            f.connections.load(Ordering::SeqCst) >= connections + 2
+                && rig.db_status("a").is_some_and(|d| d.failures > 0)
+        }),
+        "the shipper was never refused: {:?}",
+        rig.db_status("a")
+    );
     f.refuse.store(false, Ordering::SeqCst);
-    // A slow link.
+    // A slow link: shipping goes on through it.
     f.delay_ms.store(40, Ordering::SeqCst);
-    std::thread::sleep(Duration::from_millis(800));
+    let slow_from = rig.replica_txns("a");
+    assert!(
+        wait_until(Duration::from_secs(30), || rig.replica_txns("a")
+            >= slow_from + 30),
+        "nothing shipped over the slow link: {:?}",
+        rig.db_status("a")
+    );
     f.delay_ms.store(0, Ordering::SeqCst);
 
     let last = writer.stop();
@@ -55,8 +77,8 @@ fn cut_refused_and_slow_connections_are_retried_and_change_nothing() {
     rig.assert_equal("a");
     watcher.stop();
     assert!(
-        f.cuts.load(Ordering::SeqCst) >= 4,
-        "few requests were cut: {}",
+        f.cuts.load(Ordering::SeqCst) >= 9,
+        "fewer requests were cut than asked: {}",
         f.cuts.load(Ordering::SeqCst)
     );
     let d = rig.db_status("a").unwrap();

@@ -129,7 +129,15 @@ fn a_full_disk_on_the_receiver_harms_nothing_and_shipping_resumes() {
     workload::verify(&r).unwrap();
     drop(r);
     let stuck = rig.position("a").unwrap().seq;
-    std::thread::sleep(Duration::from_millis(500));
+    // The shipper keeps stepping (retrying against the full disk) before space is freed.
+    let steps = rig.db_status("a").map_or(0, |d| d.steps);
+    assert!(
+        wait_until(Duration::from_secs(30), || rig
+            .db_status("a")
+            .is_some_and(|d| d.steps >= steps + 3)),
+        "the shipper stopped stepping: {:?}",
+        rig.db_status("a")
+    );
     disk.grow(400);
     let last = writer.stop();
     rig.wait_synced("a", last, Duration::from_secs(60));

@@ -40,15 +40,25 @@ fn a_receiver_down_past_the_wal_cap_costs_one_base_and_the_wal_stays_bounded() {
             ..WriterConfig::default()
         },
     );
-    std::thread::sleep(Duration::from_secs(1));
+    assert!(wait_until(Duration::from_secs(30), || rig
+        .replica_txns("a")
+        > 100));
     rig.kill_receiver();
+    // The outage lasts until the shipper owes a base for the cap and the app has written
+    // well past it (4,500 transactions of about 4 KiB of pages: twice the cap), the WAL
+    // watched throughout.
     let wal = rig.primary.join("a.db-wal");
     let mut max_wal = 0;
-    let until = std::time::Instant::now() + Duration::from_secs(9);
-    while std::time::Instant::now() < until {
-        max_wal = max_wal.max(std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0));
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let mut owed = false;
+    assert!(
+        wait_until(Duration::from_secs(90), || {
+            max_wal = max_wal.max(std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0));
+            owed |= rig.db_status("a").is_some_and(|d| d.state == "base owed");
+            owed && writer.written.load(Ordering::SeqCst) > 4500
+        }),
+        "the shipper never owed a base for the cap (owed: {owed}): {:?}",
+        rig.db_status("a")
+    );
     let written = writer.written.load(Ordering::SeqCst);
     rig.start_receiver();
     let last = writer.stop();
@@ -85,7 +95,10 @@ fn checkpoints_in_every_mode_by_others_during_load_never_give_a_wrong_replica() 
             ..WriterConfig::default()
         },
     );
-    std::thread::sleep(Duration::from_millis(200));
+    assert!(wait_until(Duration::from_secs(30), || w1
+        .written
+        .load(Ordering::SeqCst)
+        >= 20));
     let w2 = Writer::start(
         &rig.db("a"),
         WriterConfig {
@@ -116,7 +129,13 @@ fn checkpoints_in_every_mode_by_others_during_load_never_give_a_wrong_replica() 
             }
         })
     };
-    std::thread::sleep(Duration::from_secs(5));
+    // Run until the outside checkpoints have run 40 times under load.
+    assert!(
+        wait_until(Duration::from_secs(60), || done.load(Ordering::Relaxed)
+            >= 40),
+        "few checkpoints ran: {}",
+        done.load(Ordering::Relaxed)
+    );
     stop.store(true, Ordering::SeqCst);
     ckpt.join().unwrap();
     let last = w1.stop().max(w2.stop());
@@ -153,7 +172,22 @@ fn an_apps_default_autocheckpoint_is_followed_without_bases() {
             ..WriterConfig::default()
         },
     );
-    std::thread::sleep(Duration::from_secs(5));
+    // Run until the app's autocheckpoints have reset the WAL three times: the resets the
+    // shipper must prove (without them, no bases would prove nothing).
+    let wal = rig.primary.join("a.db-wal");
+    let mut cycles: Vec<ferry_ship::wal::Salts> = Vec::new();
+    assert!(
+        wait_until(Duration::from_secs(60), || {
+            if let Some(salts) = wal_salts(&wal)
+                && cycles.last() != Some(&salts)
+            {
+                cycles.push(salts);
+            }
+            cycles.len() > 3
+        }),
+        "the app's autocheckpoints reset the WAL only {} times",
+        cycles.len().saturating_sub(1)
+    );
     let last = w.stop();
     rig.wait_synced("a", last, Duration::from_secs(30));
     rig.assert_equal("a");
@@ -162,6 +196,19 @@ fn an_apps_default_autocheckpoint_is_followed_without_bases() {
         b.values().sum::<u64>() <= 2,
         "resets after autocheckpoints cost bases: {b:?}"
     );
+}
+
+/// The salts of the WAL at `path` (which cycle it is in), if its header reads whole.
+fn wal_salts(path: &std::path::Path) -> Option<ferry_ship::wal::Salts> {
+    use std::io::Read;
+    let mut header = [0u8; ferry_ship::wal::HEADER_BYTES];
+    std::fs::File::open(path)
+        .ok()?
+        .read_exact(&mut header)
+        .ok()?;
+    ferry_ship::wal::Header::parse(&header)
+        .ok()
+        .map(|h| h.salts)
 }
 
 /// Write `n` workload transactions with seed `seed` to a fresh database at `path`, then
@@ -201,7 +248,10 @@ fn a_replaced_file_is_detected_and_rebased() {
             ..WriterConfig::default()
         },
     );
-    std::thread::sleep(Duration::from_millis(800));
+    assert!(wait_until(Duration::from_secs(30), || w
+        .written
+        .load(Ordering::SeqCst)
+        >= 100));
     let last = w.stop();
     rig.wait_synced("a", last, Duration::from_secs(30));
 
@@ -212,16 +262,28 @@ fn a_replaced_file_is_detected_and_rebased() {
     standalone_db(&restored, 30, 77);
     let restored_bytes = std::fs::read(&restored).unwrap();
     std::fs::rename(&restored, rig.db("a")).unwrap();
+    let waiting = |d: &ferry_ship::shipper::DbStatus| {
+        d.last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("a.db-wal and a.db-shm still belong"))
+    };
     assert!(
-        wait_until(Duration::from_secs(10), || {
-            rig.db_status("a")
-                .and_then(|d| d.last_error)
-                .is_some_and(|e| e.contains("a.db-wal and a.db-shm still belong"))
-        }),
+        wait_until(Duration::from_secs(10), || rig
+            .db_status("a")
+            .is_some_and(|d| waiting(&d))),
         "{:?}",
         rig.db_status("a")
     );
-    std::thread::sleep(Duration::from_millis(300));
+    // Let it step on while it waits (every 10 ms), so that a fold or a read of the new
+    // file through the old sidecars would have happened by now.
+    let steps = rig.db_status("a").unwrap().steps;
+    assert!(
+        wait_until(Duration::from_secs(10), || rig
+            .db_status("a")
+            .is_some_and(|d| waiting(&d) && d.steps >= steps + 20)),
+        "the shipper did not keep waiting: {:?}",
+        rig.db_status("a")
+    );
     assert!(
         std::fs::read(rig.db("a")).unwrap() == restored_bytes,
         "the restored file changed while its predecessor's -wal was beside it"
@@ -237,7 +299,10 @@ fn a_replaced_file_is_detected_and_rebased() {
             ..WriterConfig::default()
         },
     );
-    std::thread::sleep(Duration::from_millis(500));
+    assert!(wait_until(Duration::from_secs(30), || w
+        .written
+        .load(Ordering::SeqCst)
+        >= 40));
     let last = w.stop();
     rig.wait_synced("a", last, Duration::from_secs(30));
     rig.assert_equal("a");
@@ -269,7 +334,10 @@ fn a_replaced_file_is_detected_and_rebased() {
             ..WriterConfig::default()
         },
     );
-    std::thread::sleep(Duration::from_millis(500));
+    assert!(wait_until(Duration::from_secs(30), || w
+        .written
+        .load(Ordering::SeqCst)
+        >= 40));
     let last = w.stop();
     rig.wait_synced("a", last, Duration::from_secs(30));
     rig.assert_equal("a");
@@ -609,6 +677,7 @@ fn cut_short_commit(name: &str, write_before_reset: bool) {
     let wal_path = rig.primary.join("a.db-wal");
     let primary_wal = std::fs::read(&wal_path).unwrap();
     let at = primary_wal.len();
+    let seen_before = rig.db_status("a").unwrap().unpublished_seen;
     assert!(
         twin_wal.len() > at && twin_wal[..at] == primary_wal[..],
         "the twin's commit did not append to the primary's WAL"
@@ -619,9 +688,15 @@ fn cut_short_commit(name: &str, write_before_reset: bool) {
         .unwrap()
         .write_all_at(&twin_wal[at..], at as u64)
         .unwrap();
-    // Give the shipper time to see the frames (inotify, or its one-second poll): it must
-    // leave them alone.
-    std::thread::sleep(Duration::from_millis(1500));
+    // The shipper sees the frames (inotify, or its one-second poll), and must leave them
+    // alone: wait until its status shows a scan stopped at them, then look at the replica.
+    assert!(
+        wait_until(Duration::from_secs(20), || rig
+            .db_status("a")
+            .is_some_and(|d| d.unpublished_seen > seen_before)),
+        "the shipper never looked at the unpublished commit: {:?}",
+        rig.db_status("a")
+    );
     let replica_txns = workload::txns(&rig.replica("a"));
     assert_eq!(
         replica_txns, before,

@@ -182,6 +182,17 @@ struct Conns {
     barrier: Connection,
 }
 
+/// A fold that failed. Nothing depends on a fold's outcome (the shipper proves every
+/// reset it sees), so it is only logged; the folder drops its connections to the file and
+/// the database asks again at a later step.
+#[derive(Debug, thiserror::Error)]
+enum FoldError {
+    #[error("SQLite: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    #[error("I/O: {0}")]
+    Io(#[from] std::io::Error),
+}
+
 fn run(rx: Receiver<Message>) {
     let mut conns: HashMap<PathBuf, Conns> = HashMap::new();
     while let Ok(message) = rx.recv() {
@@ -208,10 +219,7 @@ fn run(rx: Receiver<Message>) {
     }
 }
 
-fn fold(
-    conns: &mut HashMap<PathBuf, Conns>,
-    job: &Job,
-) -> Result<(i64, i64, i64), Box<dyn std::error::Error>> {
+fn fold(conns: &mut HashMap<PathBuf, Conns>, job: &Job) -> Result<(i64, i64, i64), FoldError> {
     let ino = crate::quiet::stat(&job.path)?.ino;
     if ino != job.ino {
         return Ok((1, -1, -1));
@@ -282,7 +290,7 @@ fn fold(
             second.map_err(Into::into)
         }
         Ok(false) => Ok(first),
-        Err(e) => Err(e.into()),
+        Err(e) => Err(FoldError::Io(e)),
     };
     let _ = c.barrier.execute_batch("ROLLBACK");
     second

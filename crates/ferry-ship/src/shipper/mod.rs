@@ -222,6 +222,13 @@ pub struct DbStatus {
     /// Bytes sent and total of a base in flight.
     pub base_progress: Option<(u64, u64)>,
     pub last_ack_ms: Option<u64>,
+    /// Steps run since the database was opened for shipping.
+    #[serde(default)]
+    pub steps: u64,
+    /// Scans that stopped at a valid commit SQLite had not published (one being
+    /// published, or one whose writer died in it) and left it alone (docs/ship.md §3.2).
+    #[serde(default)]
+    pub unpublished_seen: u64,
 }
 
 /// A running shipper. Dropping it shuts it down cleanly.

@@ -866,6 +866,8 @@ impl Track {
             base_bytes_shipped: self.stats.base_bytes,
             base_progress: None,
             last_ack_ms: self.stats.last_ack_ms,
+            steps: self.stats.steps,
+            unpublished_seen: self.proof.unpublished_seen,
         }
     }
 }
