@@ -115,11 +115,14 @@ impl Breaker {
         }
     }
 
-    /// The era a publish starting now belongs to, or None while open (do not publish).
-    pub fn start(&self) -> Option<Era> {
+    /// The era a publish starting now belongs to, or None when it must not go out: while
+    /// open, and while half open unless it is the probe (`probe`: the era the lane's
+    /// [`Admit::Probe`] gave it).
+    pub fn start(&self, probe: Option<Era>) -> Option<Era> {
         match self.state {
-            State::Open { .. } => None,
-            _ => Some(Era(self.era)),
+            State::Closed => Some(Era(self.era)),
+            State::HalfOpen { .. } if probe == Some(Era(self.era)) => Some(Era(self.era)),
+            State::Open { .. } | State::HalfOpen { .. } => None,
         }
     }
 
@@ -289,7 +292,7 @@ mod tests {
         let mut rng = SplitMix64::seeded(1);
         let mut b = Breaker::new(5);
         let t0 = Instant::now();
-        let era = b.start().unwrap();
+        let era = b.start(None).unwrap();
         let mut changes = Vec::new();
         for _ in 0..256 {
             changes.extend(fail(&mut b, era, t0, &mut rng));
@@ -302,7 +305,7 @@ mod tests {
         assert!(pause <= Duration::from_millis(100));
         assert_eq!(b.pause(), pause, "the pause reported is the pause in force");
         assert_eq!(b.admit(t0, 0), Admit::Wait(pause));
-        assert_eq!(b.start(), None, "nothing is published while open");
+        assert_eq!(b.start(None), None, "nothing is published while open");
         assert_eq!(b.opened_total(), 1);
     }
 
@@ -314,7 +317,7 @@ mod tests {
         let mut rng = SplitMix64::seeded(2);
         let mut b = Breaker::new(1);
         let mut now = Instant::now();
-        let old = b.start().unwrap();
+        let old = b.start(None).unwrap();
         assert!(matches!(
             fail(&mut b, old, now, &mut rng),
             Some(Change::Opened { opening: 1, .. })
@@ -325,6 +328,12 @@ mod tests {
                 panic!("the pause ran out: a probe is due")
             };
             assert_eq!(b.admit(now, 0), Admit::AwaitProbe, "one probe at a time");
+            assert_eq!(
+                b.start(None),
+                None,
+                "only the probe goes out while half open"
+            );
+            assert_eq!(b.start(Some(era)), Some(era));
             assert_eq!(
                 b.answered(old),
                 None,
@@ -348,7 +357,7 @@ mod tests {
         assert_eq!(b.answered(era), Some(Change::Closed));
         assert!(!b.is_open());
         assert_eq!(b.admit(now, 0), Admit::Lease);
-        let era = b.start().unwrap();
+        let era = b.start(None).unwrap();
         assert!(matches!(
             fail(&mut b, era, now, &mut rng),
             Some(Change::Opened { opening: 1, .. })
@@ -362,7 +371,7 @@ mod tests {
         let mut rng = SplitMix64::seeded(3);
         let mut b = Breaker::new(1);
         let now = Instant::now();
-        let era = b.start().unwrap();
+        let era = b.start(None).unwrap();
         b.failed(era, "away", Some(Duration::from_secs(20)), now, 7, &mut rng);
         assert!(matches!(b.admit(now, 7), Admit::Wait(d) if d >= Duration::from_secs(20)));
         assert!(matches!(b.admit(now, 8), Admit::Probe(_)));
@@ -374,7 +383,7 @@ mod tests {
         let mut rng = SplitMix64::seeded(4);
         let mut b = Breaker::new(1);
         let now = Instant::now();
-        let era = b.start().unwrap();
+        let era = b.start(None).unwrap();
         fail(&mut b, era, now, &mut rng);
         let later = now + Duration::from_secs(31);
         let Admit::Probe(p) = b.admit(later, 0) else {

@@ -537,7 +537,7 @@ impl Relay {
                 );
             }
             add(&self.stats.leased, leased.len() as u64);
-            let outcomes = self.publish_batch(&leased).await;
+            let outcomes = self.publish_batch(&leased, probe).await;
             #[cfg(feature = "failpoints")]
             if crash_before_settle() {
                 // A crash test's failpoint: die between publishing and settling, the
@@ -619,14 +619,15 @@ impl Relay {
     }
 
     /// Publish `leased` with up to `window` in flight, extending the lease meanwhile.
-    async fn publish_batch(&self, leased: &[Leased]) -> Vec<Outcome> {
+    /// `probe`: this batch is the half-open breaker's probe.
+    async fn publish_batch(&self, leased: &[Leased], probe: Option<Era>) -> Vec<Outcome> {
         let held: Vec<(i64, Epoch)> = leased.iter().map(|m| (m.id, m.generation)).collect();
         // Collected first: a lazy `map` closure inside a spawned task trips the compiler's
         // higher-ranked lifetime inference.
         let sends: Vec<_> = leased
             .iter()
             .enumerate()
-            .map(|(i, m)| self.publish_indexed(i, m))
+            .map(|(i, m)| self.publish_indexed(i, m, probe))
             .collect();
         let mut publishing = futures_util::stream::iter(sends).buffer_unordered(self.config.window);
         let mut outcomes: Vec<Option<Outcome>> = vec![None; leased.len()];
@@ -683,21 +684,21 @@ impl Relay {
         }
     }
 
-    async fn publish_indexed(&self, i: usize, m: &Leased) -> (usize, Outcome) {
-        (i, self.publish_one(m).await)
+    async fn publish_indexed(&self, i: usize, m: &Leased, probe: Option<Era>) -> (usize, Outcome) {
+        (i, self.publish_one(m, probe).await)
     }
 
-    async fn publish_one(&self, m: &Leased) -> Outcome {
+    async fn publish_one(&self, m: &Leased, probe: Option<Era>) -> Outcome {
         if let Some(defect) = &m.defect {
             // Never published: decide() parks it.
             return Outcome::Refused(defect.clone());
         }
         let era = {
             let b = lock(&self.breaker);
-            match b.start() {
+            match b.start(probe) {
                 Some(era) => era,
-                // Open: caught by the outage; back at once, for relays whose transport
-                // is fine.
+                // Open, or half open and this is not the probe: caught by the outage;
+                // back at once, for relays whose transport is fine.
                 None => {
                     return Outcome::Unavailable {
                         reason: b

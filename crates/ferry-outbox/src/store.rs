@@ -782,6 +782,11 @@ impl From<(i64, i64, i16, i32)> for Written {
 }
 
 /// Postgres: the whole batch in one statement.
+///
+/// A row going back with no delay (caught by an outage) keeps its `next_attempt_at`:
+/// due already, and in its place in the claim order (`next_attempt_at, id`). Moved to
+/// now, the heads of a few hundred keys would queue behind every other key's backlog,
+/// and their keys would drain one message per lease at the end.
 async fn settle_pg(
     p: &PgPool,
     owner: &str,
@@ -801,7 +806,8 @@ async fn settle_pg(
            UPDATE ferry_outbox.messages m SET \
              state = CASE WHEN s.action = 2 THEN 2 ELSE 0 END, \
              attempts = m.attempts + s.attempt, \
-             next_attempt_at = now() + s.delay_ms * interval '1 millisecond', \
+             next_attempt_at = CASE WHEN s.delay_ms = 0 THEN least(m.next_attempt_at, now()) \
+               ELSE now() + s.delay_ms * interval '1 millisecond' END, \
              uncertain_since = CASE s.uncertain WHEN 0 THEN NULL \
                WHEN 1 THEN coalesce(m.uncertain_since, now()) ELSE m.uncertain_since END, \
              last_error = coalesce(s.error, m.last_error), \
@@ -860,7 +866,7 @@ async fn settle_sqlite(
             "UPDATE ferry_outbox_messages SET \
                state = CASE WHEN ?4 = 2 THEN 2 ELSE 0 END, \
                attempts = attempts + ?5, \
-               next_attempt_at = ?3 + ?6, \
+               next_attempt_at = CASE WHEN ?6 = 0 THEN min(next_attempt_at, ?3) ELSE ?3 + ?6 END, \
                uncertain_since = CASE ?7 WHEN 0 THEN NULL \
                  WHEN 1 THEN coalesce(uncertain_since, ?3) ELSE uncertain_since END, \
                last_error = coalesce(?8, last_error), \
