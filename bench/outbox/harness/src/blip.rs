@@ -4,10 +4,11 @@
 //! defaults: 2 lanes, batch 256, window 64, 10 s publish timeout) publishes them to
 //! JetStream through ferry-testkit's TCP fault proxy. Once it is publishing steadily,
 //! the proxy cuts the relay's connection at its next bytes and refuses new connections
-//! for `--cut-ms`; then it lets them through again (the restore). Measured from the
+//! for `--cut-ms` (0: no cut, the control); then it lets them through again (the
+//! restore). Measured from the
 //! restore: the relay's first confirmed publish (its transport's answer, stamped by a
 //! wrapper), and the first message reaching the server (a core subscriber connected to
-//! NATS directly, not through the proxy).
+//! NATS directly, not through the proxy), and the time until the outbox is empty.
 
 use ferry_outbox::Message;
 use ferry_outbox::relay::{Relay, RelayConfig};
@@ -62,6 +63,11 @@ pub async fn run(args: &[String]) -> Result<serde_json::Value, String> {
         .filter_map(|r| r["resume_ms"].as_f64())
         .collect();
     resume.sort_by(|a, b| a.total_cmp(b));
+    let mut drain: Vec<f64> = results
+        .iter()
+        .filter_map(|r| r["drained_ms"].as_f64())
+        .collect();
+    drain.sort_by(|a, b| a.total_cmp(b));
     let mut arrive: Vec<f64> = results
         .iter()
         .filter_map(|r| r["first_arrival_ms"].as_f64())
@@ -71,6 +77,7 @@ pub async fn run(args: &[String]) -> Result<serde_json::Value, String> {
         "cut_ms": cut.as_millis() as u64,
         "median_resume_ms": resume.get(resume.len() / 2),
         "median_first_arrival_ms": arrive.get(arrive.len() / 2),
+        "median_drained_ms": drain.get(drain.len() / 2),
         "trials": results,
     }))
 }
@@ -168,11 +175,14 @@ async fn one(
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     // The cut: the relay's connection breaks at its next bytes; reconnects are refused.
-    proxy.faults().refuse.store(true, Ordering::SeqCst);
-    proxy.faults().cut_after.store(1, Ordering::SeqCst);
+    // `--cut-ms 0` is the control: no cut, the same backlog drained from the same point.
     let cut_at = Instant::now();
-    tokio::time::sleep(cut).await;
-    proxy.faults().refuse.store(false, Ordering::SeqCst);
+    if !cut.is_zero() {
+        proxy.faults().refuse.store(true, Ordering::SeqCst);
+        proxy.faults().cut_after.store(1, Ordering::SeqCst);
+        tokio::time::sleep(cut).await;
+        proxy.faults().refuse.store(false, Ordering::SeqCst);
+    }
     let restored = Instant::now();
     let before_cut = confirmed.lock().unwrap().len();
     let after = |v: &Mutex<Vec<Instant>>| v.lock().unwrap().iter().copied().find(|t| *t > restored);
@@ -186,8 +196,18 @@ async fn one(
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
     };
-    // Let the server's copy arrive too.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Then until the outbox is empty: a second stall after the first publish (the old
+    // breaker reopening when the acknowledgements lost in the cut time out) shows here.
+    let drained = loop {
+        let st = s.status().await.map_err(|e| e.to_string())?;
+        if st.pending + st.leased + st.uncertain == 0 {
+            break Some(Instant::now());
+        }
+        if Instant::now() > deadline {
+            break None;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     let first_arrival = after(&arrivals);
     let during = confirmed
         .lock()
@@ -195,6 +215,22 @@ async fn one(
         .iter()
         .filter(|t| **t > cut_at && **t <= restored)
         .count();
+    // Confirmations per second after the restore: a stall shows as a run of zeros.
+    let per_second: Vec<usize> = {
+        let c = confirmed.lock().unwrap();
+        let end = drained.unwrap_or(deadline);
+        let secs = end.saturating_duration_since(restored).as_secs() as usize + 1;
+        (0..secs)
+            .map(|i| {
+                c.iter()
+                    .filter(|t| {
+                        t.saturating_duration_since(restored).as_secs() as usize == i
+                            && **t > restored
+                    })
+                    .count()
+            })
+            .collect()
+    };
     let st = relay.status();
     running.stop().await.unwrap();
     watcher.abort();
@@ -204,6 +240,8 @@ async fn one(
     Ok(serde_json::json!({
         "trial": trial,
         "resume_ms": ms(first),
+        "drained_ms": ms(drained),
+        "confirmed_per_second_after_restore": per_second,
         "first_arrival_ms": ms(first_arrival),
         "confirmed_before_restore": before_cut,
         "confirmed_during_cut": during,
