@@ -603,11 +603,7 @@ impl Inner {
             let wait = earliest
                 .map_or(POLL, |e| e.saturating_duration_since(now))
                 .max(Duration::from_micros(100));
-            s = self
-                .cv
-                .wait_timeout(s, wait)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            s = ferry_core::sync::wait_timeout(&self.cv, s, wait);
         }
     }
 

@@ -15,7 +15,8 @@
 //!    [`old_cycle_ended`] checks the new cycle did not reach what was read. Where the old
 //!    cycle was seen published ends ([`PublishedEnds`]); past that, its last commit counts
 //!    only if the main file holds it ([`old_cycle_end`]).
-//! 5. The main file's change counter lies in the range seen ([`check_counter`]).
+//! 5. The main file's change counter lies in the range seen ([`check_counter`]); one above
+//!    it counts only once the scan has read all SQLite published ([`counter_above`]).
 //!
 //! Anything not proven owes a base ([`Unproven`]): never a guess.
 
@@ -388,22 +389,54 @@ pub fn old_cycle_end(
     Ok(Some(last.last_frame))
 }
 
-/// Rule 5: the main file's change counter `now` must lie in `range`, the counters it may
+/// What rule 5 found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Counter {
+    /// In range; the range to keep (its low end follows the counter up).
+    InRange((u32, u32)),
+    /// Below every counter seen there: the file was overwritten.
+    Below(Unproven),
+    /// Above the highest a page-1 image read so far carried. Legitimate if the folder's
+    /// checkpoint copied a page 1 from frames the scan has not read yet (it copies all
+    /// SQLite published, and the scan can be held back by its budget, or have looked
+    /// before the last commits were published); the caller decides with
+    /// [`counter_above`] once it knows whether the scan has caught up.
+    Above { now: u32, lo: u32, hi: u32 },
+}
+
+/// Rule 5: the main file's change counter `now` against `range`, the counters it may
 /// legitimately carry (`[lo, hi]`: the last seen there, the highest a page-1 image read
-/// since carried). Returns the range to keep: it starts at `now` the first time, and its
-/// low end follows the counter up.
-pub fn check_counter(range: Option<(u32, u32)>, now: u32) -> Result<(u32, u32), Unproven> {
+/// since carried). The first time, the range starts at `now`.
+pub fn check_counter(range: Option<(u32, u32)>, now: u32) -> Counter {
     match range {
-        None => Ok((now, now)),
-        Some((lo, hi)) if lo <= now && now <= hi => Ok((now, hi)),
-        Some((lo, hi)) => Err(unproven(
-            BaseReason::Replaced,
-            format!(
-                "the main file's change counter {now} is not one this shipper saw ({lo}..={hi}): \
-                 the file was overwritten"
-            ),
-        )),
+        None => Counter::InRange((now, now)),
+        Some((lo, hi)) if lo <= now && now <= hi => Counter::InRange((now, hi)),
+        Some((lo, hi)) if now < lo => Counter::Below(overwritten(now, lo, hi)),
+        Some((lo, hi)) => Counter::Above { now, lo, hi },
     }
+}
+
+/// Rule 5 for a counter above the range: the file was overwritten only if the scan had
+/// read every frame SQLite published when the counter was read (`caught_up`: the caller
+/// reads the counter first, then where SQLite's publishing ends, which only grows, so a
+/// checkpoint that copied a page 1 before the counter was read copied it from frames the
+/// scan has read). Otherwise it is judged again once the scan catches up.
+pub fn counter_above(now: u32, lo: u32, hi: u32, caught_up: bool) -> Result<(), Unproven> {
+    if caught_up {
+        Err(overwritten(now, lo, hi))
+    } else {
+        Ok(())
+    }
+}
+
+fn overwritten(now: u32, lo: u32, hi: u32) -> Unproven {
+    unproven(
+        BaseReason::Replaced,
+        format!(
+            "the main file's change counter {now} is not one this shipper saw ({lo}..={hi}): \
+             the file was overwritten"
+        ),
+    )
 }
 
 /// The counter range after a page-1 image carrying `counter` was read from the WAL.
@@ -727,15 +760,33 @@ mod tests {
     // one the shipper saw, and the range follows the counter up.
     #[test]
     fn the_change_counter_must_lie_in_the_range_seen() {
-        assert_eq!(check_counter(None, 7), Ok((7, 7)));
-        assert_eq!(check_counter(Some((7, 9)), 8), Ok((8, 9)));
-        assert_eq!(check_counter(Some((7, 9)), 9), Ok((9, 9)));
+        assert_eq!(check_counter(None, 7), Counter::InRange((7, 7)));
+        assert_eq!(check_counter(Some((7, 9)), 8), Counter::InRange((8, 9)));
+        assert_eq!(check_counter(Some((7, 9)), 9), Counter::InRange((9, 9)));
+        let Counter::Below(u) = check_counter(Some((7, 9)), 6) else {
+            panic!("a counter below the range")
+        };
+        assert_eq!(u.reason, BaseReason::Replaced);
         assert_eq!(
-            check_counter(Some((7, 9)), 6).unwrap_err().reason,
-            BaseReason::Replaced
+            check_counter(Some((7, 9)), 10),
+            Counter::Above {
+                now: 10,
+                lo: 7,
+                hi: 9
+            }
         );
+    }
+
+    // Rule 5. Guards against a base for a counter the shipper's own fold put there: the
+    // folder copies every frame SQLite published, and the scan may not have read them yet
+    // (held back by its budget while the receiver is away, or before the last commits
+    // were published). Seen in CI as a "replaced" base while a receiver was killed
+    // repeatedly. Above the range is judged only once the scan has caught up.
+    #[test]
+    fn a_counter_above_the_range_counts_only_once_the_scan_caught_up() {
+        assert_eq!(counter_above(10, 7, 9, false), Ok(()));
         assert_eq!(
-            check_counter(Some((7, 9)), 10).unwrap_err().reason,
+            counter_above(10, 7, 9, true).unwrap_err().reason,
             BaseReason::Replaced
         );
         assert_eq!(raise_counters(None, 4), (4, 4));

@@ -605,12 +605,22 @@ impl Track {
             return Ok(Ok(()));
         };
         match proof::check_counter(self.st.counters, now) {
-            Ok(range) => {
-                self.st.counters = Some(range);
-                Ok(Ok(()))
+            proof::Counter::InRange(range) => self.st.counters = Some(range),
+            proof::Counter::Below(u) => return Ok(Err(self.unproven(u))),
+            proof::Counter::Above { now, lo, hi } => {
+                // Where SQLite's publishing ends, read after the counter.
+                let caught_up = self.proof.stop == Stop::End
+                    && self
+                        .proof
+                        .scan
+                        .is_some_and(|c| c.frame >= self.published_end(c.salts));
+                if let Err(u) = proof::counter_above(now, lo, hi, caught_up) {
+                    return Ok(Err(self.unproven(u)));
+                }
+                tracing::debug!(db = %self.name, counter = now, hi, "the main file's change counter is past what the scan read; judged again once it catches up");
             }
-            Err(u) => Ok(Err(self.unproven(u))),
         }
+        Ok(Ok(()))
     }
 
     fn over_cap(&mut self) -> Result<bool, StepError> {
