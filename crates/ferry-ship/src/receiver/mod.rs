@@ -20,6 +20,7 @@
 
 pub mod accept;
 pub mod error;
+mod paths;
 mod promote;
 mod recovery;
 pub mod replica;
@@ -29,8 +30,8 @@ pub mod state;
 pub mod status;
 
 pub use error::{OfflineError, OpenError, PromoteError, Refused, SlotError, status_of};
+pub use paths::Paths;
 pub use promote::{Promoted, promote};
-pub use slot::Paths;
 pub use status::{ReceiverStatus, ReplicaStatus, offline_status};
 
 use crate::proto::{self, BaseHeader, Code, Position, TxnsQuery};

@@ -14,8 +14,9 @@
 //! and if `PATH` already holds the replica's data (a crash after 3), skips the copy too.
 
 use super::error::PromoteError;
+use super::paths::Paths;
 use super::replica;
-use super::slot::{Paths, Slot};
+use super::slot::Slot;
 use super::state::{FLAG_PROMOTED, Intent, Pos, Record};
 use ferry_core::ConfigError;
 use ferry_core::epoch::Epoch;

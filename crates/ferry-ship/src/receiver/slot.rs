@@ -16,6 +16,7 @@
 
 use super::accept::{self, Partial, Rejection, Step};
 use super::error::{Refused, SlotError};
+use super::paths::Paths;
 use super::replica::{self, Group, Replica, ReplicaError, Src};
 use super::state::{FLAG_HAS_REPLICA, Intent, Pos, Record, StateFile, Witness};
 use super::status::ReplicaStatus;
@@ -26,34 +27,9 @@ use ferry_core::seams::Clock;
 use std::collections::BTreeMap;
 use std::io::{self, Read};
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU8;
-
-/// Paths of one name.
-#[derive(Clone, Debug)]
-pub struct Paths {
-    pub replica: PathBuf,
-    pub state: PathBuf,
-    pub lock: PathBuf,
-    pub spool: PathBuf,
-    pub base: PathBuf,
-    pub attic: PathBuf,
-}
-
-impl Paths {
-    pub fn new(dir: &Path, name: &str) -> Paths {
-        let f = dir.join(".ferry");
-        Paths {
-            replica: dir.join(format!("{name}.db")),
-            state: f.join(format!("{name}.state")),
-            lock: f.join(format!("{name}.lock")),
-            spool: f.join(format!("{name}.spool")),
-            base: f.join(format!("{name}.base")),
-            attic: f.join(format!("{name}.attic")),
-        }
-    }
-}
 
 /// One name: its position record, its replica, a transaction being received in parts.
 pub struct Slot {

@@ -2,7 +2,7 @@
 //! runs in) and Prometheus metrics.
 
 use super::error::OfflineError;
-use super::slot::Paths;
+use super::paths::Paths;
 use super::state::{Intent, Pos, StateFile};
 use ferry_core::epoch::Epoch;
 use ferry_core::metrics::{Exposition, Histogram};

@@ -12,7 +12,7 @@
 //! Nothing here is persisted: after a restart the receiver's position is asked again and
 //! the WAL scanned from the saved cursor.
 
-use super::UNACKED_BYTES_MAX;
+use super::limits::UNACKED_BYTES_MAX;
 use crate::proto::{self, BATCH_BYTES_MAX, PART_BYTES_MAX, Position, RecordHeader};
 use crate::wal::{self, Cursor, PageImages, Pages, ReadAt, Txn};
 use std::collections::VecDeque;

@@ -16,8 +16,8 @@
 //! closing any descriptor of a file drops every POSIX lock the process holds on it,
 //! SQLite's included. Nothing here is persisted.
 
-use super::IDENTITY_INTERVAL;
 use super::error::StepError;
+use super::limits::IDENTITY_INTERVAL;
 use crate::quiet;
 use crate::ship_state::{FileId, Fingerprint};
 use crate::wal::{self, Header};

@@ -108,7 +108,7 @@ impl Folder {
         let thread = std::thread::Builder::new()
             .name("ferry-ship-fold".into())
             .spawn(move || {
-                super::lower_thread_priority(nice);
+                super::nice::lower_thread_priority(nice);
                 run(rx)
             })
             .expect("spawning a thread only fails when the process is out of resources");

@@ -10,7 +10,7 @@
 //! next step proves the reset, which then costs a base. A slow peer postpones folds
 //! instead; the WAL cap still bounds the WAL.
 
-use super::IDENTITY_INTERVAL;
+use super::limits::IDENTITY_INTERVAL;
 use crate::wal::{self, Cursor, Stop};
 use std::time::{Duration, Instant};
 

@@ -9,6 +9,13 @@
 //!   at every second (a backstop) and the directory rescanned every five.
 //! - commits on connections prepared with [`crate::prepare_connection`] in this process
 //!   wake the database directly.
+//!
+//! The rooms, lowest first: [`limits`]; the pure cores [`proof`] (the continuity proof of
+//! docs/ship.md §3.3), [`batch`] (what waits for acknowledgement, and requests) and
+//! [`fold_policy`] (when to fold); [`files`] (the database's files and identity),
+//! [`base`] (a base's stream and progress), [`client`] (HTTP), [`fold`] (the folder
+//! thread); [`track`] (one database's step) and `snapshot` (taking and sending a base);
+//! [`error`], [`status`]; this module: the [`Shipper`], its scheduler, workers and watcher.
 
 pub mod base;
 pub mod batch;
@@ -17,20 +24,25 @@ pub mod error;
 pub mod files;
 pub mod fold;
 pub mod fold_policy;
+pub mod limits;
+mod nice;
 pub mod proof;
+mod snapshot;
+pub mod status;
 pub mod track;
 
-use crate::ship_state::{ShipState, StateError};
+pub use crate::proto::{BATCH_BYTES_MAX, PART_BYTES_MAX};
+pub use limits::{FOLD_MIN_FRAMES, NICE, TXN_INLINE_BYTES_MAX, UNACKED_BYTES_MAX, WAL_MAX_BYTES};
+pub use status::{DbStatus, SavedState, ShipperStatus, metrics, offline_status};
+
 use base::BaseProgress;
 use client::Client;
 pub use error::{OfflineError, StartError, StepError};
 use ferry_core::ConfigError;
 use ferry_core::epoch::Epoch;
 use ferry_core::fs::DirLock;
-use ferry_core::metrics::Exposition;
 use ferry_core::seams::{Clock, SystemClock};
 use ferry_core::sync::lock;
-use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -39,20 +51,6 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use track::{Next, Track, TrackConfig};
 
-pub use crate::proto::{BATCH_BYTES_MAX, PART_BYTES_MAX};
-/// A transaction with more page bytes than this is not copied into memory when scanned;
-/// its frames are read again (and verified) when shipped.
-pub const TXN_INLINE_BYTES_MAX: u64 = 8 << 20;
-/// Page bytes held in memory for transactions not yet acknowledged; scanning pauses at
-/// this until acknowledgements come back.
-pub const UNACKED_BYTES_MAX: u64 = 64 << 20;
-/// Default WAL bytes not acknowledged before the lineage is given up: about 60 s of
-/// 1,000 two-frame transactions per second at 4 KiB pages, with room to spare.
-pub const WAL_MAX_BYTES: u64 = 1 << 30;
-/// Default frames in the WAL before it is folded (SQLite's own autocheckpoint default).
-pub const FOLD_MIN_FRAMES: u32 = 1000;
-/// Default niceness of the shipper's threads (see `ShipperConfig::nice`).
-pub const NICE: i32 = 10;
 /// Backstop: every database is looked at this often even without a wake-up.
 const POLL: Duration = Duration::from_secs(1);
 /// A database woken again sooner than this after its last step waits out the rest:
@@ -67,12 +65,6 @@ const WATCH_COALESCE: Duration = Duration::from_micros(300);
 const SNAPSHOT_INTERVAL: Duration = Duration::from_millis(100);
 /// The directory is rescanned for new databases this often (inotify does it sooner).
 const RESCAN: Duration = Duration::from_secs(5);
-
-/// How often a step re-checks what rarely changes: the file's identity, its header's
-/// change counter, the `-wal` file's identity, the WAL cap. A step per commit cannot
-/// afford a stat of each every time; a file replaced in between fails the continuity
-/// proof anyway (its WAL has other salts).
-pub(crate) const IDENTITY_INTERVAL: Duration = Duration::from_millis(50);
 
 /// How a shipper is set up. Checked by [`Shipper::start`].
 #[derive(Clone)]
@@ -182,53 +174,6 @@ impl ShipperConfig {
         }
         Ok(())
     }
-}
-
-/// Status of a shipper.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct ShipperStatus {
-    pub dir: String,
-    pub peer: String,
-    pub uptime_secs: u64,
-    pub databases: Vec<DbStatus>,
-}
-
-/// Status of one shipped database.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-pub struct DbStatus {
-    pub name: String,
-    /// idle, shipping, base owed, sending base, retrying, fenced, error, gone.
-    pub state: String,
-    pub epoch: Epoch,
-    pub generation: u64,
-    pub acked_seq: u64,
-    pub head_seq: u64,
-    pub lag_transactions: u64,
-    /// WAL bytes of the transactions not yet acknowledged.
-    pub lag_bytes: u64,
-    /// Age of the oldest transaction not yet acknowledged.
-    pub lag_seconds: f64,
-    pub wal_bytes: u64,
-    /// Consecutive failed steps.
-    pub failures: u32,
-    pub last_error: Option<String>,
-    /// Bases sent, by reason.
-    pub bases: BTreeMap<String, u64>,
-    pub folds: u64,
-    pub transactions_shipped: u64,
-    pub body_bytes_shipped: u64,
-    pub page_bytes_shipped: u64,
-    pub base_bytes_shipped: u64,
-    /// Bytes sent and total of a base in flight.
-    pub base_progress: Option<(u64, u64)>,
-    pub last_ack_ms: Option<u64>,
-    /// Steps run since the database was opened for shipping.
-    #[serde(default)]
-    pub steps: u64,
-    /// Scans that stopped at a valid commit SQLite had not published (one being
-    /// published, or one whose writer died in it) and left it alone (docs/ship.md §3.2).
-    #[serde(default)]
-    pub unpublished_seen: u64,
 }
 
 /// A running shipper. Dropping it shuts it down cleanly.
@@ -394,7 +339,7 @@ fn spawn(name: &str, nice: i32, f: impl FnOnce() + Send + 'static) -> JoinHandle
     std::thread::Builder::new()
         .name(name.to_string())
         .spawn(move || {
-            lower_thread_priority(nice);
+            nice::lower_thread_priority(nice);
             f()
         })
         .expect("spawning a thread only fails when the process is out of resources")
@@ -694,31 +639,6 @@ impl Inner {
     }
 }
 
-/// Make the calling thread `nice` (see `ShipperConfig::nice`). Only Linux sets niceness
-/// per thread; elsewhere this does nothing. A failure is logged and otherwise ignored: it
-/// only costs the app some throughput.
-pub(crate) fn lower_thread_priority(nice: i32) {
-    if nice == 0 {
-        return;
-    }
-    #[cfg(target_os = "linux")]
-    {
-        // SAFETY: gettid and setpriority take plain integers, touch no memory of ours,
-        // and on Linux PRIO_PROCESS with a thread id changes only that thread.
-        #[allow(unsafe_code)]
-        let rc = unsafe {
-            let tid = libc::gettid();
-            libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice)
-        };
-        if rc != 0 {
-            tracing::debug!(
-                "cannot lower the shipper's priority to nice {nice}: {}",
-                std::io::Error::last_os_error()
-            );
-        }
-    }
-}
-
 /// inotify on the shipper directory; None when unavailable (the backstop poll and the
 /// periodic rescan then do its job, more slowly).
 struct Watcher(Option<inotify::Inotify>);
@@ -811,121 +731,4 @@ fn rescan_loop(inner: Weak<Inner>) {
         }
         i.discover();
     }
-}
-
-/// Prometheus text for a shipper's status.
-pub fn metrics(status: &ShipperStatus) -> String {
-    let mut e = Exposition::new();
-    type Field = fn(&DbStatus) -> f64;
-    let gauges: &[(&str, &str, Field)] = &[
-        (
-            "ferry_ship_lag_transactions",
-            "Transactions committed but not acknowledged.",
-            |d| d.lag_transactions as f64,
-        ),
-        (
-            "ferry_ship_lag_bytes",
-            "WAL bytes of transactions not acknowledged.",
-            |d| d.lag_bytes as f64,
-        ),
-        (
-            "ferry_ship_lag_seconds",
-            "Age of the oldest transaction not acknowledged.",
-            |d| d.lag_seconds,
-        ),
-        (
-            "ferry_ship_wal_bytes",
-            "Size of the primary's WAL file.",
-            |d| d.wal_bytes as f64,
-        ),
-        (
-            "ferry_ship_epoch",
-            "Fencing epoch the database ships with.",
-            |d| d.epoch.0 as f64,
-        ),
-        (
-            "ferry_ship_acked_seq",
-            "Last transaction the receiver acknowledged.",
-            |d| d.acked_seq as f64,
-        ),
-        ("ferry_ship_failures", "Consecutive failed steps.", |d| {
-            d.failures as f64
-        }),
-        (
-            "ferry_ship_fenced",
-            "1 if the receiver fenced this primary.",
-            |d| (d.state == "fenced") as u8 as f64,
-        ),
-    ];
-    for (name, help, f) in gauges {
-        for d in &status.databases {
-            e.gauge(name, help, &[("db", &d.name)], f(d));
-        }
-    }
-    let counters: &[(&str, &str, Field)] = &[
-        (
-            "ferry_ship_transactions_total",
-            "Transactions acknowledged by the receiver.",
-            |d| d.transactions_shipped as f64,
-        ),
-        (
-            "ferry_ship_body_bytes_total",
-            "Bytes of txns request bodies acknowledged.",
-            |d| d.body_bytes_shipped as f64,
-        ),
-        ("ferry_ship_base_bytes_total", "Bytes of bases sent.", |d| {
-            d.base_bytes_shipped as f64
-        }),
-        ("ferry_ship_folds_total", "WAL folds completed.", |d| {
-            d.folds as f64
-        }),
-    ];
-    for (name, help, f) in counters {
-        for d in &status.databases {
-            e.counter(name, help, &[("db", &d.name)], f(d) as u64);
-        }
-    }
-    for d in &status.databases {
-        for (reason, n) in &d.bases {
-            e.counter(
-                "ferry_ship_bases_total",
-                "Bases sent, by reason.",
-                &[("db", &d.name), ("reason", reason)],
-                *n,
-            );
-        }
-    }
-    e.finish()
-}
-
-/// A database's name and its saved state (or why it could not be read).
-pub type SavedState = (String, Result<ShipState, StateError>);
-
-/// The on-disk view of a shipper directory, for `ferry ship status` without a running
-/// shipper: each database's persisted state.
-pub fn offline_status(dir: &Path) -> Result<Vec<SavedState>, OfflineError> {
-    let state_dir = dir.join(".ferry-ship");
-    let rd = std::fs::read_dir(&state_dir).map_err(|source| OfflineError {
-        dir: dir.to_path_buf(),
-        source,
-    })?;
-    let mut out: Vec<_> = rd
-        .flatten()
-        .filter_map(|e| {
-            let f = e.file_name();
-            let name = f.to_str()?.strip_suffix(".json")?.to_string();
-            crate::names::validate(&name).ok()?;
-            let path = e.path();
-            let st = crate::ship_state::load(&path).and_then(|s| {
-                // Listed a moment ago, gone now: say so as a read that found nothing.
-                s.ok_or_else(|| StateError::Read {
-                    path,
-                    source: std::io::ErrorKind::NotFound.into(),
-                })
-            });
-            Some((name, st))
-        })
-        .collect();
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    Ok(out)
 }

@@ -20,8 +20,8 @@
 //!
 //! Anything not proven owes a base ([`Unproven`]): never a guess.
 
-use super::IDENTITY_INTERVAL;
 use super::base::BaseReason;
+use super::limits::IDENTITY_INTERVAL;
 use crate::sqlite::WalIndexEnd;
 use crate::wal::{self, Cursor, Header, Pages, ReadAt, Salts, ScanLimits, Stop};
 use std::io;

@@ -20,8 +20,8 @@ use super::error::StepError;
 use super::files::{Files, Identity, STALE_SIDECAR_RECHECK, STALE_SIDECAR_WAIT, fingerprint};
 use super::fold::{FoldState, Folder};
 use super::fold_policy::{self, FoldPolicy, FoldView};
+use super::limits::TXN_INLINE_BYTES_MAX;
 use super::proof::{self, Proof, ProofState, Unproven};
-use super::{TXN_INLINE_BYTES_MAX, UNACKED_BYTES_MAX};
 use crate::proto::{Code, Position, Refusal, TxnsQuery};
 use crate::quiet;
 use crate::ship_state::{self as state, ShipState};
@@ -51,10 +51,6 @@ const BACKOFF: Backoff = Backoff::new(
 /// Before the receiver's position is known, a database with transactions waits this long
 /// between steps (the probe runs at the start of each).
 const PROBE_WAIT: Duration = Duration::from_millis(50);
-
-// Scanning holds at most UNACKED_BYTES_MAX in memory, and a transaction inlined whole
-// must fit in it.
-const _: () = assert!(TXN_INLINE_BYTES_MAX <= UNACKED_BYTES_MAX);
 
 /// Settings of a tracked database.
 #[derive(Clone)]
@@ -834,10 +830,10 @@ impl Track {
     }
 
     /// Status of this database.
-    pub fn status(&self) -> super::DbStatus {
+    pub fn status(&self) -> super::status::DbStatus {
         let now = self.now();
         let head = self.batch.next_seq.saturating_sub(1).max(self.batch.acked);
-        super::DbStatus {
+        super::status::DbStatus {
             name: self.name.clone(),
             state: if self.fenced.is_some() {
                 "fenced"
