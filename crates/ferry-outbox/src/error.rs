@@ -83,8 +83,10 @@ pub struct DbError {
     /// The database's own words (its message, SQLSTATE and hint), without source lines.
     detail: String,
     advice: Option<String>,
-    #[source]
-    source: sqlx::Error,
+    /// Not reported as `source()` (so not named `source`): the message above already
+    /// carries its words, a chain would print them twice; [`DbError::sqlx`] gives it to
+    /// code.
+    error: sqlx::Error,
 }
 
 impl DbError {
@@ -96,18 +98,18 @@ impl DbError {
             class,
             detail: describe(&source),
             advice,
-            source,
+            error: source,
         }
     }
 
     /// The underlying sqlx error.
     pub fn sqlx(&self) -> &sqlx::Error {
-        &self.source
+        &self.error
     }
 
     /// The SQLSTATE (Postgres) or extended result code (SQLite), when the database gave one.
     pub fn code(&self) -> Option<String> {
-        match &self.source {
+        match &self.error {
             sqlx::Error::Database(d) => d.code().map(|c| c.into_owned()),
             _ => None,
         }
@@ -265,8 +267,8 @@ pub enum ConnectError {
         detail: String,
         advice: String,
         class: Class,
-        #[source]
-        source: sqlx::Error,
+        /// The message carries its words; not chained as `source()`.
+        error: sqlx::Error,
     },
     #[error("cannot open the SQLite database {path}: {detail} — {advice}")]
     Sqlite {
@@ -274,8 +276,8 @@ pub enum ConnectError {
         detail: String,
         advice: String,
         class: Class,
-        #[source]
-        source: sqlx::Error,
+        /// The message carries its words; not chained as `source()`.
+        error: sqlx::Error,
     },
 }
 
@@ -294,7 +296,7 @@ impl ConnectError {
                 "the server has no room for another connection; retrying".into()
             }
             _ if class == Class::Transient => {
-                "is Postgres running there and reachable from here? ferry retries while it is transient".into()
+                "is Postgres running there and reachable from here?".into()
             }
             _ => "check the database URL".into(),
         };
@@ -304,7 +306,7 @@ impl ConnectError {
             detail: describe(&source),
             advice,
             class,
-            source,
+            error: source,
         }
     }
 
@@ -322,7 +324,7 @@ impl ConnectError {
             detail: describe(&source),
             advice,
             class,
-            source,
+            error: source,
         }
     }
 }

@@ -99,11 +99,17 @@ pub enum RelayError {
     /// A database error no retry can cure (a missing privilege, the schema not
     /// installed) or data that failed validation.
     #[error("the relay stopped: {0}")]
-    Db(#[from] DbError),
+    Db(DbError),
     /// One of its own invariants broke (a bug in ferry): the relay stopped rather than
     /// write anything more.
     #[error("the relay stopped: an invariant broke (a bug in ferry; please report it): {0}")]
     Invariant(String),
+}
+
+impl From<DbError> for RelayError {
+    fn from(e: DbError) -> RelayError {
+        RelayError::Db(e)
+    }
 }
 
 impl Classify for RelayError {

@@ -445,9 +445,26 @@ async fn bad_configuration_is_refused_at_start_up_with_what_and_where() {
             vec!["outbox", "requeue", "--db", &db],
             "say which parked messages",
         ),
+        (
+            vec![
+                "outbox",
+                "status",
+                "--db",
+                "postgres://nobody@127.0.0.1:5432/postgres",
+            ],
+            "cannot connect to Postgres at postgres://nobody@127.0.0.1:5432/postgres as nobody: role \"nobody\" does not exist (SQLSTATE 28000) — check the user and password in the database URL",
+        ),
     ] {
         let e = run(&args);
         assert!(e.contains(want), "{args:?}: {e:?} should say {want:?}");
+        // Once, in the words a person needs: not Postgres's source line, not the same
+        // error again as its own cause.
+        assert!(!e.contains(" at line "), "{args:?}: {e:?}");
+        assert_eq!(
+            e.lines().filter(|l| l.contains("error")).count(),
+            1,
+            "{args:?}: {e:?}"
+        );
     }
     let after = store.status().await.unwrap();
     assert_eq!(

@@ -338,7 +338,8 @@ fn log_event(url: &str, events: &Events, event: async_nats::Event) {
             tracing::warn!(server = %url, sid, "NATS: a subscription cannot keep up")
         }
         E::Draining => tracing::info!(server = %url, "draining the NATS connection"),
-        E::Closed => tracing::warn!(server = %url, "the NATS connection is closed for good"),
+        // The client was dropped (the relay stopping, or failing at start-up).
+        E::Closed => tracing::debug!(server = %url, "the NATS connection is closed"),
     }
 }
 
