@@ -11,6 +11,7 @@ pub mod message;
 pub mod relay;
 pub mod schema;
 pub mod sink;
+pub mod status;
 pub mod store;
 pub mod totals;
 pub mod transport;

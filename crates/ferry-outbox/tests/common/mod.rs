@@ -250,7 +250,7 @@ pub async fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     f()
 }
 
-pub async fn status(store: &Store) -> ferry_outbox::store::Status {
+pub async fn status(store: &Store) -> ferry_outbox::status::Status {
     store.status().await.unwrap()
 }
 
