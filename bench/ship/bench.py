@@ -165,7 +165,7 @@ class Arm:
 
 def ferry_lag_run(d, rate, seconds, mode, tag, outage=None):
     port, pport = free_port(), free_port()
-    recv = start([FERRY, "receive", "--dir", d / "standby", "--listen", f"127.0.0.1:{port}"], REPLICA_CPU, d / "receiver.log",
+    recv = start([FERRY, "ship", "receive", "--dir", d / "standby", "--listen", f"127.0.0.1:{port}"], REPLICA_CPU, d / "receiver.log",
                  {"FERRY_LOG": "warn"})
     wait_port(port)
     proxy = start([HARNESS, "proxy", "--listen", f"127.0.0.1:{pport}", "--to", f"127.0.0.1:{port}", "--stats", d / "proxy"],
@@ -185,7 +185,7 @@ def ferry_lag_run(d, rate, seconds, mode, tag, outage=None):
         # The sidecar must see the database before the writer's first commit to ship from
         # the start: create it, then start the sidecar.
         subprocess.run([HARNESS, "write", "--db", d / "primary" / "bench.db", "--seconds", "0"], capture_output=True)
-        sidecar = start([FERRY, "ship", "--dir", d / "primary", "--peer", f"http://127.0.0.1:{pport}",
+        sidecar = start([FERRY, "ship", "send", "--dir", d / "primary", "--peer", f"http://127.0.0.1:{pport}",
                          "--metrics-listen", f"127.0.0.1:{mport}"], PRIMARY_CPU, d / "sidecar.log", {"FERRY_LOG": "warn"})
         wait_port(mport)
     recv_box = [recv]
@@ -225,7 +225,7 @@ def ferry_lag_run(d, rate, seconds, mode, tag, outage=None):
 def recv_restart(d, port, box):
     box[0].kill()
     box[0].wait()
-    return lambda: box.__setitem__(0, start([FERRY, "receive", "--dir", d / "standby", "--listen", f"127.0.0.1:{port}"],
+    return lambda: box.__setitem__(0, start([FERRY, "ship", "receive", "--dir", d / "standby", "--listen", f"127.0.0.1:{port}"],
                                             REPLICA_CPU, d / "receiver.log", {"FERRY_LOG": "warn"}))
 
 

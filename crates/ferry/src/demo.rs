@@ -25,29 +25,43 @@ use std::time::{Duration, Instant};
 #[derive(Args)]
 pub struct DemoArgs {
     /// Work in this directory (kept afterwards) instead of a temporary one.
-    #[arg(long, env = "FERRY_DEMO_DIR")]
+    #[arg(long)]
     dir: Option<PathBuf>,
-    /// How long the app writes.
-    #[arg(long, env = "FERRY_DEMO_SECONDS", default_value_t = 6.0)]
-    seconds: f64,
+    /// How long the app writes, in milliseconds.
+    #[arg(long, default_value_t = 6_000)]
+    write_ms: u64,
+    /// The same in seconds: the spelling before durations were milliseconds everywhere.
+    #[arg(long, hide = true, conflicts_with = "write_ms")]
+    seconds: Option<f64>,
     /// Orders (transactions) per second.
-    #[arg(long, env = "FERRY_DEMO_RATE", default_value_t = 500)]
+    #[arg(long, default_value_t = 500)]
     rate: u32,
     /// Keep the temporary directory.
-    #[arg(long, env = "FERRY_DEMO_KEEP")]
+    #[arg(long)]
     keep: bool,
     /// Orders the outbox part writes.
-    #[arg(long, env = "FERRY_DEMO_OUTBOX_ORDERS", default_value_t = 3000)]
+    #[arg(long, default_value_t = 3000)]
     outbox_orders: u64,
     /// Order workflows the flow part runs.
-    #[arg(long, env = "FERRY_DEMO_FLOW_ORDERS", default_value_t = 200)]
+    #[arg(long, default_value_t = 200)]
     flow_orders: u32,
 }
 
+impl DemoArgs {
+    /// How long the app writes, in ms, by whichever spelling was given.
+    fn write_ms(&self) -> u64 {
+        match self.seconds {
+            Some(secs) => (secs * 1e3) as u64,
+            None => self.write_ms,
+        }
+    }
+}
+
 pub fn run(a: DemoArgs) -> anyhow::Result<()> {
+    let write_ms = a.write_ms();
     ensure!(
-        a.seconds >= 2.0 && a.seconds <= 600.0,
-        "--seconds must be between 2 and 600"
+        (2_000..=600_000).contains(&write_ms),
+        "--write-ms {write_ms} must be between 2000 and 600000"
     );
     ensure!(
         a.rate >= 1 && a.rate <= 20_000,
@@ -109,7 +123,7 @@ fn demo(root: &Path, a: &DemoArgs) -> anyhow::Result<()> {
         std::thread::spawn(move || poll_replica(&replica, &commits, &stop))
     };
 
-    let total = (a.seconds * a.rate as f64) as u64;
+    let total = a.write_ms() * u64::from(a.rate) / 1000;
     let interval = Duration::from_secs_f64(1.0 / a.rate as f64);
     let kill_at = total * 2 / 5;
     let restart_after = Duration::from_secs(1);
@@ -265,7 +279,7 @@ impl Receiver {
             .append(true)
             .open(root.join("receiver.log"))?;
         let child = Command::new(exe)
-            .args(["receive", "--dir"])
+            .args(["ship", "receive", "--dir"])
             .arg(dir)
             .args(["--listen", &format!("127.0.0.1:{port}")])
             .env("FERRY_LOG", "warn")

@@ -28,7 +28,7 @@ pub enum FlowSub {
 #[derive(Args)]
 pub struct DirArg {
     /// The engine's directory (its log, status file and inbox).
-    #[arg(long, env = "FERRY_FLOW_DIR")]
+    #[arg(long)]
     pub dir: PathBuf,
 }
 
@@ -76,7 +76,7 @@ pub struct SignalArgs {
     #[arg(default_value = "null")]
     pub value: String,
     /// How long to wait for the engine's answer, in milliseconds.
-    #[arg(long, env = "FERRY_TIMEOUT_MS", default_value_t = 10_000)]
+    #[arg(long, default_value_t = 10_000)]
     pub timeout_ms: u64,
     /// Print the answer as JSON: {"ok", "queued", "message"}.
     #[arg(long)]
@@ -90,7 +90,7 @@ pub struct CancelArgs {
     /// The run's id.
     pub id: String,
     /// How long to wait for the engine's answer, in milliseconds.
-    #[arg(long, env = "FERRY_TIMEOUT_MS", default_value_t = 10_000)]
+    #[arg(long, default_value_t = 10_000)]
     pub timeout_ms: u64,
     /// Print the answer as JSON: {"ok", "queued", "message"}.
     #[arg(long)]

@@ -1,15 +1,17 @@
-//! The `ferry` command. Flags can also come from `FERRY_*` environment variables; logs go
-//! to stderr through `tracing` (filter with `FERRY_LOG`, e.g. `FERRY_LOG=debug`).
+//! The `ferry` command: `ferry <engine> <verb> [flags]` (`grammar.rs` has the rules).
+//! Every flag can also come from `FERRY_<ENGINE>_<FLAG>`; logs go to stderr through
+//! `tracing` (filter with `FERRY_LOG`, e.g. `FERRY_LOG=debug`; `FERRY_LOG_FORMAT=json`).
 
 mod demo;
 mod demo_flow;
 mod demo_outbox;
 mod flow;
+mod grammar;
 mod outbox;
 mod ship;
 mod table;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -32,12 +34,10 @@ enum Command {
     /// transaction and relayed to a webhook that goes down and comes back; then order
     /// workflows run through a SIGKILL of their engine.
     Demo(demo::DemoArgs),
-    /// Ship every *.db in a directory to a receiver (ferry-ship's sidecar), or show status.
-    Ship(ShipCommand),
-    /// Receive shipped databases into replicas, or show status.
-    Receive(ReceiveCommand),
-    /// Fence a replica and turn it into a primary database at a new path.
-    Promote(ship::PromoteArgs),
+    /// Warm standby copies of SQLite databases: ship a directory's databases to a
+    /// receiver, receive them into replicas, promote a replica, and show status.
+    #[command(subcommand)]
+    Ship(ShipSub),
     /// The transactional outbox: install its schema, relay messages, inspect and repair.
     #[command(subcommand)]
     Outbox(outbox::OutboxSub),
@@ -49,40 +49,31 @@ enum Command {
     DemoFlowEngine(demo_flow::EngineArgs),
 }
 
-#[derive(Args)]
-#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
-struct ShipCommand {
-    #[command(subcommand)]
-    sub: Option<ShipSub>,
-    #[command(flatten)]
-    run: ship::ShipArgs,
-}
-
 #[derive(Subcommand)]
 enum ShipSub {
+    /// Ship every *.db in a directory to a receiver until SIGTERM (the sidecar).
+    Send(ship::ShipArgs),
     /// Show what each database's shipper has shipped (from a running shipper's
     /// --metrics-listen address, or from the directory's saved state).
     Status(ship::ShipStatusArgs),
-}
-
-#[derive(Args)]
-#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
-struct ReceiveCommand {
-    #[command(subcommand)]
-    sub: Option<ReceiveSub>,
-    #[command(flatten)]
-    run: ship::ReceiveArgs,
-}
-
-#[derive(Subcommand)]
-enum ReceiveSub {
+    /// Receive shipped databases into replicas until SIGTERM (the standby).
+    Receive(ship::ReceiveArgs),
     /// Show each replica's position, epoch and lag (from a running receiver, or from its
     /// directory).
-    Status(ship::ReceiveStatusArgs),
+    Replicas(ship::ReceiveStatusArgs),
+    /// Fence a replica and turn it into a primary database at a new path.
+    Promote(ship::PromoteArgs),
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // Before any thread starts: old variable names are copied to the new ones.
+    let old_variables = grammar::read_old_variables();
+    let (args, old_spelling) = grammar::rewrite_aliases(std::env::args_os().collect());
+    let matches = grammar::with_env(Cli::command()).get_matches_from(args);
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     // The demo prints its own report of what happened, failures included; logs of its
     // components (a receiver killed on purpose, a primary fenced on purpose) would drown it.
     init_logging(if matches!(cli.command, Command::Demo(_)) {
@@ -90,19 +81,16 @@ fn main() -> ExitCode {
     } else {
         "info"
     });
+    for warning in old_variables.iter().chain(&old_spelling) {
+        tracing::warn!("{warning}");
+    }
     let result = match cli.command {
         Command::Demo(a) => demo::run(a),
-        Command::Ship(ShipCommand {
-            sub: Some(ShipSub::Status(a)),
-            ..
-        }) => ship::ship_status(a),
-        Command::Ship(ShipCommand { sub: None, run }) => ship::ship(run),
-        Command::Receive(ReceiveCommand {
-            sub: Some(ReceiveSub::Status(a)),
-            ..
-        }) => ship::receive_status(a),
-        Command::Receive(ReceiveCommand { sub: None, run }) => ship::receive(run),
-        Command::Promote(a) => ship::promote(a),
+        Command::Ship(ShipSub::Send(a)) => ship::ship(a),
+        Command::Ship(ShipSub::Status(a)) => ship::ship_status(a),
+        Command::Ship(ShipSub::Receive(a)) => ship::receive(a),
+        Command::Ship(ShipSub::Replicas(a)) => ship::receive_status(a),
+        Command::Ship(ShipSub::Promote(a)) => ship::promote(a),
         Command::Outbox(sub) => outbox::run(sub),
         Command::Flow(sub) => flow::run(sub),
         Command::DemoFlowEngine(a) => demo_flow::engine(a),
@@ -118,13 +106,17 @@ fn main() -> ExitCode {
 
 fn init_logging(default: &str) {
     use tracing_subscriber::EnvFilter;
-    // async-nats reports every reconnection attempt at info; ferry says what matters.
+    // async-nats logs every reconnection attempt, and a reconnect as an unexplained
+    // `ERROR expected INFO, got nothing`; the outbox logs each NATS event itself, with
+    // the server and what happened.
     let filter = EnvFilter::try_from_env("FERRY_LOG")
-        .unwrap_or_else(|_| EnvFilter::new(format!("{default},async_nats=warn")));
+        .unwrap_or_else(|_| EnvFilter::new(format!("{default},async_nats=off")));
     let json = std::env::var("FERRY_LOG_FORMAT").is_ok_and(|v| v == "json");
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // Colours only for a person at a terminal, not in a log file.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(false);
     if json {
         builder.json().init();

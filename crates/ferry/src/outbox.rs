@@ -16,7 +16,7 @@ use std::time::Duration;
 #[derive(Subcommand)]
 pub enum OutboxSub {
     /// Create or upgrade the outbox schema (idempotent; safe from several processes).
-    Install(DbArg),
+    Install(InstallArgs),
     /// Publish outbox messages to NATS JetStream or a webhook until SIGTERM.
     Relay(RelayArgs),
     /// Depth by state, oldest claimable age, parked messages, paused topics.
@@ -34,8 +34,17 @@ pub enum OutboxSub {
 #[derive(Args)]
 pub struct DbArg {
     /// The app's database: postgres://USER@HOST/DB or sqlite:PATH.
-    #[arg(long, env = "FERRY_DB")]
+    #[arg(long)]
     pub db: String,
+}
+
+#[derive(Args)]
+pub struct InstallArgs {
+    #[command(flatten)]
+    pub db: DbArg,
+    /// Print JSON: {"installed": "created"|"upgraded"|"current", "from", "version"}.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args)]
@@ -43,42 +52,45 @@ pub struct RelayArgs {
     #[command(flatten)]
     pub db: DbArg,
     /// Where to publish: nats://HOST:PORT (JetStream) or http(s)://HOST/PATH (webhook).
-    #[arg(long, env = "FERRY_TO")]
+    #[arg(long)]
     pub to: String,
     /// NATS: the stream every topic must land in (checked at start-up, and its
     /// duplicate window read).
-    #[arg(long, env = "FERRY_NATS_STREAM")]
+    #[arg(long)]
     pub stream: Option<String>,
     /// Webhook: file holding the HMAC secret for the Ferry-Signature header.
-    #[arg(long, env = "FERRY_WEBHOOK_SECRET_FILE")]
+    #[arg(long)]
     pub secret_file: Option<PathBuf>,
-    /// Webhook: how long the endpoint keeps idempotency keys, in seconds (an uncertain
-    /// message older than this raises an alarm).
-    #[arg(long, env = "FERRY_WEBHOOK_DEDUP_SECS", default_value_t = 86_400)]
-    pub webhook_dedup_secs: u64,
+    /// Webhook: how long the endpoint keeps idempotency keys, in milliseconds (an
+    /// uncertain message older than this raises an alarm). Default a day.
+    #[arg(long, default_value_t = 86_400_000)]
+    pub webhook_dedup_ms: u64,
+    /// The same in seconds: the spelling before durations were milliseconds everywhere.
+    #[arg(long, hide = true, conflicts_with = "webhook_dedup_ms")]
+    pub webhook_dedup_secs: Option<u64>,
     /// Relay loops in this process.
-    #[arg(long, env = "FERRY_LANES", default_value_t = 2)]
+    #[arg(long, default_value_t = 2)]
     pub lanes: usize,
     /// Messages per lease.
-    #[arg(long, env = "FERRY_BATCH", default_value_t = 256)]
+    #[arg(long, default_value_t = 256)]
     pub batch: u32,
     /// Publishes in flight per lane.
-    #[arg(long, env = "FERRY_WINDOW", default_value_t = 64)]
+    #[arg(long, default_value_t = 64)]
     pub window: usize,
     /// Lease length in milliseconds (extended at half-life while publishing).
-    #[arg(long, env = "FERRY_LEASE_MS", default_value_t = 30_000)]
+    #[arg(long, default_value_t = 30_000)]
     pub lease_ms: u64,
     /// Refusals attributable to a message before it is parked.
-    #[arg(long, env = "FERRY_MAX_ATTEMPTS", default_value_t = 10)]
+    #[arg(long, default_value_t = 10)]
     pub max_attempts: i32,
     /// Backstop poll in milliseconds.
-    #[arg(long, env = "FERRY_POLL_MS", default_value_t = 1000)]
+    #[arg(long, default_value_t = 1000)]
     pub poll_ms: u64,
     /// Time to wait for one publish's answer, in milliseconds (then: uncertain).
-    #[arg(long, env = "FERRY_PUBLISH_TIMEOUT_MS", default_value_t = 10_000)]
+    #[arg(long, default_value_t = 10_000)]
     pub publish_timeout_ms: u64,
     /// Serve /metrics and /status on this address, e.g. 127.0.0.1:7360.
-    #[arg(long, env = "FERRY_METRICS_LISTEN")]
+    #[arg(long)]
     pub metrics_listen: Option<String>,
 }
 
@@ -231,24 +243,33 @@ async fn open(url: &str) -> anyhow::Result<Store> {
     }
 }
 
-async fn install(a: DbArg) -> anyhow::Result<()> {
-    let store = Store::connect(&a.db).await.map_err(connect_error)?;
+async fn install(a: InstallArgs) -> anyhow::Result<()> {
+    use ferry_outbox::schema::{Installed, VERSION};
+    let url = &a.db.db;
+    let store = Store::connect(url).await.map_err(connect_error)?;
     let done = store.install().await?;
+    if a.json {
+        let (installed, from) = match done {
+            Installed::Created => ("created", None),
+            Installed::Upgraded { from } => ("upgraded", Some(from)),
+            Installed::AlreadyCurrent => ("current", None),
+        };
+        return print_json(
+            &serde_json::json!({"installed": installed, "from": from, "version": VERSION}),
+        );
+    }
     match done {
-        ferry_outbox::schema::Installed::Created => println!(
-            "outbox schema version {} installed in {}",
-            ferry_outbox::schema::VERSION,
-            redact(&a.db)
+        Installed::Created => println!(
+            "outbox schema version {VERSION} installed in {}",
+            redact(url)
         ),
-        ferry_outbox::schema::Installed::Upgraded { from } => println!(
-            "outbox schema upgraded from version {from} to {} in {}",
-            ferry_outbox::schema::VERSION,
-            redact(&a.db)
+        Installed::Upgraded { from } => println!(
+            "outbox schema upgraded from version {from} to {VERSION} in {}",
+            redact(url)
         ),
-        ferry_outbox::schema::Installed::AlreadyCurrent => println!(
-            "outbox schema version {} already installed in {}",
-            ferry_outbox::schema::VERSION,
-            redact(&a.db)
+        Installed::AlreadyCurrent => println!(
+            "outbox schema version {VERSION} already installed in {}",
+            redact(url)
         ),
     }
     Ok(())
@@ -275,7 +296,10 @@ async fn relay(a: RelayArgs) -> anyhow::Result<()> {
     let options = TransportOptions {
         publish_timeout: Duration::from_millis(a.publish_timeout_ms),
         webhook_secret: secret,
-        webhook_dedup_window: Duration::from_secs(a.webhook_dedup_secs),
+        webhook_dedup_window: match a.webhook_dedup_secs {
+            Some(secs) => Duration::from_secs(secs),
+            None => Duration::from_millis(a.webhook_dedup_ms),
+        },
         nats_stream: a.stream.clone(),
         ..TransportOptions::default()
     };

@@ -15,46 +15,46 @@ use std::time::Duration;
 #[derive(Args)]
 pub struct ShipArgs {
     /// Directory holding the databases to ship (NAME.db files in WAL mode).
-    #[arg(long, env = "FERRY_DIR", required = true)]
+    #[arg(long, required = true)]
     pub dir: Option<PathBuf>,
     /// Receiver URL, e.g. http://standby:7350.
-    #[arg(long, env = "FERRY_PEER", required = true)]
+    #[arg(long, required = true)]
     pub peer: Option<String>,
     /// Ship only these databases (NAME or NAME.db); repeat the flag. Default: every *.db.
-    #[arg(long = "db", value_name = "NAME")]
+    #[arg(long = "db", value_name = "NAME", value_delimiter = ',')]
     pub dbs: Vec<String>,
     /// File holding the bearer token the receiver expects.
-    #[arg(long, env = "FERRY_TOKEN_FILE")]
+    #[arg(long)]
     pub token_file: Option<PathBuf>,
     /// Ship with at least this fencing epoch (to take a name over after a promotion).
-    #[arg(long, env = "FERRY_EPOCH")]
+    #[arg(long)]
     pub epoch: Option<u64>,
     /// Worker threads stepping databases.
-    #[arg(long, env = "FERRY_WORKERS", default_value_t = 2)]
+    #[arg(long, default_value_t = 2)]
     pub workers: usize,
     /// WAL bytes not acknowledged by the receiver before the shipper gives up the stream,
     /// folds the WAL, and sends a base when the receiver is back.
-    #[arg(long, env = "FERRY_WAL_MAX_BYTES", default_value_t = WAL_MAX_BYTES)]
+    #[arg(long, default_value_t = WAL_MAX_BYTES)]
     pub wal_max_bytes: u64,
     /// Frames in the WAL before the shipper folds it (once the receiver has them).
-    #[arg(long, env = "FERRY_FOLD_MIN_FRAMES", default_value_t = FOLD_MIN_FRAMES)]
+    #[arg(long, default_value_t = FOLD_MIN_FRAMES)]
     pub fold_min_frames: u32,
     /// Niceness of the shipper's threads, 0 to 19 (0 leaves them alone): a nice shipper
     /// lets the app it runs beside take a core back the moment the app needs it.
-    #[arg(long, env = "FERRY_SHIP_NICE", default_value_t = ferry_ship::shipper::NICE)]
+    #[arg(long, default_value_t = ferry_ship::shipper::NICE)]
     pub nice: i32,
     /// Serve /metrics and /status on this address, e.g. 127.0.0.1:7351.
-    #[arg(long, env = "FERRY_METRICS_LISTEN")]
+    #[arg(long)]
     pub metrics_listen: Option<String>,
 }
 
 #[derive(Args)]
 pub struct ShipStatusArgs {
     /// A running shipper's --metrics-listen address (http://HOST:PORT).
-    #[arg(long, env = "FERRY_SHIP_URL")]
+    #[arg(long)]
     pub url: Option<String>,
     /// The shipper's directory, to show its saved state when it is not running.
-    #[arg(long, env = "FERRY_DIR")]
+    #[arg(long)]
     pub dir: Option<PathBuf>,
     /// Print JSON.
     #[arg(long)]
@@ -64,35 +64,35 @@ pub struct ShipStatusArgs {
 #[derive(Args)]
 pub struct ReceiveArgs {
     /// Directory holding the replicas (created if missing).
-    #[arg(long, env = "FERRY_DIR", required = true)]
+    #[arg(long, required = true)]
     pub dir: Option<PathBuf>,
     /// Address to listen on, e.g. 0.0.0.0:7350.
-    #[arg(long, env = "FERRY_LISTEN", required = true)]
+    #[arg(long, required = true)]
     pub listen: Option<String>,
     /// File holding the bearer token shippers must present.
-    #[arg(long, env = "FERRY_TOKEN_FILE")]
+    #[arg(long)]
     pub token_file: Option<PathBuf>,
     /// Largest request body of transactions, in bytes.
-    #[arg(long, env = "FERRY_MAX_BODY_BYTES", default_value_t = ferry_ship::receiver::BODY_BYTES_MAX)]
+    #[arg(long, default_value_t = ferry_ship::receiver::BODY_BYTES_MAX)]
     pub max_body_bytes: u64,
     /// Largest base (a whole database), in bytes.
-    #[arg(long, env = "FERRY_MAX_BASE_BYTES", default_value_t = ferry_ship::receiver::BASE_BYTES_MAX)]
+    #[arg(long, default_value_t = ferry_ship::receiver::BASE_BYTES_MAX)]
     pub max_base_bytes: u64,
     /// Skip PRAGMA quick_check on incoming bases (faster for huge databases).
-    #[arg(long, env = "FERRY_NO_BASE_CHECK")]
+    #[arg(long)]
     pub no_base_check: bool,
 }
 
 #[derive(Args)]
 pub struct ReceiveStatusArgs {
     /// A running receiver's URL (http://HOST:PORT).
-    #[arg(long, env = "FERRY_RECEIVE_URL")]
+    #[arg(long)]
     pub url: Option<String>,
     /// The receiver's directory, to read replicas' positions when it is not running.
-    #[arg(long, env = "FERRY_DIR")]
+    #[arg(long)]
     pub dir: Option<PathBuf>,
     /// Token file, if the receiver has one.
-    #[arg(long, env = "FERRY_TOKEN_FILE")]
+    #[arg(long)]
     pub token_file: Option<PathBuf>,
     /// Print JSON.
     #[arg(long)]
@@ -102,7 +102,7 @@ pub struct ReceiveStatusArgs {
 #[derive(Args)]
 pub struct PromoteArgs {
     /// The receiver's directory.
-    #[arg(long, env = "FERRY_DIR")]
+    #[arg(long)]
     pub dir: PathBuf,
     /// The database to promote (NAME or NAME.db).
     pub name: String,

@@ -14,6 +14,7 @@ use std::time::Duration;
 
 #[test]
 fn malformed_flags_are_refused_with_what_and_where() {
+    // (Written in the spellings before `ferry ship <verb>`: they must keep working.)
     let scratch = ferry_testkit::Scratch::new("flags");
     let dir = scratch.path().to_str().unwrap();
     let cases: &[(&[&str], &str)] = &[

@@ -61,6 +61,7 @@ fn promotion_under_load_fences_the_old_primary_and_equals_the_last_ack() {
     let (code, out, err) = proc::run(
         ferry(),
         &[
+            "ship",
             "promote",
             "--dir",
             rig.standby.to_str().unwrap(),
@@ -218,7 +219,7 @@ fn sigterm_saves_state_and_a_restart_resumes_without_a_base() {
     assert!(out.contains("LAG TX") && out.contains("idle"), "{out}");
     let (code, out, _) = proc::run(
         ferry(),
-        &["receive", "status", "--url", &rig.receiver_url(), "--json"],
+        &["ship", "replicas", "--url", &rig.receiver_url(), "--json"],
         &[],
     );
     assert_eq!(code, 0);

@@ -214,7 +214,7 @@ pub enum PromoteError {
     /// A setting cannot be used: `dest` (where the promoted database goes).
     #[error(transparent)]
     Config(#[from] ConfigError),
-    #[error("{}: no replica named {name} in {} (see `ferry receive status`)", dir.display(), dir.display())]
+    #[error("{}: no replica named {name} in {} (the receiver's status lists its replicas)", dir.display(), dir.display())]
     NoSuchReplica { name: String, dir: PathBuf },
     #[error(
         "{name} was already promoted at epoch {epoch}; its replica was moved out then (see the first promote's report)"
@@ -286,7 +286,7 @@ impl Classify for PromoteError {
 
 /// A directory holds no receiver state to show.
 #[derive(Debug, thiserror::Error)]
-#[error("{} holds no replicas ({source}); has `ferry receive` run there?", dir.display())]
+#[error("{} holds no replicas ({source}); has a receiver run there?", dir.display())]
 pub struct OfflineError {
     pub dir: PathBuf,
     pub source: io::Error,

@@ -61,7 +61,7 @@ async fn authorize(State(r): State<Arc<Receiver>>, req: Request, next: Next) -> 
         if !constant_time_eq(given.as_bytes(), token.as_bytes()) {
             return refusal(Refused::new(
                 Code::Unauthorized,
-                "missing or wrong bearer token: the shipper's --token-file must hold the receiver's token",
+                "missing or wrong bearer token: the shipper's token must be the receiver's",
             ));
         }
     }

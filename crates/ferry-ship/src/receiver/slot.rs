@@ -242,7 +242,7 @@ impl Slot {
                     Code::Fenced,
                     format!(
                         "{name}: epoch {epoch} is fenced: {why} at epoch {held}. This shipper's primary is stale; stop it. \
-                         To ship from it again on purpose, start the shipper with --epoch {}",
+                         To ship from it again on purpose, give the shipper epoch {} (its `epoch` setting)",
                         held.next()
                     ),
                 )

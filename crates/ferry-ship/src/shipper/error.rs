@@ -95,7 +95,7 @@ impl Classify for StepError {
 
 /// A directory holds no shipper state to show.
 #[derive(Debug, thiserror::Error)]
-#[error("{} has no shipper state ({source}); has `ferry ship` run there?", dir.display())]
+#[error("{} has no shipper state ({source}); has a shipper run there?", dir.display())]
 pub struct OfflineError {
     pub dir: PathBuf,
     pub source: io::Error,

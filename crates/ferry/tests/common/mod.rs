@@ -64,7 +64,8 @@ impl Rig {
     pub fn start_receiver(&mut self) {
         assert!(self.receiver.is_none(), "receiver already running");
         let mut args = vec![
-            "receive".to_string(),
+            "ship".to_string(),
+            "receive".into(),
             "--dir".into(),
             self.standby.display().to_string(),
             "--listen".into(),
@@ -110,6 +111,7 @@ impl Rig {
         assert!(self.shipper.is_none(), "shipper already running");
         let mut args = vec![
             "ship".to_string(),
+            "send".into(),
             "--dir".into(),
             self.primary.display().to_string(),
             "--peer".into(),
