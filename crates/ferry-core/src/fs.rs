@@ -1,6 +1,7 @@
 //! Files that must survive a crash.
 //!
-//! [`write_atomic`] replaces a file so that after a crash at any instant the path holds
+//! [`write_atomic`] (and [`install`], its last steps, for a file written another way)
+//! replaces a file so that after a crash at any instant the path holds
 //! either the old content or the new, never a mix: write a temporary file in the same
 //! directory, fsync it, rename it over the target, fsync the directory (without the last
 //! step the rename itself may be lost on power failure).
@@ -28,13 +29,27 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
         f.write_all(bytes)?;
         f.sync_all()?;
         drop(f);
-        std::fs::rename(&tmp, path)?;
-        fsync_dir(&dir)
+        install(&tmp, path)
     })();
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
     result
+}
+
+/// The last steps of an atomic replacement, for a file written some other way (by
+/// SQLite's backup API, say): `tmp`, already complete and fsynced, in the directory of
+/// `path`, is renamed over `path` and the directory fsynced. A crash at any instant
+/// leaves `path` old or new; without the directory's fsync the rename itself may be
+/// lost on power failure.
+pub fn install(tmp: &Path, path: &Path) -> io::Result<()> {
+    debug_assert_eq!(
+        parent_dir(tmp),
+        parent_dir(path),
+        "a rename within one directory"
+    );
+    std::fs::rename(tmp, path)?;
+    fsync_dir(&parent_dir(path))
 }
 
 /// fsync a directory, making renames and creations in it durable.

@@ -106,7 +106,7 @@ impl Sink {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        ferry_core::sync::lock(&self.inner)
     }
 }
 

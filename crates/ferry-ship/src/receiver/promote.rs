@@ -137,10 +137,9 @@ pub fn promote(
 }
 
 /// Step 3: copy the replica to `dest` so that `dest` holds either nothing or the whole,
-/// checked, durable copy. The same steps as `ferry_core::fs::write_atomic` (a temporary
-/// file beside it, fsync, rename, fsync of the directory), which cannot be used itself:
-/// it writes bytes held in memory, and this copy is written by SQLite's backup API and
-/// may be as large as the database.
+/// checked, durable copy: SQLite's backup API writes and fsyncs a temporary file beside
+/// it (the copy may be as large as the database, so it is not built in memory), and
+/// `ferry_core::fs::install` renames it over `dest` and fsyncs the directory.
 fn copy(
     replica: &replica::Replica,
     name: &str,
@@ -163,10 +162,9 @@ fn copy(
             path: tmp.clone(),
             source,
         })?;
-    std::fs::rename(&tmp, dest).map_err(io("moving the copy to", dest))?;
+    ferry_core::fs::install(&tmp, dest).map_err(io("moving the copy to", dest))?;
     let _ = replica::remove_with_sidecars(&tmp);
-    let dir = ferry_core::fs::parent_dir(dest);
-    ferry_core::fs::fsync_dir(&dir).map_err(io("syncing the directory", &dir))
+    Ok(())
 }
 
 /// Do two databases hold the same data (read on connections of their own)?
