@@ -199,7 +199,16 @@ async fn a_transport_outage_spends_no_attempts_and_heals_by_itself() {
     ledger
         .committed
         .extend(write_workload(&app, 40, 4, 6).await.committed);
+    // The endpoint stays away for 2 s, longer than two attempts' retries would take; the
+    // relay goes on trying it meanwhile (its probes fail: the path under test ran) and
+    // parks nothing.
+    let probes = relay.status().breaker_probes_failed;
     tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        relay.status().breaker_probes_failed >= probes + 2,
+        "{:?}",
+        relay.status()
+    );
     let st = store.status().await.unwrap();
     assert_eq!(st.parked, 0, "{st:?}");
     s.set_faults(Faults::default());
@@ -276,7 +285,23 @@ async fn a_long_open_transaction_delays_only_its_own_key_and_keeps_its_order() {
     let b2 = b.clone();
     let app_b = App::Pg(pool.clone());
     let writer_b = tokio::spawn(async move { app_b.write(std::slice::from_ref(&b2), true).await });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // B's transaction is seen waiting on a lock (A's key row), and has not finished.
+    let mut b_waits = false;
+    for _ in 0..500 {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+             AND datname = current_database()",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            b_waits = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(b_waits, "B never waited for a lock");
     assert!(!writer_b.is_finished(), "B did not wait for A's key lock");
     let mut ledger = write_workload(&app, 50, 5, 50).await;
     let others = ledger.committed.len();

@@ -306,7 +306,15 @@ async fn nats_away_longer_than_the_retry_budget_parks_nothing_and_resumes_by_its
     let l = write_workload(&app, 50, 5, 41).await;
     ledger.committed.extend(l.committed);
     ledger.rolled_back.extend(l.rolled_back);
+    // NATS stays away for 8 s, far longer than two attempts' retries would take; the
+    // relay goes on trying it meanwhile (its probes fail: the path under test ran) and
+    // parks nothing.
+    let probes = relay.counter("ferry_outbox_breaker_probes_failed_total");
     tokio::time::sleep(Duration::from_secs(8)).await;
+    assert!(
+        relay.counter("ferry_outbox_breaker_probes_failed_total") >= probes + 3,
+        "the relay stopped trying NATS"
+    );
     let st = store.status().await.unwrap();
     assert_eq!(st.parked, 0, "{st:?}");
     assert!(st.pending + st.uncertain > 0, "{st:?}");
