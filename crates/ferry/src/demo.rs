@@ -12,6 +12,7 @@
 //! 6. The outbox part (`demo_outbox`): orders and their events in one SQLite transaction,
 //!    relayed to a webhook endpoint that goes down and comes back mid-way.
 
+use crate::report::{fact, say};
 use anyhow::{Context, anyhow, bail, ensure};
 use clap::Args;
 use ferry_ship::{Shipper, ShipperConfig};
@@ -42,6 +43,10 @@ pub struct DemoArgs {
     /// Orders the outbox part writes.
     #[arg(long, default_value_t = 3000)]
     outbox_orders: u64,
+    /// Print JSON: the figures of each part and whether every check held (the
+    /// sentences go to stderr).
+    #[arg(long)]
+    json: bool,
     /// Order workflows the flow part runs.
     #[arg(long, default_value_t = 200)]
     flow_orders: u32,
@@ -83,11 +88,17 @@ pub fn run(a: DemoArgs) -> anyhow::Result<()> {
         ),
     };
     let _ = std::fs::remove_dir_all(&root);
+    crate::report::json(a.json);
     let result = demo(&root, &a);
     if temporary && !a.keep {
         let _ = std::fs::remove_dir_all(&root);
     } else {
-        println!("  files kept in {}", root.display());
+        say!("  files kept in {}", root.display());
+    }
+    crate::report::finish(&result);
+    if a.json && result.is_err() {
+        // The document says what failed; the exit status must too.
+        std::process::exit(1);
     }
     result
 }
@@ -97,8 +108,8 @@ fn demo(root: &Path, a: &DemoArgs) -> anyhow::Result<()> {
     let standby = root.join("standby");
     std::fs::create_dir_all(&primary)?;
     std::fs::create_dir_all(&standby)?;
-    println!("ferry demo: ferry-ship keeps a warm standby of a live SQLite database");
-    println!(
+    say!("ferry demo: ferry-ship keeps a warm standby of a live SQLite database");
+    say!(
         "  SQLite {} (bundled), working in {}",
         rusqlite::version(),
         root.display()
@@ -200,35 +211,59 @@ fn demo(root: &Path, a: &DemoArgs) -> anyhow::Result<()> {
     receiver.stop();
 
     let (lags, outage_lags) = split_lags(&commits.lock().expect("commits lock"), &seen, outage);
-    println!(
+    fact("ship", "orders", total);
+    fact("ship", "orders_per_sec", total as f64 / wrote_secs);
+    fact(
+        "ship",
+        "lag_p50_ms",
+        percentile(&lags, 50.0).map(|d| d.as_secs_f64() * 1e3),
+    );
+    fact(
+        "ship",
+        "lag_p99_ms",
+        percentile(&lags, 99.0).map(|d| d.as_secs_f64() * 1e3),
+    );
+    fact(
+        "ship",
+        "lag_max_ms",
+        lags.last().map(|d| d.as_secs_f64() * 1e3),
+    );
+    fact("ship", "outage_orders", outage_lags.len());
+    fact("ship", "bases", d.bases.values().sum::<u64>());
+    fact("ship", "caught_up_secs", caught_up.as_secs_f64());
+    fact("ship", "promoted_epoch", p.epoch);
+    fact("ship", "promoted_equal", copy_digest == primary_digest);
+    fact("ship", "promoted_integrity", &integrity);
+    fact("ship", "old_primary_fenced", fenced);
+    say!(
         "  wrote {total} orders, one transaction each, in {wrote_secs:.1} s ({:.0}/s)",
         total as f64 / wrote_secs
     );
     if let Some((down, Some(up))) = outage {
-        println!(
+        say!(
             "  killed the receiver with SIGKILL after order {kill_at}, restarted it {:.1} s later",
             up.duration_since(down).as_secs_f64()
         );
     }
-    println!(
+    say!(
         "  lag from commit to visible on the standby: p50 {}, p99 {}, max {} ({} orders outside the outage)",
         ms(percentile(&lags, 50.0)),
         ms(percentile(&lags, 99.0)),
         ms(lags.last().copied()),
         lags.len()
     );
-    println!(
+    say!(
         "  {} orders waited across the outage (until the standby held everything committed before the restart); the longest reached the standby {} after its commit",
         outage_lags.len(),
         ms(outage_lags.last().copied())
     );
     let bases: Vec<String> = d.bases.iter().map(|(k, v)| format!("{k}={v}")).collect();
-    println!(
+    say!(
         "  the standby showed the last order {:.3} s after the app stopped writing; bases sent: {} (the first copy only: the outage healed from the WAL)",
         caught_up.as_secs_f64(),
         bases.join(", ")
     );
-    println!(
+    say!(
         "  promoted standby/orders.db to promoted/orders.db at epoch {}: {} rows, digest {:016x} {} the primary's; integrity_check: {integrity}",
         p.epoch,
         copy_digest.rows,
@@ -239,7 +274,7 @@ fn demo(root: &Path, a: &DemoArgs) -> anyhow::Result<()> {
             "DIFFERENT FROM"
         }
     );
-    println!(
+    say!(
         "  the old primary's shipper after promotion: {}",
         if fenced {
             "fenced (the receiver refuses its epoch)"
@@ -262,7 +297,7 @@ fn demo(root: &Path, a: &DemoArgs) -> anyhow::Result<()> {
     );
     crate::demo_outbox::run(root, a.outbox_orders)?;
     crate::demo_flow::run(root, a.flow_orders)?;
-    println!("OK");
+    say!("OK");
     Ok(())
 }
 

@@ -16,6 +16,7 @@
 //!    step of its order had started (a step acknowledged durable never runs again; one
 //!    cut short by the kill may, with the same key).
 
+use crate::report::{fact, say};
 use anyhow::{Context, bail, ensure};
 use axum::extract::{Query, State};
 use axum::routing::post;
@@ -279,8 +280,8 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
         );
     rt.spawn(async move { axum::serve(listener, app).await });
 
-    println!();
-    println!(
+    say!();
+    say!(
         "ferry demo: ferry-flow runs {orders} order workflows (charge, packing timer, shipment signal, notify) through a SIGKILL"
     );
     let dir = root.join("flow");
@@ -307,7 +308,7 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
     // call the service again (a step cut short by the kill may, with the same key).
     let held = held_steps(&dir)?;
     let calls_at_kill = svc.lock().unwrap_or_else(|p| p.into_inner()).calls.len();
-    println!(
+    say!(
         "  signalled the even orders \"shipped\"; SIGKILLed the engine when {at_kill} of {orders} charges were answered; restarted it and signalled the odd orders"
     );
     let engine = EngineProcess::start(&dir, &service, orders, &log)?;
@@ -362,31 +363,50 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
         s.calls.iter().filter(|c| c.0 == what).count()
             - s.effects.keys().filter(|(w, _)| w == what).count()
     };
-    println!(
+    fact("flow", "orders", orders);
+    fact("flow", "finished", finished);
+    fact("flow", "secs", elapsed.as_secs_f64());
+    fact(
+        "flow",
+        "charges_applied",
+        s.effects.keys().filter(|(w, _)| w == "charge").count(),
+    );
+    fact("flow", "charges_repeated", repeats("charge"));
+    fact("flow", "notifications_repeated", repeats("notify"));
+    fact("flow", "recovery_ms", status.recovery_ms);
+    fact(
+        "flow",
+        "records_per_sync",
+        status.log.records as f64 / status.log.syncs.max(1) as f64,
+    );
+    fact("flow", "orders_wrong", bad.len());
+    say!(
         "  orders finished:          {finished} of {orders} (in {:.1} s, one SIGKILL)",
         elapsed.as_secs_f64()
     );
-    println!(
+    say!(
         "  charges applied:          {} (calls {}, {} re-run with the same key after the kill)",
         s.effects.keys().filter(|(w, _)| w == "charge").count(),
         s.calls.iter().filter(|c| c.0 == "charge").count(),
         repeats("charge")
     );
-    println!(
+    say!(
         "  durable at the kill:      {} charge results, read back from the journal before the restart; none called again",
         held.iter().filter(|(_, w)| w == "charge").count()
     );
-    println!(
+    say!(
         "  notifications applied:    {} (calls {}, {} repeated)",
         s.effects.keys().filter(|(w, _)| w == "notify").count(),
         s.calls.iter().filter(|c| c.0 == "notify").count(),
         repeats("notify")
     );
-    println!(
+    say!(
         "  engine restart:           opened in {:.1} ms, {} log records replayed, {} runs resumed",
-        status.recovery_ms, status.recovered_records, status.resumed
+        status.recovery_ms,
+        status.recovered_records,
+        status.resumed
     );
-    println!(
+    say!(
         "  log:                      {} records in {} fdatasyncs ({:.1} per sync)",
         status.log.records,
         status.log.syncs,
@@ -399,14 +419,14 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
             .unwrap_or(0.0) as u64
     };
-    println!(
+    say!(
         "  restarted engine metrics: {} step attempts ok, {} failed, {} runs parked (as `ferry flow metrics --dir DIR` prints them)",
         metric("ferry_flow_step_attempts_total{result=\"ok\"}"),
         metric("ferry_flow_step_attempts_total{result=\"error\"}")
             + metric("ferry_flow_step_attempts_total{result=\"timeout\"}"),
         metric("ferry_flow_runs{state=\"parked\"}"),
     );
-    println!(
+    say!(
         "  orders wrong:             {} (wrong charge in the result, or a step re-run that was durable or after a later one started)",
         bad.len()
     );

@@ -11,6 +11,7 @@
 //!    once, no rolled-back one arrived, and each customer's events arrived in commit
 //!    order.
 
+use crate::report::{fact, say};
 use anyhow::{anyhow, ensure};
 use ferry_outbox::relay::{Relay, RelayConfig};
 use ferry_outbox::sink::Sink;
@@ -33,8 +34,8 @@ pub fn run(root: &Path, orders: u64) -> anyhow::Result<()> {
 }
 
 async fn demo(root: &Path, orders: u64) -> anyhow::Result<()> {
-    println!();
-    println!("ferry demo: ferry-outbox delivers every committed event once, in order per customer");
+    say!();
+    say!("ferry demo: ferry-outbox delivers every committed event once, in order per customer");
     let dir = root.join("outbox");
     std::fs::create_dir_all(&dir)?;
     let url = format!("sqlite:{}", dir.join("shop.db").display());
@@ -164,29 +165,40 @@ async fn demo(root: &Path, orders: u64) -> anyhow::Result<()> {
         .filter(|(k, v)| arrived.get(*k) != Some(*v))
         .count();
     let st = relay.status();
+    fact("outbox", "orders", orders);
+    fact("outbox", "committed", committed.len());
+    fact("outbox", "rolled_back", rolled_back.len());
+    fact("outbox", "drained_secs", drain.as_secs_f64());
+    fact("outbox", "events_stored", unique.len());
+    fact("outbox", "duplicates_recognised", sink.duplicates());
+    fact("outbox", "unavailable", st.unavailable);
+    fact("outbox", "missing", missing);
+    fact("outbox", "unexpected", extra);
+    fact("outbox", "rolled_back_delivered", leaked);
+    fact("outbox", "customers_out_of_order", out_of_order);
 
-    println!(
+    say!(
         "  wrote {orders} orders in {:.1} s: {} committed with their event in the same transaction, {} rolled back (event included)",
         wrote.as_secs_f64(),
         committed.len(),
         rolled_back.len()
     );
     if let (Some(d), Some(u)) = (down_at, up_at) {
-        println!(
+        say!(
             "  took the webhook endpoint down after order {}, brought it back {:.1} s later; the relay paused (breaker) instead of spending attempts: {} publishes found it away, 0 parked",
             orders / 3,
             u.duration_since(d).as_secs_f64(),
             st.unavailable
         );
     }
-    println!(
+    say!(
         "  the outbox was empty {:.2} s after the last commit; the endpoint stored {} events ({} signatures checked), recognised {} repeated deliveries",
         drain.as_secs_f64(),
         unique.len(),
         sink.requests(),
         sink.duplicates()
     );
-    println!(
+    say!(
         "  every committed event arrived once: {}; rolled-back events delivered: {leaked}; customers whose events arrived out of order: {out_of_order} of {}",
         if missing == 0 && extra == 0 && ids.len() == unique.len() {
             "yes".to_string()

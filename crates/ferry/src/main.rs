@@ -8,6 +8,7 @@ mod demo_outbox;
 mod flow;
 mod grammar;
 mod outbox;
+mod report;
 mod ship;
 mod table;
 

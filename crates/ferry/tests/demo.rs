@@ -1,6 +1,7 @@
 //! `ferry demo`, the README's first command, run whole (shorter than its defaults): it
 //! must keep passing its own checks, the flow part's SIGKILL included. Guards against
-//! the demo rotting while every engine's own tests pass.
+//! the demo rotting while every engine's own tests pass. Run with `--json`: its figures
+//! on stdout, its sentences on stderr.
 
 use ferry_testkit::Scratch;
 use std::process::Command;
@@ -10,7 +11,14 @@ fn the_demo_passes_its_own_checks() {
     let scratch = Scratch::new("demo");
     let dir = scratch.dir("work");
     let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .args(["demo", "--seconds", "2", "--outbox-orders", "500"])
+        .args([
+            "demo",
+            "--json",
+            "--write-ms",
+            "2000",
+            "--outbox-orders",
+            "500",
+        ])
         .args(["--flow-orders", "60", "--dir"])
         .arg(&dir)
         .output()
@@ -25,7 +33,15 @@ fn the_demo_passes_its_own_checks() {
         "none called again",
         "orders wrong:             0",
     ] {
-        assert!(stdout.contains(line), "no {line:?} in:\n{stdout}");
+        assert!(stderr.contains(line), "no {line:?} in:\n{stderr}");
     }
-    assert!(stdout.lines().any(|l| l == "OK"), "{stdout}");
+    assert!(stderr.lines().any(|l| l == "OK"), "{stderr}");
+    let doc: serde_json::Value = serde_json::from_str(&stdout).expect("one JSON document");
+    assert_eq!(doc["ok"], true, "{doc}");
+    assert_eq!(doc["ship"]["promoted_equal"], true, "{doc}");
+    assert_eq!(doc["ship"]["old_primary_fenced"], true, "{doc}");
+    assert_eq!(doc["outbox"]["missing"], 0, "{doc}");
+    assert_eq!(doc["outbox"]["rolled_back_delivered"], 0, "{doc}");
+    assert_eq!(doc["flow"]["finished"], 60, "{doc}");
+    assert_eq!(doc["flow"]["orders_wrong"], 0, "{doc}");
 }
