@@ -438,3 +438,51 @@ impl Engine {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each setting the engine cannot use is refused before anything is opened, named
+    /// with its value.
+    #[test]
+    fn settings_are_checked_once_and_named() {
+        let refused = |b: EngineBuilder| {
+            let mut b = b;
+            b.storage_is_files = b.storage.is_none() && b.journal.is_none();
+            b.check().err().map(|e| (e.setting, e.value))
+        };
+        let b = || Engine::builder("/nonexistent/never-opened");
+        assert_eq!(refused(b()), None);
+        assert_eq!(refused(b().shards(0)), Some(("shards", "0".into())));
+        assert_eq!(
+            refused(b().shards(SHARDS_MAX + 1)),
+            Some(("shards", (SHARDS_MAX + 1).to_string()))
+        );
+        assert_eq!(
+            refused(b().max_running(Some(0))),
+            Some(("max_running", "0".into()))
+        );
+        assert_eq!(refused(b().max_running(None)), None);
+        let big = Limits {
+            payload_bytes: LogConfig::default().record_bytes_max as usize + 1,
+            ..Limits::default()
+        };
+        assert_eq!(
+            refused(b().limits(big)).map(|(s, _)| s),
+            Some("limits.payload_bytes")
+        );
+        assert_eq!(
+            refused(b().on_this_thread(1)).map(|(s, _)| s),
+            Some("on_this_thread")
+        );
+        assert_eq!(
+            refused(
+                b().wrap_files(|f| Arc::new(f))
+                    .storage(Arc::new(ferry_log::sim::SimStorage::new(1)))
+            )
+            .map(|(s, _)| s),
+            Some("wrap_files")
+        );
+    }
+}

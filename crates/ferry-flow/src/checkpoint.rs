@@ -349,4 +349,48 @@ mod tests {
         assert_eq!(f.expire(1_000 + 59, 60), Vec::<String>::new());
         assert_eq!(f.expire(1_000 + 60, 60), vec!["b".to_string()]);
     }
+
+    /// A finished run keeps the keys of the keyed signals it received (a retried
+    /// `signal_once` is told it was delivered), and a checkpoint written before keys
+    /// were kept still reads (as a run that keeps none).
+    #[test]
+    fn a_finished_run_keeps_its_signal_keys_and_old_checkpoints_still_read() {
+        let mut f = Folded::default();
+        let signal = |key: Option<&str>| {
+            rec(
+                "a",
+                0,
+                None,
+                Entry::Signal {
+                    name: "s".into(),
+                    value: json!(1),
+                    key: key.map(str::to_string),
+                },
+            )
+        };
+        for r in [
+            started("a", 0),
+            signal(Some("k1")),
+            signal(None),
+            signal(Some("k2")),
+            rec(
+                "a",
+                0,
+                Some(1),
+                Entry::Finished {
+                    outcome: Outcome::Ok(json!(null)),
+                },
+            ),
+        ] {
+            f.fold(&r, 1_000).unwrap();
+        }
+        assert_eq!(f.finished["a"].keys, vec!["k1".to_string(), "k2".into()]);
+        let back = Folded::decode(&f.encode()).unwrap();
+        assert_eq!(back.finished["a"].keys, f.finished["a"].keys);
+        let old: BTreeMap<String, Done> = serde_json::from_str(
+            r#"{"x":{"workflow":"w","parent":null,"generation":0,"outcome":{"ok":null},"finished_ms":5}}"#,
+        )
+        .unwrap();
+        assert!(old["x"].keys.is_empty());
+    }
 }

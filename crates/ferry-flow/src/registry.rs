@@ -165,3 +165,65 @@ impl Inbox {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_inbox_numbers_signals_by_name_counts_pending_and_keeps_keys() {
+        let mut inbox = Inbox::default();
+        assert_eq!(inbox.pending(), 0);
+        assert!(!inbox.has_key("k1"));
+        inbox.push("go".into(), Json::from(1), Some("k1".into()));
+        inbox.push("stop".into(), Json::from(2), None);
+        inbox.push("go".into(), Json::from(3), None);
+        // The n-th of a name, in arrival order, whatever came between.
+        assert_eq!(inbox.signal_at("go", 0), Some(Json::from(1)));
+        assert_eq!(inbox.signal_at("go", 1), Some(Json::from(3)));
+        assert_eq!(inbox.signal_at("go", 2), None);
+        assert_eq!(inbox.signal_at("stop", 0), Some(Json::from(2)));
+        assert_eq!(inbox.pending(), 3);
+        inbox.consumed_one();
+        assert_eq!(inbox.pending(), 2);
+        // A key is never forgotten, consumed or not.
+        assert!(inbox.has_key("k1"));
+        assert!(!inbox.has_key("k2"));
+    }
+
+    #[test]
+    fn a_finished_run_from_a_checkpoint_keeps_its_keys_without_signals() {
+        let mut e = RunEntry::new(
+            "w",
+            None,
+            0,
+            RunStatus::Finished(crate::journal::Outcome::Ok(Json::Null)),
+        );
+        e.inbox.remember_keys(&["a".into(), "b".into()]);
+        e.inbox.remember_keys(&[]);
+        assert!(e.inbox.has_key("a") && e.inbox.has_key("b"));
+        assert_eq!(e.inbox.pending(), 0);
+        assert_eq!(e.inbox.signal_at("go", 0), None);
+        // Recovery of an unfinished run: what was consumed before the journal's end.
+        let mut inbox = Inbox::default();
+        inbox.push("go".into(), Json::from(1), None);
+        inbox.push("go".into(), Json::from(2), None);
+        inbox.set_consumed(1);
+        assert_eq!(inbox.pending(), 1);
+    }
+
+    #[test]
+    fn waiters_are_taken_once() {
+        let mut e = RunEntry::new("w", Some("parent".into()), 0, RunStatus::Running);
+        assert_eq!(e.parent().map(String::as_str), Some("parent"));
+        let (tx, mut rx) = oneshot::channel();
+        e.add_waiter(tx);
+        let taken = e.take_waiters();
+        assert_eq!(taken.len(), 1);
+        assert!(e.take_waiters().is_empty());
+        for w in taken {
+            let _ = w.send(RunStatus::Running);
+        }
+        assert_eq!(rx.try_recv().unwrap(), RunStatus::Running);
+    }
+}
