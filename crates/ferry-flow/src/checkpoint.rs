@@ -11,13 +11,36 @@
 //! exactly as the log carried them), CRC32C of everything before it (u32). All integers
 //! little-endian.
 
-use crate::journal::{Entry, Outcome, Record};
+use crate::journal::{DecodeError, Entry, Outcome, Record};
 use ferry_log::Lsn;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 const MAGIC: &[u8; 8] = b"FERRYCKP";
+
+/// Why a checkpoint, or a record folded into one, cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CheckpointError {
+    #[error("not a ferry-flow checkpoint")]
+    NotACheckpoint,
+    #[error("its checksum does not match (damaged)")]
+    Checksum,
+    #[error("format {0}; this build reads format {FORMAT}")]
+    Format(u32),
+    #[error("it is cut short")]
+    Short,
+    #[error("bytes after the last record")]
+    Trailing,
+    #[error("its finished runs do not parse: {0}")]
+    Finished(serde_json::Error),
+    #[error("a record that looks finished does not decode as such")]
+    NotFinished,
+    #[error("run {run:?}: {source}")]
+    Record { run: String, source: DecodeError },
+    #[error(transparent)]
+    Decode(#[from] DecodeError),
+}
 const FORMAT: u32 = 1;
 const PREFIX: &str = "checkpoint-";
 
@@ -55,8 +78,8 @@ pub(crate) struct Folded {
 
 impl Folded {
     /// Fold one journal record (a ferry-log payload of kind `RECORD_KIND`).
-    pub fn fold(&mut self, payload: &[u8], now_ms: u64) -> Result<(), String> {
-        let rec = Record::peek(payload).map_err(|e| e.to_string())?;
+    pub fn fold(&mut self, payload: &[u8], now_ms: u64) -> Result<(), CheckpointError> {
+        let rec = Record::peek(payload)?;
         if self.finished.contains_key(rec.run) {
             // Nothing reaches a finished run (signals and cancellations are refused).
             return Ok(());
@@ -73,10 +96,8 @@ impl Folded {
             }
         }
         if rec.entry_json.starts_with(br#"{"t":"finished""#) {
-            let Entry::Finished { outcome } =
-                Record::decode(payload).map_err(|e| e.to_string())?.entry
-            else {
-                return Err("a record that looks finished does not decode as such".into());
+            let Entry::Finished { outcome } = Record::decode(payload)?.entry else {
+                return Err(CheckpointError::NotFinished);
             };
             let generation = a.generation;
             let started = a.records.iter().find_map(|r| {
@@ -137,13 +158,18 @@ impl Folded {
     }
 
     /// Every active run's records, decoded, by run.
-    pub fn active_records(&self) -> Result<BTreeMap<String, Vec<Record>>, String> {
+    pub fn active_records(&self) -> Result<BTreeMap<String, Vec<Record>>, CheckpointError> {
         let mut out = BTreeMap::new();
         for (run, a) in &self.active {
             let recs = a
                 .records
                 .iter()
-                .map(|r| Record::decode(r).map_err(|e| format!("run {run:?}: {e}")))
+                .map(|r| {
+                    Record::decode(r).map_err(|source| CheckpointError::Record {
+                        run: run.clone(),
+                        source,
+                    })
+                })
                 .collect::<Result<Vec<_>, _>>()?;
             out.insert(run.clone(), recs);
         }
@@ -169,22 +195,22 @@ impl Folded {
         b
     }
 
-    pub fn decode(b: &[u8]) -> Result<Folded, String> {
+    pub fn decode(b: &[u8]) -> Result<Folded, CheckpointError> {
         if b.len() < 8 + 4 + 8 + 4 + 4 + 4 || &b[..8] != MAGIC {
-            return Err("not a ferry-flow checkpoint".into());
+            return Err(CheckpointError::NotACheckpoint);
         }
         let (body, crc) = b.split_at(b.len() - 4);
         if crc32c::crc32c(body) != u32::from_le_bytes(crc.try_into().expect("4 bytes")) {
-            return Err("its checksum does not match (damaged)".into());
+            return Err(CheckpointError::Checksum);
         }
         let mut r = Reader { b: body, at: 8 };
         let format = r.u32()?;
         if format != FORMAT {
-            return Err(format!("format {format}; this build reads format {FORMAT}"));
+            return Err(CheckpointError::Format(format));
         }
         let lsn = r.u64()?;
         let n = r.u32()? as usize;
-        let finished = serde_json::from_slice(r.take(n)?).map_err(|e| e.to_string())?;
+        let finished = serde_json::from_slice(r.take(n)?).map_err(CheckpointError::Finished)?;
         let mut folded = Folded {
             lsn,
             active: BTreeMap::new(),
@@ -193,7 +219,7 @@ impl Folded {
         for _ in 0..r.u32()? {
             let n = r.u32()? as usize;
             let rec = r.take(n)?;
-            let p = Record::peek(rec).map_err(|e| e.to_string())?;
+            let p = Record::peek(rec)?;
             let a = folded.active.entry(p.run.to_string()).or_default();
             if p.pos.is_some() {
                 a.generation = a.generation.max(p.generation);
@@ -201,7 +227,7 @@ impl Folded {
             a.records.push(rec.to_vec());
         }
         if r.at != body.len() {
-            return Err("bytes after the last record".into());
+            return Err(CheckpointError::Trailing);
         }
         Ok(folded)
     }
@@ -213,21 +239,21 @@ struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], CheckpointError> {
         let end = self.at.checked_add(n).filter(|&e| e <= self.b.len());
-        let end = end.ok_or("cut short")?;
+        let end = end.ok_or(CheckpointError::Short)?;
         let s = &self.b[self.at..end];
         self.at = end;
         Ok(s)
     }
 
-    fn u32(&mut self) -> Result<u32, String> {
+    fn u32(&mut self) -> Result<u32, CheckpointError> {
         Ok(u32::from_le_bytes(
             self.take(4)?.try_into().expect("4 bytes"),
         ))
     }
 
-    fn u64(&mut self) -> Result<u64, String> {
+    fn u64(&mut self) -> Result<u64, CheckpointError> {
         Ok(u64::from_le_bytes(
             self.take(8)?.try_into().expect("8 bytes"),
         ))
@@ -345,7 +371,10 @@ mod tests {
 
         let mut bytes = f.encode();
         bytes[30] ^= 1;
-        assert!(Folded::decode(&bytes).unwrap_err().contains("checksum"));
+        assert!(matches!(
+            Folded::decode(&bytes),
+            Err(CheckpointError::Checksum)
+        ));
         assert_eq!(f.expire(1_000 + 59, 60), Vec::<String>::new());
         assert_eq!(f.expire(1_000 + 60, 60), vec!["b".to_string()]);
     }

@@ -282,13 +282,11 @@ pub(crate) fn journaled(dir: Option<&Path>, log: &dyn JournalLog) -> Result<Jour
         None => Folded::default(),
     };
     let mut by_run: BTreeMap<String, Vec<Record>> =
-        folded
-            .active_records()
-            .map_err(|reason| FlowError::Damaged {
-                what: "a record in the newest checkpoint".into(),
-                reason,
-                hint: RESTORE.into(),
-            })?;
+        folded.active_records().map_err(|e| FlowError::Damaged {
+            what: "a record in the newest checkpoint".into(),
+            reason: e.to_string(),
+            hint: RESTORE.into(),
+        })?;
     let mut bad = None;
     let mut read = 0u64;
     log.read(folded.lsn, &mut |r| {
@@ -338,9 +336,9 @@ fn load_checkpoint(dir: &Path, log: &dyn JournalLog) -> Result<Folded, FlowError
                 path: path.clone(),
                 source: Arc::new(e),
             })?;
-            Folded::decode(&bytes).map_err(|reason| FlowError::Damaged {
+            Folded::decode(&bytes).map_err(|e| FlowError::Damaged {
                 what: format!("the checkpoint {}", path.display()),
-                reason,
+                reason: e.to_string(),
                 hint: if log.start_lsn() == 0 {
                     // Nothing was retired: the log alone rebuilds every run.
                     "the log still holds everything from its start, so move this file \

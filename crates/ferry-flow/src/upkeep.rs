@@ -20,6 +20,25 @@ const REPLY_KEEP: Duration = Duration::from_secs(600);
 /// again yet, waits this long after opening before it is answered "no run".
 const LATE_START_GRACE: Duration = Duration::from_secs(10);
 
+/// Why a compaction did not finish (it is tried again later, unless a record could not
+/// be folded: then compaction stops until the engine is reopened).
+#[derive(Debug, thiserror::Error)]
+enum CompactionError {
+    #[error("stopped: the record at {lsn} cannot be folded: {source}")]
+    Fold {
+        lsn: ferry_log::Lsn,
+        source: checkpoint::CheckpointError,
+    },
+    #[error(transparent)]
+    Log(#[from] ferry_log::Error),
+    #[error("cannot {what} {}: {source}", path.display())]
+    Io {
+        what: &'static str,
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+}
+
 /// Compaction's state: what is folded so far, and when to fold more.
 pub(crate) struct Compaction {
     pub(crate) folded: Folded,
@@ -56,25 +75,25 @@ impl Compaction {
 
     /// Fold what became durable, expire old finished runs, write the checkpoint, then
     /// retire the segments it covers; how many it retired.
-    fn run(&mut self, shared: &Shared, dir: &Path) -> Result<usize, String> {
+    fn run(&mut self, shared: &Shared, dir: &Path) -> Result<usize, CompactionError> {
         let t = shared.clock.now();
         let now = shared.clock.wall_ms();
         let mut bad = None;
         let folded = &mut self.folded;
-        let upto = shared
-            .log
-            .read(folded.lsn, &mut |r| {
-                if r.kind == RECORD_KIND
-                    && bad.is_none()
-                    && let Err(e) = folded.fold(r.payload, now)
-                {
-                    bad = Some(format!("record at {}: {e}", r.lsn));
-                }
-            })
-            .map_err(|e| e.to_string())?;
+        let upto = shared.log.read(folded.lsn, &mut |r| {
+            if r.kind == RECORD_KIND
+                && bad.is_none()
+                && let Err(e) = folded.fold(r.payload, now)
+            {
+                bad = Some(CompactionError::Fold {
+                    lsn: r.lsn,
+                    source: e,
+                });
+            }
+        })?;
         if let Some(e) = bad {
             self.broken = true;
-            return Err(format!("stopped: {e}"));
+            return Err(e);
         }
         folded.lsn = upto;
         // Forgotten by the fold now, so by the runs map now too (the checkpoint below
@@ -96,14 +115,24 @@ impl Compaction {
         }
         shared.counters.expired(removed);
         let path = checkpoint::path(dir, upto);
-        ferry_core::fs::write_atomic(&path, &folded.encode())
-            .map_err(|e| format!("writing {}: {e}", path.display()))?;
-        for (lsn, old) in checkpoint::list(dir).map_err(|e| e.to_string())? {
+        ferry_core::fs::write_atomic(&path, &folded.encode()).map_err(|source| {
+            CompactionError::Io {
+                what: "write",
+                path,
+                source,
+            }
+        })?;
+        let found = checkpoint::list(dir).map_err(|source| CompactionError::Io {
+            what: "list",
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        for (lsn, old) in found {
             if lsn < upto {
                 let _ = std::fs::remove_file(old);
             }
         }
-        let retired = shared.log.retire_below(upto).map_err(|e| e.to_string())?;
+        let retired = shared.log.retire_below(upto)?;
         tracing::info!(
             lsn = upto,
             active = folded.active.len(),

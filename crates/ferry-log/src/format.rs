@@ -6,6 +6,33 @@
 
 use std::ops::Range;
 
+/// Why bytes on disk are not a segment header, a batch header or a batch's frames.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FormatError {
+    #[error("the segment header is short ({0} bytes)")]
+    SegmentHeaderShort(usize),
+    #[error("not a ferry-log segment (bad magic)")]
+    NotASegment,
+    #[error("the segment header fails its checksum")]
+    SegmentHeaderChecksum,
+    #[error("segment format version {0}; this build reads version {FORMAT_VERSION}")]
+    Version(u32),
+    #[error("short batch header")]
+    BatchHeaderShort,
+    #[error("zeroes where a batch should start")]
+    Zeroes,
+    #[error("no batch header here (bad magic)")]
+    NoBatch,
+    #[error("the batch header's reserved field is not zero")]
+    Reserved,
+    #[error("a frame header at {0} is cut short")]
+    FrameHeaderShort(usize),
+    #[error("the frame at {at} claims {len} bytes, more than the batch holds")]
+    FrameTooLong { at: usize, len: usize },
+    #[error("the frame at {0} fails its checksum")]
+    FrameChecksum(usize),
+}
+
 pub const SEGMENT_MAGIC: &[u8; 8] = b"FERRYLOG";
 pub const FORMAT_VERSION: u32 = 1;
 pub const SEGMENT_HEADER_BYTES: u64 = 32;
@@ -66,21 +93,19 @@ impl SegmentHeader {
         b
     }
 
-    pub fn decode(b: &[u8]) -> Result<SegmentHeader, String> {
+    pub fn decode(b: &[u8]) -> Result<SegmentHeader, FormatError> {
         if b.len() < SEGMENT_HEADER_BYTES as usize {
-            return Err(format!("the segment header is short ({} bytes)", b.len()));
+            return Err(FormatError::SegmentHeaderShort(b.len()));
         }
         if &b[0..8] != SEGMENT_MAGIC {
-            return Err("not a ferry-log segment (bad magic)".into());
+            return Err(FormatError::NotASegment);
         }
         if crc32c::crc32c(&b[0..28]) != u32_at(b, 28) {
-            return Err("the segment header fails its checksum".into());
+            return Err(FormatError::SegmentHeaderChecksum);
         }
         let version = u32_at(b, 8);
         if version != FORMAT_VERSION {
-            return Err(format!(
-                "segment format version {version}; this build reads version {FORMAT_VERSION}"
-            ));
+            return Err(FormatError::Version(version));
         }
         Ok(SegmentHeader {
             first: u64_at(b, 12),
@@ -155,18 +180,18 @@ pub struct BatchHeader {
 }
 
 impl BatchHeader {
-    pub fn decode(b: &[u8]) -> Result<BatchHeader, String> {
+    pub fn decode(b: &[u8]) -> Result<BatchHeader, FormatError> {
         if b.len() < BATCH_HEADER_BYTES as usize {
-            return Err("short batch header".into());
+            return Err(FormatError::BatchHeaderShort);
         }
         if b[..BATCH_HEADER_BYTES as usize].iter().all(|&x| x == 0) {
-            return Err("zeroes where a batch should start".into());
+            return Err(FormatError::Zeroes);
         }
         if u32_at(b, 0) != BATCH_MAGIC {
-            return Err("no batch header here (bad magic)".into());
+            return Err(FormatError::NoBatch);
         }
         if u32_at(b, 20) != 0 {
-            return Err("the batch header's reserved field is not zero".into());
+            return Err(FormatError::Reserved);
         }
         Ok(BatchHeader {
             frames_len: u64::from(u32_at(b, 4)),
@@ -208,25 +233,23 @@ pub fn frame_crc(kind: u8, payload: &[u8]) -> u32 {
 }
 
 /// Split a batch's frame bytes into frames, checking each one.
-pub fn frames(buf: &[u8]) -> Result<Vec<FrameAt>, String> {
+pub fn frames(buf: &[u8]) -> Result<Vec<FrameAt>, FormatError> {
     let mut out = Vec::new();
     let mut at = 0usize;
     let h = FRAME_HEADER_BYTES as usize;
     while at < buf.len() {
         if buf.len() - at < h {
-            return Err(format!("a frame header at {at} is cut short"));
+            return Err(FormatError::FrameHeaderShort(at));
         }
         let len = u32_at(buf, at) as usize;
         let crc = u32_at(buf, at + 4);
         let kind = buf[at + 8];
         if buf.len() - at - h < len {
-            return Err(format!(
-                "the frame at {at} claims {len} bytes, more than the batch holds"
-            ));
+            return Err(FormatError::FrameTooLong { at, len });
         }
         let payload = at + h..at + h + len;
         if frame_crc(kind, &buf[payload.clone()]) != crc {
-            return Err(format!("the frame at {at} fails its checksum"));
+            return Err(FormatError::FrameChecksum(at));
         }
         out.push(FrameAt {
             kind,
@@ -271,7 +294,12 @@ mod tests {
         let mut b = h.encode();
         assert_eq!(SegmentHeader::decode(&b).unwrap(), h);
         b[13] ^= 1;
-        assert!(SegmentHeader::decode(&b).unwrap_err().contains("checksum"));
+        assert!(
+            SegmentHeader::decode(&b)
+                .unwrap_err()
+                .to_string()
+                .contains("checksum")
+        );
     }
 
     #[test]
@@ -304,6 +332,6 @@ mod tests {
         let mut bad = frames_bytes.to_vec();
         bad[12] ^= 0x40;
         assert!(!h.matches(&bytes, &bad));
-        assert!(frames(&bad).unwrap_err().contains("checksum"));
+        assert!(frames(&bad).unwrap_err().to_string().contains("checksum"));
     }
 }

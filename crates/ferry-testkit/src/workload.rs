@@ -125,20 +125,46 @@ pub struct Verified {
     pub chain: u64,
 }
 
+/// Why a database fails [`verify`].
+#[derive(Debug)]
+pub enum VerifyError {
+    /// SQLite refused the reads (no such table yet, busy, locked): no verdict on the data.
+    Sqlite(rusqlite::Error),
+    /// The data contradicts itself: not a consistent copy of the workload.
+    Inconsistent(String),
+}
+
+impl std::fmt::Display for VerifyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            VerifyError::Sqlite(e) => e.fmt(f),
+            VerifyError::Inconsistent(why) => f.write_str(why),
+        }
+    }
+}
+
+impl std::error::Error for VerifyError {}
+
+impl From<rusqlite::Error> for VerifyError {
+    fn from(e: rusqlite::Error) -> Self {
+        VerifyError::Sqlite(e)
+    }
+}
+
 /// Check a database (or replica) against itself, inside one read transaction.
-pub fn verify(conn: &Connection) -> Result<Verified, String> {
+pub fn verify(conn: &Connection) -> Result<Verified, VerifyError> {
     if !conn.is_autocommit() {
         // The caller holds a transaction: verify inside it.
         return verify_inner(conn);
     }
-    conn.execute_batch("BEGIN").map_err(|e| e.to_string())?;
+    conn.execute_batch("BEGIN")?;
     let r = verify_inner(conn);
     let _ = conn.execute_batch("COMMIT");
     r
 }
 
-fn verify_inner(conn: &Connection) -> Result<Verified, String> {
-    let e = |e: rusqlite::Error| e.to_string();
+fn verify_inner(conn: &Connection) -> Result<Verified, VerifyError> {
+    let e = VerifyError::Sqlite;
     let txns: i64 = conn
         .query_row("SELECT v FROM meta WHERE k = 'txn'", [], |r| r.get(0))
         .map_err(e)?;
@@ -156,16 +182,18 @@ fn verify_inner(conn: &Connection) -> Result<Verified, String> {
         .collect::<Result<_, _>>()
         .map_err(e)?;
     if logs.len() as i64 != txns {
-        return Err(format!(
+        return Err(VerifyError::Inconsistent(format!(
             "meta says {txns} transactions, the log holds {}",
             logs.len()
-        ));
+        )));
     }
     let mut c = 0u64;
     let mut dropped_by = std::collections::HashMap::new();
     for (i, (txn, rows, digest, drops, _)) in logs.iter().enumerate() {
         if *txn != i as i64 + 1 {
-            return Err(format!("log entry {i} is transaction {txn}"));
+            return Err(VerifyError::Inconsistent(format!(
+                "log entry {i} is transaction {txn}"
+            )));
         }
         c = link(c, *txn, *rows as u64, *digest as u64, *drops);
         if *drops != 0 {
@@ -173,9 +201,9 @@ fn verify_inner(conn: &Connection) -> Result<Verified, String> {
         }
     }
     if c != chain as u64 {
-        return Err(format!(
+        return Err(VerifyError::Inconsistent(format!(
             "the hash chain over {txns} transactions does not match meta"
-        ));
+        )));
     }
     let mut rows_stmt = conn
         .prepare("SELECT id, payload FROM t WHERE txn = ?1 ORDER BY id")
@@ -188,9 +216,9 @@ fn verify_inner(conn: &Connection) -> Result<Verified, String> {
             .map_err(e)?;
         if *dropped != 0 {
             if !got.is_empty() || !dropped_by.contains_key(txn) {
-                return Err(format!(
+                return Err(VerifyError::Inconsistent(format!(
                     "transaction {txn} is marked dropped but its rows or its dropper disagree"
-                ));
+                )));
             }
             continue;
         }
@@ -198,11 +226,11 @@ fn verify_inner(conn: &Connection) -> Result<Verified, String> {
             .iter()
             .fold(0u64, |d, (id, p)| h(h(d, &id.to_le_bytes()), p));
         if got.len() as i64 != *rows || d != *digest as u64 {
-            return Err(format!(
+            return Err(VerifyError::Inconsistent(format!(
                 "transaction {txn}: {} rows with digest {d:x}, the log says {rows} with {:x}",
                 got.len(),
                 *digest as u64
-            ));
+            )));
         }
     }
     Ok(Verified {

@@ -18,8 +18,8 @@
 
 use super::scan::{BatchRead, all_zero, read_batch, valid_batch_after};
 use crate::format::{
-    self, SEGMENT_HEADER_BYTES, SegmentHeader, parse_segment_name, parse_spare_name, segment_name,
-    spare_name,
+    self, FormatError, SEGMENT_HEADER_BYTES, SegmentHeader, parse_segment_name, parse_spare_name,
+    segment_name, spare_name,
 };
 use crate::storage::Storage;
 use crate::{Error, Lsn};
@@ -207,7 +207,7 @@ enum Header {
 /// its header `decoded`, in a log whose segments so far carry `log_id`; or why it is
 /// damage.
 fn judge_header(
-    decoded: Result<SegmentHeader, String>,
+    decoded: Result<SegmentHeader, FormatError>,
     first: Lsn,
     newest: bool,
     len: u64,
@@ -216,7 +216,7 @@ fn judge_header(
     match decoded {
         // Records are written only after a new segment's header is synced.
         Err(_) if newest && len <= SEGMENT_HEADER_BYTES => Ok(Header::Unfinished),
-        Err(reason) => Err(reason),
+        Err(reason) => Err(reason.to_string()),
         Ok(h) if h.first != first => Err(format!(
             "the header names position {}, the file name {first}",
             h.first
@@ -392,13 +392,13 @@ mod tests {
 
     const H: u64 = SEGMENT_HEADER_BYTES;
 
-    fn header(first: Lsn, log_id: u64) -> Result<SegmentHeader, String> {
+    fn header(first: Lsn, log_id: u64) -> Result<SegmentHeader, FormatError> {
         Ok(SegmentHeader { first, log_id })
     }
 
     #[test]
     fn only_the_newest_segment_may_be_unfinished_and_only_if_it_holds_nothing() {
-        let bad = || Err::<SegmentHeader, _>("bad magic".to_string());
+        let bad = || Err::<SegmentHeader, _>(FormatError::NotASegment);
         assert_eq!(
             judge_header(bad(), 64, true, H, Some(7)),
             Ok(Header::Unfinished)

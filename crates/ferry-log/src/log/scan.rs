@@ -28,7 +28,7 @@ pub(super) fn read_batch(
     }
     let header = match BatchHeader::decode(&h) {
         Ok(x) => x,
-        Err(reason) => return Ok(BatchRead::Bad(reason)),
+        Err(reason) => return Ok(BatchRead::Bad(reason.to_string())),
     };
     if header.lsn != seg + off {
         return Ok(BatchRead::Bad(format!(
@@ -50,7 +50,7 @@ pub(super) fn read_batch(
         return Ok(BatchRead::Bad("the batch fails its checksum".into()));
     }
     if let Err(reason) = format::frames(&frames) {
-        return Ok(BatchRead::Bad(reason));
+        return Ok(BatchRead::Bad(reason.to_string()));
     }
     Ok(BatchRead::Valid {
         frames,

@@ -387,7 +387,12 @@ fn watch(replica: &Path, stop: &AtomicBool, monotonic: bool) -> Result<(u64, u64
                 }
                 highest = highest.max(n);
             }
-            Err(e) if e.contains("no such table") || e.contains("locked") || e.contains("busy") => {
+            Err(e)
+                if matches!(&e, workload::VerifyError::Sqlite(_))
+                    && ["no such table", "locked", "busy"]
+                        .iter()
+                        .any(|m| e.to_string().contains(m)) =>
+            {
                 conn = None;
             }
             Err(e) => return Err(format!("a reader saw an inconsistent replica: {e}")),
