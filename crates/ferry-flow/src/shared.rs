@@ -65,11 +65,6 @@ impl Shared {
         (h % self.shards.len() as u64) as usize
     }
 
-    /// A random u64 from the engine's generator (seeded in a simulation).
-    pub(crate) fn random_u64(&self) -> u64 {
-        lock(&self.rng).next_u64()
-    }
-
     /// Spawn `task` on this thread's `LocalSet` (a shard's, or the caller's with
     /// `on_this_thread`, where it is aborted with the engine).
     pub(crate) fn spawn_here(&self, task: impl Future<Output = ()> + 'static) {
@@ -325,20 +320,6 @@ impl Shared {
         }
     }
 
-    /// The run's wake-up for arrivals (signals, cancellation) and cancellation flag.
-    pub(crate) fn wake_of(&self, run: &str) -> Arc<Wake> {
-        lock(&self.runs)
-            .get(run)
-            .map(|e| e.inbox.wake.clone())
-            .unwrap_or_default()
-    }
-
-    /// The `index`th signal named `name` the run received.
-    pub(crate) fn signal_at(&self, run: &str, name: &str, index: u32) -> Option<Json> {
-        let runs = lock(&self.runs);
-        runs.get(run).and_then(|e| e.inbox.signal_at(name, index))
-    }
-
     /// Put a run found by recovery in the map (replacing what a checkpoint said of it).
     pub(crate) fn insert_recovered(
         &self,
@@ -410,15 +391,19 @@ impl Host for Shared {
     }
 
     fn random_u64(&self) -> u64 {
-        Shared::random_u64(self)
+        lock(&self.rng).next_u64()
     }
 
     fn wake_of(&self, run: &str) -> Arc<Wake> {
-        Shared::wake_of(self, run)
+        lock(&self.runs)
+            .get(run)
+            .map(|e| e.inbox.wake.clone())
+            .unwrap_or_default()
     }
 
     fn signal_at(&self, run: &str, name: &str, index: u32) -> Option<Json> {
-        Shared::signal_at(self, run, name, index)
+        let runs = lock(&self.runs);
+        runs.get(run).and_then(|e| e.inbox.signal_at(name, index))
     }
 
     fn consumed_one(&self, run: &str) {

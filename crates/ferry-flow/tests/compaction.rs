@@ -193,21 +193,7 @@ async fn a_damaged_checkpoint_refuses_to_open() {
         }
         eventually("a checkpoint", || files(&dir, "checkpoint") == 1).await;
     }
-    let cp = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| {
-            p.file_name()
-                .unwrap()
-                .to_str()
-                .unwrap()
-                .starts_with("checkpoint-")
-        })
-        .unwrap();
-    let mut bytes = std::fs::read(&cp).unwrap();
-    let mid = bytes.len() / 2;
-    bytes[mid] ^= 4;
-    std::fs::write(&cp, &bytes).unwrap();
+    damage(&checkpoint_file(&dir));
     let err = match builder(&dir).open() {
         Err(e) => e,
         Ok(_) => panic!("opened on a damaged checkpoint"),
@@ -243,10 +229,7 @@ async fn a_damaged_checkpoint_over_a_whole_log_can_be_moved_aside() {
         assert_eq!(engine.log_stats().segments, 1, "nothing retired");
     }
     let cp = checkpoint_file(&dir);
-    let mut bytes = std::fs::read(&cp).unwrap();
-    let mid = bytes.len() / 2;
-    bytes[mid] ^= 4;
-    std::fs::write(&cp, &bytes).unwrap();
+    damage(&cp);
     let err = match whole(&dir).open() {
         Err(e) => e.to_string(),
         Ok(_) => panic!("opened on a damaged checkpoint"),
@@ -272,4 +255,12 @@ fn checkpoint_file(dir: &Path) -> std::path::PathBuf {
                 .starts_with("checkpoint-")
         })
         .unwrap()
+}
+
+/// Flip one bit in the middle of `path`.
+fn damage(path: &Path) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 4;
+    std::fs::write(path, &bytes).unwrap();
 }
