@@ -163,7 +163,6 @@ impl Relay {
         }
     }
 
-    /// Wake idle lanes (an in-process enqueue just committed).
     /// A snapshot of the relay's counters and its breaker.
     pub fn status(&self) -> RelayStatus {
         let b = lock(&self.breaker);
@@ -176,6 +175,7 @@ impl Relay {
         self.status().metrics(&self.publish_latency)
     }
 
+    /// Wake idle lanes (an in-process enqueue just committed).
     pub fn wake(&self) {
         self.wake.notify_waiters();
     }
