@@ -33,10 +33,16 @@ pub struct Unacked {
 /// The queue of transactions not yet acknowledged, and where the receiver stands.
 #[derive(Debug)]
 pub struct Batch {
-    /// In seq order, every seq above `acked`.
-    pub unacked: VecDeque<Unacked>,
+    /// In seq order, every seq above `acked`. Private: the counts below follow it through
+    /// `push`, `pop_front` and `clear` alone.
+    unacked: VecDeque<Unacked>,
     /// Page bytes held in `unacked`; at most `UNACKED_BYTES_MAX` plus one transaction.
-    pub unacked_bytes: u64,
+    unacked_bytes: u64,
+    /// WAL bytes of the transactions in `unacked`.
+    unacked_wal_bytes: u64,
+    /// How many of `unacked` are kept as frame references: counted rather than walked,
+    /// since every step asks (`all_inline`, for the fold).
+    framed: usize,
     /// Seq the next scanned transaction gets.
     pub next_seq: u64,
     /// Highest seq the receiver holds (may be ahead of what was scanned after a restart).
@@ -83,6 +89,8 @@ impl Batch {
         Batch {
             unacked: VecDeque::new(),
             unacked_bytes: 0,
+            unacked_wal_bytes: 0,
+            framed: 0,
             // Saturating: `acked` comes from the state file, and a damaged one must not
             // stop the shipper (the seq counter's own check catches a real wrap).
             next_seq: acked.saturating_add(1),
@@ -98,6 +106,8 @@ impl Batch {
     pub fn clear(&mut self) {
         self.unacked.clear();
         self.unacked_bytes = 0;
+        self.unacked_wal_bytes = 0;
+        self.framed = 0;
     }
 
     /// After a base: the receiver holds seq 0 of a new generation, with `checksum`.
@@ -134,20 +144,43 @@ impl Batch {
             self.acked
         );
         self.unacked_bytes += u.txn.page_bytes();
+        self.unacked_wal_bytes += u.txn.wal_bytes;
+        self.framed += usize::from(is_framed(&u.txn));
         self.unacked.push_back(u);
+    }
+
+    /// The oldest transaction waiting leaves the queue.
+    fn pop_front(&mut self) -> Option<Unacked> {
+        let u = self.unacked.pop_front()?;
+        self.unacked_bytes -= u.txn.page_bytes();
+        self.unacked_wal_bytes -= u.txn.wal_bytes;
+        self.framed -= usize::from(is_framed(&u.txn));
+        Some(u)
+    }
+
+    /// How many transactions wait.
+    pub fn len(&self) -> usize {
+        self.unacked.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.unacked.is_empty()
+    }
+
+    /// Page bytes of the transactions waiting.
+    pub fn unacked_bytes(&self) -> u64 {
+        self.unacked_bytes
     }
 
     /// Every waiting transaction is held in memory (none kept as frame references, which
     /// need the WAL until they are shipped).
     pub fn all_inline(&self) -> bool {
-        self.unacked
-            .iter()
-            .all(|u| matches!(u.txn.pages, Pages::Inline(_)))
+        self.framed == 0
     }
 
     /// WAL bytes of the transactions waiting.
     pub fn lag_wal_bytes(&self) -> u64 {
-        self.unacked.iter().map(|u| u.txn.wal_bytes).sum()
+        self.unacked_wal_bytes
     }
 
     /// Age of the oldest transaction waiting.
@@ -243,18 +276,23 @@ impl Batch {
         self.resume_part = pos.pending_part;
         let mut through = None;
         while self.unacked.front().is_some_and(|u| u.seq <= self.acked) {
-            let u = self.unacked.pop_front().expect("checked");
+            let u = self.pop_front().expect("checked");
             if u.seq == self.acked && !same_history(pack(u.txn.end.checksum), pos.checksum) {
                 return Acked::Forked {
                     seq: u.seq,
                     through,
                 };
             }
-            self.unacked_bytes -= u.txn.page_bytes();
             through = Some((u.seq, u.txn.end));
         }
         Acked::Moved { through }
     }
+}
+
+/// Is the transaction kept as frame references (its pages read back from the WAL when
+/// shipped)?
+fn is_framed(txn: &Txn) -> bool {
+    matches!(txn.pages, Pages::Frames(_))
 }
 
 /// The pages of a transaction in page order, read back and verified if it was kept as
@@ -293,6 +331,7 @@ mod tests {
     use crate::wal::testing::WalBuilder;
     use crate::wal::{Salts, ScanLimits};
     use ferry_core::epoch::Epoch;
+    use ferry_core::seams::{Rng, SplitMix64};
 
     const PS: u32 = 4096;
 
@@ -441,6 +480,55 @@ mod tests {
             ),
             "a checksum of 0 is not known, not another history"
         );
+    }
+
+    /// What a walk of the queue gives for the counts `Batch` keeps: page bytes, WAL bytes,
+    /// and whether every transaction is held in memory.
+    fn walked(b: &Batch) -> (u64, u64, bool) {
+        (
+            b.unacked.iter().map(|u| u.txn.page_bytes()).sum(),
+            b.unacked.iter().map(|u| u.txn.wal_bytes).sum(),
+            b.unacked
+                .iter()
+                .all(|u| matches!(u.txn.pages, Pages::Inline(_))),
+        )
+    }
+
+    // Guards the counts every step reads (the fold's `all_inline`, the lag, the page
+    // bytes) against drifting from the queue they count: checked against a walk after
+    // each of a seeded run of pushes, acknowledgements (forks included), clears and bases.
+    #[test]
+    fn the_counts_kept_match_a_walk_of_the_queue() {
+        let (_, pool) = scanned(&[1, 3, 1, 4, 2, 1, 5], 2 * PS as u64);
+        assert!(pool.iter().any(is_framed) && !pool.iter().all(is_framed));
+        let mut rng = SplitMix64::seeded(7);
+        let mut b = Batch::new(0);
+        for _ in 0..2000 {
+            match rng.below(16) {
+                0..=8 => {
+                    let txn = pool[rng.below(pool.len() as u64) as usize].clone();
+                    let seq = b.take_seq();
+                    b.push(Unacked {
+                        seq,
+                        txn,
+                        observed_ms: 0,
+                        seen: Instant::now(),
+                    });
+                }
+                9..=13 => {
+                    let seq = b.acked + rng.below(b.len() as u64 + 1);
+                    // Now and then a checksum not ours: the queue forks there.
+                    let checksum = if rng.below(4) == 0 { 12345 } else { 0 };
+                    b.acknowledge(&position(seq, checksum, 0));
+                }
+                14 => b.clear(),
+                _ => b.restart_at_base(0),
+            }
+            assert_eq!(
+                (b.unacked_bytes(), b.lag_wal_bytes(), b.all_inline()),
+                walked(&b)
+            );
+        }
     }
 
     #[test]

@@ -71,14 +71,22 @@ impl FoldPolicy {
         let tried = self
             .tried
             .is_some_and(|(c, at)| c == cursor && now.saturating_duration_since(at) < FOLD_RETRY);
+        self.may_fold_untimed(v) && !v.backing_off && !tried
+    }
+
+    /// The conditions of [`Self::may_fold`] that need no clock (`v.backing_off` is not
+    /// read): false rules a fold out, so a caller on a hot path asks this before reading
+    /// the time.
+    pub fn may_fold_untimed(&self, v: &FoldView) -> bool {
+        let Some(cursor) = v.scan else {
+            return false;
+        };
         v.all_inline
             && v.stop == Stop::End
             && cursor.frame >= v.fold_min_frames
             && !v.folder_busy
             && self.last_request <= FOLD_RTT_MAX
-            && !v.backing_off
             && v.unacked_bytes <= FOLD_UNACKED_MAX
-            && !tried
     }
 
     /// A fold was asked for at `cursor`.

@@ -259,7 +259,7 @@ impl Track {
         if self.may_fold() {
             self.fold()?;
         }
-        if !self.batch.unacked.is_empty() {
+        if !self.batch.is_empty() {
             // While the peer is backed off, steps still run on every commit for the local
             // work above (scan, cap, folds while a base is owed): the WAL stays bounded.
             if let Some(wait) = self.backing_off() {
@@ -382,7 +382,10 @@ impl Track {
 
     /// Time left before the next attempt to reach the peer after a failure.
     fn backing_off(&self) -> Option<Duration> {
-        let now = self.now();
+        self.backing_off_at(self.now())
+    }
+
+    fn backing_off_at(&self, now: Instant) -> Option<Duration> {
         self.retry_at
             .and_then(|at| at.checked_duration_since(now))
             .filter(|d| !d.is_zero())
@@ -641,17 +644,28 @@ impl Track {
         ))
     }
 
+    /// Runs every step: what needs no clock (the WAL below the threshold, a fold in
+    /// flight, …) rules most steps out before the clock is read, once.
     fn may_fold(&self) -> bool {
         let view = FoldView {
             scan: self.proof.scan,
             stop: self.proof.stop,
             all_inline: self.batch.all_inline(),
             folder_busy: self.fold_state.busy.load(Ordering::SeqCst),
-            backing_off: self.backing_off().is_some(),
-            unacked_bytes: self.batch.unacked_bytes,
+            // Not read by `may_fold_untimed`; filled in below, with the clock.
+            backing_off: false,
+            unacked_bytes: self.batch.unacked_bytes(),
             fold_min_frames: self.config.fold_min_frames,
         };
-        self.fold.may_fold(&view, self.now())
+        if !self.fold.may_fold_untimed(&view) {
+            return false;
+        }
+        let now = self.now();
+        let view = FoldView {
+            backing_off: self.backing_off_at(now).is_some(),
+            ..view
+        };
+        self.fold.may_fold(&view, now)
     }
 
     /// Fold the WAL (docs/ship.md §3.5) on the folder thread. The proof of a later step
@@ -841,7 +855,7 @@ impl Track {
                 "base owed"
             } else if self.stats.failures > 0 {
                 "retrying"
-            } else if self.batch.unacked.is_empty() {
+            } else if self.batch.is_empty() {
                 "idle"
             } else {
                 "shipping"
@@ -851,7 +865,7 @@ impl Track {
             generation: self.st.generation,
             acked_seq: self.batch.acked,
             head_seq: head,
-            lag_transactions: self.batch.unacked.len() as u64,
+            lag_transactions: self.batch.len() as u64,
             lag_bytes: self.batch.lag_wal_bytes(),
             lag_seconds: self.batch.lag(now).as_secs_f64(),
             wal_bytes: quiet::stat(&self.files.wal_path)
