@@ -930,13 +930,14 @@ macro_rules! row_readers {
                 })
             }
 
-            fn counts(&self) -> Result<Counts, sqlx::Error> {
-                Ok(Counts {
+            fn depth(&self) -> Result<crate::status::Depth, sqlx::Error> {
+                Ok(crate::status::Depth {
                     pending: self.try_get(0)?,
                     uncertain: self.try_get(1)?,
                     leased: self.try_get(2)?,
                     parked: self.try_get(3)?,
                     oldest_uncertain_secs: self.try_get(4)?,
+                    oldest_claimable_secs: self.try_get(5)?,
                 })
             }
         }
@@ -946,20 +947,11 @@ macro_rules! row_readers {
 pub(crate) trait RowReaders {
     fn leased(&self) -> Result<Leased, sqlx::Error>;
     fn parked(&self) -> Result<ParkedMessage, sqlx::Error>;
-    fn counts(&self) -> Result<Counts, sqlx::Error>;
+    fn depth(&self) -> Result<crate::status::Depth, sqlx::Error>;
 }
 
 row_readers!(sqlx::postgres::PgRow);
 row_readers!(sqlx::sqlite::SqliteRow);
-
-/// The depth counts of a status.
-pub(crate) struct Counts {
-    pub(crate) pending: i64,
-    pub(crate) uncertain: i64,
-    pub(crate) leased: i64,
-    pub(crate) parked: i64,
-    pub(crate) oldest_uncertain_secs: Option<f64>,
-}
 
 /// Headers as stored: a JSON object of strings (the enqueue paths check it). A row
 /// written around them with other JSON values keeps them as their JSON text; anything

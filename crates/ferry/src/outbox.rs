@@ -399,7 +399,7 @@ async fn report_progress(r: Arc<Relay>) {
 
 /// Depth gauges from the table, appended to the relay's own counters.
 async fn depth_metrics(store: &Store) -> String {
-    let Ok(st) = store.status().await else {
+    let Ok(st) = store.depth().await else {
         return String::new();
     };
     let mut e = ferry_core::metrics::Exposition::new();

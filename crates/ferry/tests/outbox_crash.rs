@@ -143,13 +143,13 @@ async fn install(url: &str) -> Store {
 async fn drained(store: &Store, limit: Duration) -> bool {
     let end = tokio::time::Instant::now() + limit;
     loop {
-        if let Ok(st) = store.status().await
+        if let Ok(st) = store.depth().await
             && st.pending + st.uncertain + st.leased == 0
         {
             return true;
         }
         if tokio::time::Instant::now() >= end {
-            eprintln!("not drained: {:?}", store.status().await);
+            eprintln!("not drained: {:?}", store.depth().await);
             return false;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;

@@ -199,7 +199,7 @@ async fn one(
     // Then until the outbox is empty: a second stall after the first publish (the old
     // breaker reopening when the acknowledgements lost in the cut time out) shows here.
     let drained = loop {
-        let st = s.status().await.map_err(|e| e.to_string())?;
+        let st = s.depth().await.map_err(|e| e.to_string())?;
         if st.pending + st.leased + st.uncertain == 0 {
             break Some(Instant::now());
         }

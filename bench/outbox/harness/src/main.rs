@@ -222,7 +222,7 @@ async fn drain(args: &[String]) -> Result<serde_json::Value, String> {
         poll: Duration::from_millis(50),
         ..RelayConfig::default()
     };
-    let before = s.status().await.map_err(|e| e.to_string())?.pending;
+    let before = s.depth().await.map_err(|e| e.to_string())?.pending;
     let start = Instant::now();
     let mut running = Vec::new();
     let mut rs = Vec::new();
@@ -232,7 +232,7 @@ async fn drain(args: &[String]) -> Result<serde_json::Value, String> {
         rs.push(r);
     }
     loop {
-        let st = s.status().await.map_err(|e| e.to_string())?;
+        let st = s.depth().await.map_err(|e| e.to_string())?;
         if st.pending + st.leased + st.uncertain == 0 {
             break;
         }
@@ -397,7 +397,7 @@ async fn latency(args: &[String]) -> Result<serde_json::Value, String> {
         sent += t.await.unwrap_or(0);
     }
     loop {
-        let st = s.status().await.map_err(|e| e.to_string())?;
+        let st = s.depth().await.map_err(|e| e.to_string())?;
         if st.pending + st.leased + st.uncertain == 0 {
             break;
         }

@@ -142,18 +142,18 @@ impl Relay {
         let Some(window) = self.transport.dedup_window() else {
             return;
         };
-        let Ok(st) = self.store.status().await else {
+        let Ok(oldest_uncertain_secs) = self.store.oldest_uncertain_secs().await else {
             return;
         };
         let limit = window.mul_f64(0.9).as_secs_f64();
-        let past = st.oldest_uncertain_secs.is_some_and(|age| age > limit);
+        let past = oldest_uncertain_secs.is_some_and(|age| age > limit);
         let was = self
             .stats
             .uncertain_past_window
             .swap(past, Ordering::Relaxed);
         if past && !was {
             tracing::error!(
-                oldest_uncertain_secs = st.oldest_uncertain_secs,
+                oldest_uncertain_secs,
                 dedup_window_secs = window.as_secs(),
                 "an uncertain message has waited longer than the transport's dedup window allows: once the transport answers again it may store that message twice; consumers must deduplicate by message id, or raise the window"
             );

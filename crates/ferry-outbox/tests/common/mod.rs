@@ -226,7 +226,7 @@ pub async fn start_relay(
 pub async fn drained(store: &Store, limit: Duration) -> bool {
     let end = tokio::time::Instant::now() + limit;
     loop {
-        let st = store.status().await.unwrap();
+        let st = store.depth().await.unwrap();
         if st.pending + st.uncertain + st.leased == 0 {
             return true;
         }
