@@ -136,7 +136,9 @@ impl ferry_core::Classify for BodyError {
     }
 }
 
-/// Why a base stream's header or trailer was refused.
+/// Why a base stream's header or trailer was refused. It has no class of its own: the
+/// receiver, where it meets one, refuses a bad header as corrupt and a bad trailer as an
+/// invalid base, whatever the variant.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BaseError {
     #[error("the base ended inside its {BASE_HEADER_BYTES}-byte header")]
@@ -153,19 +155,6 @@ pub enum BaseError {
     NoTrailer,
     #[error("the base's pages failed their CRC32C: damaged in transit")]
     PagesCrc,
-}
-
-impl ferry_core::Classify for BaseError {
-    /// Damage in transit or a cut upload fail validation (the shipper sends the base again);
-    /// a header that is whole but says something impossible fails the same way every time.
-    fn class(&self) -> ferry_core::Class {
-        match self {
-            BaseError::PageSize(_) | BaseError::Generation | BaseError::Magic => {
-                ferry_core::Class::Permanent
-            }
-            _ => ferry_core::Class::Corrupted,
-        }
-    }
 }
 
 /// Decode and validate every record of a body. Nothing is returned unless all of it is

@@ -35,12 +35,12 @@ pub use promote::{Promoted, promote};
 pub use status::{ReceiverStatus, ReplicaStatus, offline_status};
 
 use crate::proto::{self, BaseHeader, Code, Position, TxnsQuery};
-use ferry_core::ConfigError;
 use ferry_core::epoch::Epoch;
 use ferry_core::fs::DirLock;
 use ferry_core::metrics::Histogram;
 use ferry_core::seams::{Clock, SystemClock};
 use ferry_core::sync::lock;
+use ferry_core::{Class, Classify, ConfigError};
 use slot::{BULK_DONE, BULK_IDLE, BULK_QUEUED, BulkJob, Slot};
 use std::collections::HashMap;
 use std::io::Read;
@@ -318,8 +318,8 @@ impl Receiver {
         // Admission first: a body framed for another page size would only fail to parse.
         s.admit(Epoch(q.epoch), q.generation, Some(q.page_size))?;
         let records = proto::decode_records(body, q.page_size).map_err(|e| {
-            let code = match e {
-                proto::BodyError::Crc { .. } | proto::BodyError::Truncated { .. } => Code::Corrupt,
+            let code = match e.class() {
+                Class::Corrupted => Code::Corrupt,
                 _ => Code::BadRequest,
             };
             Refused::new(code, format!("{name}: {e}"))
