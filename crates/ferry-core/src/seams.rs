@@ -49,6 +49,16 @@ pub trait Rng: Send {
         assert!(n > 0, "Rng::below needs a positive bound");
         ((self.next_u64() as u128 * n as u128) >> 64) as u64
     }
+
+    /// The next u64 that is not 0, for ids and generations where 0 means none.
+    fn nonzero_u64(&mut self) -> u64 {
+        loop {
+            let v = self.next_u64();
+            if v != 0 {
+                return v;
+            }
+        }
+    }
 }
 
 /// SplitMix64 (Steele, Lea, Flood 2014).
@@ -86,13 +96,7 @@ impl Rng for SplitMix64 {
 
 /// A random non-zero u64, for ids that must not collide across processes.
 pub fn random_nonzero_u64() -> u64 {
-    let mut rng = SplitMix64::from_entropy();
-    loop {
-        let v = rng.next_u64();
-        if v != 0 {
-            return v;
-        }
-    }
+    SplitMix64::from_entropy().nonzero_u64()
 }
 
 #[cfg(test)]
@@ -108,5 +112,18 @@ mod tests {
             assert!(a.below(10) < 10);
             b.below(10);
         }
+    }
+
+    #[test]
+    fn nonzero_u64_skips_zeros() {
+        struct Script(Vec<u64>);
+        impl Rng for Script {
+            fn next_u64(&mut self) -> u64 {
+                self.0.remove(0)
+            }
+        }
+        let mut r = Script(vec![0, 0, 5, 0]);
+        assert_eq!(r.nonzero_u64(), 5);
+        assert_eq!(r.0, vec![0], "stops at the first non-zero");
     }
 }

@@ -57,12 +57,7 @@ impl Track {
         snap: &Snapshot,
         reason: BaseReason,
     ) -> Result<Next, StepError> {
-        let generation = loop {
-            match self.rng.next_u64() {
-                0 => continue,
-                g => break g,
-            }
-        };
+        let generation = self.rng.nonzero_u64();
         self.st = ShipState {
             version: state::VERSION,
             epoch: self.st.epoch,
