@@ -8,6 +8,7 @@
 //!
 //! [`DirLock`] keeps a second process out of a directory it must own alone.
 
+use crate::{Class, Classify};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
@@ -85,6 +86,18 @@ pub enum LockError {
     Held { path: PathBuf, what: String },
     #[error("cannot open lock file {path}: {source}")]
     Io { path: PathBuf, source: io::Error },
+}
+
+impl Classify for LockError {
+    /// A lock still held after `HELD_GRACE` belongs to another live process: a person
+    /// must stop it (or pick another directory), and retrying meets it again. The I/O
+    /// error of opening the lock file classes as itself.
+    fn class(&self) -> Class {
+        match self {
+            LockError::Held { .. } => Class::Permanent,
+            LockError::Io { source, .. } => source.class(),
+        }
+    }
 }
 
 impl DirLock {

@@ -45,6 +45,20 @@ impl ferry_core::Classify for LibraryError {
     }
 }
 
+/// Can waiting cure this SQLite error? A busy or locked database (another connection
+/// holds the lock) and a full disk (space may be freed) can; anything else fails the
+/// same way again.
+pub fn waiting_cures(e: &rusqlite::Error) -> bool {
+    matches!(
+        e.sqlite_error_code(),
+        Some(
+            rusqlite::ErrorCode::DatabaseBusy
+                | rusqlite::ErrorCode::DatabaseLocked
+                | rusqlite::ErrorCode::DiskFull
+        )
+    )
+}
+
 /// Refuse to run on a SQLite that has the WAL-reset bug.
 pub fn check_library() -> Result<(), LibraryError> {
     if rusqlite::version_number() < SQLITE_VERSION_MIN {
@@ -538,6 +552,22 @@ mod tests {
         assert_eq!(wal_index_end(&watcher), Some(published));
         drop(t);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn waiting_cures_a_held_lock_and_a_full_disk_only() {
+        let failure = |code| rusqlite::Error::SqliteFailure(rusqlite::ffi::Error::new(code), None);
+        for code in [
+            rusqlite::ffi::SQLITE_BUSY,
+            rusqlite::ffi::SQLITE_LOCKED,
+            rusqlite::ffi::SQLITE_FULL,
+        ] {
+            assert!(waiting_cures(&failure(code)), "{code}");
+        }
+        for code in [rusqlite::ffi::SQLITE_CORRUPT, rusqlite::ffi::SQLITE_IOERR] {
+            assert!(!waiting_cures(&failure(code)), "{code}");
+        }
+        assert!(!waiting_cures(&rusqlite::Error::QueryReturnedNoRows));
     }
 
     #[test]

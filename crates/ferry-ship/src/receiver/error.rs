@@ -198,8 +198,7 @@ impl Classify for OpenError {
             OpenError::Sqlite(_) => Class::Permanent,
             OpenError::Config(e) => e.class(),
             OpenError::Dir { source, .. } => source.class(),
-            OpenError::Locked(LockError::Held { .. }) => Class::Permanent,
-            OpenError::Locked(LockError::Io { source, .. }) => source.class(),
+            OpenError::Locked(e) => e.class(),
         }
     }
 }
@@ -266,14 +265,13 @@ impl Classify for PromoteError {
                 source: ReplicaError::Sqlite(e),
                 ..
             }
-            | PromoteError::Read { source: e, .. } => match e.sqlite_error_code() {
-                Some(
-                    rusqlite::ErrorCode::DatabaseBusy
-                    | rusqlite::ErrorCode::DatabaseLocked
-                    | rusqlite::ErrorCode::DiskFull,
-                ) => Class::Transient,
-                _ => Class::Permanent,
-            },
+            | PromoteError::Read { source: e, .. } => {
+                if crate::sqlite::waiting_cures(e) {
+                    Class::Transient
+                } else {
+                    Class::Permanent
+                }
+            }
             PromoteError::Copy { .. } => Class::Permanent,
             PromoteError::NoSuchReplica { .. }
             | PromoteError::AlreadyPromoted { .. }

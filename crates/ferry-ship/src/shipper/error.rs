@@ -33,9 +33,7 @@ impl Classify for StartError {
             StartError::Library(e) => e.class(),
             StartError::Config(e) => e.class(),
             StartError::StateDir { source, .. } => source.class(),
-            // Held: a person must stop the other shipper first.
-            StartError::Locked(LockError::Held { .. }) => Class::Permanent,
-            StartError::Locked(LockError::Io { source, .. }) => source.class(),
+            StartError::Locked(e) => e.class(),
         }
     }
 }
@@ -76,12 +74,8 @@ impl Classify for StepError {
     /// file or a permission cannot (the step keeps failing and status says why).
     fn class(&self) -> Class {
         match self {
+            StepError::Sqlite(e) if crate::sqlite::waiting_cures(e) => Class::Transient,
             StepError::Sqlite(e) => match e.sqlite_error_code() {
-                Some(
-                    rusqlite::ErrorCode::DatabaseBusy
-                    | rusqlite::ErrorCode::DatabaseLocked
-                    | rusqlite::ErrorCode::DiskFull,
-                ) => Class::Transient,
                 Some(rusqlite::ErrorCode::DatabaseCorrupt | rusqlite::ErrorCode::NotADatabase) => {
                     Class::Corrupted
                 }
