@@ -151,7 +151,7 @@ CREATE TABLE ferry_outbox_paused_topics (topic TEXT PRIMARY KEY, paused_at INTEG
 
 /// Postgres, version 2: each relay's cumulative counters (crate::totals), so that
 /// `ferry outbox status` shows them across relay restarts.
-const PG_V2: &str = r#"
+pub(crate) const PG_V2: &str = r#"
 CREATE TABLE ferry_outbox.relays (
     owner            text PRIMARY KEY,
     transport        text NOT NULL DEFAULT '',
@@ -176,7 +176,7 @@ CREATE TABLE ferry_outbox.relays (
 "#;
 
 /// SQLite, version 2: the same table (times in ms since the Unix epoch).
-const SQLITE_V2: &str = r#"
+pub(crate) const SQLITE_V2: &str = r#"
 CREATE TABLE ferry_outbox_relays (
     owner            TEXT PRIMARY KEY,
     transport        TEXT NOT NULL DEFAULT '',

@@ -7,6 +7,7 @@ use super::handle::Relay;
 use crate::error::DbError;
 use crate::totals::RelayRecord;
 use ferry_core::Classify;
+use ferry_core::sync::lock;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -111,14 +112,16 @@ impl Relay {
                 }
             }
         }
-        let st = self.status();
-        let record = RelayRecord {
-            owner: st.owner.clone(),
-            transport: st.transport.clone(),
-            stopped,
-            breaker_open: st.breaker_open,
-            last_error: st.last_error.clone(),
-            totals: st.totals(),
+        let record = {
+            let b = lock(&self.breaker);
+            RelayRecord {
+                owner: self.config.owner.clone(),
+                transport: self.transport.describe(),
+                stopped,
+                breaker_open: b.is_open(),
+                last_error: b.last_error().map(str::to_string),
+                totals: self.stats.totals(&b),
+            }
         };
         if let Err(e) = self.store.record_totals(&record).await {
             self.totals_failed(e);

@@ -7,24 +7,67 @@ use ferry_core::metrics::{Exposition, Histogram};
 use serde::Serialize;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-/// Counters, for `/metrics`, the totals and tests.
-#[derive(Debug, Default)]
-pub struct Stats {
-    pub leased: AtomicU64,
-    pub published: AtomicU64,
-    pub duplicates: AtomicU64,
-    pub settled: AtomicU64,
-    pub fenced: AtomicU64,
-    pub retried: AtomicU64,
-    pub unavailable: AtomicU64,
-    pub uncertain: AtomicU64,
-    pub reconciled: AtomicU64,
-    pub parked: AtomicU64,
-    pub db_errors: AtomicU64,
-    /// An uncertain message is older than the transport's dedup window less a margin:
-    /// its next presentation may be stored twice (docs/outbox.md §4.2).
-    pub uncertain_past_window: AtomicBool,
+/// [`Stats`], [`RelayStatus`], and the snapshot and totals taken from them, over the
+/// counters listed once in crate::totals.
+macro_rules! define_relay_counters {
+    (relay: $($relay:ident),+; breaker: breaker_openings) => {
+        /// Counters, for `/metrics`, the totals and tests.
+        #[derive(Debug, Default)]
+        pub struct Stats {
+            $(pub $relay: AtomicU64,)+
+            /// An uncertain message is older than the transport's dedup window less a margin:
+            /// its next presentation may be stored twice (docs/outbox.md §4.2).
+            pub uncertain_past_window: AtomicBool,
+        }
+
+        /// A snapshot of [`Stats`] and the breaker.
+        #[derive(Clone, Debug, Default, Serialize)]
+        pub struct RelayStatus {
+            pub owner: String,
+            pub transport: String,
+            /// Open or half open: nothing but a probe is published.
+            pub breaker_open: bool,
+            /// The pause of the current opening, in ms (0 when closed).
+            pub breaker_pause_ms: u64,
+            /// Openings since start (an outage opens it once; each failed probe once more).
+            pub breaker_openings: u64,
+            /// Half-open probes that failed (each reopened the breaker for longer).
+            pub breaker_probes_failed: u64,
+            pub consecutive_failures: u32,
+            pub last_error: Option<String>,
+            $(pub $relay: u64,)+
+            pub uncertain_past_window: bool,
+        }
+
+        impl Stats {
+            /// What the relay records in the database (crate::totals): these counters and
+            /// the breaker's openings.
+            pub(super) fn totals(&self, b: &Breaker) -> Totals {
+                Totals {
+                    $($relay: self.$relay.load(Ordering::Relaxed),)+
+                    breaker_openings: b.opened_total(),
+                }
+            }
+
+            pub(super) fn snapshot(&self, owner: &str, transport: String, b: &Breaker) -> RelayStatus {
+                RelayStatus {
+                    owner: owner.to_string(),
+                    transport,
+                    breaker_open: b.is_open(),
+                    breaker_pause_ms: u64::try_from(b.pause().as_millis()).unwrap_or(u64::MAX),
+                    breaker_openings: b.opened_total(),
+                    breaker_probes_failed: b.probes_failed_total(),
+                    consecutive_failures: b.failures(),
+                    last_error: b.last_error().map(str::to_string),
+                    $($relay: self.$relay.load(Ordering::Relaxed),)+
+                    uncertain_past_window: self.uncertain_past_window.load(Ordering::Relaxed),
+                }
+            }
+        }
+    };
 }
+
+crate::totals::counters!(define_relay_counters);
 
 /// Add `n` to a counter. Counters never wrap: at a billion events a second a u64 lasts
 /// five centuries, so a wrap means a bug (a negative count cast), and the relay stops.
@@ -34,83 +77,6 @@ pub(super) fn add(counter: &AtomicU64, n: u64) {
         before.checked_add(n).is_some(),
         "relay invariant: counters never wrap"
     );
-}
-
-/// A snapshot of [`Stats`] and the breaker.
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct RelayStatus {
-    pub owner: String,
-    pub transport: String,
-    /// Open or half open: nothing but a probe is published.
-    pub breaker_open: bool,
-    /// The pause of the current opening, in ms (0 when closed).
-    pub breaker_pause_ms: u64,
-    /// Openings since start (an outage opens it once; each failed probe once more).
-    pub breaker_openings: u64,
-    /// Half-open probes that failed (each reopened the breaker for longer).
-    pub breaker_probes_failed: u64,
-    pub consecutive_failures: u32,
-    pub last_error: Option<String>,
-    pub leased: u64,
-    pub published: u64,
-    pub duplicates: u64,
-    pub settled: u64,
-    pub fenced: u64,
-    pub retried: u64,
-    pub unavailable: u64,
-    pub uncertain: u64,
-    pub reconciled: u64,
-    pub parked: u64,
-    pub db_errors: u64,
-    pub uncertain_past_window: bool,
-}
-
-impl RelayStatus {
-    pub fn totals(&self) -> Totals {
-        Totals {
-            leased: self.leased,
-            published: self.published,
-            duplicates: self.duplicates,
-            settled: self.settled,
-            fenced: self.fenced,
-            retried: self.retried,
-            unavailable: self.unavailable,
-            uncertain: self.uncertain,
-            reconciled: self.reconciled,
-            parked: self.parked,
-            db_errors: self.db_errors,
-            breaker_openings: self.breaker_openings,
-        }
-    }
-}
-
-impl Stats {
-    pub(super) fn snapshot(&self, owner: &str, transport: String, b: &Breaker) -> RelayStatus {
-        let s = self;
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        RelayStatus {
-            owner: owner.to_string(),
-            transport,
-            breaker_open: b.is_open(),
-            breaker_pause_ms: u64::try_from(b.pause().as_millis()).unwrap_or(u64::MAX),
-            breaker_openings: b.opened_total(),
-            breaker_probes_failed: b.probes_failed_total(),
-            consecutive_failures: b.failures(),
-            last_error: b.last_error().map(str::to_string),
-            leased: get(&s.leased),
-            published: get(&s.published),
-            duplicates: get(&s.duplicates),
-            settled: get(&s.settled),
-            fenced: get(&s.fenced),
-            retried: get(&s.retried),
-            unavailable: get(&s.unavailable),
-            uncertain: get(&s.uncertain),
-            reconciled: get(&s.reconciled),
-            parked: get(&s.parked),
-            db_errors: get(&s.db_errors),
-            uncertain_past_window: s.uncertain_past_window.load(Ordering::Relaxed),
-        }
-    }
 }
 
 impl RelayStatus {
