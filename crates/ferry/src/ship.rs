@@ -114,24 +114,29 @@ pub struct PromoteArgs {
     pub json: bool,
 }
 
-/// The flag that gives a library setting (`ShipperConfig`, `ReceiverConfig`, promote's
-/// destination): library errors name settings, a person typed flags.
+/// Each library setting (`ShipperConfig`, `ReceiverConfig`, promote's destination) and
+/// the flag that gives it: library errors name settings, a person typed flags.
+const FLAGS: &[(&str, &str)] = &[
+    ("dir", "--dir"),
+    ("peer", "--peer"),
+    ("names", "--db"),
+    ("token", "--token-file"),
+    ("epoch", "--epoch"),
+    ("workers", "--workers"),
+    ("wal_max_bytes", "--wal-max-bytes"),
+    ("fold_min_frames", "--fold-min-frames"),
+    ("nice", "--nice"),
+    ("max_body_bytes", "--max-body-bytes"),
+    ("max_base_bytes", "--max-base-bytes"),
+    ("dest", "--to"),
+];
+
+/// The flag that gives `setting` (the setting itself if no flag does).
 fn flag_of(setting: &str) -> &str {
-    match setting {
-        "dir" => "--dir",
-        "peer" => "--peer",
-        "names" => "--db",
-        "token" => "--token-file",
-        "epoch" => "--epoch",
-        "workers" => "--workers",
-        "wal_max_bytes" => "--wal-max-bytes",
-        "fold_min_frames" => "--fold-min-frames",
-        "nice" => "--nice",
-        "max_body_bytes" => "--max-body-bytes",
-        "max_base_bytes" => "--max-base-bytes",
-        "dest" => "--to",
-        other => other,
-    }
+    FLAGS
+        .iter()
+        .find(|(s, _)| *s == setting)
+        .map_or(setting, |&(_, flag)| flag)
 }
 
 /// A library error as one sentence: its message already carries its cause, which `{:#}`
@@ -144,13 +149,10 @@ fn said(e: impl std::fmt::Display) -> anyhow::Error {
 /// setting the reason names spelled as its flag too.
 fn flagged(e: &ConfigError) -> anyhow::Error {
     let mut reason = e.reason.clone();
-    for setting in [
-        "wal_max_bytes",
-        "fold_min_frames",
-        "max_body_bytes",
-        "max_base_bytes",
-    ] {
-        reason = reason.replace(setting, flag_of(setting));
+    // Only settings of more than one word: a one-word one ("dir", "names", "nice") is
+    // also an English word, which the reason may use as one.
+    for (setting, flag) in FLAGS.iter().filter(|(s, _)| s.contains('_')) {
+        reason = reason.replace(setting, flag);
     }
     if e.setting == "token" {
         // The value is a secret: name the file it came from instead.
@@ -461,4 +463,23 @@ pub fn receive_status(a: ReceiveStatusArgs) -> anyhow::Result<()> {
         )
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Guards the setting-to-flag table: an error names the flag a person typed, and so
+    // does its reason for a setting of more than one word, while one-word settings stay
+    // words in prose.
+    #[test]
+    fn a_setting_error_is_reported_with_flags() {
+        let e = ConfigError::new("max_body_bytes", 5, "is below max_base_bytes for this dir");
+        assert_eq!(
+            flagged(&e).to_string(),
+            "--max-body-bytes 5: is below --max-base-bytes for this dir"
+        );
+        assert_eq!(flag_of("names"), "--db");
+        assert_eq!(flag_of("lease"), "lease", "no flag: the setting's own name");
+    }
 }
