@@ -18,7 +18,7 @@ use serde::Serialize;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{PgPool, Row, SqlitePool};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -121,12 +121,15 @@ pub enum Uncertain {
     Keep,
 }
 
-/// What a settle achieved.
+/// What a settle achieved. Every row of the batch is counted once: deleted, returned or
+/// parked if written, listed in `fenced` if not.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Settled {
     pub deleted: u64,
     pub returned: u64,
     pub parked: u64,
+    /// Of the rows returned, those that spent an attempt (the message's own refusal).
+    pub retried: u64,
     /// Rows this relay no longer held: not written.
     pub fenced: Vec<FencedRow>,
 }
@@ -432,13 +435,8 @@ impl Store {
                 .await
                 .doing(Op::Settle)?,
         };
-        let mut settled = account(rows, &written);
-        if !settled.fenced.is_empty() {
-            let lost: Vec<(i64, Epoch)> = rows
-                .iter()
-                .filter(|r| settled.fenced.iter().any(|f| f.id == r.id))
-                .map(|r| (r.id, r.generation))
-                .collect();
+        let (mut settled, lost) = account(rows, &written);
+        if !lost.is_empty() {
             // Only for the report: a failure to read them leaves them fenced, reason unknown.
             if let Ok(f) = self.fences(&lost).await {
                 settled.fenced = f;
@@ -756,15 +754,19 @@ async fn settle_sqlite(
 }
 
 /// Count what a settle wrote, checking the settle path's invariants on the way: cheap
-/// (a map lookup per row), so they stay on in release builds.
-fn account(rows: &[SettleRow], written: &[Written]) -> Settled {
+/// (a lookup per row), so they stay on in release builds. Returns the counts, with each
+/// row not written as fenced (reason unknown yet), and those rows with the generation
+/// they were held under, for [`Store::fences`]. Every row of the batch ends up in exactly
+/// one count or in `fenced`: rows are unique, and each write is of a row of the batch,
+/// once (asserted below).
+fn account(rows: &[SettleRow], written: &[Written]) -> (Settled, Vec<(i64, Epoch)>) {
     let asked: HashMap<i64, &SettleRow> = rows.iter().map(|r| (r.id, r)).collect();
     assert_eq!(
         asked.len(),
         rows.len(),
         "settle invariant: a batch holds each row once"
     );
-    let mut done: HashMap<i64, ()> = HashMap::with_capacity(written.len());
+    let mut done: HashSet<i64> = HashSet::with_capacity(written.len());
     let mut settled = Settled::default();
     for w in written {
         let r = asked.get(&w.id).unwrap_or_else(|| {
@@ -774,7 +776,7 @@ fn account(rows: &[SettleRow], written: &[Written]) -> Settled {
             )
         });
         assert!(
-            done.insert(w.id, ()).is_none(),
+            done.insert(w.id),
             "settle invariant: a settle writes each row once, yet row {} was written twice",
             w.id
         );
@@ -806,16 +808,23 @@ fn account(rows: &[SettleRow], written: &[Written]) -> Settled {
         *counter = counter
             .checked_add(1)
             .expect("settle invariant: counts never wrap");
+        if matches!(r.settle, Settle::Retry { attempt: true, .. }) {
+            settled.retried = settled
+                .retried
+                .checked_add(1)
+                .expect("settle invariant: counts never wrap");
+        }
     }
-    settled.fenced = rows
+    let lost: Vec<(i64, Epoch)> = rows
         .iter()
-        .filter(|r| !done.contains_key(&r.id))
-        .map(|r| FencedRow {
-            id: r.id,
-            fence: None,
-        })
+        .filter(|r| !done.contains(&r.id))
+        .map(|r| (r.id, r.generation))
         .collect();
-    settled
+    settled.fenced = lost
+        .iter()
+        .map(|&(id, _)| FencedRow { id, fence: None })
+        .collect();
+    (settled, lost)
 }
 
 /// Settle outcomes as columns, for `unnest` on Postgres and a loop on SQLite.
@@ -990,5 +999,70 @@ pub fn redact(url: &str) -> String {
             }
         }
         _ => url.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(id: i64, settle: Settle) -> SettleRow {
+        SettleRow {
+            id,
+            generation: Epoch(7),
+            attempts: 1,
+            settle,
+        }
+    }
+
+    fn retry(attempt: bool) -> Settle {
+        Settle::Retry {
+            retry_in: Duration::ZERO,
+            attempt,
+            uncertain: Uncertain::Keep,
+            error: "away".into(),
+        }
+    }
+
+    // Guards the settle's bookkeeping that the relay's counters rest on: each row of a
+    // batch is counted once, as written (deleted, returned, parked; attempts spent
+    // among the returned) or as fenced, and the fenced ones come back with the
+    // generation they were held under.
+    #[test]
+    fn account_counts_each_row_once_as_written_or_fenced() {
+        let rows = [
+            row(1, Settle::Confirmed),
+            row(2, retry(true)),
+            row(3, retry(false)),
+            row(
+                4,
+                Settle::Park {
+                    error: "refused".into(),
+                },
+            ),
+            row(5, retry(true)),
+        ];
+        let written = [
+            Written::from((1, 7, 0, 1)),
+            Written::from((2, 7, 0, 2)),
+            Written::from((3, 7, 0, 1)),
+            Written::from((4, 7, 2, 2)),
+        ];
+        let (settled, lost) = account(&rows, &written);
+        assert_eq!(
+            (settled.deleted, settled.returned, settled.parked),
+            (1, 2, 1)
+        );
+        assert_eq!(settled.retried, 1, "row 5 spent no attempt: it was fenced");
+        assert_eq!(settled.fenced, [FencedRow { id: 5, fence: None }]);
+        assert_eq!(lost, [(5, Epoch(7))]);
+    }
+
+    // A statement that wrote a row under another generation broke the fence: the relay
+    // stops rather than count it.
+    #[test]
+    #[should_panic(expected = "a settle writes only rows of its own lease")]
+    fn account_refuses_a_write_under_another_lease() {
+        account(&[row(1, Settle::Confirmed)], &[Written::from((1, 8, 0, 1))]);
     }
 }

@@ -12,6 +12,7 @@ use ferry_core::backoff::Backoff;
 use ferry_core::epoch::{Epoch, Fence};
 use ferry_core::sync::lock;
 use futures_util::StreamExt;
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -456,32 +457,22 @@ impl Relay {
                 }
             }
         };
+        // Every row is written or fenced (the store's account of a settle guarantees it).
         let written = settled
             .deleted
             .checked_add(settled.returned)
             .and_then(|n| n.checked_add(settled.parked))
             .expect("settle invariant: counts never wrap");
-        assert_eq!(
-            written + settled.fenced.len() as u64,
-            rows.len() as u64,
-            "settle invariant: every row of a batch is written or fenced"
-        );
         add(&s.settled, written);
         add(&s.parked, settled.parked);
-        let spent = rows
-            .iter()
-            .filter(|r| {
-                matches!(r.settle, Settle::Retry { attempt: true, .. })
-                    && !settled.fenced.iter().any(|f| f.id == r.id)
-            })
-            .count();
-        add(&s.retried, spent as u64);
+        add(&s.retried, settled.retried);
         if !settled.fenced.is_empty() {
             self.report_fenced(lane, &settled);
         }
+        let fenced: HashSet<i64> = settled.fenced.iter().map(|f| f.id).collect();
         for r in &rows {
             if let Settle::Park { error } = &r.settle
-                && !settled.fenced.iter().any(|f| f.id == r.id)
+                && !fenced.contains(&r.id)
             {
                 tracing::warn!(id = r.id, "message parked: {error}");
             }
