@@ -237,21 +237,10 @@ impl Receiver {
         }
     }
 
+    /// The names with a position record here; none if the directory cannot be read (a
+    /// status or a list then shows no replica rather than failing).
     fn names_on_disk(&self) -> Vec<String> {
-        let mut names: Vec<String> = std::fs::read_dir(&self.ferry_dir)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| {
-                let f = e.file_name();
-                let s = f.to_str()?;
-                let name = s.strip_suffix(".state")?;
-                crate::names::validate(name).ok()?;
-                Some(name.to_string())
-            })
-            .collect();
-        names.sort();
-        names
+        paths::names_in(&self.ferry_dir).unwrap_or_default()
     }
 
     fn slot(&self, name: &str, create: bool) -> Result<Option<Arc<Mutex<Slot>>>, Refused> {

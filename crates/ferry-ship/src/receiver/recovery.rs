@@ -17,7 +17,7 @@
 use super::error::SlotError;
 use super::replica::{self, Replica};
 use super::slot::Slot;
-use super::state::{FLAG_HAS_REPLICA, Intent, Pos, Record};
+use super::state::{Intent, Pos, Record};
 use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 
@@ -70,12 +70,7 @@ impl Slot {
                         tracing::error!(db = %self.name, kept = %aside.display(), "{err}; set aside, the shipper will send a base");
                         self.stats.last_error =
                             Some(format!("{err} (set aside as {})", aside.display()));
-                        Pos {
-                            generation: 0,
-                            seq: 0,
-                            flags: record.pos.flags & !FLAG_HAS_REPLICA,
-                            ..record.pos
-                        }
+                        record.pos.without_replica()
                     }
                 }
             }
@@ -120,9 +115,7 @@ impl Slot {
         }
         if pos.has_replica() && !self.paths.replica.exists() {
             tracing::warn!(db = %self.name, "the replica file is gone; the shipper will send a base");
-            pos.flags &= !FLAG_HAS_REPLICA;
-            pos.generation = 0;
-            pos.seq = 0;
+            pos = pos.without_replica();
         }
         if record.intent != Intent::None || pos != record.pos {
             self.write_state(Record {
@@ -138,12 +131,7 @@ impl Slot {
                 drop(r);
                 let aside = self.set_aside()?;
                 tracing::error!(db = %self.name, kept = %aside.display(), "the replica's page size is not the recorded one: it was replaced behind ferry's back; set aside, the shipper will send a base");
-                let pos = Pos {
-                    generation: 0,
-                    seq: 0,
-                    flags: pos.flags & !FLAG_HAS_REPLICA,
-                    ..pos
-                };
+                let pos = pos.without_replica();
                 self.write_state(Record {
                     pos,
                     intent: Intent::None,

@@ -562,11 +562,8 @@ impl Slot {
         self.replica = None;
         self.pending = None;
         let pos = Pos {
-            generation: 0,
-            seq: 0,
             checksum: 0,
-            flags: self.pos.flags & !FLAG_HAS_REPLICA,
-            ..self.pos
+            ..self.pos.without_replica()
         };
         self.write_state(Record {
             pos,
@@ -582,14 +579,7 @@ impl Slot {
     }
 
     pub(super) fn status(&self) -> ReplicaStatus {
-        let bytes = [
-            &self.paths.replica,
-            &crate::names::sidecar(&self.paths.replica, "-wal"),
-        ]
-        .iter()
-        .filter_map(|p| std::fs::metadata(p).ok())
-        .map(|m| m.len())
-        .sum();
+        let bytes = self.paths.replica_bytes().with_wal;
         let pos = self.position();
         ReplicaStatus {
             name: self.name.clone(),

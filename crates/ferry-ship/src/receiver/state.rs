@@ -44,6 +44,18 @@ impl Pos {
     pub fn promoted(&self) -> bool {
         self.flags & FLAG_PROMOTED != 0
     }
+
+    /// This position once its replica is gone (set aside, lost, or never there): no
+    /// generation, seq 0, so the shipper sends a base; epoch, page size, checksum and
+    /// the other flags kept.
+    pub fn without_replica(self) -> Pos {
+        Pos {
+            generation: 0,
+            seq: 0,
+            flags: self.flags & !FLAG_HAS_REPLICA,
+            ..self
+        }
+    }
 }
 
 /// What tells a committed group from one that did not commit.

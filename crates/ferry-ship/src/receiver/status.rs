@@ -2,7 +2,7 @@
 //! runs in) and Prometheus metrics.
 
 use super::error::OfflineError;
-use super::paths::Paths;
+use super::paths::{self, Paths};
 use super::state::{Intent, Pos, StateFile};
 use ferry_core::epoch::Epoch;
 use ferry_core::metrics::{Exposition, Histogram};
@@ -43,34 +43,17 @@ pub struct ReplicaStatus {
 /// Status read straight from a receiver directory, for `ferry receive status --dir` when
 /// no receiver runs (safe while one does: each name is read under its flock).
 pub fn offline_status(dir: &Path) -> Result<ReceiverStatus, OfflineError> {
-    let ferry_dir = dir.join(".ferry");
-    let rd = std::fs::read_dir(&ferry_dir).map_err(|source| OfflineError {
+    let names = paths::names_in(&dir.join(".ferry")).map_err(|source| OfflineError {
         dir: dir.to_path_buf(),
         source,
     })?;
-    let mut names: Vec<String> = rd
-        .flatten()
-        .filter_map(|e| {
-            let f = e.file_name();
-            let name = f.to_str()?.strip_suffix(".state")?.to_string();
-            crate::names::validate(&name).ok().map(|_| name)
-        })
-        .collect();
-    names.sort();
     // Read-only: recovering here would write a record, and a running receiver would take
     // that for another process's change and drop the transaction it is receiving.
     let mut replicas = Vec::new();
     for name in names {
         let paths = Paths::new(dir, &name);
         let record = StateFile::open(&paths.state).map(|(_, r)| r.unwrap_or_default());
-        let bytes = [
-            &paths.replica,
-            &crate::names::sidecar(&paths.replica, "-wal"),
-        ]
-        .iter()
-        .filter_map(|p| std::fs::metadata(p).ok())
-        .map(|m| m.len())
-        .sum();
+        let bytes = paths.replica_bytes();
         let (pos, last_error) = match record {
             Ok(r) if r.intent == Intent::None => (r.pos, None),
             Ok(r) => (
@@ -85,9 +68,6 @@ pub fn offline_status(dir: &Path) -> Result<ReceiverStatus, OfflineError> {
                 Some(format!("cannot read the position record: {e}")),
             ),
         };
-        let main_len = std::fs::metadata(&paths.replica)
-            .map(|m| m.len())
-            .unwrap_or(0);
         replicas.push(ReplicaStatus {
             name,
             epoch: pos.epoch,
@@ -95,11 +75,11 @@ pub fn offline_status(dir: &Path) -> Result<ReceiverStatus, OfflineError> {
             seq: pos.seq,
             page_size: pos.page_size,
             pages: if pos.page_size > 0 {
-                (main_len / pos.page_size as u64) as u32
+                (bytes.main / pos.page_size as u64) as u32
             } else {
                 0
             },
-            bytes,
+            bytes: bytes.with_wal,
             promoted: pos.promoted(),
             has_replica: pos.has_replica(),
             pending_part: 0,
