@@ -6,7 +6,9 @@
 //! 1. Closed: publish. Failures for transport reasons (unavailable, or sent without an
 //!    answer) of publishes started while closed count in a row; `failures_max` of them
 //!    open the breaker. Any answer from the transport (a confirmation or a refusal of
-//!    the message itself) resets the count.
+//!    the message itself) resets the count. A server error (5xx) while the transport
+//!    has confirmed publishes since the last failure is the message's own refusal, not
+//!    the transport's failure: [`Breaker::record`] decides it.
 //! 2. Open: nothing is leased or published for the pause, drawn once per opening from a
 //!    backoff that doubles with each opening in a row (full jitter). Failures reported
 //!    while open, or by publishes that started before the opening, neither lengthen nor
@@ -19,6 +21,7 @@
 //! Every change of state starts a new era; a publish carries the era it started in, which
 //! is how an outcome is told to belong to the current state or to an earlier one.
 
+use crate::transport::Outcome;
 use ferry_core::backoff::Backoff;
 use ferry_core::seams::Rng;
 use std::time::{Duration, Instant};
@@ -154,6 +157,40 @@ impl Breaker {
         }
     }
 
+    /// A publish of `era` ended with `outcome`: one call per publish. Returns the
+    /// outcome as the relay settles it, and what it did to the breaker. A 5xx while
+    /// publishes were confirmed since the last failure becomes the message's own
+    /// refusal (decided before this failure would reset that count); any other outcome
+    /// stays as it is. `now`, `connections` and `rng` serve an opening, as in
+    /// [`Breaker::failed`].
+    pub fn record(
+        &mut self,
+        era: Era,
+        outcome: Outcome,
+        now: Instant,
+        connections: u64,
+        rng: &mut dyn Rng,
+    ) -> (Outcome, Option<Change>) {
+        let outcome = match outcome {
+            Outcome::Unavailable {
+                reason,
+                server_error: true,
+                ..
+            } if self.confirmed_since_failure > 0 => Outcome::Refused(reason),
+            other => other,
+        };
+        let change = match &outcome {
+            Outcome::Confirmed { .. } | Outcome::Refused(_) => self.answered(era),
+            Outcome::Unavailable {
+                reason,
+                retry_after,
+                ..
+            } => self.failed(era, reason, *retry_after, now, connections, rng),
+            Outcome::Unknown(reason) => self.failed(era, reason, None, now, connections, rng),
+        };
+        (outcome, change)
+    }
+
     /// The transport answered a publish of `era` (confirmed, or refused the message).
     pub fn answered(&mut self, era: Era) -> Option<Change> {
         self.failures = 0;
@@ -256,10 +293,6 @@ impl Breaker {
 
     pub fn failures(&self) -> u32 {
         self.failures
-    }
-
-    pub fn confirmed_since_failure(&self) -> u64 {
-        self.confirmed_since_failure
     }
 
     pub fn last_error(&self) -> Option<&str> {
@@ -375,6 +408,50 @@ mod tests {
         b.failed(era, "away", Some(Duration::from_secs(20)), now, 7, &mut rng);
         assert!(matches!(b.admit(now, 7), Admit::Wait(d) if d >= Duration::from_secs(20)));
         assert!(matches!(b.admit(now, 8), Admit::Probe(_)));
+    }
+
+    fn server_error() -> Outcome {
+        Outcome::Unavailable {
+            reason: "HTTP 500".into(),
+            retry_after: None,
+            server_error: true,
+        }
+    }
+
+    // Guards the 5xx rule: an endpoint failing for one message while it confirms others
+    // refuses that message (it spends an attempt, and the breaker does not count it);
+    // with nothing confirmed since the last failure, a 5xx is the transport's failure
+    // and counts toward opening.
+    #[test]
+    fn a_server_error_among_confirmations_is_the_message_s_own() {
+        let mut rng = SplitMix64::seeded(5);
+        let mut b = Breaker::new(2);
+        let now = Instant::now();
+        let era = b.start(None).unwrap();
+        let (o, change) = b.record(era, server_error(), now, 0, &mut rng);
+        assert_eq!(
+            o,
+            server_error(),
+            "nothing confirmed yet: the transport's failure"
+        );
+        assert_eq!((change, b.failures()), (None, 1));
+        let (o, _) = b.record(
+            era,
+            Outcome::Confirmed { duplicate: false },
+            now,
+            0,
+            &mut rng,
+        );
+        assert_eq!(o, Outcome::Confirmed { duplicate: false });
+        assert_eq!(b.failures(), 0, "an answer resets the count");
+        let (o, change) = b.record(era, server_error(), now, 0, &mut rng);
+        assert_eq!(o, Outcome::Refused("HTTP 500".into()), "the message's own");
+        assert_eq!((change, b.failures()), (None, 0));
+        let away = Outcome::Unknown("timed out".into());
+        b.record(era, away.clone(), now, 0, &mut rng);
+        let (o, change) = b.record(era, server_error(), now, 0, &mut rng);
+        assert_eq!(o, server_error(), "a failure came between: the transport's");
+        assert!(matches!(change, Some(Change::Opened { failures: 2, .. })));
     }
 
     // A lane that took the probe and leased nothing hands it back.

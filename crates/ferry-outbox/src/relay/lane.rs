@@ -10,11 +10,12 @@ use crate::transport::Outcome;
 use ferry_core::Classify;
 use ferry_core::backoff::Backoff;
 use ferry_core::epoch::{Epoch, Fence};
+use ferry_core::seams::{Rng, SplitMix64};
 use ferry_core::sync::lock;
 use futures_util::StreamExt;
 use std::collections::HashSet;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Per-message retry after a refusal: 1 s doubling to 5 min, full jitter.
@@ -42,6 +43,16 @@ const DB_RETRY: Backoff = Backoff::new(
 fn crash_before_settle() -> bool {
     static SET: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *SET.get_or_init(|| std::env::var("FERRY_OUTBOX_CRASH_BEFORE_SETTLE").is_ok_and(|v| v == "1"))
+}
+
+/// The relay's randomness, locked only while the breaker draws from it (when it opens):
+/// recording a publish's outcome otherwise takes the breaker's lock alone.
+struct DrawLocked<'a>(&'a Mutex<SplitMix64>);
+
+impl Rng for DrawLocked<'_> {
+    fn next_u64(&mut self) -> u64 {
+        lock(self.0).next_u64()
+    }
 }
 
 impl Relay {
@@ -271,50 +282,29 @@ impl Relay {
         let outcome = self.transport.publish(m).await;
         self.publish_latency
             .observe(self.config.clock.now().saturating_duration_since(started));
-        // A 5xx while the endpoint was confirming other messages right before is this
-        // message's own failure: decided now, before this failure resets the count.
-        let outcome = match outcome {
-            Outcome::Unavailable {
-                reason,
-                server_error: true,
-                ..
-            } if lock(&self.breaker).confirmed_since_failure() > 0 => Outcome::Refused(reason),
-            other => other,
-        };
-        self.record(era, &outcome);
+        self.record(era, outcome)
+    }
+
+    /// Feed the breaker with the outcome of a publish started in `era` (one call under
+    /// its lock); log what it did. Returns the outcome as the breaker decided it (a 5xx
+    /// among confirmations is the message's own refusal).
+    fn record(&self, era: Era, o: Outcome) -> Outcome {
+        let now = self.config.clock.now();
+        let connections = self.connections_now();
+        let (outcome, change) =
+            lock(&self.breaker).record(era, o, now, connections, &mut DrawLocked(&self.rng));
+        if let Some(change) = change {
+            self.breaker_moved(change, &outcome);
+        }
         outcome
     }
 
-    /// Feed the breaker with the outcome of a publish started in `era`; log what it did.
-    fn record(&self, era: Era, o: &Outcome) {
-        let now = self.config.clock.now();
-        let connections = self.connections_now();
-        let (change, reason) = {
-            let mut b = lock(&self.breaker);
-            match o {
-                Outcome::Confirmed { .. } | Outcome::Refused(_) => (b.answered(era), ""),
-                Outcome::Unavailable {
-                    reason,
-                    retry_after,
-                    ..
-                } => (
-                    b.failed(
-                        era,
-                        reason,
-                        *retry_after,
-                        now,
-                        connections,
-                        &mut *lock(&self.rng),
-                    ),
-                    reason.as_str(),
-                ),
-                Outcome::Unknown(reason) => (
-                    b.failed(era, reason, None, now, connections, &mut *lock(&self.rng)),
-                    reason.as_str(),
-                ),
-            }
+    /// The breaker changed state on outcome `o`: log it, and wake the lanes waiting on it.
+    fn breaker_moved(&self, change: Change, o: &Outcome) {
+        let reason = match o {
+            Outcome::Unavailable { reason, .. } | Outcome::Unknown(reason) => reason.as_str(),
+            Outcome::Confirmed { .. } | Outcome::Refused(_) => "",
         };
-        let Some(change) = change else { return };
         let transport = self.transport.describe();
         match change {
             Change::Opened {
