@@ -496,13 +496,9 @@ mod tests {
         let wal_end = || {
             let wal = std::fs::read(dir.join("a.db-wal")).unwrap();
             let h = crate::wal::Header::parse(&wal).unwrap();
-            let limits = crate::wal::ScanLimits {
-                txn_inline_bytes_max: 0,
-                budget_bytes: u64::MAX,
-            };
             (
                 h.salts,
-                crate::wal::scan(&wal, &h.start(), limits)
+                crate::wal::scan(&wal, &h.start(), crate::wal::POSITIONS_ONLY)
                     .unwrap()
                     .end
                     .frame,

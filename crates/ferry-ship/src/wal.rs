@@ -333,6 +333,14 @@ pub struct ScanLimits {
     pub budget_bytes: u64,
 }
 
+/// A scan for where transactions end that holds no page in memory: every transaction is
+/// kept as frame references (`Pages::Frames`: any page is more than 0 bytes), and no
+/// budget stops it before the end.
+pub const POSITIONS_ONLY: ScanLimits = ScanLimits {
+    txn_inline_bytes_max: 0,
+    budget_bytes: u64::MAX,
+};
+
 /// Bytes read per call while scanning, at most: whole frames, about 1 MiB.
 const SCAN_READ_BYTES: u64 = 1 << 20;
 /// Frames read by a scan's first call (then twice as many each call, up to 1 MiB).
@@ -526,6 +534,23 @@ pub fn read_verified(src: &(impl ReadAt + ?Sized), r: &FrameRef) -> io::Result<O
         return Ok(None);
     }
     Ok(Some(frame[FRAME_HEADER_BYTES..].into()))
+}
+
+/// The pages a transaction's frame references point at, in their order, each read back
+/// and verified ([`read_verified`]); None as soon as one no longer validates (the WAL
+/// was rewritten since the scan).
+pub fn read_frames(
+    src: &(impl ReadAt + ?Sized),
+    refs: &[(u32, FrameRef)],
+) -> io::Result<Option<PageImages>> {
+    let mut out = Vec::with_capacity(refs.len());
+    for (pgno, r) in refs {
+        match read_verified(src, r)? {
+            Some(page) => out.push((*pgno, page)),
+            None => return Ok(None),
+        }
+    }
+    Ok(Some(out))
 }
 
 /// `src` read only up to `len` bytes: a scan through it stops where SQLite's committed

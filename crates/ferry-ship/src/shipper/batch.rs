@@ -14,7 +14,7 @@
 
 use super::limits::UNACKED_BYTES_MAX;
 use crate::proto::{self, BATCH_BYTES_MAX, PART_BYTES_MAX, Position, RecordHeader};
-use crate::wal::{self, Cursor, PageImages, Pages, ReadAt, Txn};
+use crate::wal::{self, Cursor, Pages, ReadAt, Txn};
 use std::collections::VecDeque;
 use std::io;
 use std::time::{Duration, Instant};
@@ -219,8 +219,9 @@ impl Batch {
             let read_back;
             let pages: Vec<(u32, &[u8])> = match &u.txn.pages {
                 Pages::Inline(p) => p.iter().map(|(n, d)| (*n, &d[..])).collect(),
-                Pages::Frames(_) => {
-                    read_back = match page_list(&u.txn, wal)? {
+                Pages::Frames(refs) => {
+                    let Some(f) = wal else { return Ok(None) };
+                    read_back = match wal::read_frames(f, refs)? {
                         Some(p) => p,
                         None => return Ok(None),
                     };
@@ -293,25 +294,6 @@ impl Batch {
 /// shipped)?
 fn is_framed(txn: &Txn) -> bool {
     matches!(txn.pages, Pages::Frames(_))
-}
-
-/// The pages of a transaction in page order, read back and verified if it was kept as
-/// frame references; None if a frame no longer validates.
-fn page_list(txn: &Txn, wal: Option<&(impl ReadAt + ?Sized)>) -> io::Result<Option<PageImages>> {
-    match &txn.pages {
-        Pages::Inline(p) => Ok(Some(p.clone())),
-        Pages::Frames(refs) => {
-            let Some(f) = wal else { return Ok(None) };
-            let mut out = Vec::with_capacity(refs.len());
-            for (pgno, r) in refs {
-                match wal::read_verified(f, r)? {
-                    Some(page) => out.push((*pgno, page)),
-                    None => return Ok(None),
-                }
-            }
-            Ok(Some(out))
-        }
-    }
 }
 
 /// A checksum as the wire carries it.

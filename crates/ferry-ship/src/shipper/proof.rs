@@ -23,7 +23,7 @@
 use super::base::BaseReason;
 use super::limits::IDENTITY_INTERVAL;
 use crate::sqlite::WalIndexEnd;
-use crate::wal::{self, Cursor, Header, Pages, ReadAt, Salts, ScanLimits, Stop};
+use crate::wal::{self, Cursor, Header, Pages, ReadAt, Salts, Stop};
 use std::io;
 use std::time::{Duration, Instant};
 
@@ -357,29 +357,18 @@ pub fn old_cycle_end(
     main: &(impl ReadAt + ?Sized),
     from: &Cursor,
 ) -> io::Result<Option<u32>> {
-    let positions = ScanLimits {
-        txn_inline_bytes_max: 0,
-        budget_bytes: u64::MAX,
-    };
-    let chain = wal::scan(wal, from, positions)?;
+    let chain = wal::scan(wal, from, wal::POSITIONS_ONLY)?;
     let Some(last) = chain.txns.last() else {
         return Ok(Some(from.frame));
     };
-    let images: Vec<(u32, Option<Box<[u8]>>)> = match &last.pages {
-        Pages::Frames(refs) => refs
-            .iter()
-            .map(|(pgno, r)| Ok((*pgno, wal::read_verified(wal, r)?)))
-            .collect::<io::Result<_>>()?,
-        Pages::Inline(images) => images
-            .iter()
-            .map(|(pgno, image)| (*pgno, Some(image.clone())))
-            .collect(),
+    let Pages::Frames(refs) = &last.pages else {
+        unreachable!("a POSITIONS_ONLY scan keeps every transaction as frame references");
+    };
+    let Some(images) = wal::read_frames(wal, refs)? else {
+        return Ok(None);
     };
     let mut on_disk = vec![0u8; from.page_size as usize];
     for (pgno, image) in images {
-        let Some(image) = image else {
-            return Ok(None);
-        };
         let at = (pgno as u64 - 1) * from.page_size as u64;
         let got = main.read_at(&mut on_disk, at).unwrap_or(0);
         if got < on_disk.len() || on_disk[..] != image[..] {

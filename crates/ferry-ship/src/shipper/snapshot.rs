@@ -24,7 +24,7 @@ use super::track::{Next, Track};
 use crate::proto::{BaseHeader, Code, EpochQuery};
 use crate::ship_state::{self as state, Fingerprint, ShipState};
 use crate::sqlite::WalIndexEnd;
-use crate::wal::{self, Cursor, ScanLimits, Stop};
+use crate::wal::{self, Cursor, Stop};
 use ferry_core::seams::Rng;
 use std::io;
 
@@ -210,15 +210,11 @@ impl Track {
             cursor = c;
             counters = cs;
         }
-        let limits = ScanLimits {
-            txn_inline_bytes_max: 0,
-            budget_bytes: u64::MAX,
-        };
         let published = wal::Upto {
             src: f,
             len: wal::frame_offset(h.page_size, end.max(cursor.frame) + 1),
         };
-        let found = wal::scan(&published, &cursor, limits)?;
+        let found = wal::scan(&published, &cursor, wal::POSITIONS_ONLY)?;
         for t in &found.txns {
             for c in &t.page1_counters {
                 counters = Some(match counters {
