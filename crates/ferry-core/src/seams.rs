@@ -3,6 +3,7 @@
 //! Production code takes a `&dyn Clock` / `&mut dyn Rng` (or the defaults below) so a test
 //! can drive time or replay a seed. Neither seam does I/O.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Monotonic time for deadlines and durations, wall time for what people read.
@@ -21,6 +22,53 @@ impl Clock for SystemClock {
     }
     fn wall_ms(&self) -> u64 {
         wall_ms()
+    }
+}
+
+/// A clock that stands still at `at`, with wall time `wall_ms`: only what is not time
+/// (an idle, a close) can end a wait on it.
+#[derive(Clone, Copy, Debug)]
+pub struct StillClock {
+    pub at: Instant,
+    pub wall_ms: u64,
+}
+
+impl Clock for StillClock {
+    fn now(&self) -> Instant {
+        self.at
+    }
+    fn wall_ms(&self) -> u64 {
+        self.wall_ms
+    }
+}
+
+/// A clock `step` later at every read, from `start`: a wait of any length on it ends in
+/// a few reads. `reads` counts them. Wall time reads 0.
+#[derive(Debug)]
+pub struct SteppingClock {
+    pub start: Instant,
+    pub step: Duration,
+    pub reads: AtomicU64,
+}
+
+impl SteppingClock {
+    pub fn new(start: Instant, step: Duration) -> SteppingClock {
+        SteppingClock {
+            start,
+            step,
+            reads: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Clock for SteppingClock {
+    fn now(&self) -> Instant {
+        let n = self.reads.fetch_add(1, Ordering::SeqCst);
+        self.start
+            + self.step * u32::try_from(n).expect("a test reads a clock fewer than 2^32 times")
+    }
+    fn wall_ms(&self) -> u64 {
+        0
     }
 }
 

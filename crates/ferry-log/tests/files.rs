@@ -328,22 +328,6 @@ fn a_follower_that_never_goes_idle_delays_the_writer_at_most_its_follow() {
     assert_eq!(all(&log).len(), 5);
 }
 
-/// A clock that reads an hour later each time.
-struct Hours {
-    start: Instant,
-    reads: std::sync::atomic::AtomicU64,
-}
-
-impl ferry_core::seams::Clock for Hours {
-    fn now(&self) -> Instant {
-        let n = self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        self.start + Duration::from_secs(3600 * n)
-    }
-    fn wall_ms(&self) -> u64 {
-        0
-    }
-}
-
 /// Guards the wiring of the writer's clock: its wait for a follower that never goes
 /// idle must end when the clock it was given says `follow` has passed. Read from the
 /// system clock, each of these syncs would wait an hour.
@@ -355,10 +339,11 @@ fn the_writers_wait_for_followers_reads_the_clock_it_was_given() {
         follow: Duration::from_secs(3600),
         ..Config::default()
     };
-    let clock = Arc::new(Hours {
-        start: Instant::now(),
-        reads: Default::default(),
-    });
+    // An hour later at every read.
+    let clock = Arc::new(ferry_core::seams::SteppingClock::new(
+        Instant::now(),
+        Duration::from_secs(3600),
+    ));
     let (log, _) = Log::open_with_clock(Arc::new(storage), config, clock.clone()).unwrap();
     let follower = log.follower();
     let rt = tokio::runtime::Builder::new_current_thread()

@@ -416,18 +416,6 @@ fn a_group_decided_uncommitted_never_comes_back_from_the_replica_wal() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A clock that stands still: wall time 1,000,000 ms, one instant.
-struct StillClock(std::time::Instant);
-
-impl ferry_core::seams::Clock for StillClock {
-    fn now(&self) -> std::time::Instant {
-        self.0
-    }
-    fn wall_ms(&self) -> u64 {
-        1_000_000
-    }
-}
-
 // Guards the clock seam: a receiver reads time only through ReceiverConfig::clock, so a
 // test that drives the clock sees it in what the receiver reports (the stamp of the last
 // apply, the lag from the shipper's observation to it, the uptime).
@@ -436,7 +424,10 @@ fn the_receiver_reads_time_through_its_clock() {
     let dir = scratch("clock");
     let (base, size) = base_stream(&dir, 4, 10);
     let mut config = ReceiverConfig::new(dir.join("standby"));
-    config.clock = Arc::new(StillClock(std::time::Instant::now()));
+    config.clock = Arc::new(ferry_core::seams::StillClock {
+        at: std::time::Instant::now(),
+        wall_ms: 1_000_000,
+    });
     let receiver = Receiver::open(config).unwrap();
     receiver
         .apply_base("a", Epoch(0), 4, &mut base.as_slice())

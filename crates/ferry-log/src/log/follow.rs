@@ -143,7 +143,7 @@ pub(super) fn wait_for_followers(f: &Follow, limit: Duration, clock: &dyn Clock)
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicU64;
+    use ferry_core::seams::{SteppingClock, StillClock};
 
     #[test]
     fn idle_and_closing_end_the_wait_even_past_its_deadline() {
@@ -160,22 +160,6 @@ mod tests {
         );
     }
 
-    /// A clock an hour later at every read.
-    struct Hours {
-        start: Instant,
-        reads: AtomicU64,
-    }
-
-    impl Clock for Hours {
-        fn now(&self) -> Instant {
-            let n = self.reads.fetch_add(1, Ordering::SeqCst);
-            self.start + Duration::from_secs(3600 * n)
-        }
-        fn wall_ms(&self) -> u64 {
-            0
-        }
-    }
-
     fn follower(follow: &Arc<Follow>) -> Follower {
         Follower {
             follow: follow.clone(),
@@ -188,10 +172,8 @@ mod tests {
         // With the system clock this wait would last an hour: a follower that never
         // goes idle is waited for until the clock given says `follow` has passed.
         let f = Arc::new(Follow::default());
-        let clock = Hours {
-            start: Instant::now(),
-            reads: AtomicU64::new(0),
-        };
+        // An hour later at every read.
+        let clock = SteppingClock::new(Instant::now(), Duration::from_secs(3600));
         let hour = Duration::from_secs(3600);
         assert_eq!(wait_for_followers(&f, hour, &clock), Followed::Off);
         assert_eq!(
@@ -213,16 +195,10 @@ mod tests {
     #[test]
     fn the_last_follower_to_go_idle_or_closing_wakes_the_writer() {
         // A clock that never moves: only an idle or a close can end these waits.
-        struct Stopped(Instant);
-        impl Clock for Stopped {
-            fn now(&self) -> Instant {
-                self.0
-            }
-            fn wall_ms(&self) -> u64 {
-                0
-            }
-        }
-        let clock = Stopped(Instant::now());
+        let clock = StillClock {
+            at: Instant::now(),
+            wall_ms: 0,
+        };
         let f = Arc::new(Follow::default());
         let (a, b) = (follower(&f), follower(&f));
         f.woke(&a.woken);
