@@ -276,6 +276,25 @@ async fn install(a: InstallArgs) -> anyhow::Result<()> {
 }
 
 async fn relay(a: RelayArgs) -> anyhow::Result<()> {
+    // The settings first: a wrong one is reported before anything is connected.
+    let config = RelayConfig {
+        lanes: a.lanes,
+        batch: a.batch,
+        window: a.window,
+        lease: Duration::from_millis(a.lease_ms),
+        max_attempts: a.max_attempts,
+        poll: Duration::from_millis(a.poll_ms),
+        ..RelayConfig::default()
+    };
+    config.check().map_err(|e| relay_config_error(&a, &e))?;
+    let publish_timeout = Duration::from_millis(a.publish_timeout_ms);
+    if publish_timeout >= config.lease / 2 {
+        bail!(
+            "--publish-timeout-ms {} must be under half of --lease-ms {}: a publish must end before the lease needs extending",
+            a.publish_timeout_ms,
+            a.lease_ms
+        );
+    }
     let listener = match &a.metrics_listen {
         Some(addr) => Some(
             tokio::net::TcpListener::bind(addr)
@@ -294,7 +313,7 @@ async fn relay(a: RelayArgs) -> anyhow::Result<()> {
         None => None,
     };
     let options = TransportOptions {
-        publish_timeout: Duration::from_millis(a.publish_timeout_ms),
+        publish_timeout,
         webhook_secret: secret,
         webhook_dedup_window: match a.webhook_dedup_secs {
             Some(secs) => Duration::from_secs(secs),
@@ -306,60 +325,10 @@ async fn relay(a: RelayArgs) -> anyhow::Result<()> {
     let t = transport::connect(&a.to, &options)
         .await
         .map_err(transport_error)?;
-    let config = RelayConfig {
-        lanes: a.lanes,
-        batch: a.batch,
-        window: a.window,
-        lease: Duration::from_millis(a.lease_ms),
-        max_attempts: a.max_attempts,
-        poll: Duration::from_millis(a.poll_ms),
-        ..RelayConfig::default()
-    };
-    let lease = config.lease;
-    let relay = Relay::new(store.clone(), Arc::from(t), config).map_err(|e| {
-        let given = match e.setting {
-            "lanes" => a.lanes.to_string(),
-            "batch" => a.batch.to_string(),
-            "window" => a.window.to_string(),
-            "lease" => a.lease_ms.to_string(),
-            "max_attempts" => a.max_attempts.to_string(),
-            "poll" => a.poll_ms.to_string(),
-            _ => e.value.clone(),
-        };
-        config_error(&e, Some(given))
-    })?;
-    if options.publish_timeout >= lease / 2 {
-        bail!(
-            "--publish-timeout-ms {} must be under half of --lease-ms {}: a publish must end before the lease needs extending",
-            a.publish_timeout_ms,
-            a.lease_ms
-        );
-    }
+    let relay =
+        Relay::new(store.clone(), Arc::from(t), config).map_err(|e| relay_config_error(&a, &e))?;
     if let Some(listener) = listener {
-        tracing::info!(addr = %listener.local_addr()?, "serving /metrics and /status");
-        let (r1, r2, s) = (relay.clone(), relay.clone(), store.clone());
-        let app = axum::Router::new()
-            .route(
-                "/metrics",
-                axum::routing::get(move || {
-                    let r = r1.clone();
-                    let s = s.clone();
-                    async move { r.metrics() + &depth_metrics(&s).await }
-                }),
-            )
-            .route(
-                "/status",
-                axum::routing::get(move || {
-                    let r = r2.clone();
-                    async move { axum::Json(r.status()) }
-                }),
-            )
-            .route("/healthz", axum::routing::get(|| async { "ok\n" }));
-        tokio::spawn(async move {
-            if let Err(e) = axum::serve(listener, app).await {
-                tracing::error!("metrics server stopped: {e}");
-            }
-        });
+        serve_metrics(listener, &relay, &store)?;
     }
     tracing::info!(db = %redact(&a.db.db), to = %a.to, "relaying");
     let r = relay.clone();
@@ -374,6 +343,53 @@ async fn relay(a: RelayArgs) -> anyhow::Result<()> {
         }
         Err(e) => Err(anyhow!(e)),
     }
+}
+
+/// A relay setting's error, with the flag's value as typed.
+fn relay_config_error(a: &RelayArgs, e: &ConfigError) -> anyhow::Error {
+    let given = match e.setting {
+        "lanes" => a.lanes.to_string(),
+        "batch" => a.batch.to_string(),
+        "window" => a.window.to_string(),
+        "lease" => a.lease_ms.to_string(),
+        "max_attempts" => a.max_attempts.to_string(),
+        "poll" => a.poll_ms.to_string(),
+        _ => e.value.clone(),
+    };
+    config_error(e, Some(given))
+}
+
+/// Serve /metrics (the relay's counters and the outbox's depth), /status and /healthz.
+fn serve_metrics(
+    listener: tokio::net::TcpListener,
+    relay: &Arc<Relay>,
+    store: &Store,
+) -> anyhow::Result<()> {
+    tracing::info!(addr = %listener.local_addr()?, "serving /metrics and /status");
+    let (r1, r2, s) = (relay.clone(), relay.clone(), store.clone());
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            axum::routing::get(move || {
+                let r = r1.clone();
+                let s = s.clone();
+                async move { r.metrics() + &depth_metrics(&s).await }
+            }),
+        )
+        .route(
+            "/status",
+            axum::routing::get(move || {
+                let r = r2.clone();
+                async move { axum::Json(r.status()) }
+            }),
+        )
+        .route("/healthz", axum::routing::get(|| async { "ok\n" }));
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!("metrics server stopped: {e}");
+        }
+    });
+    Ok(())
 }
 
 /// Log what the relay did every 10 s while it does something.

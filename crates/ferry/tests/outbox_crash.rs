@@ -436,6 +436,21 @@ async fn bad_configuration_is_refused_at_start_up_with_what_and_where() {
             ],
             "--lease-ms 500: must be at least 1000 ms",
         ),
+        // The settings are checked before anything is connected: a wrong one is
+        // reported even when the database is away.
+        (
+            vec![
+                "outbox",
+                "relay",
+                "--db",
+                "postgres://postgres@127.0.0.1:1/x",
+                "--to",
+                "nats://127.0.0.1:1",
+                "--window",
+                "0",
+            ],
+            "--window 0: must be between",
+        ),
         (
             vec![
                 "outbox",

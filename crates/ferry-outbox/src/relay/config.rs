@@ -1,12 +1,13 @@
 //! A relay's settings ([`RelayConfig`]), their limits, and the check that runs once in
-//! [`super::Relay::new`]: an error names the setting, its value and the limit.
+//! [`super::Relay::new`] (and that a caller may run first, before connecting anything):
+//! an error names the setting, its value and the limit.
 
 use ferry_core::ConfigError;
 use ferry_core::seams::{Clock, SystemClock};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// How a relay runs. Checked by [`Relay::new`].
+/// How a relay runs. Checked by [`RelayConfig::check`], which [`super::Relay::new`] runs.
 #[derive(Clone)]
 pub struct RelayConfig {
     /// This relay's name in `lease_owner` and in the totals (host, pid and a random
@@ -81,59 +82,63 @@ pub(super) fn default_owner() -> String {
     )
 }
 
-/// The settings, checked once: the error names the setting, its value and the limit.
-pub(super) fn check(c: &RelayConfig) -> Result<(), ConfigError> {
-    if c.lanes == 0 || c.lanes > LANES_MAX {
-        return Err(ConfigError::new(
-            "lanes",
-            c.lanes,
-            format!("must be between 1 and {LANES_MAX}"),
-        ));
+impl RelayConfig {
+    /// Check the settings (as [`super::Relay::new`] does): the error names the setting,
+    /// its value and the limit. Pure, so a caller can check before connecting anything.
+    pub fn check(&self) -> Result<(), ConfigError> {
+        let c = self;
+        if c.lanes == 0 || c.lanes > LANES_MAX {
+            return Err(ConfigError::new(
+                "lanes",
+                c.lanes,
+                format!("must be between 1 and {LANES_MAX}"),
+            ));
+        }
+        if c.batch == 0 || c.batch > BATCH_MAX {
+            return Err(ConfigError::new(
+                "batch",
+                c.batch,
+                format!("must be between 1 and {BATCH_MAX}"),
+            ));
+        }
+        if c.window == 0 || c.window > WINDOW_MAX {
+            return Err(ConfigError::new(
+                "window",
+                c.window,
+                format!("must be between 1 and {WINDOW_MAX}"),
+            ));
+        }
+        if c.lease < LEASE_MIN {
+            return Err(ConfigError::new(
+                "lease",
+                format!("{} ms", c.lease.as_millis()),
+                format!(
+                    "must be at least {} ms: a shorter lease cannot cover one publish",
+                    LEASE_MIN.as_millis()
+                ),
+            ));
+        }
+        if c.max_attempts < 1 {
+            return Err(ConfigError::new(
+                "max_attempts",
+                c.max_attempts,
+                "must be at least 1",
+            ));
+        }
+        if c.breaker_failures < 1 {
+            return Err(ConfigError::new(
+                "breaker_failures",
+                c.breaker_failures,
+                "must be at least 1",
+            ));
+        }
+        if c.poll.is_zero() {
+            return Err(ConfigError::new(
+                "poll",
+                "0 ms",
+                "must be at least 1 ms: an idle relay would spin",
+            ));
+        }
+        Ok(())
     }
-    if c.batch == 0 || c.batch > BATCH_MAX {
-        return Err(ConfigError::new(
-            "batch",
-            c.batch,
-            format!("must be between 1 and {BATCH_MAX}"),
-        ));
-    }
-    if c.window == 0 || c.window > WINDOW_MAX {
-        return Err(ConfigError::new(
-            "window",
-            c.window,
-            format!("must be between 1 and {WINDOW_MAX}"),
-        ));
-    }
-    if c.lease < LEASE_MIN {
-        return Err(ConfigError::new(
-            "lease",
-            format!("{} ms", c.lease.as_millis()),
-            format!(
-                "must be at least {} ms: a shorter lease cannot cover one publish",
-                LEASE_MIN.as_millis()
-            ),
-        ));
-    }
-    if c.max_attempts < 1 {
-        return Err(ConfigError::new(
-            "max_attempts",
-            c.max_attempts,
-            "must be at least 1",
-        ));
-    }
-    if c.breaker_failures < 1 {
-        return Err(ConfigError::new(
-            "breaker_failures",
-            c.breaker_failures,
-            "must be at least 1",
-        ));
-    }
-    if c.poll.is_zero() {
-        return Err(ConfigError::new(
-            "poll",
-            "0 ms",
-            "must be at least 1 ms: an idle relay would spin",
-        ));
-    }
-    Ok(())
 }

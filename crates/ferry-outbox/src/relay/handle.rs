@@ -3,7 +3,7 @@
 //! beside other work ([`Running`]); its status and metrics. What each lane does is
 //! `lane.rs`.
 
-use super::config::{RelayConfig, check};
+use super::config::RelayConfig;
 use super::stats::{RelayStatus, Stats};
 use crate::breaker::Breaker;
 use crate::error::DbError;
@@ -74,7 +74,7 @@ impl Relay {
         transport: Arc<dyn Transport>,
         config: RelayConfig,
     ) -> Result<Arc<Relay>, ConfigError> {
-        check(&config)?;
+        config.check()?;
         let connections = transport.connections();
         Ok(Arc::new(Relay {
             store: store.with_clock(config.clock.clone()),

@@ -94,20 +94,15 @@ impl JetStream {
         let mut dedup_window = None;
         jetstream_answers(&client, url).await?;
         if let Some(name) = &options.nats_stream {
-            let mut stream = js.get_stream(name).await.map_err(|e| {
+            // get_stream reads the stream's info: its cached copy is current.
+            let stream = js.get_stream(name).await.map_err(|e| {
                 ConfigError::new(
                     "stream",
                     name,
                     format!("NATS at {url} has no such stream ({e}); create it (with the topics as its subjects) first"),
                 )
             })?;
-            let info = stream
-                .info()
-                .await
-                .map_err(|e| TransportError::Unsuitable {
-                    what: format!("NATS at {url}"),
-                    detail: format!("cannot read stream {name:?}: {e}"),
-                })?;
+            let info = stream.cached_info();
             dedup_window = Some(info.config.duplicate_window);
             if info.config.max_message_size > 0
                 && (info.config.max_message_size as usize) < options.payload_bytes_max
