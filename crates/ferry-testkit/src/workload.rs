@@ -307,6 +307,12 @@ impl Writer {
         }
     }
 
+    /// Wait until the writer has written at least `n` transactions; false if it has not
+    /// after `limit`.
+    pub fn wait_written(&self, n: u64, limit: Duration) -> bool {
+        crate::wait_until(limit, || self.written.load(Ordering::SeqCst) >= n)
+    }
+
     /// Stop and return the number of the last transaction written.
     pub fn stop(mut self) -> u64 {
         self.stop.store(true, Ordering::SeqCst);

@@ -9,7 +9,6 @@ use ferry_ship::proto::{self, BaseHeader, RecordHeader};
 use ferry_testkit::proc;
 use ferry_testkit::wait_until;
 use ferry_testkit::workload::{self, Writer, WriterConfig};
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 #[test]
@@ -107,10 +106,7 @@ fn a_non_sqlite_file_and_a_wrong_token_are_reported_and_harm_nothing() {
             ..WriterConfig::default()
         },
     );
-    assert!(wait_until(Duration::from_secs(30), || w
-        .written
-        .load(Ordering::SeqCst)
-        >= 50));
+    assert!(w.wait_written(50, Duration::from_secs(30)));
     let last = w.stop();
     rig.wait_synced("good", last, Duration::from_secs(30));
     let junk = rig.db_status("junk").unwrap();
@@ -182,10 +178,7 @@ fn damaged_cut_oversized_and_misaddressed_requests_are_refused_and_change_nothin
             ..WriterConfig::default()
         },
     );
-    assert!(wait_until(Duration::from_secs(30), || w
-        .written
-        .load(Ordering::SeqCst)
-        >= 40));
+    assert!(w.wait_written(40, Duration::from_secs(30)));
     let last = w.stop();
     rig.wait_synced("a", last, Duration::from_secs(30));
     // From here on the test is the only client: a shipper racing the forged requests

@@ -167,9 +167,7 @@ fn sigterm_saves_state_and_a_restart_resumes_without_a_base() {
     // The app writes on while no shipper runs: the restarted one must resume from its
     // saved state with a backlog to ship, not only new commits.
     let at_stop = writer.written.load(Ordering::SeqCst);
-    assert!(wait_until(Duration::from_secs(30), || {
-        writer.written.load(Ordering::SeqCst) >= at_stop + 50
-    }));
+    assert!(writer.wait_written(at_stop + 50, Duration::from_secs(30)));
     let backlog = writer.written.load(Ordering::SeqCst);
     rig.start_shipper();
     assert!(

@@ -310,10 +310,7 @@ fn a_base_cut_by_either_side_dying_leaves_the_old_replica_or_the_new_one() {
             ..WriterConfig::default()
         },
     );
-    assert!(wait_until(Duration::from_secs(30), || w
-        .written
-        .load(std::sync::atomic::Ordering::SeqCst)
-        >= 30));
+    assert!(w.wait_written(30, Duration::from_secs(30)));
     rig.kill_shipper();
     // Lose the shipper's state so that it sends a base again, and cut that one too.
     let _ = std::fs::remove_file(rig.primary.join(".ferry-ship").join("a.json"));

@@ -95,10 +95,7 @@ fn checkpoints_in_every_mode_by_others_during_load_never_give_a_wrong_replica() 
             ..WriterConfig::default()
         },
     );
-    assert!(wait_until(Duration::from_secs(30), || w1
-        .written
-        .load(Ordering::SeqCst)
-        >= 20));
+    assert!(w1.wait_written(20, Duration::from_secs(30)));
     let w2 = Writer::start(
         &rig.db("a"),
         WriterConfig {
@@ -248,10 +245,7 @@ fn a_replaced_file_is_detected_and_rebased() {
             ..WriterConfig::default()
         },
     );
-    assert!(wait_until(Duration::from_secs(30), || w
-        .written
-        .load(Ordering::SeqCst)
-        >= 100));
+    assert!(w.wait_written(100, Duration::from_secs(30)));
     let last = w.stop();
     rig.wait_synced("a", last, Duration::from_secs(30));
 
@@ -299,10 +293,7 @@ fn a_replaced_file_is_detected_and_rebased() {
             ..WriterConfig::default()
         },
     );
-    assert!(wait_until(Duration::from_secs(30), || w
-        .written
-        .load(Ordering::SeqCst)
-        >= 40));
+    assert!(w.wait_written(40, Duration::from_secs(30)));
     let last = w.stop();
     rig.wait_synced("a", last, Duration::from_secs(30));
     rig.assert_equal("a");
@@ -334,10 +325,7 @@ fn a_replaced_file_is_detected_and_rebased() {
             ..WriterConfig::default()
         },
     );
-    assert!(wait_until(Duration::from_secs(30), || w
-        .written
-        .load(Ordering::SeqCst)
-        >= 40));
+    assert!(w.wait_written(40, Duration::from_secs(30)));
     let last = w.stop();
     rig.wait_synced("a", last, Duration::from_secs(30));
     rig.assert_equal("a");
