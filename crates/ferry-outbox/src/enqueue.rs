@@ -11,6 +11,7 @@
 //! transaction: on a bare connection each statement commits on its own, and an ordered
 //! enqueue's key lock would not span the app's own writes.
 
+use crate::error::schema_missing;
 use crate::message::{EnqueueError, Limits, Message, validate};
 use sqlx::{PgConnection, SqliteConnection};
 use std::future::Future;
@@ -96,17 +97,12 @@ fn headers_json(msg: &Message) -> String {
 /// SQLSTATE 3F000 (no such schema), 42883 (undefined function) and 42P01 (undefined
 /// table), or SQLite's "no such table": the outbox is not installed.
 fn not_installed(e: sqlx::Error) -> EnqueueError {
-    if let sqlx::Error::Database(d) = &e
-        && matches!(d.code().as_deref(), Some("3F000" | "42883" | "42P01"))
-    {
-        return EnqueueError::NotInstalled(d.message().to_string());
+    match &e {
+        sqlx::Error::Database(d) if schema_missing(&e, &["3F000", "42883", "42P01"]) => {
+            EnqueueError::NotInstalled(d.message().to_string())
+        }
+        _ => EnqueueError::Db(e),
     }
-    if let sqlx::Error::Database(d) = &e
-        && d.message().contains("no such table: ferry_outbox_")
-    {
-        return EnqueueError::NotInstalled(d.message().to_string());
-    }
-    EnqueueError::Db(e)
 }
 
 impl OutboxConnection for PgConnection {

@@ -214,6 +214,25 @@ fn describe(e: &sqlx::Error) -> String {
     }
 }
 
+/// What a person does when the outbox schema is missing or older than this build.
+const SCHEMA_MISSING_ADVICE: &str = "the outbox schema is missing or older than this ferry: install or upgrade it (`ferry outbox install`, or Store::install)";
+
+/// How SQLite says an outbox table is missing (it has no SQLSTATE: a missing table is
+/// its generic error).
+const SQLITE_NO_OUTBOX_TABLE: &str = "no such table: ferry_outbox_";
+
+/// Does `e` say the outbox schema, or part of it, is not there? On Postgres when its
+/// SQLSTATE is one of `sqlstates` (each caller names those its statements can meet: a
+/// missing schema, table, column or function); on SQLite when it names a missing outbox
+/// table.
+pub(crate) fn schema_missing(e: &sqlx::Error, sqlstates: &[&str]) -> bool {
+    let sqlx::Error::Database(d) = e else {
+        return false;
+    };
+    d.code().is_some_and(|c| sqlstates.contains(&c.as_ref()))
+        || d.message().contains(SQLITE_NO_OUTBOX_TABLE)
+}
+
 /// What to do, when there is something better to say than "retrying".
 fn advise(op: Op, e: &sqlx::Error, class: Class) -> Option<String> {
     if class == Class::Corrupted {
@@ -233,16 +252,13 @@ fn advise(op: Op, e: &sqlx::Error, class: Class) -> Option<String> {
             op.doing(),
             op.needs()
         ),
-        "42P01" | "42703" | "3F000" | "42883" => {
-            "the outbox schema is missing or older than this ferry: install or upgrade it (`ferry outbox install`, or Store::install)".into()
+        _ if schema_missing(e, &["42P01", "42703", "3F000", "42883"]) => {
+            SCHEMA_MISSING_ADVICE.into()
         }
         c if c.starts_with("28") => "check the user and password in the database URL".into(),
         "3D000" => "check the database name in the database URL".into(),
         _ if class == Class::Transient => return None,
         _ => match e {
-            sqlx::Error::Database(d) if d.message().contains("no such table") => {
-                "the outbox schema is missing or older than this ferry: install or upgrade it (`ferry outbox install`, or Store::install)".into()
-            }
             sqlx::Error::Database(d)
                 if d.message().contains("readonly") || d.message().contains("read-only") =>
             {
@@ -367,6 +383,24 @@ mod tests {
         assert_eq!(classify_sqlite(14), Class::Permanent); // CANTOPEN
         assert_eq!(classify_sqlite(11), Class::Corrupted); // CORRUPT
         assert_eq!(classify_sqlite(26), Class::Corrupted); // NOTADB
+    }
+
+    // Guards the one check for a missing schema on SQLite, which has no SQLSTATE for it:
+    // a statement on an outbox table that is not there is told apart, and its error says
+    // to install the schema.
+    #[tokio::test]
+    async fn a_missing_outbox_table_on_sqlite_says_to_install_the_schema() {
+        use sqlx::Connection;
+        let mut c = sqlx::SqliteConnection::connect("sqlite::memory:")
+            .await
+            .unwrap();
+        let e = sqlx::query("SELECT 1 FROM ferry_outbox_messages")
+            .execute(&mut c)
+            .await
+            .unwrap_err();
+        assert!(schema_missing(&e, &[]), "{e}");
+        let text = DbError::new(Op::Lease, e).to_string();
+        assert!(text.contains(SCHEMA_MISSING_ADVICE), "{text}");
     }
 
     #[test]

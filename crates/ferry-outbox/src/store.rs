@@ -10,7 +10,7 @@
 //! Time: Postgres statements use the server's `now()`; SQLite has no server, so its
 //! times are the store's [`Clock`] (`wall_ms`), the system clock unless a test sets one.
 
-use crate::error::{ConnectError, DbContext, DbError, Op};
+use crate::error::{ConnectError, DbContext, DbError, Op, schema_missing};
 use ferry_core::ConfigError;
 use ferry_core::epoch::{Epoch, Fence};
 use ferry_core::seams::{Clock, SystemClock};
@@ -276,12 +276,7 @@ impl Store {
         };
         match r {
             Ok(v) => Ok(v),
-            Err(sqlx::Error::Database(d))
-                if d.code().as_deref() == Some("42P01")
-                    || d.message().contains("no such table") =>
-            {
-                Ok(None)
-            }
+            Err(e) if schema_missing(&e, &["42P01"]) => Ok(None),
             Err(e) => Err(DbError::new(Op::SchemaVersion, e)),
         }
     }
