@@ -59,6 +59,15 @@ pub struct Meta {
     pub len: u64,
 }
 
+impl From<Meta> for crate::ship_state::FileId {
+    fn from(m: Meta) -> Self {
+        crate::ship_state::FileId {
+            dev: m.dev,
+            ino: m.ino,
+        }
+    }
+}
+
 /// `path`'s identity and length (following symlinks), timestamps untouched.
 pub fn stat(path: &Path) -> io::Result<Meta> {
     imp::stat(path)

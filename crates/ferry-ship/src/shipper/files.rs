@@ -98,15 +98,12 @@ impl Files {
         }
         let mut barrier = crate::sqlite::open_primary(&path)?;
         crate::sqlite::eager_busy_handler(&mut barrier)?;
-        let meta = quiet::stat(&path)?;
+        let db = FileId::from(quiet::stat(&path)?);
         Ok(Files {
             wal_path: crate::names::sidecar(&path, "-wal"),
-            header_fd: main_fd(&path)?,
+            header_fd: main_fd(&path, db)?,
             shm: shm_id(&path),
-            db: FileId {
-                dev: meta.dev,
-                ino: meta.ino,
-            },
+            db,
             main,
             barrier,
             path,
@@ -123,12 +120,8 @@ impl Files {
         self.main = crate::sqlite::open_primary(&self.path)?;
         self.barrier = crate::sqlite::open_primary(&self.path)?;
         crate::sqlite::eager_busy_handler(&mut self.barrier)?;
-        let meta = quiet::stat(&self.path)?;
-        self.db = FileId {
-            dev: meta.dev,
-            ino: meta.ino,
-        };
-        self.header_fd = main_fd(&self.path)?;
+        self.db = FileId::from(quiet::stat(&self.path)?);
+        self.header_fd = main_fd(&self.path, self.db)?;
         self.wal = None;
         self.wal_stat_due = true;
         Ok(())
@@ -146,11 +139,7 @@ impl Files {
             Err(e) => return Err(e),
             Ok(m) => m,
         };
-        if (FileId {
-            dev: m.dev,
-            ino: m.ino,
-        }) == self.db
-        {
+        if FileId::from(m) == self.db {
             self.shm = shm_id(&self.path);
             return Ok(Identity::Same);
         }
@@ -165,10 +154,7 @@ impl Files {
     /// the old connections kept and nothing shipped. Past the wait SQLite gets the new
     /// file as it stands, which is what the app's own connections get.
     fn stale_sidecars(&mut self, now: Instant) -> Identity {
-        let wal_now = quiet::stat(&self.wal_path).ok().map(|m| FileId {
-            dev: m.dev,
-            ino: m.ino,
-        });
+        let wal_now = quiet::stat(&self.wal_path).ok().map(FileId::from);
         let wal_stale = wal_now.is_some() && wal_now == self.wal.as_ref().map(|(id, _)| *id);
         let shm_now = shm_id(&self.path);
         let shm_stale = shm_now.is_some() && shm_now == self.shm;
@@ -206,10 +192,7 @@ impl Files {
             }
             Err(e) => return Err(e.into()),
         };
-        let id = FileId {
-            dev: meta.dev,
-            ino: meta.ino,
-        };
+        let id = FileId::from(meta);
         if self.wal.as_ref().is_none_or(|(have, _)| *have != id) {
             match quiet::open(&self.wal_path) {
                 Ok(f) => self.wal = Some((id, f)),
@@ -286,20 +269,17 @@ fn main_counter(fd: &File) -> io::Result<Option<u32>> {
 fn shm_id(path: &Path) -> Option<FileId> {
     quiet::stat(&crate::names::sidecar(path, "-shm"))
         .ok()
-        .map(|m| FileId {
-            dev: m.dev,
-            ino: m.ino,
-        })
+        .map(FileId::from)
 }
 
-/// A read-only descriptor on a main database file, one per inode, never closed: closing
-/// any descriptor of a file drops every POSIX lock this process holds on it, SQLite's
-/// included (sqlite.org howtocorrupt.html §2.2).
-fn main_fd(path: &Path) -> io::Result<Arc<File>> {
+/// A read-only descriptor on the main database file at `path`, whose identity the caller
+/// has just read (`id`), one per inode, never closed: closing any descriptor of a file
+/// drops every POSIX lock this process holds on it, SQLite's included (sqlite.org
+/// howtocorrupt.html §2.2).
+fn main_fd(path: &Path, id: FileId) -> io::Result<Arc<File>> {
     type ByInode = BTreeMap<(u64, u64), Arc<File>>;
     static FDS: OnceLock<Mutex<ByInode>> = OnceLock::new();
-    let meta = quiet::stat(path)?;
-    let key = (meta.dev, meta.ino);
+    let key = (id.dev, id.ino);
     let mut fds = lock(FDS.get_or_init(Default::default));
     if let Some(f) = fds.get(&key) {
         return Ok(f.clone());
