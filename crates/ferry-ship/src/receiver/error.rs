@@ -92,9 +92,10 @@ pub enum SlotError {
     Foreign { name: String, path: String },
 }
 
-impl SlotError {
-    pub(super) fn into_refused(self) -> Refused {
-        match self {
+/// What a shipper is told when an operation on a slot fails.
+impl From<SlotError> for Refused {
+    fn from(e: SlotError) -> Refused {
+        match e {
             SlotError::Refused(r) => r,
             SlotError::Replica {
                 name,

@@ -273,7 +273,7 @@ impl Receiver {
             return Ok(None);
         };
         let mut s = lock(&slot);
-        let _flock = s.sync().map_err(|e| self.refused(e))?;
+        let _flock = s.sync()?;
         Ok(Some(s.position()))
     }
 
@@ -303,7 +303,7 @@ impl Receiver {
             ));
         };
         let mut s = lock(&slot);
-        let _flock = s.sync().map_err(|e| self.refused(e))?;
+        let _flock = s.sync()?;
         // Admission first: a body framed for another page size would only fail to parse.
         s.admit(Epoch(q.epoch), q.generation, Some(q.page_size))?;
         let records = proto::decode_records(body, q.page_size).map_err(|e| {
@@ -319,7 +319,7 @@ impl Receiver {
             let took = self.config.clock.now().saturating_duration_since(started);
             self.apply_latency.observe(took);
         }
-        outcome.map_err(|e| self.refused(e))?;
+        outcome?;
         self.checkpoint_step(&mut s);
         Ok(s.position())
     }
@@ -366,10 +366,9 @@ impl Receiver {
         self.check_base_size(name, header.page_count as u64 * header.page_size as u64)?;
         let slot = self.slot(name, true)?.expect("created on demand");
         let mut s = lock(&slot);
-        let _flock = s.sync().map_err(|e| self.refused(e))?;
+        let _flock = s.sync()?;
         accept::fence(s.pos.epoch, epoch).map_err(|why| s.rejected(why))?;
-        s.install_base(body, &header, self.config.base_quick_check)
-            .map_err(|e| self.refused(e))?;
+        s.install_base(body, &header, self.config.base_quick_check)?;
         self.checkpoint_step(&mut s);
         Ok(s.position())
     }
@@ -394,15 +393,11 @@ impl Receiver {
             return Ok(false);
         };
         let mut s = lock(&slot);
-        let _flock = s.sync().map_err(|e| self.refused(e))?;
+        let _flock = s.sync()?;
         accept::fence(s.pos.epoch, epoch).map_err(|why| s.rejected(why))?;
         let had = s.pos.has_replica();
-        s.drop_replica().map_err(|e| self.refused(e))?;
+        s.drop_replica()?;
         Ok(had)
-    }
-
-    fn refused(&self, e: SlotError) -> Refused {
-        e.into_refused()
     }
 
     fn note_refusal(&self, name: &str, e: &Refused) {

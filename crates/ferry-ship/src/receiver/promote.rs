@@ -151,9 +151,8 @@ fn copy(
         move |source| PromoteError::Io { what, path, source }
     };
     let tmp = crate::names::sidecar(dest, ".promote-tmp");
-    if let Some(parent) = dest.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent).map_err(io("cannot create", parent))?;
-    }
+    let parent = ferry_core::fs::parent_dir(dest);
+    std::fs::create_dir_all(&parent).map_err(io("cannot create", &parent))?;
     // Copies, checks with quick_check and fsyncs the file.
     replica
         .copy_to(&tmp, progress)

@@ -25,8 +25,8 @@ impl Slot {
     /// Decide where the replica stands after `record` (docs/ship.md §4.3), and leave a
     /// clean record behind.
     pub(super) fn recover(&mut self, record: Record) -> Result<(), SlotError> {
-        if let Intent::Replace { ino, .. } = record.intent {
-            self.undo_half_swap(ino)?;
+        if let Intent::Replace { .. } = record.intent {
+            self.undo_half_swap()?;
         }
         let _ = replica::remove_with_sidecars(&self.paths.base);
         let _ = std::fs::remove_dir_all(&self.paths.attic);
@@ -146,11 +146,11 @@ impl Slot {
 
     /// A crash inside `swap_in` can leave the old replica in the attic and no new one in
     /// place: put the old one back, so the position before the base still holds.
-    fn undo_half_swap(&self, new_ino: u64) -> Result<(), SlotError> {
-        let now = std::fs::metadata(&self.paths.replica).map(|m| m.ino()).ok();
+    fn undo_half_swap(&self) -> Result<(), SlotError> {
         let old = self.paths.attic.join("db");
-        let _ = new_ino; // present: committed; the old inode: the swap never began
-        if now.is_some() || !old.exists() {
+        // A replica in place needs nothing here, whichever it is (the new one: the swap
+        // committed; the old one: it never began); the intent's inode tells them apart.
+        if self.paths.replica.exists() || !old.exists() {
             return Ok(());
         }
         let io = |source| SlotError::Io {
