@@ -10,19 +10,14 @@ use ferry_outbox::Message;
 use ferry_outbox::relay::RelayConfig;
 use ferry_outbox::sink::Faults;
 use ferry_outbox::transport::TransportOptions;
+use std::path::Path;
 use std::time::Duration;
 
 fn ferry(args: &[&str]) -> String {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ferry"))
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
+    let (code, stdout, stderr) =
+        ferry_testkit::proc::run(Path::new(env!("CARGO_BIN_EXE_ferry")), args, &[]);
+    assert!(code == 0, "{args:?} failed: {stderr}");
+    stdout
 }
 
 fn json(args: &[&str]) -> serde_json::Value {

@@ -7,7 +7,6 @@
 mod common;
 
 use common::*;
-use ferry_outbox::Store;
 use ferry_outbox::sink::Faults;
 use ferry_testkit::proc::Proc;
 use ferry_testkit::servers::{PrivateNats, PrivatePg};
@@ -131,28 +130,6 @@ impl RelayProc {
 impl Drop for RelayProc {
     fn drop(&mut self) {
         self.kill9();
-    }
-}
-
-async fn install(url: &str) -> Store {
-    let store = Store::connect(url).await.unwrap();
-    store.install().await.unwrap();
-    store
-}
-
-async fn drained(store: &Store, limit: Duration) -> bool {
-    let end = tokio::time::Instant::now() + limit;
-    loop {
-        if let Ok(st) = store.depth().await
-            && st.pending + st.uncertain + st.leased == 0
-        {
-            return true;
-        }
-        if tokio::time::Instant::now() >= end {
-            eprintln!("not drained: {:?}", store.depth().await);
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
@@ -357,12 +334,9 @@ async fn bad_configuration_is_refused_at_start_up_with_what_and_where() {
     let scratch = Scratch::new("outbox-bad");
     let db = format!("sqlite:{}", scratch.path().join("app.db").display());
     let run = |args: &[&str]| {
-        let out = std::process::Command::new(ferry())
-            .args(args)
-            .output()
-            .unwrap();
-        assert!(!out.status.success(), "{args:?} succeeded");
-        String::from_utf8_lossy(&out.stderr).to_string()
+        let (code, _, stderr) = ferry_testkit::proc::run(&ferry(), args, &[]);
+        assert!(code != 0, "{args:?} succeeded");
+        stderr
     };
     let e = run(&["outbox", "status", "--db", &db]);
     assert!(
@@ -373,30 +347,26 @@ async fn bad_configuration_is_refused_at_start_up_with_what_and_where() {
     let app = App::open(&store).await;
     let ledger = write_workload(&app, 10, 2, 70).await;
     let before = store.status().await.unwrap();
+    let nats = nats_url();
+    // `ferry outbox relay` on this outbox, to `to`, with `extra` flags.
+    let relay = |to, extra: &[_]| {
+        let mut args = vec!["outbox", "relay", "--db", db.as_str(), "--to", to];
+        args.extend_from_slice(extra);
+        args
+    };
+    let nowhere = "http://127.0.0.1:9/";
     for (args, want) in [
         (
             vec!["outbox", "status", "--db", "mysql://x/y"],
             "use postgres://",
         ),
+        (relay("ftp://x", &[]), "use nats://HOST:PORT"),
         (
-            vec!["outbox", "relay", "--db", &db, "--to", "ftp://x"],
-            "use nats://HOST:PORT",
-        ),
-        (
-            vec!["outbox", "relay", "--db", &db, "--to", "nats://127.0.0.1:1"],
+            relay("nats://127.0.0.1:1", &[]),
             "cannot connect to NATS at nats://127.0.0.1:1",
         ),
         (
-            vec![
-                "outbox",
-                "relay",
-                "--db",
-                &db,
-                "--to",
-                &nats_url(),
-                "--stream",
-                "NO_SUCH_STREAM",
-            ],
+            relay(&nats, &["--stream", "NO_SUCH_STREAM"]),
             "--stream NO_SUCH_STREAM: NATS at",
         ),
         (
@@ -406,34 +376,16 @@ async fn bad_configuration_is_refused_at_start_up_with_what_and_where() {
                 "--db",
                 "postgres://postgres@127.0.0.1:1/x",
                 "--to",
-                "http://127.0.0.1:9/",
+                nowhere,
             ],
             "cannot connect to Postgres at postgres://postgres@127.0.0.1:1/x as postgres",
         ),
         (
-            vec![
-                "outbox",
-                "relay",
-                "--db",
-                &db,
-                "--to",
-                "http://127.0.0.1:9/",
-                "--batch",
-                "0",
-            ],
+            relay(nowhere, &["--batch", "0"]),
             "--batch 0: must be between",
         ),
         (
-            vec![
-                "outbox",
-                "relay",
-                "--db",
-                &db,
-                "--to",
-                "http://127.0.0.1:9/",
-                "--lease-ms",
-                "500",
-            ],
+            relay(nowhere, &["--lease-ms", "500"]),
             "--lease-ms 500: must be at least 1000 ms",
         ),
         // The settings are checked before anything is connected: a wrong one is
@@ -452,16 +404,7 @@ async fn bad_configuration_is_refused_at_start_up_with_what_and_where() {
             "--window 0: must be between",
         ),
         (
-            vec![
-                "outbox",
-                "relay",
-                "--db",
-                &db,
-                "--to",
-                "http://127.0.0.1:9/",
-                "--publish-timeout-ms",
-                "20000",
-            ],
+            relay(nowhere, &["--publish-timeout-ms", "20000"]),
             "must be under half of --lease-ms",
         ),
         (

@@ -188,17 +188,19 @@ impl Ledger {
     }
 }
 
-pub async fn sqlite_store(dir: &ferry_testkit::Scratch) -> Store {
-    let url = format!("sqlite:{}", dir.path().join("app.db").display());
-    let store = Store::connect(&url).await.unwrap();
+/// A store on `url` (`postgres://…` or `sqlite:PATH`) with the outbox schema installed.
+pub async fn install(url: &str) -> Store {
+    let store = Store::connect(url).await.unwrap();
     store.install().await.unwrap();
     store
 }
 
+pub async fn sqlite_store(dir: &ferry_testkit::Scratch) -> Store {
+    install(&format!("sqlite:{}", dir.path().join("app.db").display())).await
+}
+
 pub async fn pg_store(db: &TestDb) -> Store {
-    let store = Store::connect(&db.url).await.unwrap();
-    store.install().await.unwrap();
-    store
+    install(&db.url).await
 }
 
 pub fn fast_config() -> RelayConfig {
@@ -223,15 +225,20 @@ pub async fn start_relay(
     (relay, running)
 }
 
+/// Wait until nothing is pending, uncertain or leased; false at the deadline. A depth
+/// that cannot be read counts as not drained yet: some tests take the database away
+/// on purpose.
 pub async fn drained(store: &Store, limit: Duration) -> bool {
     let end = tokio::time::Instant::now() + limit;
     loop {
-        let st = store.depth().await.unwrap();
-        if st.pending + st.uncertain + st.leased == 0 {
+        let depth = store.depth().await;
+        if let Ok(d) = &depth
+            && d.pending + d.uncertain + d.leased == 0
+        {
             return true;
         }
         if tokio::time::Instant::now() >= end {
-            eprintln!("not drained: {st:?}");
+            eprintln!("not drained: {depth:?}");
             return false;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
