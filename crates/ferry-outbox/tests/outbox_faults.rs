@@ -26,19 +26,11 @@ use std::time::Duration;
 // when the proxy lets A through again, A's probe closes its breaker and A delivers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_network_blip_opens_the_breaker_once_and_a_healthy_relay_takes_what_it_caught() {
-    let db = TestDb::create().await;
-    let store = pg_store(&db).await;
-    let app = App::open(&store).await;
-    let client = async_nats::connect(nats_url()).await.unwrap();
-    let js = async_nats::jetstream::new(client);
-    let stream = create_stream(&js, "FERRYBLIP").await;
-    let topic = format!("{stream}.orders");
+    let f = JetStreamOutbox::start("FERRYBLIP").await;
+    let store = &f.store;
     let target: std::net::SocketAddr = nats_url().trim_start_matches("nats://").parse().unwrap();
     let proxy = ferry_testkit::proxy::FaultProxy::start(target);
-    let options = TransportOptions {
-        nats_stream: Some(stream.clone()),
-        ..TransportOptions::default()
-    };
+    let options = f.options();
     // max_attempts 2: an outage that spent attempts would park messages.
     let config = RelayConfig {
         batch: 256,
@@ -47,9 +39,9 @@ async fn a_network_blip_opens_the_breaker_once_and_a_healthy_relay_takes_what_it
         poll: Duration::from_millis(200),
         ..RelayConfig::default()
     };
-    let mut ledger = write_to(&app, &topic, 3000, 50, 100).await;
+    let mut ledger = write_to(&f.app, &f.topic, 3000, 50, 100).await;
     let via_proxy = format!("nats://127.0.0.1:{}", proxy.port());
-    let (a, running_a) = start_relay(&store, &via_proxy, config.clone(), options.clone()).await;
+    let (a, running_a) = start_relay(store, &via_proxy, config.clone(), options.clone()).await;
     assert!(
         eventually(Duration::from_secs(30), || a.status().published >= 300).await,
         "A did not start publishing: {:?}",
@@ -104,17 +96,17 @@ async fn a_network_blip_opens_the_breaker_once_and_a_healthy_relay_takes_what_it
         "A caught more than one message: {st:?}"
     );
     // B, whose path to NATS is fine, delivers everything while A is still cut off.
-    let (b, running_b) = start_relay(&store, &nats_url(), fast_config(), options.clone()).await;
-    assert!(drained(&store, Duration::from_secs(60)).await);
+    let (b, running_b) = start_relay(store, &nats_url(), fast_config(), options.clone()).await;
+    assert!(drained(store, Duration::from_secs(60)).await);
     assert!(b.status().published > 0);
     assert!(a.status().breaker_open, "A was never let through again");
     running_b.stop().await.unwrap();
     // The network comes back: A probes, closes its breaker and delivers alone.
     proxy.faults().refuse.store(false, Ordering::SeqCst);
-    let more = write_to(&app, &topic, 20, 5, 4).await;
+    let more = write_to(&f.app, &f.topic, 20, 5, 4).await;
     ledger.committed.extend(more.committed);
     ledger.rolled_back.extend(more.rolled_back);
-    assert!(drained(&store, Duration::from_secs(60)).await);
+    assert!(drained(store, Duration::from_secs(60)).await);
     assert!(
         eventually(Duration::from_secs(10), || !a.status().breaker_open).await,
         "{:?}",
@@ -124,8 +116,8 @@ async fn a_network_blip_opens_the_breaker_once_and_a_healthy_relay_takes_what_it
     let st = a.status();
     assert_eq!(st.breaker_openings, 1 + st.breaker_probes_failed, "{st:?}");
     assert_eq!(st.parked + st.retried, 0, "{st:?}");
-    ledger.check(&stream_contents(&js, &stream).await);
-    js.delete_stream(&stream).await.unwrap();
+    ledger.check(&f.received().await);
+    f.finish().await;
 }
 
 // Guards against a relay without a configured stream refusing to start on nats-server
@@ -139,24 +131,19 @@ async fn a_relay_without_a_stream_setting_starts_on_this_nats_server_and_publish
         .await
         .unwrap_or_else(|e| panic!("a relay without a stream setting did not start: {e}"));
     drop(t);
-    let db = TestDb::create().await;
-    let store = pg_store(&db).await;
-    let app = App::open(&store).await;
-    let client = async_nats::connect(nats_url()).await.unwrap();
-    let js = async_nats::jetstream::new(client);
-    let stream = create_stream(&js, "FERRYNOSTREAM").await;
+    let f = JetStreamOutbox::start("FERRYNOSTREAM").await;
     let (_relay, running) = start_relay(
-        &store,
+        &f.store,
         &nats_url(),
         fast_config(),
         TransportOptions::default(),
     )
     .await;
-    let ledger = write_to(&app, &format!("{stream}.orders"), 40, 4, 3).await;
-    assert!(drained(&store, Duration::from_secs(30)).await);
+    let ledger = write_to(&f.app, &f.topic, 40, 4, 3).await;
+    assert!(drained(&f.store, Duration::from_secs(30)).await);
     running.stop().await.unwrap();
-    ledger.check(&stream_contents(&js, &stream).await);
-    js.delete_stream(&stream).await.unwrap();
+    ledger.check(&f.received().await);
+    f.finish().await;
 }
 
 // Guards against a topic no stream covers slowing every other topic: its publish got
@@ -166,28 +153,27 @@ async fn a_relay_without_a_stream_setting_starts_on_this_nats_server_and_publish
 // subject and what to do, the breaker never opens, and every other topic flows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_topic_no_stream_covers_is_parked_naming_the_subject_while_others_flow() {
-    let db = TestDb::create().await;
-    let store = pg_store(&db).await;
-    let app = App::open(&store).await;
-    let client = async_nats::connect(nats_url()).await.unwrap();
-    let js = async_nats::jetstream::new(client);
-    let stream = create_stream(&js, "FERRYUNCOVERED").await;
-    let nowhere = format!("{stream}_NOT_COVERED.orders");
+    let f = JetStreamOutbox::start("FERRYUNCOVERED").await;
+    let store = &f.store;
+    let nowhere = format!("{}_NOT_COVERED.orders", f.stream);
     let config = RelayConfig {
         max_attempts: 2,
         ..fast_config()
     };
     let (relay, running) =
-        start_relay(&store, &nats_url(), config, TransportOptions::default()).await;
+        start_relay(store, &nats_url(), config, TransportOptions::default()).await;
     let lost = Message::new(nowhere.clone(), b"lost".to_vec()).ordered_by("lost");
-    app.write(std::slice::from_ref(&lost), true).await.unwrap();
-    let ledger = write_to(&app, &format!("{stream}.orders"), 60, 6, 3).await;
+    f.app
+        .write(std::slice::from_ref(&lost), true)
+        .await
+        .unwrap();
+    let ledger = write_to(&f.app, &f.topic, 60, 6, 3).await;
     assert!(
         eventually(Duration::from_secs(30), || relay.status().parked == 1).await,
         "the uncovered message was not parked: {:?}",
         relay.status()
     );
-    assert!(drained(&store, Duration::from_secs(30)).await);
+    assert!(drained(store, Duration::from_secs(30)).await);
     let st = store.status().await.unwrap();
     assert_eq!(st.parked, 1, "{st:?}");
     let p = &st.parked_messages[0];
@@ -204,8 +190,8 @@ async fn a_topic_no_stream_covers_is_parked_naming_the_subject_while_others_flow
         rs.breaker_openings, 0,
         "a message's refusal opened the breaker: {rs:?}"
     );
-    ledger.check(&stream_contents(&js, &stream).await);
-    js.delete_stream(&stream).await.unwrap();
+    ledger.check(&f.received().await);
+    f.finish().await;
 }
 
 // Guards against a relay retrying a permission error forever (it used to retry every
@@ -383,24 +369,16 @@ async fn a_row_with_unreadable_headers_is_parked_without_publishing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_totals_survive_restarts_and_count_duplicates() {
     // Postgres to JetStream, where a repeated message id is acknowledged as duplicate.
-    let db = TestDb::create().await;
-    let store = pg_store(&db).await;
-    let app = App::open(&store).await;
-    let client = async_nats::connect(nats_url()).await.unwrap();
-    let js = async_nats::jetstream::new(client);
-    let stream = create_stream(&js, "FERRYTOTALS").await;
-    let topic = format!("{stream}.orders");
-    let options = TransportOptions {
-        nats_stream: Some(stream.clone()),
-        ..TransportOptions::default()
-    };
+    let f = JetStreamOutbox::start("FERRYTOTALS").await;
+    let (store, app, topic) = (&f.store, &f.app, &f.topic);
+    let options = f.options();
     let mut owners = Vec::new();
     for round in 0..2 {
         // The stream already holds this id: the relay's publish is a duplicate.
         let id = unique("dup");
         let mut h = async_nats::HeaderMap::new();
         h.insert("Nats-Msg-Id", id.as_str());
-        js.publish_with_headers(topic.clone(), h, "x".into())
+        f.js.publish_with_headers(topic.clone(), h, "x".into())
             .await
             .unwrap()
             .await
@@ -414,8 +392,8 @@ async fn relay_totals_survive_restarts_and_count_duplicates() {
             owner: format!("relay-{round}"),
             ..fast_config()
         };
-        let (relay, running) = start_relay(&store, &nats_url(), config, options.clone()).await;
-        assert!(drained(&store, Duration::from_secs(30)).await);
+        let (relay, running) = start_relay(store, &nats_url(), config, options.clone()).await;
+        assert!(drained(store, Duration::from_secs(30)).await);
         running.stop().await.unwrap();
         owners.push(relay.status().owner);
     }
@@ -429,11 +407,11 @@ async fn relay_totals_survive_restarts_and_count_duplicates() {
         owner: owners[0].clone(),
         ..fast_config()
     };
-    let (_relay, running) = start_relay(&store, &nats_url(), config, options).await;
+    let (_relay, running) = start_relay(store, &nats_url(), config, options).await;
     app.write(&[Message::new(topic.clone(), b"z".to_vec())], true)
         .await
         .unwrap();
-    assert!(drained(&store, Duration::from_secs(30)).await);
+    assert!(drained(store, Duration::from_secs(30)).await);
     running.stop().await.unwrap();
     let st = store.status().await.unwrap();
     assert_eq!(st.relay_totals.duplicates, 2, "{st:?}");
@@ -441,7 +419,7 @@ async fn relay_totals_survive_restarts_and_count_duplicates() {
     let mut names: Vec<&str> = st.relays.iter().map(|r| r.owner.as_str()).collect();
     names.sort();
     assert_eq!(names, ["(retired)", "relay-0", "relay-1"], "{st:?}");
-    js.delete_stream(&stream).await.unwrap();
+    f.finish().await;
 
     // SQLite to a webhook: the same through SQLite's statements.
     let dir = ferry_testkit::Scratch::new("outbox-totals");

@@ -41,29 +41,11 @@ async fn sqlite_to_a_webhook_delivers_every_committed_message_once_in_key_order(
 // per-key order breaking when keys move between relays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_postgres_relays_racing_to_jetstream_keep_key_order_without_duplicates() {
-    let db = TestDb::create().await;
-    let store = pg_store(&db).await;
-    let app = App::open(&store).await;
-    let nats = async_nats::connect(nats_url())
-        .await
-        .expect("NATS with JetStream on FERRY_TEST_NATS (scripts/test starts one)");
-    let js = async_nats::jetstream::new(nats.clone());
-    let stream_name = unique("FERRY");
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: stream_name.clone(),
-        subjects: vec![format!("{stream_name}.>")],
-        duplicate_window: Duration::from_secs(120),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let options = TransportOptions {
-        nats_stream: Some(stream_name.clone()),
-        ..TransportOptions::default()
-    };
+    let f = JetStreamOutbox::start("FERRY").await;
+    let options = f.options();
     let mut relays = Vec::new();
     for _ in 0..3 {
-        relays.push(start_relay(&store, &nats_url(), fast_config(), options.clone()).await);
+        relays.push(start_relay(&f.store, &nats_url(), fast_config(), options.clone()).await);
     }
     // Every message on a topic the test's own stream covers.
     let ledger = {
@@ -72,10 +54,9 @@ async fn three_postgres_relays_racing_to_jetstream_keep_key_order_without_duplic
         use ferry_core::seams::Rng;
         for t in 0..300 {
             let key = format!("k{}", rng.below(10));
-            let m = Message::new(format!("{stream_name}.orders"), format!("{t}").into_bytes())
-                .ordered_by(key);
+            let m = Message::new(f.topic.clone(), format!("{t}").into_bytes()).ordered_by(key);
             let commit = t % 9 != 4;
-            app.write(std::slice::from_ref(&m), commit).await.unwrap();
+            f.app.write(std::slice::from_ref(&m), commit).await.unwrap();
             if commit {
                 l.committed.push(m)
             } else {
@@ -84,13 +65,13 @@ async fn three_postgres_relays_racing_to_jetstream_keep_key_order_without_duplic
         }
         l
     };
-    assert!(drained(&store, Duration::from_secs(60)).await);
+    assert!(drained(&f.store, Duration::from_secs(60)).await);
     for (_, running) in relays {
         running.stop().await.unwrap();
     }
-    let got = stream_contents(&js, &stream_name).await;
+    let got = f.received().await;
     ledger.check(&got);
-    js.delete_stream(&stream_name).await.unwrap();
+    f.finish().await;
 }
 
 // Guards against a poison message blocking everything (or being retried forever): the
@@ -546,48 +527,34 @@ async fn a_slow_transport_keeps_its_leases_extended_and_sends_nothing_twice() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_jetstream_acknowledgement_is_resolved_by_the_stream_s_dedup() {
     use std::sync::atomic::Ordering;
-    let db = TestDb::create().await;
-    let store = pg_store(&db).await;
-    let app = App::open(&store).await;
-    let nats = async_nats::connect(nats_url()).await.unwrap();
-    let js = async_nats::jetstream::new(nats);
-    let stream_name = unique("FERRYACK");
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: stream_name.clone(),
-        subjects: vec![format!("{stream_name}.>")],
-        duplicate_window: Duration::from_secs(120),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    let f = JetStreamOutbox::start("FERRYACK").await;
     let target: std::net::SocketAddr = nats_url().trim_start_matches("nats://").parse().unwrap();
     let proxy = ferry_testkit::proxy::FaultProxy::start(target);
     let options = TransportOptions {
-        nats_stream: Some(stream_name.clone()),
         publish_timeout: Duration::from_millis(900),
-        ..TransportOptions::default()
+        ..f.options()
     };
     let url = format!("nats://127.0.0.1:{}", proxy.port());
-    let (relay, running) = start_relay(&store, &url, fast_config(), options).await;
+    let (relay, running) = start_relay(&f.store, &url, fast_config(), options).await;
     proxy.faults().delay_ms.store(2000, Ordering::SeqCst);
-    let m = Message::new(format!("{stream_name}.orders"), b"x".to_vec()).ordered_by("a");
-    app.write(std::slice::from_ref(&m), true).await.unwrap();
+    let m = Message::new(f.topic.clone(), b"x".to_vec()).ordered_by("a");
+    f.app.write(std::slice::from_ref(&m), true).await.unwrap();
     assert!(
         eventually(Duration::from_secs(10), || relay.status().uncertain > 0).await,
         "the held-back publish did not time out: {:?}",
         relay.status()
     );
     proxy.faults().delay_ms.store(0, Ordering::SeqCst);
-    assert!(drained(&store, Duration::from_secs(30)).await);
+    assert!(drained(&f.store, Duration::from_secs(30)).await);
     running.stop().await.unwrap();
     let st = relay.status();
     assert_eq!(st.reconciled, 1, "{st:?}");
-    let mut stream = js.get_stream(&stream_name).await.unwrap();
+    let mut stream = f.js.get_stream(&f.stream).await.unwrap();
     let info = stream.info().await.unwrap();
     assert_eq!(
         info.state.messages, 1,
         "the stream stored the message {} times",
         info.state.messages
     );
-    js.delete_stream(&stream_name).await.unwrap();
+    f.finish().await;
 }

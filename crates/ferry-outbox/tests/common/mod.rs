@@ -400,6 +400,60 @@ pub async fn create_stream(js: &async_nats::jetstream::Context, prefix: &str) ->
     name
 }
 
+/// A Postgres outbox of the test's own with the app on it, and a JetStream stream of its
+/// own that covers `topic`. [`JetStreamOutbox::finish`] deletes the stream (the database
+/// goes when the fixture is dropped).
+pub struct JetStreamOutbox {
+    pub store: Store,
+    pub app: App,
+    pub js: async_nats::jetstream::Context,
+    pub stream: String,
+    /// `STREAM.orders`: a topic the stream covers.
+    pub topic: String,
+    /// Last: dropping it drops the database, after the store's connections.
+    pub db: TestDb,
+}
+
+impl JetStreamOutbox {
+    /// A fresh database and a fresh stream named `PREFIX_…`.
+    pub async fn start(prefix: &str) -> JetStreamOutbox {
+        let db = TestDb::create().await;
+        let store = pg_store(&db).await;
+        let app = App::open(&store).await;
+        let client = async_nats::connect(nats_url())
+            .await
+            .expect("NATS with JetStream on FERRY_TEST_NATS (scripts/test starts one)");
+        let js = async_nats::jetstream::new(client);
+        let stream = create_stream(&js, prefix).await;
+        JetStreamOutbox {
+            topic: format!("{stream}.orders"),
+            store,
+            app,
+            js,
+            stream,
+            db,
+        }
+    }
+
+    /// Transport options that publish to this stream (checked at start-up).
+    pub fn options(&self) -> TransportOptions {
+        TransportOptions {
+            nats_stream: Some(self.stream.clone()),
+            ..TransportOptions::default()
+        }
+    }
+
+    /// What the stream holds, in stream order.
+    pub async fn received(&self) -> Vec<Received> {
+        stream_contents(&self.js, &self.stream).await
+    }
+
+    /// Delete the stream.
+    pub async fn finish(self) {
+        self.js.delete_stream(&self.stream).await.unwrap();
+    }
+}
+
 /// Write `n` messages to `topic` over `keys` ordered keys, `per_txn` per transaction
 /// (every seventh transaction rolled back); returns the ledger.
 pub async fn write_to(app: &App, topic: &str, n: usize, keys: usize, per_txn: usize) -> Ledger {
