@@ -12,13 +12,13 @@
 
 use ferry_outbox::Message;
 use ferry_outbox::relay::{Relay, RelayConfig};
-use ferry_outbox::store::{Db, Leased, Store};
+use ferry_outbox::store::{Db, Leased};
 use ferry_outbox::transport::{self, Outcome, PublishFuture, Transport, TransportOptions};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::{flag, num};
+use crate::{create_stream, enqueue_in_chunks, flag, install, num};
 
 /// A transport that stamps every confirmed publish.
 struct Stamped {
@@ -58,28 +58,21 @@ pub async fn run(args: &[String]) -> Result<serde_json::Value, String> {
         eprintln!("trial {trial}: {r}");
         results.push(r);
     }
-    let mut resume: Vec<f64> = results
-        .iter()
-        .filter_map(|r| r["resume_ms"].as_f64())
-        .collect();
-    resume.sort_by(|a, b| a.total_cmp(b));
-    let mut drain: Vec<f64> = results
-        .iter()
-        .filter_map(|r| r["drained_ms"].as_f64())
-        .collect();
-    drain.sort_by(|a, b| a.total_cmp(b));
-    let mut arrive: Vec<f64> = results
-        .iter()
-        .filter_map(|r| r["first_arrival_ms"].as_f64())
-        .collect();
-    arrive.sort_by(|a, b| a.total_cmp(b));
     Ok(serde_json::json!({
         "cut_ms": cut.as_millis() as u64,
-        "median_resume_ms": resume.get(resume.len() / 2),
-        "median_first_arrival_ms": arrive.get(arrive.len() / 2),
-        "median_drained_ms": drain.get(drain.len() / 2),
+        "median_resume_ms": median(&results, "resume_ms"),
+        "median_first_arrival_ms": median(&results, "first_arrival_ms"),
+        "median_drained_ms": median(&results, "drained_ms"),
         "trials": results,
     }))
+}
+
+/// The median of `key` over the trials that measured it (the upper middle of an even
+/// count); None when none did.
+fn median(trials: &[serde_json::Value], key: &str) -> Option<f64> {
+    let mut v: Vec<f64> = trials.iter().filter_map(|r| r[key].as_f64()).collect();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied()
 }
 
 async fn one(
@@ -90,8 +83,7 @@ async fn one(
     cut: Duration,
 ) -> Result<serde_json::Value, String> {
     let n: u64 = num(args, "--n", 30_000);
-    let s = Store::connect(db).await.map_err(|e| e.to_string())?;
-    s.install().await.map_err(|e| e.to_string())?;
+    let s = install(db).await?;
     let Db::Pg(pool) = s.db() else {
         return Err("blip runs on Postgres".into());
     };
@@ -102,29 +94,12 @@ async fn one(
     let client = async_nats::connect(nats).await.map_err(|e| e.to_string())?;
     let js = async_nats::jetstream::new(client.clone());
     let name = format!("BENCH_BLIP_{}_{trial}", std::process::id());
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: name.clone(),
-        subjects: vec![format!("{name}.>")],
-        duplicate_window: Duration::from_secs(120),
-        ..Default::default()
-    })
-    .await
-    .map_err(|e| e.to_string())?;
+    create_stream(&js, &name, format!("{name}.>")).await?;
     let topic = format!("{name}.x");
-    let mut i = 0;
-    while i < n {
-        let chunk: Vec<Message> = (i..(i + 1000).min(n))
-            .map(|j| {
-                Message::new(topic.clone(), vec![b'x'; 256]).ordered_by(format!("k{}", j % 1000))
-            })
-            .collect();
-        let mut tx = pool.begin().await.map_err(|e| e.to_string())?;
-        ferry_outbox::enqueue_many(&mut *tx, &chunk)
-            .await
-            .map_err(|e| e.to_string())?;
-        tx.commit().await.map_err(|e| e.to_string())?;
-        i += chunk.len() as u64;
-    }
+    enqueue_in_chunks(&s, n, 1000, |j| {
+        Message::new(topic.clone(), vec![b'x'; 256]).ordered_by(format!("k{}", j % 1000))
+    })
+    .await?;
     // Arrivals at the server, seen by a subscriber that is not behind the proxy.
     let arrivals = Arc::new(Mutex::new(Vec::<Instant>::new()));
     let mut sub = client

@@ -83,14 +83,7 @@ async fn nats_ceiling(args: &[String]) -> Result<serde_json::Value, String> {
     let client = async_nats::connect(&url).await.map_err(|e| e.to_string())?;
     let js = async_nats::jetstream::new(client);
     let name = format!("BENCH_CEIL_{}", std::process::id());
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: name.clone(),
-        subjects: vec![format!("{name}.>")],
-        duplicate_window: Duration::from_secs(120),
-        ..Default::default()
-    })
-    .await
-    .map_err(|e| e.to_string())?;
+    create_stream(&js, &name, format!("{name}.>")).await?;
     let body = vec![7u8; payload];
     let start = Instant::now();
     let deadline = start + Duration::from_secs_f64(seconds);
@@ -132,33 +125,28 @@ fn pct(sorted: &[Duration], p: f64) -> f64 {
     sorted[i].as_secs_f64() * 1e6
 }
 
+/// The store at `--db`, with the outbox schema installed.
 async fn store(args: &[String]) -> Result<Store, String> {
     let url = flag(args, "--db").ok_or("--db URL")?;
-    let s = Store::connect(&url).await.map_err(|e| e.to_string())?;
+    install(&url).await
+}
+
+async fn install(url: &str) -> Result<Store, String> {
+    let s = Store::connect(url).await.map_err(|e| e.to_string())?;
     s.install().await.map_err(|e| e.to_string())?;
     Ok(s)
 }
 
-async fn fill(args: &[String]) -> Result<serde_json::Value, String> {
-    let s = store(args).await?;
-    let n: u64 = num(args, "--n", 100_000);
-    let keys: u64 = num(args, "--keys", 1000);
-    let payload: usize = num(args, "--payload", 256);
-    let topic = flag(args, "--topic").unwrap_or_else(|| "bench.orders".into());
-    let ordered = !args.iter().any(|a| a == "--unordered");
-    let start = Instant::now();
+/// Enqueue `n` messages, `per_txn` to a transaction; `message(j)` makes the j-th.
+async fn enqueue_in_chunks(
+    s: &Store,
+    n: u64,
+    per_txn: u64,
+    message: impl Fn(u64) -> Message,
+) -> Result<(), String> {
     let mut i = 0;
     while i < n {
-        let chunk: Vec<Message> = (i..(i + 1000).min(n))
-            .map(|j| {
-                let m = Message::new(topic.clone(), vec![b'x'; payload]);
-                if ordered {
-                    m.ordered_by(format!("k{}", j % keys))
-                } else {
-                    m
-                }
-            })
-            .collect();
+        let chunk: Vec<Message> = (i..(i + per_txn).min(n)).map(&message).collect();
         match s.db() {
             Db::Pg(p) => {
                 let mut tx = p.begin().await.map_err(|e| e.to_string())?;
@@ -177,6 +165,43 @@ async fn fill(args: &[String]) -> Result<serde_json::Value, String> {
         }
         i += chunk.len() as u64;
     }
+    Ok(())
+}
+
+/// Create the JetStream stream `name` on `subjects` (file storage, 2 min dedup).
+async fn create_stream(
+    js: &async_nats::jetstream::Context,
+    name: &str,
+    subjects: String,
+) -> Result<(), String> {
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: name.to_string(),
+        subjects: vec![subjects],
+        duplicate_window: Duration::from_secs(120),
+        ..Default::default()
+    })
+    .await
+    .map(|_| ())
+    .map_err(|e| e.to_string())
+}
+
+async fn fill(args: &[String]) -> Result<serde_json::Value, String> {
+    let s = store(args).await?;
+    let n: u64 = num(args, "--n", 100_000);
+    let keys: u64 = num(args, "--keys", 1000);
+    let payload: usize = num(args, "--payload", 256);
+    let topic = flag(args, "--topic").unwrap_or_else(|| "bench.orders".into());
+    let ordered = !args.iter().any(|a| a == "--unordered");
+    let start = Instant::now();
+    enqueue_in_chunks(&s, n, 1000, |j| {
+        let m = Message::new(topic.clone(), vec![b'x'; payload]);
+        if ordered {
+            m.ordered_by(format!("k{}", j % keys))
+        } else {
+            m
+        }
+    })
+    .await?;
     Ok(serde_json::json!({"filled": n, "secs": start.elapsed().as_secs_f64()}))
 }
 
@@ -419,9 +444,7 @@ async fn latency(args: &[String]) -> Result<serde_json::Value, String> {
 async fn sqlite_e2e(args: &[String]) -> Result<serde_json::Value, String> {
     let dir = flag(args, "--dir").ok_or("--dir")?;
     let n: u64 = num(args, "--n", 100_000);
-    let url = format!("sqlite:{dir}/bench.db");
-    let s = Store::connect(&url).await.map_err(|e| e.to_string())?;
-    s.install().await.map_err(|e| e.to_string())?;
+    let s = install(&format!("sqlite:{dir}/bench.db")).await?;
     let sink = ferry_outbox::sink::Sink::new(None);
     let l = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -448,23 +471,10 @@ async fn sqlite_e2e(args: &[String]) -> Result<serde_json::Value, String> {
     .map_err(|e| e.to_string())?;
     let running = relay.spawn();
     let start = Instant::now();
-    let Db::Sqlite(pool) = s.db() else {
-        unreachable!()
-    };
-    let mut i = 0;
-    while i < n {
-        let chunk: Vec<Message> = (i..(i + 100).min(n))
-            .map(|j| {
-                Message::new("bench.e2e", vec![b'x'; 256]).ordered_by(format!("k{}", j % 1000))
-            })
-            .collect();
-        let mut tx = pool.begin().await.map_err(|e| e.to_string())?;
-        ferry_outbox::enqueue_many(&mut *tx, &chunk)
-            .await
-            .map_err(|e| e.to_string())?;
-        tx.commit().await.map_err(|e| e.to_string())?;
-        i += chunk.len() as u64;
-    }
+    enqueue_in_chunks(&s, n, 100, |j| {
+        Message::new("bench.e2e", vec![b'x'; 256]).ordered_by(format!("k{}", j % 1000))
+    })
+    .await?;
     let wrote = start.elapsed().as_secs_f64();
     while (sink.received_count() as u64) < n {
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -500,13 +510,6 @@ async fn stream(args: &[String]) -> Result<serde_json::Value, String> {
     for n in old {
         let _ = js.delete_stream(&n).await;
     }
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: name.clone(),
-        subjects: vec![subjects],
-        duplicate_window: Duration::from_secs(120),
-        ..Default::default()
-    })
-    .await
-    .map_err(|e| e.to_string())?;
+    create_stream(&js, &name, subjects).await?;
     Ok(serde_json::json!({"stream": name}))
 }
