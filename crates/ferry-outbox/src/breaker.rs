@@ -171,16 +171,26 @@ impl Breaker {
         connections: u64,
         rng: &mut dyn Rng,
     ) -> (Outcome, Option<Change>) {
-        let outcome = match outcome {
+        let (outcome, taken_as_refusal) = match outcome {
             Outcome::Unavailable {
                 reason,
                 server_error: true,
                 ..
-            } if self.confirmed_since_failure > 0 => Outcome::Refused(reason),
-            other => other,
+            } if self.confirmed_since_failure > 0 => (Outcome::Refused(reason), true),
+            other => (other, false),
         };
         let change = match &outcome {
-            Outcome::Confirmed { .. } | Outcome::Refused(_) => self.answered(era),
+            Outcome::Confirmed { .. } | Outcome::Refused(_) => {
+                let change = self.answered(era);
+                if taken_as_refusal {
+                    // It answered nothing: the next 5xx, with no confirmation between, is
+                    // the transport's (else an endpoint failing every request with 5xx
+                    // after one success would never open the breaker, and would park
+                    // every message instead).
+                    self.confirmed_since_failure = 0;
+                }
+                change
+            }
             Outcome::Unavailable {
                 reason,
                 retry_after,
@@ -447,6 +457,20 @@ mod tests {
         let (o, change) = b.record(era, server_error(), now, 0, &mut rng);
         assert_eq!(o, Outcome::Refused("HTTP 500".into()), "the message's own");
         assert_eq!((change, b.failures()), (None, 0));
+        // A second 5xx with no confirmation between is the transport's, as is every one
+        // after it: an endpoint that fails everything opens the breaker.
+        let (o, _) = b.record(era, server_error(), now, 0, &mut rng);
+        assert_eq!(o, server_error(), "nothing confirmed since the last 5xx");
+        assert_eq!(b.failures(), 1);
+        b.record(
+            era,
+            Outcome::Confirmed { duplicate: false },
+            now,
+            0,
+            &mut rng,
+        );
+        let (o, _) = b.record(era, server_error(), now, 0, &mut rng);
+        assert_eq!(o, Outcome::Refused("HTTP 500".into()), "the message's own");
         let away = Outcome::Unknown("timed out".into());
         b.record(era, away.clone(), now, 0, &mut rng);
         let (o, change) = b.record(era, server_error(), now, 0, &mut rng);
