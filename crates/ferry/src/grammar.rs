@@ -170,6 +170,43 @@ pub fn read_old_variables() -> Vec<String> {
     warnings
 }
 
+/// How one engine's library settings are spelled on its command line: library errors
+/// name settings (`ConfigError::setting`), a person typed flags.
+pub struct Flags(pub &'static [(&'static str, &'static str)]);
+
+impl Flags {
+    /// The flag that gives `setting` (the setting itself if no flag does).
+    pub fn of<'a>(&self, setting: &'a str) -> &'a str {
+        self.0
+            .iter()
+            .find(|(s, _)| *s == setting)
+            .map_or(setting, |&(_, flag)| flag)
+    }
+
+    /// The error's reason with every other setting it names spelled as its flag. Only
+    /// settings of more than one word: a one-word one ("dir", "names", "nice") is also
+    /// an English word, which the reason may use as one.
+    pub fn reason(&self, e: &ferry_core::ConfigError) -> String {
+        let mut reason = e.reason.clone();
+        for (setting, flag) in self.0.iter().filter(|(s, _)| s.contains('_')) {
+            reason = reason.replace(setting, flag);
+        }
+        reason
+    }
+
+    /// A setting's error as a person reads it: `--batch 0: must be between 1 and 10000`.
+    /// `given`: the flag's value as typed, when the command has it (else the value as
+    /// the library holds it).
+    pub fn error(&self, e: &ferry_core::ConfigError, given: Option<String>) -> anyhow::Error {
+        anyhow::anyhow!(
+            "{} {}: {}",
+            self.of(e.setting),
+            given.unwrap_or_else(|| e.value.clone()),
+            self.reason(e)
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

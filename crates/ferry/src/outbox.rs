@@ -1,5 +1,6 @@
 //! `ferry outbox install|relay|status|requeue|discard|pause|resume`.
 
+use crate::grammar::Flags;
 use crate::table;
 use anyhow::{Context, anyhow, bail};
 use clap::{Args, Subcommand};
@@ -177,45 +178,31 @@ fn print_json(v: &impl serde::Serialize) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The flag (and environment variable) behind a library setting, for messages: the
-/// library names settings, the CLI names its flags.
-fn flag(setting: &str) -> &str {
-    match setting {
-        "db" => "--db",
-        "to" => "--to",
-        "stream" => "--stream",
-        "lanes" => "--lanes",
-        "batch" => "--batch",
-        "window" => "--window",
-        "lease" => "--lease-ms",
-        "max_attempts" => "--max-attempts",
-        "poll" => "--poll-ms",
-        "publish_timeout" => "--publish-timeout-ms",
-        other => other,
-    }
-}
-
-/// A setting's error as the user gave it: `--batch 0: must be between 1 and 10000`.
-/// `given` is the flag's value as typed, when the CLI has it.
-fn config_error(e: &ConfigError, given: Option<String>) -> anyhow::Error {
-    anyhow!(
-        "{} {}: {}",
-        flag(e.setting),
-        given.unwrap_or_else(|| e.value.clone()),
-        e.reason
-    )
-}
+/// The flags behind the library's settings, for messages: the library names settings,
+/// the CLI names its flags.
+const FLAGS: Flags = Flags(&[
+    ("db", "--db"),
+    ("to", "--to"),
+    ("stream", "--stream"),
+    ("lanes", "--lanes"),
+    ("batch", "--batch"),
+    ("window", "--window"),
+    ("lease", "--lease-ms"),
+    ("max_attempts", "--max-attempts"),
+    ("poll", "--poll-ms"),
+    ("publish_timeout", "--publish-timeout-ms"),
+]);
 
 fn connect_error(e: ConnectError) -> anyhow::Error {
     match e {
-        ConnectError::Config(c) => config_error(&c, None),
+        ConnectError::Config(c) => FLAGS.error(&c, None),
         other => anyhow!(other),
     }
 }
 
 fn transport_error(e: TransportError) -> anyhow::Error {
     match e {
-        TransportError::Config(c) => config_error(&c, None),
+        TransportError::Config(c) => FLAGS.error(&c, None),
         other => anyhow!(other),
     }
 }
@@ -356,7 +343,7 @@ fn relay_config_error(a: &RelayArgs, e: &ConfigError) -> anyhow::Error {
         "poll" => a.poll_ms.to_string(),
         _ => e.value.clone(),
     };
-    config_error(e, Some(given))
+    FLAGS.error(e, Some(given))
 }
 
 /// Serve /metrics (the relay's counters and the outbox's depth), /status and /healthz.

@@ -1,5 +1,6 @@
 //! `ferry ship`, `ferry receive`, `ferry promote` and their status commands.
 
+use crate::grammar::Flags;
 use crate::table;
 use anyhow::{Context, anyhow, bail};
 use clap::Args;
@@ -116,7 +117,7 @@ pub struct PromoteArgs {
 
 /// Each library setting (`ShipperConfig`, `ReceiverConfig`, promote's destination) and
 /// the flag that gives it: library errors name settings, a person typed flags.
-const FLAGS: &[(&str, &str)] = &[
+const FLAGS: Flags = Flags(&[
     ("dir", "--dir"),
     ("peer", "--peer"),
     ("names", "--db"),
@@ -129,15 +130,7 @@ const FLAGS: &[(&str, &str)] = &[
     ("max_body_bytes", "--max-body-bytes"),
     ("max_base_bytes", "--max-base-bytes"),
     ("dest", "--to"),
-];
-
-/// The flag that gives `setting` (the setting itself if no flag does).
-fn flag_of(setting: &str) -> &str {
-    FLAGS
-        .iter()
-        .find(|(s, _)| *s == setting)
-        .map_or(setting, |&(_, flag)| flag)
-}
+]);
 
 /// A library error as one sentence: its message already carries its cause, which `{:#}`
 /// would print a second time.
@@ -145,20 +138,13 @@ fn said(e: impl std::fmt::Display) -> anyhow::Error {
     anyhow!("{e}")
 }
 
-/// A setting error as a person reads it: the flag, the value given, why, with any other
-/// setting the reason names spelled as its flag too.
+/// A setting error as a person reads it: the flag, the value given, why (`Flags::error`);
+/// the token's value is a secret, so its file is named instead.
 fn flagged(e: &ConfigError) -> anyhow::Error {
-    let mut reason = e.reason.clone();
-    // Only settings of more than one word: a one-word one ("dir", "names", "nice") is
-    // also an English word, which the reason may use as one.
-    for (setting, flag) in FLAGS.iter().filter(|(s, _)| s.contains('_')) {
-        reason = reason.replace(setting, flag);
-    }
     if e.setting == "token" {
-        // The value is a secret: name the file it came from instead.
-        return anyhow!("the token in --token-file {reason}");
+        return anyhow!("the token in --token-file {}", FLAGS.reason(e));
     }
-    anyhow!("{} {}: {reason}", flag_of(e.setting), e.value)
+    FLAGS.error(e, None)
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -479,7 +465,11 @@ mod tests {
             flagged(&e).to_string(),
             "--max-body-bytes 5: is below --max-base-bytes for this dir"
         );
-        assert_eq!(flag_of("names"), "--db");
-        assert_eq!(flag_of("lease"), "lease", "no flag: the setting's own name");
+        assert_eq!(FLAGS.of("names"), "--db");
+        assert_eq!(
+            FLAGS.of("lease"),
+            "lease",
+            "no flag: the setting's own name"
+        );
     }
 }
