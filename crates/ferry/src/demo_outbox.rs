@@ -121,7 +121,7 @@ async fn demo(root: &Path, orders: u64) -> anyhow::Result<()> {
     let wrote = started.elapsed();
     let drain_started = Instant::now();
     let drained = loop {
-        let st = store.status().await?;
+        let st = store.depth().await?;
         if st.pending + st.uncertain + st.leased == 0 {
             break true;
         }
