@@ -1,0 +1,122 @@
+-- ferry-sync server schema, version 1. Never edited once released: a later version is a
+-- new file that upgrades this one. docs/sync.md, "State on the server", says what each
+-- table means and which invariant it carries.
+CREATE SCHEMA ferry_sync;
+
+-- One row: the schema version, this installation's epoch and secret (stamps), and the
+-- digest of the rules the triggers were installed for.
+CREATE TABLE ferry_sync.meta (
+    one        boolean PRIMARY KEY DEFAULT true CHECK (one),
+    version    integer NOT NULL,
+    epoch      uuid NOT NULL,
+    secret     bytea NOT NULL CHECK (length(secret) = 32),
+    declared   text NOT NULL DEFAULT '',
+    installed_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- What changed, never who receives it. Written by the capture triggers in the writer's
+-- transaction; deleted by the pass that plans it (one REPEATABLE READ transaction), or
+-- parked. A delete, a key change or a move notes the old key first (lower id).
+CREATE TABLE ferry_sync.notes (
+    id        bigserial PRIMARY KEY,
+    relation  text NOT NULL,          -- 'schema.table' as the rules name it
+    key       text NOT NULL,          -- canonical key text (docs/sync.md, "Keys")
+    kind      text NOT NULL DEFAULT 'row' CHECK (kind IN ('row', 'group', 'routed', 'replica', 'table')),
+    noted_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
+    parked_at timestamptz,
+    attempts  integer NOT NULL DEFAULT 0,
+    last_error text
+);
+CREATE INDEX notes_pending ON ferry_sync.notes (id) WHERE parked_at IS NULL;
+
+-- The replicas the relay knows: their chain, their seal key, what they confirmed.
+-- `last_*` is the newest message recorded for the replica; `confirmed_*` the newest it
+-- confirmed (stamp verified). A replica whose row is missing is provisioned from scratch.
+CREATE TABLE ferry_sync.replicas (
+    id              uuid PRIMARY KEY,
+    partition       text,                 -- the replica's partition value, as text
+    token_hash      bytea,                -- SHA-256 of its bearer token
+    seal_key        bytea,                -- HMAC key the replica checks seals with
+    epoch           uuid,                 -- the epoch its chain belongs to
+    last_seq        bigint NOT NULL DEFAULT 0,
+    last_nonce      bigint NOT NULL DEFAULT 0,
+    confirmed_seq   bigint NOT NULL DEFAULT 0,
+    confirmed_nonce bigint NOT NULL DEFAULT 0,
+    standing        text NOT NULL DEFAULT 'new', -- new | provisioning | following
+    heard_at        timestamptz,
+    confirmed_at    timestamptz,
+    failing_since   timestamptz,
+    dropped         integer NOT NULL DEFAULT 0   -- outboxes dropped (the alarm)
+);
+
+-- Row versions of broadcast tables: one row per (table, partition, key), O(rows). A
+-- change sets rv to the recording pass's number; a delete or a move out of the
+-- partition keeps the row as a tombstone (gone) until every replica's mark passed it.
+CREATE TABLE ferry_sync.rows (
+    relation  text NOT NULL,
+    part      text NOT NULL DEFAULT '',
+    key       text NOT NULL,
+    rv        bigint NOT NULL,
+    gone      boolean NOT NULL DEFAULT false,
+    PRIMARY KEY (relation, part, key)
+);
+CREATE INDEX rows_since ON ferry_sync.rows (relation, part, rv);
+
+-- Per replica and broadcast table: every row of its partition with rv <= sent is in a
+-- message recorded for it; with rv <= confirmed, in a message it confirmed, except the
+-- rows listed in ferry_sync.quarantine for it. O(replicas x broadcast tables).
+CREATE TABLE ferry_sync.marks (
+    replica   uuid NOT NULL REFERENCES ferry_sync.replicas ON DELETE CASCADE,
+    relation  text NOT NULL,
+    sent      bigint NOT NULL DEFAULT 0,
+    confirmed bigint NOT NULL DEFAULT 0,
+    PRIMARY KEY (replica, relation)
+);
+
+-- Per-row held state, only for tables whose routing differs per replica (assigned,
+-- follows, grouped, routed, and parents pulled in by closure). `seq` is the message
+-- that last carried the row; the replica holds it once confirmed_seq >= seq.
+CREATE TABLE ferry_sync.held (
+    replica   uuid NOT NULL REFERENCES ferry_sync.replicas ON DELETE CASCADE,
+    relation  text NOT NULL,
+    key       text NOT NULL,
+    seq       bigint NOT NULL,
+    by_rule   boolean NOT NULL,   -- its own rule sends it (false: only closure keeps it)
+    PRIMARY KEY (replica, relation, key)
+);
+
+-- Bodies shared by every replica a message goes to (a broadcast change is stored once).
+CREATE TABLE ferry_sync.bodies (
+    hash  bytea PRIMARY KEY,      -- SHA-256 of body
+    body  bytea NOT NULL
+);
+
+-- Each replica's recorded, unconfirmed messages, in chain order. A message leaves when
+-- the replica confirms it (or a later one). `marks` holds, per broadcast table, the rv
+-- the replica's confirmed mark reaches once this message is confirmed.
+CREATE TABLE ferry_sync.outbox (
+    replica    uuid NOT NULL REFERENCES ferry_sync.replicas ON DELETE CASCADE,
+    seq        bigint NOT NULL,
+    head       bytea NOT NULL,    -- the encoded header, seal and stamp
+    body_hash  bytea NOT NULL REFERENCES ferry_sync.bodies,
+    bytes      integer NOT NULL,
+    marks      jsonb NOT NULL DEFAULT '{}',
+    recorded_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (replica, seq)
+);
+CREATE INDEX outbox_body ON ferry_sync.outbox (body_hash);
+
+-- Rows set aside for one replica: they did not encode, did not fit a message, or the
+-- replica refused them. Retried at relay start and on a timer.
+CREATE TABLE ferry_sync.quarantine (
+    replica   uuid NOT NULL REFERENCES ferry_sync.replicas ON DELETE CASCADE,
+    relation  text NOT NULL,
+    key       text NOT NULL,
+    cause     text NOT NULL CHECK (cause IN ('encode', 'size', 'replica')),
+    reason    text NOT NULL,
+    at        timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (replica, relation, key)
+);
+
+CREATE INDEX rows_key ON ferry_sync.rows (relation, key);
+-- `install` inserts the meta row with a secret from the operating system's random source.
