@@ -1,0 +1,372 @@
+//! A message's body: the table parts, in apply order.
+//!
+//! Layout (varints as in [`crate::value`]):
+//! 1. A varint count of parts; then each part:
+//! 2. The table name: varint length, then 1..=[`NAME_BYTES_MAX`] bytes of UTF-8 without
+//!    NUL, not starting (ignoring ASCII case) with `sqlite_` or `_ferry_sync`.
+//! 3. One byte of sweep flags: bit 0 start, bit 1 end; the other bits 0.
+//! 4. A varint count of columns, 1..=[`COLUMNS_MAX`]; then each column: its name (as a
+//!    table name, 1..=63 bytes, unique in the part ignoring ASCII case), an affinity byte
+//!    (1 Integer, 2 Real, 3 Text, 4 Blob), a not_null byte (0 or 1) and a key_part byte
+//!    (0, or the column's place in the key). The key parts present are exactly 1..=k for
+//!    some k >= 1, each once.
+//! 5. A varint count of deletes; each is k values, the key's, in key order (no count).
+//! 6. A varint count of upserts; each is one value per column, in column order (no count).
+//! 7. After the last part, nothing.
+//!
+//! A value's type need not match its column's affinity (SQLite is dynamically typed), but
+//! a Null in a not_null column is refused, in deletes and upserts alike. [`encode_body`]
+//! refuses what [`decode_body`] would, so the server never sends a body a replica refuses.
+
+use std::collections::HashSet;
+
+use super::reader::Reader;
+use super::{
+    COLUMNS_MAX, Column, Fault, NAME_BYTES_MAX, RESERVED_TABLE_PREFIXES, Refused, Rule, Sweep,
+    TablePart,
+};
+use crate::value::{self, Affinity, EncodeError, Value};
+
+const SWEEP_START: u8 = 1;
+const SWEEP_END: u8 = 2;
+
+/// Smallest encodings, for bounding counts by the bytes that remain: a column is a name
+/// (2 bytes at least) and three bytes; a value is a tag at least.
+const COLUMN_BYTES_MIN: usize = 5;
+const VALUE_BYTES_MIN: usize = 1;
+/// A part is a name (2), flags (1), a column count (1), one column (5), two counts (2).
+const PART_BYTES_MIN: usize = 11;
+
+/// Encodes the parts of a message into a body; refuses (naming the part, row and column)
+/// a part the decoder would refuse, or a row of the wrong width.
+pub fn encode_body(parts: &[TablePart]) -> Result<Vec<u8>, EncodeError> {
+    let mut out = Vec::new();
+    value::encode_varint(parts.len() as u64, &mut out);
+    for (index, part) in parts.iter().enumerate() {
+        let place = format!("table part {} ({:?})", index + 1, part.table);
+        let key = check_header(&part.table, &part.columns).map_err(|f| f.within(&place))?;
+        write_header(part, &mut out);
+        value::encode_varint(part.deletes.len() as u64, &mut out);
+        for (row, delete) in part.deletes.iter().enumerate() {
+            let what = format!("{place}, delete {}", row + 1);
+            let columns = key.iter().map(|&c| &part.columns[c]);
+            write_row(delete, columns, key.len(), &what, &mut out)?;
+        }
+        value::encode_varint(part.upserts.len() as u64, &mut out);
+        for (row, upsert) in part.upserts.iter().enumerate() {
+            let what = format!("{place}, upsert {}", row + 1);
+            let width = part.columns.len();
+            write_row(upsert, part.columns.iter(), width, &what, &mut out)?;
+        }
+    }
+    Ok(out)
+}
+
+/// Decodes and checks a body (decompressed); see the module doc for what is refused.
+pub fn decode_body(body: &[u8]) -> Result<Vec<TablePart>, Refused> {
+    let mut reader = Reader::new(body, "body");
+    let count = reader.count("the part count", PART_BYTES_MIN)?;
+    let mut parts = Vec::with_capacity(count);
+    for index in 1..=count {
+        parts.push(read_part(&mut reader, index)?);
+    }
+    reader.finish()?;
+    Ok(parts)
+}
+
+fn read_part(reader: &mut Reader<'_>, index: usize) -> Result<TablePart, Fault> {
+    let table = reader
+        .str("the table name")
+        .map_err(|f| f.within(format_args!("table part {index}")))?;
+    let place = format!("table part {index} ({table:?})");
+    let within = |f: Fault| f.within(&place);
+    check_table_name(table).map_err(within)?;
+    let flags_at = reader.at();
+    let flags = reader.u8("the sweep flags").map_err(within)?;
+    if flags & !(SWEEP_START | SWEEP_END) != 0 {
+        return Err(within(Fault::new(
+            Rule::SweepFlags,
+            format!(
+                "the sweep flags at byte {flags_at} are {flags:#04x}; only bits 0 and 1 are defined"
+            ),
+        )));
+    }
+    let columns = read_columns(reader).map_err(within)?;
+    let key = check_header(table, &columns).map_err(within)?;
+    let deletes_count = reader
+        .count("the delete count", key.len() * VALUE_BYTES_MIN)
+        .map_err(within)?;
+    let mut deletes = Vec::with_capacity(deletes_count);
+    for row in 1..=deletes_count {
+        let what = format!("delete {row}");
+        let key_columns = key.iter().map(|&c| &columns[c]);
+        deletes.push(read_row(reader, key_columns, &what).map_err(within)?);
+    }
+    let upserts_count = reader
+        .count("the upsert count", columns.len() * VALUE_BYTES_MIN)
+        .map_err(within)?;
+    let mut upserts = Vec::with_capacity(upserts_count);
+    for row in 1..=upserts_count {
+        let what = format!("upsert {row}");
+        upserts.push(read_row(reader, columns.iter(), &what).map_err(within)?);
+    }
+    Ok(TablePart {
+        table: table.to_string(),
+        columns,
+        sweep: Sweep {
+            start: flags & SWEEP_START != 0,
+            end: flags & SWEEP_END != 0,
+        },
+        deletes,
+        upserts,
+    })
+}
+
+fn read_columns(reader: &mut Reader<'_>) -> Result<Vec<Column>, Fault> {
+    let count_at = reader.at();
+    let count = reader.varint("the column count")?;
+    if count == 0 || count > COLUMNS_MAX as u64 {
+        return Err(Fault::new(
+            Rule::ColumnCount,
+            format!(
+                "the column count at byte {count_at} is {count}; a part has 1..={COLUMNS_MAX} columns"
+            ),
+        ));
+    }
+    let count = reader.count_checked(count, "the column count", COLUMN_BYTES_MIN, count_at)?;
+    let mut columns = Vec::with_capacity(count);
+    for number in 1..=count {
+        let within = |f: Fault| f.within(format_args!("column {number}"));
+        let name = reader.str("the name").map_err(within)?;
+        let affinity_at = reader.at();
+        let affinity = reader.u8("the affinity").map_err(within)?;
+        let affinity = Affinity::from_u8(affinity).ok_or_else(|| {
+            within(Fault::new(
+                Rule::Affinity,
+                format!("the affinity at byte {affinity_at} is {affinity}; it is 1 Integer, 2 Real, 3 Text or 4 Blob"),
+            ))
+        })?;
+        let not_null_at = reader.at();
+        let not_null = match reader.u8("not_null").map_err(within)? {
+            0 => false,
+            1 => true,
+            other => {
+                return Err(within(Fault::new(
+                    Rule::NotNullByte,
+                    format!("not_null at byte {not_null_at} is {other}; it is 0 or 1"),
+                )));
+            }
+        };
+        let key_part = reader.u8("key_part").map_err(within)?;
+        columns.push(Column {
+            name: name.to_string(),
+            affinity,
+            not_null,
+            key_part,
+        });
+    }
+    Ok(columns)
+}
+
+/// Reads one value per column given, refusing a Null where the column is not_null.
+fn read_row<'c>(
+    reader: &mut Reader<'_>,
+    columns: impl Iterator<Item = &'c Column>,
+    what: &str,
+) -> Result<Vec<Value>, Fault> {
+    let mut row = Vec::new();
+    for column in columns {
+        let at = reader.at();
+        let value = reader
+            .value(&format!("the value of column {:?}", column.name))
+            .map_err(|f| f.within(what))?;
+        if value == Value::Null && column.not_null {
+            return Err(Fault::new(
+                Rule::NullInNotNull,
+                format!(
+                    "{what} has a Null at byte {at} for column {:?}, which is not_null",
+                    column.name
+                ),
+            ));
+        }
+        row.push(value);
+    }
+    Ok(row)
+}
+
+/// Checks a part's table name and columns, and returns the key: for each key part in
+/// order, the index of its column.
+fn check_header(table: &str, columns: &[Column]) -> Result<Vec<usize>, Fault> {
+    check_table_name(table)?;
+    if columns.is_empty() || columns.len() > COLUMNS_MAX {
+        return Err(Fault::new(
+            Rule::ColumnCount,
+            format!(
+                "it has {} columns; a part has 1..={COLUMNS_MAX}",
+                columns.len()
+            ),
+        ));
+    }
+    let mut seen = HashSet::with_capacity(columns.len());
+    for (index, column) in columns.iter().enumerate() {
+        check_column_name(index + 1, &column.name)?;
+        if !seen.insert(column.name.to_ascii_lowercase()) {
+            return Err(Fault::new(
+                Rule::ColumnNameDuplicate,
+                format!(
+                    "column {} is named {:?}, as an earlier column is (ignoring ASCII case)",
+                    index + 1,
+                    column.name
+                ),
+            ));
+        }
+    }
+    check_key(table, columns)
+}
+
+/// Checks that the key parts present are exactly 1..=k with k >= 1, and returns the
+/// column index of each part in order.
+fn check_key(table: &str, columns: &[Column]) -> Result<Vec<usize>, Fault> {
+    let key_len = columns.iter().filter(|c| c.key_part != 0).count();
+    if key_len == 0 {
+        return Err(Fault::new(
+            Rule::NoKey,
+            format!("no column of table {table:?} has a key_part; a part needs a key"),
+        ));
+    }
+    let mut key: Vec<Option<usize>> = vec![None; key_len];
+    for (index, column) in columns.iter().enumerate() {
+        let part = usize::from(column.key_part);
+        if part == 0 {
+            continue;
+        }
+        let Some(slot) = key.get_mut(part - 1) else {
+            return Err(Fault::new(
+                Rule::KeyPartGap,
+                format!(
+                    "column {} ({:?}) of table {table:?} has key_part {part}, but the table \
+                     has only {key_len} key columns, so its key parts are 1..={key_len}",
+                    index + 1,
+                    column.name
+                ),
+            ));
+        };
+        if let Some(earlier) = slot.replace(index) {
+            return Err(Fault::new(
+                Rule::KeyPartDuplicate,
+                format!(
+                    "column {} ({:?}) of table {table:?} has key_part {part}, as column {} \
+                     ({:?}) does",
+                    index + 1,
+                    column.name,
+                    earlier + 1,
+                    columns[earlier].name
+                ),
+            ));
+        }
+    }
+    // k columns in k slots, none out of range and none twice: every slot is filled.
+    Ok(key.into_iter().flatten().collect())
+}
+
+/// Refuses an empty, long, NUL-holding or reserved table name.
+pub(super) fn check_table_name(table: &str) -> Result<(), Fault> {
+    if table.is_empty() || table.len() > NAME_BYTES_MAX {
+        return Err(Fault::new(
+            Rule::TableNameLen,
+            format!(
+                "the table name is {} bytes; a name is 1..={NAME_BYTES_MAX} bytes",
+                table.len()
+            ),
+        ));
+    }
+    if let Some(at) = table.find('\0') {
+        return Err(Fault::new(
+            Rule::NameNul,
+            format!("the table name {table:?} holds a NUL at byte {at}"),
+        ));
+    }
+    for prefix in RESERVED_TABLE_PREFIXES {
+        let head = table.as_bytes().get(..prefix.len());
+        if head.is_some_and(|head| head.eq_ignore_ascii_case(prefix.as_bytes())) {
+            return Err(Fault::new(
+                Rule::TableNameReserved,
+                format!(
+                    "the table name {table:?} starts with {prefix:?}, which the replica keeps for itself"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn check_column_name(number: usize, name: &str) -> Result<(), Fault> {
+    if name.is_empty() || name.len() > NAME_BYTES_MAX {
+        return Err(Fault::new(
+            Rule::ColumnNameLen,
+            format!(
+                "the name of column {number} is {} bytes; a name is 1..={NAME_BYTES_MAX} bytes",
+                name.len()
+            ),
+        ));
+    }
+    if let Some(at) = name.find('\0') {
+        return Err(Fault::new(
+            Rule::NameNul,
+            format!("the name of column {number}, {name:?}, holds a NUL at byte {at}"),
+        ));
+    }
+    Ok(())
+}
+
+fn write_header(part: &TablePart, out: &mut Vec<u8>) {
+    write_str(&part.table, out);
+    let start = if part.sweep.start { SWEEP_START } else { 0 };
+    let end = if part.sweep.end { SWEEP_END } else { 0 };
+    out.push(start | end);
+    value::encode_varint(part.columns.len() as u64, out);
+    for column in &part.columns {
+        write_str(&column.name, out);
+        out.push(column.affinity as u8);
+        out.push(u8::from(column.not_null));
+        out.push(column.key_part);
+    }
+}
+
+/// Writes one row of `width` values, one per column given, refusing a wrong width, NaN,
+/// and a Null in a not_null column.
+fn write_row<'c>(
+    row: &[Value],
+    columns: impl Iterator<Item = &'c Column>,
+    width: usize,
+    what: &str,
+    out: &mut Vec<u8>,
+) -> Result<(), EncodeError> {
+    if row.len() != width {
+        return Err(EncodeError::Invalid {
+            rule: "row-width",
+            detail: format!(
+                "{what}: it has {} values, the part needs {width}",
+                row.len()
+            ),
+        });
+    }
+    for (value, column) in row.iter().zip(columns) {
+        if *value == Value::Null && column.not_null {
+            let detail = format!(
+                "{what}: a Null for column {:?}, which is not_null",
+                column.name
+            );
+            return Err(Fault::new(Rule::NullInNotNull, detail).into());
+        }
+        value::encode_value(value, out).map_err(|_| EncodeError::NotANumber {
+            at: format!("{what}, column {:?}", column.name),
+        })?;
+    }
+    Ok(())
+}
+
+pub(super) fn write_str(text: &str, out: &mut Vec<u8>) {
+    value::encode_varint(text.len() as u64, out);
+    out.extend_from_slice(text.as_bytes());
+}
