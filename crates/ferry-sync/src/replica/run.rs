@@ -1,0 +1,333 @@
+//! The replica's loop over a transport: fetch, apply, report.
+//!
+//! 1. Report where the replica stands (at once when it starts, after every batch that
+//!    brought frames, every `report_every` while a change is unreported, and every
+//!    `keepalive` otherwise). The transport took the report: its rejections are marked
+//!    reported.
+//! 2. Fetch up to `window` frames after the replica's position (seq, nonce), waiting up
+//!    to `wait` (long poll, cut short when a report falls due); mark the server heard.
+//! 3. Apply them in order ([`Replica::receive`]). A gap or refused frame applies nothing
+//!    but the batch goes on, since a later frame may start a chain; a later protocol
+//!    ends the loop (`RunEnd::LaterProtocol`: upgrade); a transient storage failure
+//!    ends the batch and backs off (the frame comes again).
+//! 4. On a transient failure (the transport, a full disk) or a batch that moved nothing,
+//!    wait a backoff (full jitter) before fetching again; a permanent failure (a wrong
+//!    token, a broken file) ends the loop with the error.
+//!
+//! Nothing here is persisted beyond what `receive`, `reported` and `heard` write. A
+//! crash anywhere leaves the file at a message boundary; the loop restarts from it.
+
+use super::{Received, Replica, ReplicaError};
+use crate::wire;
+use ferry_core::backoff::Backoff;
+use ferry_core::seams::{SplitMix64, wall_ms};
+use ferry_core::{Class, Classify, ConfigError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// The transport, replica side: all a transport implements (HTTP is built in; others
+/// through this seam).
+pub trait Downlink {
+    /// Up to `max` frames after the position (`after_seq`, `after_nonce`), in order,
+    /// waiting up to `wait` for one; empty when none came.
+    fn fetch(
+        &mut self,
+        after_seq: u64,
+        after_nonce: u64,
+        max: usize,
+        wait: Duration,
+    ) -> Result<Vec<Vec<u8>>, TransportError>;
+
+    /// Sends an encoded report ([`wire::encode_up`]); `Ok` once the server stored it.
+    fn report(&mut self, up: &[u8]) -> Result<(), TransportError>;
+}
+
+/// Why the transport failed, by what the loop does next.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    /// The server could not be reached, or failed in a way that passes (5xx, a timeout).
+    #[error("the sync server is unavailable: {0}; retrying with backoff")]
+    Unavailable(String),
+    /// The server refused this replica (401: a wrong token or another replica's id; 413:
+    /// a report over its limit). Retrying cannot help.
+    #[error("the sync server refused this replica: {0}; check the replica's id and token")]
+    Refused(String),
+}
+
+impl Classify for TransportError {
+    fn class(&self) -> Class {
+        match self {
+            TransportError::Unavailable(_) => Class::Transient,
+            TransportError::Refused(_) => Class::Permanent,
+        }
+    }
+}
+
+/// The loop's settings. Checked once by [`RunSettings::check`].
+#[derive(Clone, Debug)]
+pub struct RunSettings {
+    /// Frames per fetch: 16 apply in well under a second, and the server serves at most
+    /// 64 (`docs/sync.md` §8.1).
+    pub window: usize,
+    /// Long-poll wait per fetch; the server waits at most 30 s.
+    pub wait: Duration,
+    /// How soon an unreported change (a report that failed) is reported again.
+    pub report_every: Duration,
+    /// How often the replica reports with nothing new (the server's view of its
+    /// position is at most this old).
+    pub keepalive: Duration,
+    /// How often reports carry digests, which read every synced row.
+    pub digest_every: Duration,
+    pub backoff: Backoff,
+}
+
+/// The most frames the server serves per fetch, and its longest wait.
+pub const WINDOW_MAX: usize = 64;
+pub const WAIT_MAX: Duration = Duration::from_secs(30);
+
+impl Default for RunSettings {
+    fn default() -> RunSettings {
+        RunSettings {
+            window: 16,
+            wait: Duration::from_secs(20),
+            report_every: Duration::from_secs(1),
+            keepalive: Duration::from_secs(30),
+            digest_every: Duration::from_secs(600),
+            backoff: Backoff::new(
+                Duration::from_millis(200),
+                Duration::from_secs(30),
+                Duration::from_millis(50),
+            ),
+        }
+    }
+}
+
+impl RunSettings {
+    pub fn check(&self) -> Result<(), ConfigError> {
+        if self.window == 0 || self.window > WINDOW_MAX {
+            return Err(ConfigError::new(
+                "window",
+                self.window,
+                "must be 1 to 64 frames (the server serves at most 64)",
+            ));
+        }
+        if self.wait > WAIT_MAX {
+            return Err(ConfigError::new(
+                "wait",
+                format!("{:?}", self.wait),
+                "must be at most 30 s (the server waits no longer)",
+            ));
+        }
+        if self.report_every.is_zero() || self.report_every > self.keepalive {
+            return Err(ConfigError::new(
+                "report_every",
+                format!("{:?}", self.report_every),
+                "must be above 0 and at most keepalive, or a change would be reported later than no change",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// How the loop ended without an error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RunEnd {
+    /// `stop` was set.
+    Stopped,
+    /// The server speaks a later protocol: upgrade this replica's ferry.
+    LaterProtocol(u16),
+}
+
+/// Why the loop stopped: a permanent failure of the transport or the replica's file.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    #[error(transparent)]
+    Replica(#[from] ReplicaError),
+}
+
+impl Classify for RunError {
+    fn class(&self) -> Class {
+        match self {
+            RunError::Config(e) => e.class(),
+            RunError::Transport(e) => e.class(),
+            RunError::Replica(e) => e.class(),
+        }
+    }
+}
+
+/// What the loop remembers between turns (nothing of it is persisted).
+struct Turn {
+    /// A change (applied, gap, refusal, failure) not yet reported.
+    unreported: bool,
+    last_attempt: Option<Instant>,
+    last_ok: Option<Instant>,
+    last_digest: Option<Instant>,
+    /// The last fetch brought fewer frames than the window: nothing more known to apply.
+    caught_up: bool,
+    failures: u32,
+}
+
+impl Replica {
+    /// Fetches, applies and reports until `stop` is set, the server speaks a later
+    /// protocol, or a permanent failure (returned). Transient failures (the transport,
+    /// a full disk) are retried after a backoff.
+    pub fn run(
+        &mut self,
+        link: &mut dyn Downlink,
+        stop: &AtomicBool,
+        settings: &RunSettings,
+    ) -> Result<RunEnd, RunError> {
+        settings.check()?;
+        let mut rng = SplitMix64::from_entropy();
+        let mut turn = Turn {
+            unreported: true,
+            last_attempt: None,
+            last_ok: None,
+            last_digest: None,
+            caught_up: false,
+            failures: 0,
+        };
+        while !stop.load(Ordering::SeqCst) {
+            match self.turn(link, &mut turn, settings) {
+                Ok(Some(end)) => return Ok(end),
+                Ok(None) if turn.failures == 0 => {}
+                Ok(None) => pause(stop, settings.backoff.delay(turn.failures, &mut rng)),
+                Err(e) if e.is_transient() => {
+                    tracing::warn!(error = %e, "the replica loop failed; retrying after a backoff");
+                    turn.failures = turn.failures.saturating_add(1);
+                    pause(stop, settings.backoff.delay(turn.failures, &mut rng));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(RunEnd::Stopped)
+    }
+
+    /// Steps 1 to 3 once. `turn.failures` grows when the batch moved nothing (a gap, a
+    /// refusal, a storage failure), so the caller backs off before fetching it again.
+    fn turn(
+        &mut self,
+        link: &mut dyn Downlink,
+        turn: &mut Turn,
+        settings: &RunSettings,
+    ) -> Result<Option<RunEnd>, RunError> {
+        if until_report(turn, settings).is_zero() {
+            self.report(link, turn, settings)?;
+        }
+        let wait = settings.wait.min(until_report(turn, settings));
+        let position = super::state::State::read(&self.conn)?;
+        let frames = link.fetch(position.seq, position.nonce, settings.window, wait)?;
+        self.heard(wall_ms())?;
+        turn.caught_up = frames.len() < settings.window;
+        if frames.is_empty() {
+            turn.failures = 0;
+            return Ok(None);
+        }
+        let moved = match self.apply_batch(&frames)? {
+            Batch::Done { moved } => moved,
+            Batch::LaterProtocol(protocol) => {
+                // Best effort: the server learns the position; the loop ends anyway.
+                let _ = self.report(link, turn, settings);
+                return Ok(Some(RunEnd::LaterProtocol(protocol)));
+            }
+            Batch::StorageFailed => false,
+        };
+        turn.unreported = true;
+        self.report(link, turn, settings)?;
+        turn.failures = if moved {
+            0
+        } else {
+            turn.failures.saturating_add(1)
+        };
+        Ok(None)
+    }
+
+    /// Step 3 for one batch.
+    fn apply_batch(&mut self, frames: &[Vec<u8>]) -> Result<Batch, ReplicaError> {
+        let mut moved = false;
+        for frame in frames {
+            match self.receive(frame) {
+                Ok(Received::Applied { .. }) => moved = true,
+                Ok(Received::AlreadyApplied { .. }) => {}
+                Ok(Received::Gap { seq }) => {
+                    tracing::warn!(seq, "a message did not follow the chain")
+                }
+                Ok(Received::Refused { reason }) => tracing::warn!(%reason, "a frame was refused"),
+                Ok(Received::LaterProtocol(protocol)) => return Ok(Batch::LaterProtocol(protocol)),
+                Err(e) if e.is_transient() => {
+                    tracing::warn!(error = %e, "applying a message failed; it will be fetched again");
+                    return Ok(Batch::StorageFailed);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(Batch::Done { moved })
+    }
+
+    /// Step 1: one report. Until one succeeds, the change stays unreported (retried
+    /// after `report_every`).
+    fn report(
+        &mut self,
+        link: &mut dyn Downlink,
+        turn: &mut Turn,
+        settings: &RunSettings,
+    ) -> Result<(), RunError> {
+        let now = Instant::now();
+        turn.last_attempt = Some(now);
+        turn.unreported = true;
+        let digests = turn.caught_up
+            && turn
+                .last_digest
+                .is_none_or(|at| now.duration_since(at) >= settings.digest_every);
+        let up = if digests {
+            self.up()?
+        } else {
+            self.up_without_digests()?
+        };
+        link.report(&wire::encode_up(&up))?;
+        turn.unreported = false;
+        turn.last_ok = Some(now);
+        if !up.digests.is_empty() {
+            turn.last_digest = Some(now);
+        }
+        self.reported(&up)?;
+        Ok(())
+    }
+}
+
+enum Batch {
+    /// `moved`: at least one message applied.
+    Done {
+        moved: bool,
+    },
+    LaterProtocol(u16),
+    StorageFailed,
+}
+
+/// Time until the next report falls due.
+fn until_report(turn: &Turn, settings: &RunSettings) -> Duration {
+    let since = |at: Option<Instant>| at.map_or(Duration::MAX, |at| at.elapsed());
+    if turn.unreported {
+        settings
+            .report_every
+            .saturating_sub(since(turn.last_attempt))
+    } else {
+        settings.keepalive.saturating_sub(since(turn.last_ok))
+    }
+}
+
+/// Sleeps `d`, waking early when `stop` is set (checked every 50 ms).
+fn pause(stop: &AtomicBool, d: Duration) {
+    let end = Instant::now() + d;
+    while !stop.load(Ordering::SeqCst) {
+        let left = end.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return;
+        }
+        std::thread::sleep(left.min(Duration::from_millis(50)));
+    }
+}
