@@ -1,1 +1,561 @@
-//! rules
+//! The rules file: which Postgres tables ferry-sync mirrors, and which replicas hold which
+//! rows. TOML; `docs/sync.md`, "Rules", is the contract. Pure: parsing and the checks that
+//! need no database. What needs the database (columns, keys, foreign keys, views) is
+//! checked by [`crate::catalog`].
+//!
+//! 1. Parse the text with serde (`deny_unknown_fields` everywhere): an unknown key, a
+//!    missing one or a value of the wrong shape is refused with its line and column.
+//! 2. Resolve names: `products` means `public.products`, `shop.products` names a schema.
+//!    Every name is an identifier (`[A-Za-z_][A-Za-z0-9_]*`, 1 to 63 bytes) and is quoted
+//!    as written when ferry-sync builds SQL (so `Products` is not `products`).
+//! 3. Check what holds without a database: one rule per table, replica-side names unique,
+//!    `partition` present on a broadcast table if and only if the replicas are
+//!    partitioned, `mirror` other than `catalog` refused (it comes with the way up).
+//! 4. Build the model the relay consumes ([`Rules`], [`Table`], [`Route`]), tables sorted
+//!    by relation, and its digest ([`Rules::digest`]) over a canonical form (every default
+//!    filled in), so two files that say the same thing have one digest.
+//!
+//! Nothing is persisted here; `install` records the digest in `ferry_sync.meta.declared`.
+//!
+//! ```toml
+//! [replicas]
+//! relation = "public.stores"   # has a uuid column named by `id` (default "id")
+//! live = "open"                # optional SQL condition over the relation's columns
+//! partition = "region_id"      # optional column of the relation
+//!
+//! [tables.products]
+//! sync = "broadcast"
+//! partition = "region_id"      # required for broadcast iff replicas are partitioned
+//! columns = ["id", "name", "price", "region_id"]
+//!
+//! [tables.orders]
+//! sync = { assigned = "store_id" }
+//!
+//! [tables.order_lines]
+//! sync = { follows = "order_id" }
+//!
+//! [tables.customers]           # no sync: travels only by closure
+//! ```
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest as _, Sha256};
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+/// Bytes of a Postgres identifier (NAMEDATALEN - 1): a longer one would be truncated by
+/// Postgres, so two names that differ past it would name one table.
+pub const IDENT_BYTES_MAX: usize = 63;
+
+/// The rules, checked as far as a rules file alone can be.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Rules {
+    pub replicas: Replicas,
+    /// Sorted by relation; each relation once.
+    pub tables: Vec<Table>,
+    /// The file the rules came from, for messages (not part of the digest).
+    #[serde(skip)]
+    pub path: PathBuf,
+}
+
+/// Where the replicas are: a relation with one row per replica.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Replicas {
+    pub relation: Relation,
+    /// The uuid column naming each replica.
+    pub id: String,
+    /// A SQL condition over the relation's columns: the replicas that hold anything.
+    pub live: Option<String>,
+    /// The column that puts each replica in a partition (`broadcast` sends a row to the
+    /// replicas of its partition only).
+    pub partition: Option<String>,
+}
+
+/// A schema-qualified relation name, as written (quoted as written in SQL).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct Relation {
+    pub schema: String,
+    pub name: String,
+}
+
+/// One mirrored table.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Table {
+    pub relation: Relation,
+    /// The table's name on the replicas (no schema there). Unique among the tables.
+    pub replica_name: String,
+    pub route: Route,
+    /// The columns mirrored; `None`: every column of the table (or of `from`).
+    pub columns: Option<Vec<String>>,
+    /// A view rows are read from (same key as the table).
+    pub from: Option<Relation>,
+    /// A view of the rows the rule sends for their own sake.
+    pub active: Option<Relation>,
+}
+
+/// Which replicas hold which rows of a table.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Route {
+    /// Every replica (of the row's partition, when the replicas are partitioned).
+    Broadcast { partition: Option<String> },
+    /// The replica a uuid column names.
+    Assigned { column: String },
+    /// Wherever the parent row that these foreign key columns point at goes.
+    Follows { columns: Vec<String> },
+    /// Every replica that a group holding the row is assigned to.
+    Grouped(Grouped),
+    /// Every replica a view pairs the row with.
+    Routed(Routed),
+    /// No rule of its own: a row travels only with a held row that points at it.
+    Closure,
+}
+
+/// `grouped`: `members` links rows (`row`) to groups (`group`); `assigned` links groups
+/// (a column also named `group`) to replicas (`replica`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Grouped {
+    pub members: Relation,
+    pub row: String,
+    pub group: String,
+    pub assigned: Relation,
+    pub replica: String,
+}
+
+/// `routed`: `view` pairs rows (`row`: the key's columns, in key order) with replicas
+/// (`replica`, a uuid).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Routed {
+    pub view: Relation,
+    pub row: Vec<String>,
+    pub replica: String,
+}
+
+/// A rules file that cannot be used. Permanent: the same file fails the same way.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RulesError {
+    /// The text is not TOML, or not the rules' shape (an unknown key, a missing one).
+    #[error("rules file {}, line {line}, column {column}: {message}; fix the rules file", path.display())]
+    Syntax {
+        path: PathBuf,
+        line: usize,
+        column: usize,
+        message: String,
+    },
+    /// The shape is right but what it says cannot hold.
+    #[error("rules file {}: {place}: {message}", path.display())]
+    Invalid {
+        path: PathBuf,
+        /// `[replicas]` or `[tables.NAME]`, as written.
+        place: String,
+        message: String,
+    },
+}
+
+impl ferry_core::Classify for RulesError {
+    fn class(&self) -> ferry_core::Class {
+        ferry_core::Class::Permanent
+    }
+}
+
+impl Rules {
+    /// Parses and checks a rules file; `path` is only for messages.
+    pub fn parse(text: &str, path: impl AsRef<Path>) -> Result<Rules, RulesError> {
+        let path = path.as_ref().to_path_buf();
+        let raw: RawRules = toml::from_str(text).map_err(|e| syntax(&path, text, &e))?;
+        build(raw, path)
+    }
+
+    /// SHA-256 (hex) of the rules' canonical form: the model as JSON, every default filled
+    /// in and tables sorted, so only a change of meaning changes it.
+    pub fn digest(&self) -> String {
+        let json = serde_json::to_string(self).expect("the rules model serializes: plain data");
+        let hash = Sha256::digest(format!("ferry-sync rules v1\n{json}").as_bytes());
+        hash.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// The table mirrored as `relation`, if any.
+    pub fn table(&self, relation: &Relation) -> Option<&Table> {
+        self.tables.iter().find(|t| &t.relation == relation)
+    }
+
+    /// Whether the replicas are partitioned.
+    pub fn partitioned(&self) -> bool {
+        self.replicas.partition.is_some()
+    }
+}
+
+impl Relation {
+    /// `name` means `public.name`; `schema.name` names the schema. Each part an identifier.
+    pub fn parse(text: &str) -> Result<Relation, String> {
+        let (schema, name) = match text.split_once('.') {
+            Some((schema, name)) => (schema, name),
+            None => ("public", text),
+        };
+        check_ident(schema).map_err(|e| format!("{text:?}: the schema {e}"))?;
+        check_ident(name).map_err(|e| format!("{text:?}: {e}"))?;
+        Ok(Relation {
+            schema: schema.into(),
+            name: name.into(),
+        })
+    }
+
+    /// `"schema"."name"`, for SQL.
+    pub fn quoted(&self) -> String {
+        format!("{}.{}", quote_ident(&self.schema), quote_ident(&self.name))
+    }
+}
+
+impl fmt::Display for Relation {
+    /// `schema.name`: how notes, messages and errors name a relation.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.schema, self.name)
+    }
+}
+
+impl Table {
+    /// The columns the route reads on the table itself (they decide who holds a row, so a
+    /// change of any of them must be noted even when they are not mirrored).
+    pub fn route_columns(&self) -> Vec<&str> {
+        match &self.route {
+            Route::Broadcast { partition } => partition.iter().map(String::as_str).collect(),
+            Route::Assigned { column } => vec![column.as_str()],
+            Route::Follows { columns } => columns.iter().map(String::as_str).collect(),
+            Route::Grouped(_) | Route::Routed(_) | Route::Closure => Vec::new(),
+        }
+    }
+}
+
+/// Quotes an identifier for SQL, as written.
+pub fn quote_ident(ident: &str) -> String {
+    format!("\"{}\"", ident.replace('"', "\"\""))
+}
+
+/// Quotes a string literal for SQL (standard-conforming: only `'` is special).
+pub fn quote_literal(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}
+
+/// An identifier as the rules accept it: 1..=63 bytes of `[A-Za-z0-9_]`, not starting
+/// with a digit.
+pub fn check_ident(ident: &str) -> Result<(), String> {
+    if ident.is_empty() {
+        return Err("name is empty".into());
+    }
+    if ident.len() > IDENT_BYTES_MAX {
+        return Err(format!(
+            "name {ident:?} is {} bytes, over Postgres's {IDENT_BYTES_MAX}",
+            ident.len()
+        ));
+    }
+    let first_ok = ident.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_');
+    if !first_ok || !ident.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+        return Err(format!(
+            "name {ident:?} is not an identifier (letters, digits and _, not starting with a digit)"
+        ));
+    }
+    Ok(())
+}
+
+// ---- The file's shape (serde) ----
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRules {
+    replicas: RawReplicas,
+    #[serde(default)]
+    tables: BTreeMap<String, RawTable>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawReplicas {
+    relation: String,
+    #[serde(default = "default_id")]
+    id: String,
+    live: Option<String>,
+    partition: Option<String>,
+}
+
+fn default_id() -> String {
+    "id".into()
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTable {
+    sync: Option<RawSync>,
+    #[serde(default)]
+    mirror: Mirror,
+    partition: Option<String>,
+    columns: Option<Vec<String>>,
+    active: Option<String>,
+    from: Option<String>,
+    #[serde(rename = "as")]
+    replica_name: Option<String>,
+}
+
+#[derive(Deserialize, Default, Clone, Copy, PartialEq, Eq, Debug)]
+#[serde(rename_all = "lowercase")]
+enum Mirror {
+    #[default]
+    Catalog,
+    Record,
+    Both,
+    Setting,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum RawSync {
+    Broadcast,
+    Assigned(String),
+    Follows(OneOrMany),
+    Grouped(RawGrouped),
+    Routed(RawRouted),
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl OneOrMany {
+    fn into_vec(self) -> Vec<String> {
+        match self {
+            OneOrMany::One(s) => vec![s],
+            OneOrMany::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawGrouped {
+    members: String,
+    row: String,
+    group: String,
+    assigned: String,
+    replica: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRouted {
+    view: String,
+    row: OneOrMany,
+    replica: String,
+}
+
+/// A TOML error as a [`RulesError::Syntax`], with the 1-based line and column of its
+/// span's start.
+fn syntax(path: &Path, text: &str, e: &toml::de::Error) -> RulesError {
+    let start = e.span().map_or(0, |s| s.start).min(text.len());
+    let before = &text[..start];
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    RulesError::Syntax {
+        path: path.to_path_buf(),
+        line,
+        column,
+        message: e.message().trim().to_string(),
+    }
+}
+
+// ---- Building and checking the model ----
+
+fn build(raw: RawRules, path: PathBuf) -> Result<Rules, RulesError> {
+    let invalid = |place: &str, message: String| RulesError::Invalid {
+        path: path.clone(),
+        place: place.to_string(),
+        message,
+    };
+    let replicas = build_replicas(raw.replicas).map_err(|m| invalid("[replicas]", m))?;
+    let mut tables: Vec<Table> = Vec::new();
+    let mut seen_replica_names: BTreeMap<String, String> = BTreeMap::new();
+    for (key, raw_table) in raw.tables {
+        let place = format!("[tables.{key}]");
+        let table = build_table(&key, raw_table, replicas.partition.is_some())
+            .map_err(|m| invalid(&place, m))?;
+        if let Some(other) = tables.iter().find(|t| t.relation == table.relation) {
+            return Err(invalid(
+                &place,
+                format!(
+                    "names table {}, which another entry names too ({}); keep one",
+                    table.relation, other.relation
+                ),
+            ));
+        }
+        if let Some(other) = seen_replica_names.insert(table.replica_name.clone(), key.clone()) {
+            return Err(invalid(
+                &place,
+                format!(
+                    "the replica-side name {:?} is taken by [tables.{other}]; give one of them another with `as = \"...\"`",
+                    table.replica_name
+                ),
+            ));
+        }
+        tables.push(table);
+    }
+    tables.sort_by(|a, b| a.relation.cmp(&b.relation));
+    Ok(Rules {
+        replicas,
+        tables,
+        path,
+    })
+}
+
+fn build_replicas(raw: RawReplicas) -> Result<Replicas, String> {
+    let relation = Relation::parse(&raw.relation).map_err(|e| format!("relation {e}"))?;
+    check_ident(&raw.id).map_err(|e| format!("id: {e}"))?;
+    if let Some(p) = &raw.partition {
+        check_ident(p).map_err(|e| format!("partition: {e}"))?;
+    }
+    if raw.live.as_deref().is_some_and(|l| l.trim().is_empty()) {
+        return Err(
+            "live is empty; leave it out when every replica is live, or write a SQL condition"
+                .into(),
+        );
+    }
+    Ok(Replicas {
+        relation,
+        id: raw.id,
+        live: raw.live,
+        partition: raw.partition,
+    })
+}
+
+fn build_table(key: &str, raw: RawTable, partitioned: bool) -> Result<Table, String> {
+    let relation = Relation::parse(key).map_err(|e| format!("table {e}"))?;
+    if raw.mirror != Mirror::Catalog {
+        let name = format!("{:?}", raw.mirror).to_lowercase();
+        return Err(format!(
+            "mirror = \"{name}\" comes with the way up (issue 28); this ferry mirrors only \"catalog\" tables"
+        ));
+    }
+    let route = build_route(raw.sync, raw.partition, partitioned)?;
+    let columns = raw.columns.map(check_columns).transpose()?;
+    let replica_name = raw.replica_name.unwrap_or_else(|| relation.name.clone());
+    check_ident(&replica_name).map_err(|e| format!("as: {e}"))?;
+    let lower = replica_name.to_ascii_lowercase();
+    if lower.starts_with("sqlite_") || lower.starts_with("ferry_") {
+        return Err(format!(
+            "the replica-side name {replica_name:?} starts with sqlite_ or ferry_, which SQLite and ferry keep for themselves; choose another with `as = \"...\"`"
+        ));
+    }
+    let view = |what: &str, v: Option<String>| {
+        v.map(|v| Relation::parse(&v).map_err(|e| format!("{what}: {e}")))
+            .transpose()
+    };
+    Ok(Table {
+        from: view("from", raw.from)?,
+        active: view("active", raw.active)?,
+        relation,
+        replica_name,
+        route,
+        columns,
+    })
+}
+
+fn build_route(
+    sync: Option<RawSync>,
+    partition: Option<String>,
+    partitioned: bool,
+) -> Result<Route, String> {
+    let ident = |what: &str, v: String| {
+        check_ident(&v)
+            .map(|_| v)
+            .map_err(|e| format!("{what}: {e}"))
+    };
+    let route = match sync {
+        Some(RawSync::Broadcast) => {
+            return match (partition, partitioned) {
+                (Some(p), true) => Ok(Route::Broadcast {
+                    partition: Some(ident("partition", p)?),
+                }),
+                (None, false) => Ok(Route::Broadcast { partition: None }),
+                (None, true) => Err(
+                    "a broadcast table needs `partition = \"COLUMN\"` because the replicas are partitioned: name the column that holds the row's partition"
+                        .into(),
+                ),
+                (Some(_), false) => Err(
+                    "`partition` is set but the replicas are not partitioned ([replicas] has no partition); remove it or partition the replicas"
+                        .into(),
+                ),
+            };
+        }
+        Some(RawSync::Assigned(column)) => Route::Assigned {
+            column: ident("assigned", column)?,
+        },
+        Some(RawSync::Follows(columns)) => Route::Follows {
+            columns: check_list("follows", columns.into_vec())?,
+        },
+        Some(RawSync::Grouped(g)) => Route::Grouped(Grouped {
+            members: Relation::parse(&g.members).map_err(|e| format!("grouped.members: {e}"))?,
+            row: ident("grouped.row", g.row)?,
+            group: ident("grouped.group", g.group)?,
+            assigned: Relation::parse(&g.assigned).map_err(|e| format!("grouped.assigned: {e}"))?,
+            replica: ident("grouped.replica", g.replica)?,
+        }),
+        Some(RawSync::Routed(r)) => Route::Routed(Routed {
+            view: Relation::parse(&r.view).map_err(|e| format!("routed.view: {e}"))?,
+            row: check_list("routed.row", r.row.into_vec())?,
+            replica: ident("routed.replica", r.replica)?,
+        }),
+        None => Route::Closure,
+    };
+    if partition.is_some() {
+        return Err(
+            "`partition` applies to broadcast tables only; remove it (this table's route decides its replicas)"
+                .into(),
+        );
+    }
+    Ok(route)
+}
+
+fn check_columns(columns: Vec<String>) -> Result<Vec<String>, String> {
+    if columns.is_empty() {
+        return Err("columns is empty; list at least the key columns, or leave it out to mirror every column".into());
+    }
+    check_list("columns", columns)
+}
+
+/// A non-empty list of distinct identifiers.
+fn check_list(what: &str, list: Vec<String>) -> Result<Vec<String>, String> {
+    if list.is_empty() {
+        return Err(format!("{what} is empty; name at least one column"));
+    }
+    let mut seen = BTreeSet::new();
+    for c in &list {
+        check_ident(c).map_err(|e| format!("{what}: {e}"))?;
+        if !seen.insert(c) {
+            return Err(format!("{what} names {c:?} twice"));
+        }
+    }
+    Ok(list)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bare_name_is_in_public_and_a_dotted_one_names_its_schema() {
+        let r = Relation::parse("products").unwrap();
+        assert_eq!(r.to_string(), "public.products");
+        let r = Relation::parse("shop.products").unwrap();
+        assert_eq!(r.quoted(), "\"shop\".\"products\"");
+        assert!(Relation::parse("a.b.c").is_err());
+        assert!(Relation::parse("1x").is_err());
+        assert!(Relation::parse(&"x".repeat(64)).is_err());
+        assert!(Relation::parse(&"x".repeat(63)).is_ok());
+    }
+
+    #[test]
+    fn literals_and_identifiers_are_quoted() {
+        assert_eq!(quote_literal("it's"), "'it''s'");
+        assert_eq!(quote_ident("a\"b"), "\"a\"\"b\"");
+    }
+}

@@ -1,0 +1,357 @@
+//! The rules file: what parses, into which model, and every refusal a rules file alone
+//! can earn, each with a message naming the place and what to do. Guards against a
+//! typo'd key passing silently (it would mirror less than the operator wrote) and
+//! against two files that mean the same thing getting different digests (every replica
+//! would be provisioned again for nothing).
+
+use ferry_sync::rules::{Grouped, Relation, Route, Routed, Rules, RulesError};
+
+const EXAMPLE: &str = r#"
+[replicas]
+relation = "public.stores"   # must have a uuid column named by `id` (default "id")
+live = "open"                # optional SQL condition over the relation's columns
+partition = "region_id"      # optional column of the relation
+
+[tables.products]            # "products" means public.products; "shop.products" a schema
+sync = "broadcast"
+partition = "region_id"      # required for broadcast iff replicas are partitioned
+columns = ["id", "name", "price", "region_id"]   # optional; must include the key columns
+active = "products_active"   # optional view: rows it hides are not sent for their own sake
+from = "products_for_shop"   # optional view to read rows from (same key)
+as = "products"              # optional replica-side name (default: the bare table name)
+
+[tables.orders]
+sync = { assigned = "store_id" }      # a uuid column naming the replica
+
+[tables.order_lines]
+sync = { follows = "order_id" }       # FK column(s) (string or array) into a mirrored table
+
+[tables.customers]                    # no sync: travels only by closure (a held row points at it)
+
+[tables.tags]
+sync = { grouped = { members = "tag_members", row = "tag_id", group = "group_id", assigned = "group_stores", replica = "store_id" } }
+
+[tables.notices]
+sync = { routed = { view = "notice_routes", row = "notice_id", replica = "store_id" } }   # row may be an array for composite keys
+"#;
+
+fn rel(text: &str) -> Relation {
+    Relation::parse(text).unwrap()
+}
+
+fn parse(text: &str) -> Result<Rules, RulesError> {
+    Rules::parse(text, "rules.toml")
+}
+
+/// The message of an `Invalid` refusal; panics on anything else.
+fn invalid(text: &str) -> String {
+    match parse(text) {
+        Err(e @ RulesError::Invalid { .. }) => e.to_string(),
+        other => panic!("expected an Invalid refusal, got {other:?}"),
+    }
+}
+
+const REPLICAS: &str = "[replicas]\nrelation = \"stores\"\n";
+const PARTITIONED: &str = "[replicas]\nrelation = \"stores\"\npartition = \"region_id\"\n";
+
+#[test]
+fn the_designers_example_parses_into_the_model() {
+    let rules = parse(EXAMPLE).unwrap();
+    assert_eq!(rules.replicas.relation, rel("stores"));
+    assert_eq!(rules.replicas.id, "id");
+    assert_eq!(rules.replicas.live.as_deref(), Some("open"));
+    assert_eq!(rules.replicas.partition.as_deref(), Some("region_id"));
+    assert!(rules.partitioned());
+
+    let names: Vec<String> = rules
+        .tables
+        .iter()
+        .map(|t| t.relation.to_string())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "public.customers",
+            "public.notices",
+            "public.order_lines",
+            "public.orders",
+            "public.products",
+            "public.tags"
+        ],
+        "tables are sorted by relation"
+    );
+    let products = rules.table(&rel("products")).unwrap();
+    assert_eq!(
+        products.route,
+        Route::Broadcast {
+            partition: Some("region_id".into())
+        }
+    );
+    assert_eq!(
+        products.columns.as_deref(),
+        Some(&["id", "name", "price", "region_id"].map(String::from)[..])
+    );
+    assert_eq!(products.active, Some(rel("products_active")));
+    assert_eq!(products.from, Some(rel("products_for_shop")));
+    assert_eq!(products.replica_name, "products");
+    assert_eq!(
+        rules.table(&rel("orders")).unwrap().route,
+        Route::Assigned {
+            column: "store_id".into()
+        }
+    );
+    assert_eq!(
+        rules.table(&rel("order_lines")).unwrap().route,
+        Route::Follows {
+            columns: vec!["order_id".into()]
+        }
+    );
+    assert_eq!(
+        rules.table(&rel("customers")).unwrap().route,
+        Route::Closure
+    );
+    assert_eq!(
+        rules.table(&rel("tags")).unwrap().route,
+        Route::Grouped(Grouped {
+            members: rel("tag_members"),
+            row: "tag_id".into(),
+            group: "group_id".into(),
+            assigned: rel("group_stores"),
+            replica: "store_id".into(),
+        })
+    );
+    assert_eq!(
+        rules.table(&rel("notices")).unwrap().route,
+        Route::Routed(Routed {
+            view: rel("notice_routes"),
+            row: vec!["notice_id".into()],
+            replica: "store_id".into(),
+        })
+    );
+}
+
+#[test]
+fn schemas_replica_names_and_composite_rows_are_honoured() {
+    let rules = parse(&format!(
+        "{REPLICAS}
+[tables.\"shop.products\"]
+as = \"shop_products\"
+sync = {{ follows = [\"a\", \"b\"] }}
+
+[tables.notices]
+sync = {{ routed = {{ view = \"ops.routes\", row = [\"x\", \"y\"], replica = \"store_id\" }} }}
+"
+    ))
+    .unwrap();
+    let t = rules.table(&rel("shop.products")).unwrap();
+    assert_eq!(t.relation.schema, "shop");
+    assert_eq!(t.replica_name, "shop_products");
+    assert_eq!(
+        t.route,
+        Route::Follows {
+            columns: vec!["a".into(), "b".into()]
+        }
+    );
+    let Route::Routed(r) = &rules.table(&rel("notices")).unwrap().route else {
+        panic!("notices is routed")
+    };
+    assert_eq!(r.view, rel("ops.routes"));
+    assert_eq!(r.row, ["x", "y"]);
+}
+
+#[test]
+fn an_unknown_key_is_refused_with_its_line_and_column() {
+    let text = format!(
+        "{REPLICAS}\n[tables.orders]\nsync = {{ assigned = \"store_id\" }}\ncolums = [\"id\"]\n"
+    );
+    match parse(&text) {
+        Err(RulesError::Syntax {
+            line,
+            column,
+            message,
+            ..
+        }) => {
+            assert_eq!((line, column), (6, 1), "{message}");
+            assert!(message.contains("colums"), "{message}");
+        }
+        other => panic!("expected a syntax refusal, got {other:?}"),
+    }
+    let e = parse(&text).unwrap_err().to_string();
+    assert!(
+        e.starts_with("rules file rules.toml, line 6, column 1:"),
+        "{e}"
+    );
+
+    // In [replicas], and inside an inline table.
+    let e = parse("[replicas]\nrelation = \"stores\"\nlve = \"open\"\n").unwrap_err();
+    assert!(matches!(e, RulesError::Syntax { line: 3, .. }), "{e}");
+    let e = parse(&format!(
+        "{REPLICAS}[tables.tags]\nsync = {{ grouped = {{ members = \"m\", row = \"r\", group = \"g\", assigned = \"a\", replica = \"s\", extra = 1 }} }}\n"
+    ))
+    .unwrap_err();
+    assert!(matches!(e, RulesError::Syntax { line: 4, .. }), "{e}");
+    assert!(e.to_string().contains("extra"), "{e}");
+}
+
+#[test]
+fn a_bad_shape_is_refused_as_syntax() {
+    for (text, needle) in [
+        ("", "replicas"),
+        ("[replicas]\n", "relation"),
+        ("[replicas]\nrelation = 1\n", "string"),
+        (
+            &format!("{REPLICAS}[tables.t]\nsync = \"sometimes\"\n") as &str,
+            "sometimes",
+        ),
+        (
+            &format!("{REPLICAS}[tables.t]\nmirror = \"never\"\n"),
+            "never",
+        ),
+        (
+            &format!("{REPLICAS}[tables.t]\nsync = {{ assigned = 1 }}\n"),
+            "string",
+        ),
+        ("[replicas\n", ""),
+    ] {
+        match parse(text) {
+            Err(RulesError::Syntax { message, .. }) => {
+                assert!(message.contains(needle), "{text:?}: {message}")
+            }
+            other => panic!("{text:?}: expected a syntax refusal, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn mirror_other_than_catalog_comes_with_the_way_up() {
+    let ok = parse(&format!("{REPLICAS}[tables.t]\nmirror = \"catalog\"\n")).unwrap();
+    assert_eq!(ok.tables[0].route, Route::Closure);
+    for mirror in ["record", "both", "setting"] {
+        let e = invalid(&format!("{REPLICAS}[tables.t]\nmirror = \"{mirror}\"\n"));
+        assert!(e.contains("comes with the way up (issue 28)"), "{e}");
+        assert!(e.contains("[tables.t]"), "{e}");
+    }
+}
+
+#[test]
+fn names_must_be_identifiers_of_at_most_63_bytes() {
+    let long = "x".repeat(64);
+    for (text, needle) in [
+        (format!("{REPLICAS}[tables.{long}]\n"), "over Postgres's 63"),
+        (
+            format!("{REPLICAS}[tables.\"a.b.c\"]\n"),
+            "not an identifier",
+        ),
+        (
+            format!("{REPLICAS}[tables.\"9lives\"]\n"),
+            "not an identifier",
+        ),
+        (format!("{REPLICAS}[tables.t]\nas = \"my table\"\n"), "as:"),
+        (
+            format!("{REPLICAS}[tables.t]\ncolumns = [\"id\", \"na-me\"]\n"),
+            "columns",
+        ),
+        (
+            format!("{REPLICAS}[tables.t]\nsync = {{ assigned = \"\" }}\n"),
+            "empty",
+        ),
+        (
+            "[replicas]\nrelation = \"sto res\"\n".to_string(),
+            "[replicas]",
+        ),
+        (
+            "[replicas]\nrelation = \"stores\"\nid = \"\"\n".to_string(),
+            "id",
+        ),
+    ] {
+        let e = invalid(&text);
+        assert!(e.contains(needle), "{text:?}: {e}");
+    }
+    let ok = format!("{REPLICAS}[tables.{}]\n", "x".repeat(63));
+    assert!(parse(&ok).is_ok());
+}
+
+#[test]
+fn replica_side_names_are_unique() {
+    let e = invalid(&format!(
+        "{REPLICAS}[tables.products]\n[tables.\"shop.products\"]\n"
+    ));
+    assert!(e.contains("\"products\" is taken"), "{e}");
+    assert!(e.contains("as = "), "{e}");
+    let ok = parse(&format!(
+        "{REPLICAS}[tables.products]\n[tables.\"shop.products\"]\nas = \"shop_products\"\n"
+    ));
+    assert!(ok.is_ok());
+    let e = invalid(&format!(
+        "{REPLICAS}[tables.products]\n[tables.\"public.products\"]\nas = \"p2\"\n"
+    ));
+    assert!(e.contains("another entry names too"), "{e}");
+    let e = invalid(&format!("{REPLICAS}[tables.t]\nas = \"sqlite_master\"\n"));
+    assert!(e.contains("keep for themselves"), "{e}");
+}
+
+#[test]
+fn broadcast_needs_a_partition_exactly_when_the_replicas_are_partitioned() {
+    assert!(parse(&format!("{REPLICAS}[tables.t]\nsync = \"broadcast\"\n")).is_ok());
+    assert!(
+        parse(&format!(
+            "{PARTITIONED}[tables.t]\nsync = \"broadcast\"\npartition = \"region_id\"\n"
+        ))
+        .is_ok()
+    );
+    let e = invalid(&format!("{PARTITIONED}[tables.t]\nsync = \"broadcast\"\n"));
+    assert!(e.contains("needs `partition"), "{e}");
+    let e = invalid(&format!(
+        "{REPLICAS}[tables.t]\nsync = \"broadcast\"\npartition = \"region_id\"\n"
+    ));
+    assert!(e.contains("not partitioned"), "{e}");
+    let e = invalid(&format!(
+        "{PARTITIONED}[tables.t]\nsync = {{ assigned = \"s\" }}\npartition = \"region_id\"\n"
+    ));
+    assert!(e.contains("broadcast tables only"), "{e}");
+}
+
+#[test]
+fn lists_are_non_empty_and_without_repeats() {
+    let e = invalid(&format!("{REPLICAS}[tables.t]\ncolumns = []\n"));
+    assert!(e.contains("columns is empty"), "{e}");
+    let e = invalid(&format!(
+        "{REPLICAS}[tables.t]\ncolumns = [\"id\", \"id\"]\n"
+    ));
+    assert!(e.contains("twice"), "{e}");
+    let e = invalid(&format!(
+        "{REPLICAS}[tables.t]\nsync = {{ follows = [] }}\n"
+    ));
+    assert!(e.contains("follows is empty"), "{e}");
+    let e = invalid("[replicas]\nrelation = \"stores\"\nlive = \" \"\n");
+    assert!(e.contains("live is empty"), "{e}");
+}
+
+#[test]
+fn the_digest_follows_meaning_not_spelling() {
+    let a = parse(&format!(
+        "{REPLICAS}[tables.a]\nsync = \"broadcast\"\n[tables.b]\nsync = {{ follows = \"a_id\" }}\n"
+    ))
+    .unwrap();
+    // Same meaning: other order, defaults spelled out, a comment, another path.
+    let b = Rules::parse(
+        "[replicas]\nrelation = \"public.stores\"\nid = \"id\"\n# hi\n[tables.\"public.b\"]\nsync = { follows = [\"a_id\"] }\nas = \"b\"\n[tables.a]\nsync = \"broadcast\"\nmirror = \"catalog\"\n",
+        "elsewhere.toml",
+    )
+    .unwrap();
+    assert_eq!(a.digest(), b.digest());
+    assert_eq!(a.digest().len(), 64);
+    assert!(a.digest().bytes().all(|c| c.is_ascii_hexdigit()));
+    let c = parse(&format!(
+        "{REPLICAS}[tables.a]\nsync = \"broadcast\"\n[tables.b]\nsync = {{ follows = \"a_id\" }}\nas = \"bee\"\n"
+    ))
+    .unwrap();
+    assert_ne!(a.digest(), c.digest());
+}
+
+#[test]
+fn a_rules_error_is_permanent() {
+    use ferry_core::Classify;
+    let e = parse("nonsense").unwrap_err();
+    assert!(!e.is_transient());
+}
