@@ -11,6 +11,7 @@ CREATE TABLE ferry_sync.meta (
     epoch      uuid NOT NULL,
     secret     bytea NOT NULL CHECK (length(secret) = 32),
     declared   text NOT NULL DEFAULT '',
+    restores   integer NOT NULL DEFAULT 0,   -- new epochs taken after a restore (the alarm)
     installed_at timestamptz NOT NULL DEFAULT now()
 );
 
@@ -46,6 +47,7 @@ CREATE TABLE ferry_sync.replicas (
     heard_at        timestamptz,
     confirmed_at    timestamptz,
     failing_since   timestamptz,
+    confirmed_pass  bigint NOT NULL DEFAULT 0,   -- the pass its newest confirmed message was recorded in
     dropped         integer NOT NULL DEFAULT 0   -- outboxes dropped (the alarm)
 );
 
@@ -61,17 +63,15 @@ CREATE TABLE ferry_sync.rows (
     PRIMARY KEY (relation, part, key)
 );
 CREATE INDEX rows_since ON ferry_sync.rows (relation, part, rv);
+CREATE INDEX rows_gone ON ferry_sync.rows (rv) WHERE gone;
 
--- Per replica and broadcast table: every row of its partition with rv <= sent is in a
--- message recorded for it; with rv <= confirmed, in a message it confirmed, except the
--- rows listed in ferry_sync.quarantine for it. O(replicas x broadcast tables).
-CREATE TABLE ferry_sync.marks (
-    replica   uuid NOT NULL REFERENCES ferry_sync.replicas ON DELETE CASCADE,
-    relation  text NOT NULL,
-    sent      bigint NOT NULL DEFAULT 0,
-    confirmed bigint NOT NULL DEFAULT 0,
-    PRIMARY KEY (replica, relation)
-);
+-- Pass numbers: a broadcast row's rv is the pass that recorded it. Only the relay that
+-- holds the lock records, so rv rises in commit order.
+CREATE SEQUENCE ferry_sync.passes;
+
+-- A replica's mark for broadcast tables is replicas.confirmed_pass: every row of its
+-- partition with rv <= it is in a message it confirmed, except its quarantined rows.
+-- O(replicas), whatever the number of broadcast tables and rows.
 
 -- Per-row held state, only for tables whose routing differs per replica (assigned,
 -- follows, grouped, routed, and parents pulled in by closure). `seq` is the message
@@ -92,19 +92,39 @@ CREATE TABLE ferry_sync.bodies (
 );
 
 -- Each replica's recorded, unconfirmed messages, in chain order. A message leaves when
--- the replica confirms it (or a later one). `marks` holds, per broadcast table, the rv
--- the replica's confirmed mark reaches once this message is confirmed.
+-- the replica confirms it (or a later one).
 CREATE TABLE ferry_sync.outbox (
     replica    uuid NOT NULL REFERENCES ferry_sync.replicas ON DELETE CASCADE,
     seq        bigint NOT NULL,
     head       bytea NOT NULL,    -- the encoded header, seal and stamp
     body_hash  bytea NOT NULL REFERENCES ferry_sync.bodies,
     bytes      integer NOT NULL,
-    marks      jsonb NOT NULL DEFAULT '{}',
+    pass       bigint NOT NULL,   -- the pass that recorded it: confirming it moves the replica's mark here
     recorded_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (replica, seq)
 );
 CREATE INDEX outbox_body ON ferry_sync.outbox (body_hash);
+
+-- What a replica's held rows point at (per-replica tables only): a parent stays on a
+-- replica while any row here names it.
+CREATE TABLE ferry_sync.points (
+    replica        uuid NOT NULL REFERENCES ferry_sync.replicas ON DELETE CASCADE,
+    relation       text NOT NULL,   -- the parent
+    key            text NOT NULL,
+    child_relation text NOT NULL,
+    child_key      text NOT NULL,
+    PRIMARY KEY (replica, child_relation, child_key, relation, key)
+);
+CREATE INDEX points_parent ON ferry_sync.points (replica, relation, key);
+
+-- Each replica's latest report up, stored by whichever serve process received it and
+-- handled by the relay's next pass.
+CREATE TABLE ferry_sync.reports (
+    replica     uuid PRIMARY KEY REFERENCES ferry_sync.replicas ON DELETE CASCADE,
+    up          bytea NOT NULL,
+    received_at timestamptz NOT NULL DEFAULT now(),   -- when it was last heard from
+    handled     boolean NOT NULL DEFAULT false
+);
 
 -- Rows set aside for one replica: they did not encode, did not fit a message, or the
 -- replica refused them. Retried at relay start and on a timer.

@@ -10,12 +10,20 @@
 //!   keys, foreign keys), mapped to SQLite affinities; refuses what it cannot map.
 //! - [`schema`]: the `ferry_sync` schema, the capture triggers and indexes derived from
 //!   the rules; `check` and `install`.
+//! - [`relay`]: the one process that records: plans notes into each replica's
+//!   numbered, sealed messages, under the relay lock.
+//! - [`serve`]: the built-in HTTP transport, server side; [`status`]: where replicas stand.
 //! - [`replica`]: the SQLite side: applies messages, reports where it stands.
 #![forbid(unsafe_code)]
 
 pub mod catalog;
+pub mod client;
+pub mod enroll;
+pub mod relay;
 pub mod replica;
 pub mod rules;
 pub mod schema;
+pub mod serve;
+pub mod status;
 pub mod value;
 pub mod wire;

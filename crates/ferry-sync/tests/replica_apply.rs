@@ -5,7 +5,7 @@
 
 use ferry_core::Classify;
 use ferry_sync::replica::{
-    Downlink, Received, Replica, RunEnd, RunSettings, Standing, TransportError,
+    Downlink, Position, Received, Replica, RunEnd, RunSettings, Standing, TransportError,
 };
 use ferry_sync::value::{Affinity, Value};
 use ferry_sync::wire::{self, ChainHead, Column, Down, Sweep, TablePart, Up};
@@ -298,10 +298,11 @@ fn redelivery_is_already_applied_and_changes_nothing() {
     assert_eq!(replica.status().unwrap().gap, 0);
 }
 
-/// Guards: a message that does not follow is a gap: nothing applies, not even a later
-/// message that follows the last applied one, until a chain start; no digests meanwhile.
+/// Guards: a message that does not follow is a gap: it applies nothing and the report
+/// says so (no digests meanwhile); the message that does follow still applies, and
+/// clears the gap, so a redelivery heals it (docs/sync.md §7.2).
 #[test]
-fn a_gap_stops_everything_until_a_chain_start() {
+fn a_gap_applies_nothing_and_the_missing_message_heals_it() {
     let scratch = Scratch::new("replica-gap");
     let mut replica = open(&db(&scratch));
     let mut chain = Chain::new(1);
@@ -313,12 +314,8 @@ fn a_gap_stops_everything_until_a_chain_start() {
     let skipped = chain.next(vec![items(vec![item(2, "bolt", 1)], vec![])]);
     let third = chain.next(vec![items(vec![item(3, "gear", 1)], vec![])]);
     assert_eq!(
-        replica.receive_down(third).unwrap(),
+        replica.receive_down(third.clone()).unwrap(),
         Received::Gap { seq: 3 }
-    );
-    assert_eq!(
-        replica.receive_down(skipped).unwrap(),
-        Received::Gap { seq: 2 }
     );
     assert_eq!(items_in(replica.conn()), vec![item(1, "nut", 1)]);
     let up = replica.up().unwrap();
@@ -330,7 +327,23 @@ fn a_gap_stops_everything_until_a_chain_start() {
         replica.status().unwrap().standing,
         Some(Standing::AwaitingFix)
     );
+    applied(replica.receive_down(skipped).unwrap());
+    applied(replica.receive_down(third).unwrap());
+    assert_eq!(
+        items_in(replica.conn()),
+        vec![item(1, "nut", 1), item(2, "bolt", 1), item(3, "gear", 1)]
+    );
+    assert_eq!(replica.up().unwrap().gap, 0);
 
+    // A chain start after a gap applies too.
+    let gap = chain.next(vec![items(vec![item(5, "cam", 1)], vec![])]);
+    let _ = chain.next(vec![]);
+    let later = chain.next(vec![items(vec![item(6, "rod", 1)], vec![])]);
+    let _ = gap;
+    assert!(matches!(
+        replica.receive_down(later).unwrap(),
+        Received::Gap { .. }
+    ));
     let mut snapshot = chain.start(vec![items(
         vec![item(1, "nut", 1), item(4, "cog", 1)],
         vec![],
@@ -347,7 +360,7 @@ fn a_gap_stops_everything_until_a_chain_start() {
     let up = replica.up().unwrap();
     assert_eq!(
         (up.gap, up.applied.unwrap().seq, up.digests.len()),
-        (0, 4, 1)
+        (0, 7, 1)
     );
 }
 
@@ -953,11 +966,11 @@ struct FakeLink {
 impl Downlink for FakeLink {
     fn fetch(
         &mut self,
-        after_seq: u64,
-        _nonce: u64,
+        position: Position,
         max: usize,
         _wait: Duration,
     ) -> Result<Vec<Vec<u8>>, TransportError> {
+        let after_seq = position.seq;
         if self.refuse {
             return Err(TransportError::Refused("401".into()));
         }

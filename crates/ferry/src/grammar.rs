@@ -2,7 +2,8 @@
 //!
 //! 1. `ferry <engine> <verb> [flags]`: `ship send|status|receive|replicas|promote`,
 //!    `outbox install|relay|status|requeue|discard|pause|resume`,
-//!    `flow list|show|metrics|signal|cancel`, and `demo`.
+//!    `flow list|show|metrics|signal|cancel`,
+//!    `sync check|install|enroll|serve|status|replica [status]`, and `demo`.
 //! 2. Every long flag `--some-flag` of `ferry <engine> …` can come from the environment as
 //!    `FERRY_<ENGINE>_SOME_FLAG` ([`with_env`] sets this on the parsed command, so no
 //!    flag can break the rule); the shared ones are `FERRY_LOG` and `FERRY_LOG_FORMAT`.
@@ -19,9 +20,10 @@ use clap::Command;
 use std::ffi::OsString;
 
 /// Engines whose flags read `FERRY_<ENGINE>_<FLAG>`, by subcommand name.
-const ENGINES: [(&str, &str); 5] = [
+const ENGINES: [(&str, &str); 6] = [
     ("ship", "SHIP"),
     ("outbox", "OUTBOX"),
+    ("sync", "SYNC"),
     ("flow", "FLOW"),
     ("demo", "DEMO"),
     ("demo-flow-engine", "DEMO"),

@@ -10,6 +10,7 @@ mod grammar;
 mod outbox;
 mod report;
 mod ship;
+mod sync;
 mod table;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
@@ -45,6 +46,10 @@ enum Command {
     /// Durable execution: list, show, signal and cancel the runs of a ferry-flow engine.
     #[command(subcommand)]
     Flow(flow::FlowSub),
+    /// Partial replicas of Postgres tables on SQLite: check and install the rules, enrol
+    /// replicas, serve them, follow a server from a replica, and show where each stands.
+    #[command(subcommand)]
+    Sync(sync::SyncSub),
     /// The engine process of the demo's flow part (the demo starts and kills it).
     #[command(hide = true)]
     DemoFlowEngine(demo_flow::EngineArgs),
@@ -94,6 +99,7 @@ fn main() -> ExitCode {
         Command::Ship(ShipSub::Promote(a)) => ship::promote(a),
         Command::Outbox(sub) => outbox::run(sub),
         Command::Flow(sub) => flow::run(sub),
+        Command::Sync(sub) => sync::run(sub),
         Command::DemoFlowEngine(a) => demo_flow::engine(a),
     };
     match result {

@@ -41,7 +41,7 @@ mod state;
 mod status;
 mod tables;
 
-pub use run::{Downlink, RunEnd, RunError, RunSettings, TransportError};
+pub use run::{Downlink, Position, RunEnd, RunError, RunSettings, TransportError};
 pub use state::{SCHEMA_VERSION, install};
 pub use status::{ReplicaStatus, Standing, TableRows};
 

@@ -28,18 +28,27 @@ use std::time::{Duration, Instant};
 /// The transport, replica side: all a transport implements (HTTP is built in; others
 /// through this seam).
 pub trait Downlink {
-    /// Up to `max` frames after the position (`after_seq`, `after_nonce`), in order,
-    /// waiting up to `wait` for one; empty when none came.
+    /// Up to `max` frames after `position`, in order, waiting up to `wait` for one;
+    /// empty when none came. A position in an epoch the server no longer uses means
+    /// "from the start of its current chain".
     fn fetch(
         &mut self,
-        after_seq: u64,
-        after_nonce: u64,
+        position: Position,
         max: usize,
         wait: Duration,
     ) -> Result<Vec<Vec<u8>>, TransportError>;
 
     /// Sends an encoded report ([`wire::encode_up`]); `Ok` once the server stored it.
     fn report(&mut self, up: &[u8]) -> Result<(), TransportError>;
+}
+
+/// Where a replica stands in its chain: what a fetch asks to continue from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Position {
+    /// The epoch of the last applied message; `None` before the first.
+    pub epoch: Option<[u8; 16]>,
+    pub seq: u64,
+    pub nonce: u64,
 }
 
 /// Why the transport failed, by what the loop does next.
@@ -220,7 +229,12 @@ impl Replica {
         }
         let wait = settings.wait.min(until_report(turn, settings));
         let position = super::state::State::read(&self.conn)?;
-        let frames = link.fetch(position.seq, position.nonce, settings.window, wait)?;
+        let at = Position {
+            epoch: position.epoch,
+            seq: position.seq,
+            nonce: position.nonce,
+        };
+        let frames = link.fetch(at, settings.window, wait)?;
         self.heard(wall_ms())?;
         turn.caught_up = frames.len() < settings.window;
         if frames.is_empty() {

@@ -183,17 +183,16 @@ pub(crate) enum Step {
 ///    from the stamp in the next report). This comes first, even for a chain start: an
 ///    old snapshot delivered again must not roll the replica back.
 /// 2. `prev == 0`: a chain start, always applicable.
-/// 3. a gap recorded: nothing applies until a chain start.
-/// 4. same epoch, `prev == S` and `prev_nonce == N`: it follows; apply.
-/// 5. anything else is a gap.
+/// 3. same epoch, `prev == S` and `prev_nonce == N`: it follows; apply (and forget any
+///    gap recorded: the chain continues from where the replica stands, docs/sync.md §7.2).
+/// 4. anything else is a gap: nothing applies, and the next report says so; the server
+///    resends from the replica's position, or starts a new chain.
 pub(crate) fn follow(state: &State, head: &ChainHead) -> Step {
     let same_epoch = state.epoch == Some(head.epoch);
     if same_epoch && head.seq <= state.seq {
         Step::AlreadyApplied
     } else if head.prev == 0 {
         Step::Apply { start: true }
-    } else if state.gap != 0 {
-        Step::Gap
     } else if same_epoch && head.prev == state.seq && head.prev_nonce == state.nonce {
         Step::Apply { start: false }
     } else {
@@ -225,20 +224,20 @@ pub(crate) fn record_heard(conn: &Connection, at_ms: u64) -> Result<(), ReplicaE
 pub(crate) fn record_applied(
     conn: &Connection,
     down: &crate::wire::Down,
-    start: bool,
+    _start: bool,
     now_ms: u64,
 ) -> rusqlite::Result<()> {
+    // Any applied message forgets a recorded gap: it followed the chain (or started one).
     let h = &down.head;
     conn.execute(
         "UPDATE _ferry_sync_state SET epoch = ?1, seq = ?2, nonce = ?3, body_hash = ?4, \
-         stamp = ?5, gap = CASE WHEN ?6 THEN 0 ELSE gap END, applied_at_ms = ?7 WHERE one = 1",
+         stamp = ?5, gap = 0, applied_at_ms = ?6 WHERE one = 1",
         params![
             &h.epoch[..],
             h.seq as i64,
             h.nonce as i64,
             &down.body_hash[..],
             &down.stamp[..],
-            start,
             now_ms as i64
         ],
     )?;
@@ -294,7 +293,11 @@ mod tests {
             Step::Apply { start: true }
         );
         let gapped = at(1, 5, 55, 7);
-        assert_eq!(follow(&gapped, &head(1, 6, 66, 5, 55)), Step::Gap);
+        assert_eq!(
+            follow(&gapped, &head(1, 6, 66, 5, 55)),
+            Step::Apply { start: false },
+            "the message that follows still applies after a gap"
+        );
         assert_eq!(
             follow(&gapped, &head(1, 4, 44, 3, 33)),
             Step::AlreadyApplied

@@ -1,0 +1,590 @@
+//! The relay: one process at a time turns notes into each replica's numbered messages.
+//! `docs/sync.md` §6 is the contract.
+//!
+//! 1. Take the relay lock on a dedicated connection (`pg_try_advisory_lock`); until then,
+//!    stand by and retry every `standby / 5`.
+//! 2. Run passes on that connection: each is one REPEATABLE READ transaction that first
+//!    checks the lock is still this backend's, then handles reports, plans a batch of
+//!    notes, records messages and deletes the notes (`pass`).
+//! 3. Wake on `NOTIFY ferry_sync` (a write, a report) or every `idle`.
+//! 4. A transient error rolls the pass back and retries after a backoff; a lost lock
+//!    connection goes back to step 1. A permanent error halves the batch until the one
+//!    note it belongs to is parked.
+//!
+//! What a crash leaves: before a pass commits, nothing (notes and reports stay); after,
+//! the outbox rows, which every serve process delivers.
+
+pub mod error;
+pub mod out;
+pub mod pack;
+pub mod plan;
+pub mod read;
+pub mod record;
+pub mod reports;
+pub mod spec;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use ferry_core::Classify;
+use sqlx::{Connection, PgConnection, Row};
+use uuid::Uuid;
+
+pub use error::RelayError;
+use plan::{Following, Planner, Provision};
+use record::{Chain, Epoch};
+use spec::Spec;
+
+/// What the relay says when its transactions run on another backend than its lock.
+pub const POOLER: &str = "the relay's transactions do not run on the backend that holds its lock: --db goes through a pooler in transaction mode (pgbouncer pool_mode=transaction, or similar). The relay needs a direct connection or session pooling; other processes (serve --no-relay, status) may use the pooler";
+
+/// The advisory lock key of the relay: "FERRYSYC".
+pub const LOCK_KEY: i64 = 0x4645_5252_5953_5943;
+
+/// The relay's settings; `RelaySettings::default()` documents each.
+#[derive(Clone, Debug)]
+pub struct RelaySettings {
+    /// Notes planned per pass. Larger passes amortise the per-replica work of a pass
+    /// (one outbox row and one chain update per replica) over more changes, and hold
+    /// the REPEATABLE READ snapshot longer.
+    pub batch: usize,
+    /// A standby retries the lock every `standby / 5`, so it takes over within `standby`
+    /// of the holder's session ending.
+    pub standby: Duration,
+    /// Without a notification, the relay looks for notes this often.
+    pub idle: Duration,
+    /// Parked notes and quarantined rows are tried again this often (and at start).
+    pub retry_every: Duration,
+    /// What one message may carry when packing.
+    pub budget: pack::Budget,
+}
+
+impl Default for RelaySettings {
+    fn default() -> Self {
+        RelaySettings {
+            batch: 500,
+            standby: Duration::from_secs(5),
+            idle: Duration::from_millis(250),
+            retry_every: Duration::from_secs(3600),
+            budget: pack::Budget {
+                bytes: crate::wire::BODY_TARGET_BYTES,
+                rows: crate::wire::ROWS_PER_MESSAGE_MAX,
+            },
+        }
+    }
+}
+
+/// Counters the relay shares with status and metrics.
+#[derive(Debug, Default)]
+pub struct RelayStats {
+    pub holding: AtomicBool,
+    pub passes: AtomicU64,
+    pub notes: AtomicU64,
+    pub messages: AtomicU64,
+    pub bytes: AtomicU64,
+    pub parked: AtomicU64,
+    pub errors: AtomicU64,
+    pub new_epochs: AtomicU64,
+}
+
+/// What one pass did.
+#[derive(Clone, Debug, Default)]
+pub struct PassReport {
+    pub notes: usize,
+    pub provisioned: usize,
+    pub confirmed: usize,
+    pub messages: usize,
+    pub bytes: usize,
+    /// More notes were waiting than the batch took.
+    pub more: bool,
+}
+
+/// A test seam: runs inside a pass, after everything is recorded and before the commit.
+pub type BeforeCommit = Box<
+    dyn FnMut() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send + Sync,
+>;
+
+pub struct Relay {
+    /// Runs before each pass's commit (tests cut the lock's connection here).
+    #[doc(hidden)]
+    pub before_commit: Option<BeforeCommit>,
+    spec: Arc<Spec>,
+    settings: RelaySettings,
+    pub stats: Arc<RelayStats>,
+    batch_now: usize,
+    members_checked: bool,
+    retried_at: Option<Instant>,
+}
+
+impl Relay {
+    pub fn new(spec: Arc<Spec>, settings: RelaySettings) -> Relay {
+        let batch_now = settings.batch;
+        Relay {
+            before_commit: None,
+            spec,
+            settings,
+            stats: Arc::default(),
+            batch_now,
+            members_checked: false,
+            retried_at: None,
+        }
+    }
+
+    /// Steps 1–4 until `stop` turns true.
+    pub async fn run(
+        &mut self,
+        url: &str,
+        stop: tokio::sync::watch::Receiver<bool>,
+    ) -> Result<(), RelayError> {
+        let mut stop = stop;
+        while !*stop.borrow() {
+            let mut conn = match self.acquire(url, &mut stop).await {
+                Ok(Some(c)) => c,
+                Ok(None) => break,
+                Err(e) if e.is_transient() => {
+                    tracing::warn!(error = %e, "relay: cannot reach Postgres; retrying");
+                    sleep_or_stop(&mut stop, self.settings.standby / 5).await;
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            self.stats.holding.store(true, Ordering::Relaxed);
+            self.members_checked = false;
+            self.retried_at = None;
+            tracing::info!("relay: holding the lock; recording");
+            let result = self.hold(&mut conn, url, &mut stop).await;
+            self.stats.holding.store(false, Ordering::Relaxed);
+            match result {
+                Ok(()) => break,
+                Err(e) if e.is_transient() => {
+                    tracing::warn!(error = %e, "relay: lost the lock or the connection; standing by");
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    pub async fn acquire(
+        &self,
+        url: &str,
+        stop: &mut tokio::sync::watch::Receiver<bool>,
+    ) -> Result<Option<PgConnection>, RelayError> {
+        let mut conn = PgConnection::connect(url).await?;
+        loop {
+            let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+                .bind(LOCK_KEY)
+                .fetch_one(&mut conn)
+                .await?;
+            if got {
+                return Ok(Some(conn));
+            }
+            if sleep_or_stop(stop, self.settings.standby / 5).await {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// Passes while holding the lock.
+    async fn hold(
+        &mut self,
+        conn: &mut PgConnection,
+        url: &str,
+        stop: &mut tokio::sync::watch::Receiver<bool>,
+    ) -> Result<(), RelayError> {
+        let mut listener = sqlx::postgres::PgListener::connect(url).await?;
+        listener.listen("ferry_sync").await?;
+        let mut failures = 0u32;
+        let mut first = true;
+        loop {
+            if *stop.borrow() {
+                return Ok(());
+            }
+            let outcome = self.pass(conn).await;
+            if first && matches!(outcome, Err(RelayError::LockLost)) {
+                // The lock was taken a moment ago on this very connection: a transaction
+                // that does not see it ran on another backend, which is what a pooler in
+                // transaction mode does. Recording there would not be fenced.
+                return Err(RelayError::Setup(POOLER.into()));
+            }
+            first = false;
+            match outcome {
+                Ok(report) => {
+                    failures = 0;
+                    self.batch_now = (self.batch_now * 2).min(self.settings.batch);
+                    if report.more {
+                        continue;
+                    }
+                }
+                Err(RelayError::LockLost) => return Err(RelayError::LockLost),
+                Err(e) if !e.is_transient() && matches!(e, RelayError::Db(_)) => {
+                    self.stats.errors.fetch_add(1, Ordering::Relaxed);
+                    if self.batch_now > 1 {
+                        self.batch_now /= 2;
+                        tracing::warn!(error = %e, batch = self.batch_now, "relay: a note failed; halving the batch to find it");
+                    } else {
+                        self.park_first(conn, &e).await?;
+                        self.batch_now = self.settings.batch;
+                    }
+                    continue;
+                }
+                Err(e) if e.is_transient() => {
+                    self.stats.errors.fetch_add(1, Ordering::Relaxed);
+                    if conn.ping().await.is_err() {
+                        return Err(e);
+                    }
+                    failures += 1;
+                    let wait = Duration::from_millis(100 * 2u64.pow(failures.min(8)));
+                    tracing::warn!(error = %e, ?wait, "relay: pass failed; retrying");
+                    if sleep_or_stop(stop, wait).await {
+                        return Ok(());
+                    }
+                    continue;
+                }
+                Err(e) => return Err(e),
+            }
+            tokio::select! {
+                _ = listener.recv() => {}
+                _ = tokio::time::sleep(self.settings.idle) => {}
+                _ = stop.changed() => {}
+            }
+        }
+    }
+
+    /// One pass (docs/sync.md §6.2). Public for tests and `ferry sync pass`.
+    pub async fn pass(&mut self, conn: &mut PgConnection) -> Result<PassReport, RelayError> {
+        sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ")
+            .execute(&mut *conn)
+            .await?;
+        let mut result = self.pass_inside(conn).await;
+        if result.is_ok()
+            && let Some(hook) = &mut self.before_commit
+        {
+            hook().await;
+            // The lock is checked again at the commit's door: a connection cut meanwhile
+            // fails here or at the COMMIT, and nothing is recorded.
+            if let Err(e) = check_lock(conn).await {
+                result = Err(e);
+            }
+        }
+        match result {
+            Ok(report) => {
+                sqlx::query("COMMIT").execute(&mut *conn).await?;
+                if report.messages > 0 {
+                    sqlx::query("SELECT pg_notify('ferry_sync_outbox', '')")
+                        .execute(&mut *conn)
+                        .await?;
+                }
+                self.stats.passes.fetch_add(1, Ordering::Relaxed);
+                self.stats
+                    .notes
+                    .fetch_add(report.notes as u64, Ordering::Relaxed);
+                self.stats
+                    .messages
+                    .fetch_add(report.messages as u64, Ordering::Relaxed);
+                self.stats
+                    .bytes
+                    .fetch_add(report.bytes as u64, Ordering::Relaxed);
+                Ok(report)
+            }
+            Err(e) => {
+                let _ = sqlx::query("ROLLBACK").execute(&mut *conn).await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn pass_inside(&mut self, conn: &mut PgConnection) -> Result<PassReport, RelayError> {
+        check_lock(conn).await?;
+        let mut report = PassReport::default();
+        if self
+            .retried_at
+            .is_none_or(|t| t.elapsed() >= self.settings.retry_every)
+        {
+            retry_set_aside(conn).await?;
+            self.retried_at = Some(Instant::now());
+        }
+        let mut epoch = load_epoch(conn).await?;
+        let pass: i64 = sqlx::query_scalar("SELECT nextval('ferry_sync.passes')")
+            .fetch_one(&mut *conn)
+            .await?;
+        let decisions = reports::handle(conn, &self.spec, &epoch).await?;
+        report.confirmed = decisions.confirmed;
+        if decisions.new_epoch {
+            epoch = new_epoch(conn).await?;
+            self.stats.new_epochs.fetch_add(1, Ordering::Relaxed);
+            self.members_checked = false;
+        }
+        let notes = sqlx::query("SELECT id, relation, key, kind FROM ferry_sync.notes WHERE parked_at IS NULL ORDER BY id LIMIT $1")
+            .bind(self.batch_now as i64 + 1)
+            .fetch_all(&mut *conn)
+            .await?;
+        report.more = notes.len() > self.batch_now;
+        let notes = &notes[..notes.len().min(self.batch_now)];
+        let mut provision: HashMap<Uuid, Provision> = decisions.provision;
+        let replica_note = notes.iter().any(|n| n.get::<String, _>(3) == "replica");
+        if !self.members_checked || replica_note {
+            for r in self.members(conn).await? {
+                provision.insert(r, Provision::Full);
+            }
+            self.members_checked = true;
+        }
+        let (following, mut chains) = following(conn).await?;
+        let mut planner = Planner::new(&self.spec, pass, &following);
+        for (r, how) in &provision {
+            if following.partition_of.contains_key(r) {
+                // A catch-up from nothing confirmed has no mark to start from.
+                let how = match how {
+                    Provision::CatchUp { since: 0 } => Provision::Full,
+                    how => *how,
+                };
+                planner.provision(conn, *r, how).await?;
+            }
+        }
+        report.provisioned = provision.len();
+        let mut ids: Vec<i64> = Vec::with_capacity(notes.len());
+        for n in notes {
+            ids.push(n.get(0));
+            let relation: String = n.get(1);
+            let key: String = n.get(2);
+            let kind: String = n.get(3);
+            let Some(t) = self.spec.table(&relation) else {
+                continue;
+            };
+            match kind.as_str() {
+                "row" => planner.note(t, key),
+                "table" => {
+                    let rows =
+                        read::rows(conn, &self.spec, &self.spec.tables[t], read::Filter::All)
+                            .await?;
+                    for row in rows {
+                        planner.note(t, row.key);
+                    }
+                }
+                other => tracing::warn!(
+                    kind = other,
+                    relation,
+                    "relay: this kind of note is not planned yet; dropped"
+                ),
+            }
+        }
+        report.notes = ids.len();
+        planner.run(conn).await?;
+        let recorded = record::record(
+            conn,
+            &self.spec,
+            &epoch,
+            pass,
+            planner.out,
+            &mut chains,
+            self.settings.budget,
+        )
+        .await?;
+        report.messages = recorded.messages;
+        report.bytes = recorded.bytes;
+        sqlx::query("DELETE FROM ferry_sync.notes WHERE id = ANY($1)")
+            .bind(&ids)
+            .execute(&mut *conn)
+            .await?;
+        prune_tombstones(conn).await?;
+        Ok(report)
+    }
+
+    /// Compares the live replicas with the known ones; returns those to provision.
+    async fn members(&self, conn: &mut PgConnection) -> Result<Vec<Uuid>, RelayError> {
+        let live = read::live_replicas(conn, &self.spec).await?;
+        let known: HashMap<Uuid, (Option<String>, String, bool)> = sqlx::query(
+            "SELECT id, partition, standing, seal_key IS NOT NULL FROM ferry_sync.replicas",
+        )
+        .fetch_all(&mut *conn)
+        .await?
+        .iter()
+        .map(|r| (r.get(0), (r.get(1), r.get(2), r.get(3))))
+        .collect();
+        let mut provision = Vec::new();
+        let mut seen = HashSet::new();
+        for (id, partition) in live {
+            let Ok(id) = Uuid::parse_str(&id) else {
+                continue;
+            };
+            seen.insert(id);
+            match known.get(&id) {
+                None => {
+                    sqlx::query("INSERT INTO ferry_sync.replicas (id, partition) VALUES ($1, $2) ON CONFLICT DO NOTHING")
+                        .bind(id)
+                        .bind(&partition)
+                        .execute(&mut *conn)
+                        .await?;
+                }
+                Some((old, standing, enrolled)) => {
+                    let moved = old.as_deref() != Some(partition.as_str());
+                    if moved || standing == "retired" {
+                        sqlx::query("UPDATE ferry_sync.replicas SET partition = $2, standing = 'new' WHERE id = $1")
+                            .bind(id)
+                            .bind(&partition)
+                            .execute(&mut *conn)
+                            .await?;
+                    }
+                    if *enrolled && (moved || standing == "retired" || standing == "new") {
+                        provision.push(id);
+                    }
+                }
+            }
+        }
+        for (id, (_, standing, _)) in &known {
+            if !seen.contains(id) && standing != "retired" {
+                for sql in [
+                    "UPDATE ferry_sync.replicas SET standing = 'retired' WHERE id = $1",
+                    "DELETE FROM ferry_sync.outbox WHERE replica = $1",
+                    "DELETE FROM ferry_sync.held WHERE replica = $1",
+                    "DELETE FROM ferry_sync.points WHERE replica = $1",
+                    "DELETE FROM ferry_sync.quarantine WHERE replica = $1",
+                ] {
+                    sqlx::query(sql).bind(id).execute(&mut *conn).await?;
+                }
+            }
+        }
+        Ok(provision)
+    }
+
+    /// Parks the first pending note: a single-note pass failed permanently on it.
+    async fn park_first(&self, conn: &mut PgConnection, e: &RelayError) -> Result<(), RelayError> {
+        let mut tx = conn.begin().await?;
+        check_lock(&mut tx).await?;
+        let id: Option<i64> = sqlx::query_scalar(
+            "UPDATE ferry_sync.notes SET parked_at = now(), attempts = attempts + 1, last_error = $1
+             WHERE id = (SELECT id FROM ferry_sync.notes WHERE parked_at IS NULL ORDER BY id LIMIT 1) RETURNING id",
+        )
+        .bind(e.to_string())
+        .fetch_optional(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        self.stats.parked.fetch_add(1, Ordering::Relaxed);
+        tracing::error!(note = ?id, error = %e, "relay: parked a note the planner fails on; everything else flows");
+        Ok(())
+    }
+}
+
+/// Fails with `LockLost` unless this backend holds the relay lock (docs/sync.md §6.1).
+pub async fn check_lock(conn: &mut PgConnection) -> Result<(), RelayError> {
+    let held: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted AND pid = pg_backend_pid()
+         AND classid = $1::int8::oid AND objid = $2::int8::oid AND objsubid = 1)",
+    )
+    .bind((LOCK_KEY >> 32) & 0xffff_ffff)
+    .bind(LOCK_KEY & 0xffff_ffff)
+    .fetch_one(&mut *conn)
+    .await?;
+    if held {
+        Ok(())
+    } else {
+        Err(RelayError::LockLost)
+    }
+}
+
+async fn load_epoch(conn: &mut PgConnection) -> Result<Epoch, RelayError> {
+    let row = sqlx::query("SELECT epoch, secret FROM ferry_sync.meta")
+        .fetch_optional(&mut *conn)
+        .await?;
+    let Some(row) = row else {
+        return Err(RelayError::Setup(
+            "the ferry_sync schema has no meta row: run `ferry sync install`".into(),
+        ));
+    };
+    let secret: Vec<u8> = row.get(1);
+    Ok(Epoch {
+        id: row.get(0),
+        secret: secret
+            .try_into()
+            .map_err(|_| RelayError::Setup("ferry_sync.meta.secret is not 32 bytes".into()))?,
+    })
+}
+
+/// A new epoch: new secret, every chain starts again (docs/sync.md §7.6 step 2).
+async fn new_epoch(conn: &mut PgConnection) -> Result<Epoch, RelayError> {
+    let mut secret = [0u8; 32];
+    getrandom::getrandom(&mut secret).expect("the operating system's random source is available");
+    let id = Uuid::new_v4();
+    sqlx::query("UPDATE ferry_sync.meta SET epoch = $1, secret = $2, restores = restores + 1")
+        .bind(id)
+        .bind(secret.to_vec())
+        .execute(&mut *conn)
+        .await?;
+    for sql in [
+        "DELETE FROM ferry_sync.outbox",
+        "DELETE FROM ferry_sync.bodies",
+        "DELETE FROM ferry_sync.held",
+        "DELETE FROM ferry_sync.points",
+        "UPDATE ferry_sync.replicas SET last_seq = 0, last_nonce = 0, confirmed_seq = 0, confirmed_nonce = 0,
+         confirmed_pass = 0, standing = 'new' WHERE standing <> 'retired'",
+    ] {
+        sqlx::query(sql).execute(&mut *conn).await?;
+    }
+    Ok(Epoch { id, secret })
+}
+
+/// The replicas this pass sends to (enrolled, not retired), and their chains.
+async fn following(
+    conn: &mut PgConnection,
+) -> Result<(Following, HashMap<Uuid, Chain>), RelayError> {
+    let rows = sqlx::query(
+        "SELECT id, coalesce(partition, ''), last_seq, last_nonce, seal_key FROM ferry_sync.replicas
+         WHERE standing <> 'retired' AND seal_key IS NOT NULL",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut following = Following::default();
+    let mut chains = HashMap::new();
+    for row in rows {
+        let id: Uuid = row.get(0);
+        let key: Vec<u8> = row.get(4);
+        let Ok(seal_key) = <[u8; 32]>::try_from(key) else {
+            continue;
+        };
+        following.insert(id, row.get(1));
+        chains.insert(
+            id,
+            Chain {
+                last_seq: row.get(2),
+                last_nonce: row.get(3),
+                seal_key,
+            },
+        );
+    }
+    Ok((following, chains))
+}
+
+/// Parked notes go back to pending; quarantined rows are noted again.
+async fn retry_set_aside(conn: &mut PgConnection) -> Result<(), RelayError> {
+    sqlx::query("UPDATE ferry_sync.notes SET parked_at = NULL WHERE parked_at IS NOT NULL")
+        .execute(&mut *conn)
+        .await?;
+    sqlx::query("INSERT INTO ferry_sync.notes (relation, key) SELECT DISTINCT relation, key FROM ferry_sync.quarantine")
+        .execute(&mut *conn)
+        .await?;
+    sqlx::query("DELETE FROM ferry_sync.quarantine")
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
+}
+
+/// Tombstones every replica's confirmed mark has passed are no longer needed.
+async fn prune_tombstones(conn: &mut PgConnection) -> Result<(), RelayError> {
+    sqlx::query(
+        "DELETE FROM ferry_sync.rows WHERE gone AND rv <= (SELECT coalesce(min(confirmed_pass), 0) FROM ferry_sync.replicas WHERE standing = 'following')",
+    )
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// Sleeps; true if `stop` turned true meanwhile.
+async fn sleep_or_stop(stop: &mut tokio::sync::watch::Receiver<bool>, d: Duration) -> bool {
+    tokio::select! {
+        _ = tokio::time::sleep(d) => {}
+        _ = stop.changed() => {}
+    }
+    *stop.borrow()
+}

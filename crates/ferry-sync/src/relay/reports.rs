@@ -1,0 +1,231 @@
+//! Handling what replicas reported (docs/sync.md §7.6), inside the pass.
+//!
+//! 1. Take every report not yet handled (a rolled-back pass leaves them unhandled).
+//! 2. Check the stamp of the message the replica says it applied last, then decide:
+//!    another epoch → provision; a stamp of ours we have no record of → the server was
+//!    restored (new epoch); less than it confirmed before → the replica was restored
+//!    (provision); more → a confirmation (prune the outbox, advance its marks).
+//! 3. A gap the outbox cannot fill → catch up by a new chain.
+//! 4. Rejections → quarantine for that replica.
+
+use std::collections::HashMap;
+
+use sqlx::{PgConnection, Row};
+use uuid::Uuid;
+
+use super::plan::Provision;
+use super::record::{Epoch, key_text_of};
+use super::spec::Spec;
+use crate::wire;
+
+/// What the pass must do after the reports.
+#[derive(Debug, Default)]
+pub struct Decisions {
+    /// Replicas to start a new chain for.
+    pub provision: HashMap<Uuid, Provision>,
+    /// A confirmation proved this installation was restored from an older copy.
+    pub new_epoch: bool,
+    pub confirmed: usize,
+}
+
+pub async fn handle(
+    conn: &mut PgConnection,
+    spec: &Spec,
+    epoch: &Epoch,
+) -> Result<Decisions, sqlx::Error> {
+    let mut decisions = Decisions::default();
+    let reports = sqlx::query(
+        "UPDATE ferry_sync.reports SET handled = true WHERE NOT handled RETURNING replica, up",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    for row in reports {
+        let r: Uuid = row.get(0);
+        let bytes: Vec<u8> = row.get(1);
+        let Ok(up) = wire::decode_up(&bytes, &wire::Limits::default()) else {
+            tracing::warn!(replica = %r, "a stored report no longer decodes; ignored");
+            continue;
+        };
+        one(conn, spec, epoch, r, &up, &mut decisions).await?;
+    }
+    Ok(decisions)
+}
+
+async fn one(
+    conn: &mut PgConnection,
+    spec: &Spec,
+    epoch: &Epoch,
+    r: Uuid,
+    up: &wire::Up,
+    decisions: &mut Decisions,
+) -> Result<(), sqlx::Error> {
+    let Some(chain) = sqlx::query(
+        "SELECT last_seq, confirmed_seq, confirmed_nonce, confirmed_pass, standing FROM ferry_sync.replicas WHERE id = $1",
+    )
+    .bind(r)
+    .fetch_optional(&mut *conn)
+    .await?
+    else {
+        return Ok(());
+    };
+    let last_seq: i64 = chain.get(0);
+    let confirmed_seq: i64 = chain.get(1);
+    let confirmed_nonce: i64 = chain.get(2);
+    let confirmed_pass: i64 = chain.get(3);
+    let standing: String = chain.get(4);
+    if standing == "new" || standing == "retired" {
+        return Ok(());
+    }
+    let position = match &up.applied {
+        None => {
+            if confirmed_seq > 0 {
+                tracing::warn!(replica = %r, "replica reports having applied nothing after confirming seq {confirmed_seq}: restored from an older copy or emptied; provisioning it again");
+                decisions.provision.insert(r, Provision::Full);
+            }
+            0
+        }
+        Some(a) if a.epoch != *epoch.id.as_bytes() => {
+            if !chain_start_pending(conn, r).await? {
+                decisions.provision.insert(r, Provision::Full);
+            }
+            return Ok(());
+        }
+        Some(a) if !wire::verify_stamp(&epoch.secret, r.as_bytes(), a) => {
+            tracing::warn!(replica = %r, seq = a.seq, "report's stamp does not verify: forged or corrupted; ignored");
+            return Ok(());
+        }
+        Some(a) => {
+            let seq = a.seq as i64;
+            let nonce = a.nonce as i64;
+            if seq > last_seq || (seq == confirmed_seq && nonce != confirmed_nonce) {
+                tracing::error!(replica = %r, seq, last_seq, "a replica confirmed a message this installation stamped but has no record of: the server was restored from an older copy; taking a new epoch and provisioning every replica");
+                decisions.new_epoch = true;
+                return Ok(());
+            }
+            if seq < confirmed_seq {
+                tracing::warn!(replica = %r, seq, confirmed_seq, "replica confirms less than before: restored from an older copy; provisioning it again");
+                decisions.provision.insert(r, Provision::Full);
+                return Ok(());
+            }
+            if seq > confirmed_seq {
+                match outbox_nonce(conn, r, seq).await? {
+                    Some(n) if n == nonce => {
+                        confirm(conn, r, seq, nonce, confirmed_pass).await?;
+                        decisions.confirmed += 1;
+                    }
+                    _ => {
+                        tracing::error!(replica = %r, seq, "a confirmed message's nonce is not the one recorded: the server was restored; taking a new epoch");
+                        decisions.new_epoch = true;
+                        return Ok(());
+                    }
+                }
+            }
+            seq
+        }
+    };
+    if up.gap != 0
+        && position < last_seq
+        && outbox_nonce(conn, r, position + 1).await?.is_none()
+        && !decisions.provision.contains_key(&r)
+    {
+        let since: i64 =
+            sqlx::query_scalar("SELECT confirmed_pass FROM ferry_sync.replicas WHERE id = $1")
+                .bind(r)
+                .fetch_one(&mut *conn)
+                .await?;
+        decisions.provision.insert(r, Provision::CatchUp { since });
+    }
+    quarantine_rejections(conn, spec, r, up).await
+}
+
+/// Whether the replica's outbox holds a chain start it has not confirmed yet.
+async fn chain_start_pending(conn: &mut PgConnection, r: Uuid) -> Result<bool, sqlx::Error> {
+    let heads: Vec<Vec<u8>> =
+        sqlx::query_scalar("SELECT head FROM ferry_sync.outbox WHERE replica = $1")
+            .bind(r)
+            .fetch_all(&mut *conn)
+            .await?;
+    Ok(heads.iter().any(|h| h.len() >= 64 && h[56..64] == [0u8; 8]))
+}
+
+async fn outbox_nonce(
+    conn: &mut PgConnection,
+    r: Uuid,
+    seq: i64,
+) -> Result<Option<i64>, sqlx::Error> {
+    let head: Option<Vec<u8>> =
+        sqlx::query_scalar("SELECT head FROM ferry_sync.outbox WHERE replica = $1 AND seq = $2")
+            .bind(r)
+            .bind(seq)
+            .fetch_optional(&mut *conn)
+            .await?;
+    Ok(head
+        .filter(|h| h.len() >= 56)
+        .map(|h| i64::from_be_bytes(h[48..56].try_into().expect("8 bytes"))))
+}
+
+async fn confirm(
+    conn: &mut PgConnection,
+    r: Uuid,
+    seq: i64,
+    nonce: i64,
+    confirmed_pass: i64,
+) -> Result<(), sqlx::Error> {
+    let pruned = sqlx::query(
+        "DELETE FROM ferry_sync.outbox WHERE replica = $1 AND seq <= $2 RETURNING pass, body_hash",
+    )
+    .bind(r)
+    .bind(seq)
+    .fetch_all(&mut *conn)
+    .await?;
+    let pass = pruned
+        .iter()
+        .map(|row| row.get::<i64, _>(0))
+        .max()
+        .unwrap_or(confirmed_pass)
+        .max(confirmed_pass);
+    let hashes: Vec<Vec<u8>> = pruned.iter().map(|row| row.get(1)).collect();
+    sqlx::query(
+        "DELETE FROM ferry_sync.bodies b WHERE b.hash = ANY($1)
+         AND NOT EXISTS (SELECT 1 FROM ferry_sync.outbox o WHERE o.body_hash = b.hash)",
+    )
+    .bind(&hashes)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query(
+        "UPDATE ferry_sync.replicas SET confirmed_seq = $2, confirmed_nonce = $3, confirmed_pass = $4,
+         confirmed_at = now(), standing = 'following' WHERE id = $1",
+    )
+    .bind(r)
+    .bind(seq)
+    .bind(nonce)
+    .bind(pass)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+async fn quarantine_rejections(
+    conn: &mut PgConnection,
+    spec: &Spec,
+    r: Uuid,
+    up: &wire::Up,
+) -> Result<(), sqlx::Error> {
+    for rejection in &up.rejections {
+        let Some(table) = spec.tables.iter().find(|t| t.name == rejection.table) else {
+            continue;
+        };
+        let key_cols: Vec<usize> = (0..rejection.key.len()).collect();
+        sqlx::query(
+            "INSERT INTO ferry_sync.quarantine (replica, relation, key, cause, reason) VALUES ($1, $2, $3, 'replica', $4)
+             ON CONFLICT (replica, relation, key) DO UPDATE SET reason = excluded.reason, at = now()",
+        )
+        .bind(r)
+        .bind(&table.relation)
+        .bind(key_text_of(&rejection.key, &key_cols))
+        .bind(&rejection.reason)
+        .execute(&mut *conn)
+        .await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,326 @@
+//! What the relay needs to know about the tables it plans: built once at start from the
+//! rules and Postgres's catalog (`Spec::build`), then read-only. Every SQL fragment here
+//! is an identifier the catalog confirmed, quoted, or an expression over the alias `t`.
+
+use crate::value::Affinity;
+
+/// The replicas relation: which rows are replicas now, and their partition.
+#[derive(Clone, Debug)]
+pub struct ReplicaSetSpec {
+    /// Quoted relation, e.g. `"public"."stores"`.
+    pub relation: String,
+    /// The relation's name as notes carry it (`public.stores`).
+    pub noted_as: String,
+    /// Quoted uuid column naming each replica.
+    pub id: String,
+    /// An SQL condition over the relation's columns, or none (every row is live).
+    pub live: Option<String>,
+    /// Quoted partition column, if replicas are partitioned.
+    pub partition: Option<String>,
+}
+
+/// One column as the relay reads it and the replica declares it.
+#[derive(Clone, Debug)]
+pub struct ColumnSpec {
+    pub name: String,
+    pub affinity: Affinity,
+    pub not_null: bool,
+    /// 0, or the column's place in the key (1-based).
+    pub key_part: u8,
+    /// The expression that reads it from alias `t`, in canonical form (docs/sync.md §3.1).
+    pub select: String,
+}
+
+/// One part of a primary key (or of a foreign key's referencing columns).
+#[derive(Clone, Debug)]
+pub struct KeyColumn {
+    /// Quoted column name.
+    pub column: String,
+    /// The Postgres type to cast key text to when looking rows up (`uuid`, `int8`, `text`).
+    pub pg_type: String,
+}
+
+/// A foreign key from this table into another mirrored table.
+#[derive(Clone, Debug)]
+pub struct ParentSpec {
+    /// Index of the parent in `Spec::tables` (always lower: tables are parents first).
+    pub table: usize,
+    /// Quoted referencing columns, in the order of the parent's key parts.
+    pub columns: Vec<String>,
+}
+
+/// How a table's rows find their replicas.
+#[derive(Clone, Debug)]
+pub enum RouteSpec {
+    /// Every replica of the row's partition (quoted column), or every replica.
+    Broadcast { partition: Option<String> },
+    /// The replica a uuid column (quoted) names.
+    Assigned { column: String },
+    /// Wherever the parent `parents[parent]` goes by its own rule.
+    Follows { parent: usize },
+    /// Only with rows that point at it.
+    Closure,
+}
+
+/// One mirrored table.
+#[derive(Clone, Debug)]
+pub struct TableSpec {
+    /// The name notes carry (`public.products`).
+    pub relation: String,
+    /// Quoted relation rows are read from: the `from` view, or the table.
+    pub source: String,
+    /// Quoted `active` view, if any: rows it hides are not sent for their own sake.
+    pub active: Option<String>,
+    /// The replica-side table name.
+    pub name: String,
+    /// In the order the replica declares them.
+    pub columns: Vec<ColumnSpec>,
+    pub key: Vec<KeyColumn>,
+    pub route: RouteSpec,
+    pub parents: Vec<ParentSpec>,
+}
+
+impl TableSpec {
+    pub fn is_broadcast(&self) -> bool {
+        matches!(self.route, RouteSpec::Broadcast { .. })
+    }
+
+    /// The columns as the wire carries them.
+    pub fn wire_columns(&self) -> Vec<crate::wire::Column> {
+        self.columns
+            .iter()
+            .map(|c| crate::wire::Column {
+                name: c.name.clone(),
+                affinity: c.affinity,
+                not_null: c.not_null,
+                key_part: c.key_part,
+            })
+            .collect()
+    }
+
+    /// Index of each key part within `columns`, in key order.
+    pub fn key_columns(&self) -> Vec<usize> {
+        let mut parts: Vec<(u8, usize)> = self
+            .columns
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.key_part > 0)
+            .map(|(i, c)| (c.key_part, i))
+            .collect();
+        parts.sort();
+        parts.into_iter().map(|(_, i)| i).collect()
+    }
+}
+
+/// Everything the relay plans with. `tables` is in dependency order: every table comes
+/// after the tables it points at, so planning in order sees parents placed first.
+#[derive(Clone, Debug)]
+pub struct Spec {
+    pub replicas: ReplicaSetSpec,
+    pub tables: Vec<TableSpec>,
+}
+
+impl Spec {
+    pub fn table(&self, relation: &str) -> Option<usize> {
+        self.tables.iter().position(|t| t.relation == relation)
+    }
+
+    /// Tables that follow table `parent` (index into `tables`), with the parent slot.
+    pub fn followers(&self, parent: usize) -> Vec<(usize, usize)> {
+        let mut out = Vec::new();
+        for (i, t) in self.tables.iter().enumerate() {
+            if let RouteSpec::Follows { parent: slot } = t.route
+                && t.parents[slot].table == parent
+            {
+                out.push((i, slot));
+            }
+        }
+        out
+    }
+
+    /// Every (child table, parent slot) whose foreign key points at table `parent`.
+    pub fn children(&self, parent: usize) -> Vec<(usize, usize)> {
+        let mut out = Vec::new();
+        for (i, t) in self.tables.iter().enumerate() {
+            for (slot, p) in t.parents.iter().enumerate() {
+                if p.table == parent {
+                    out.push((i, slot));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Escapes one key part for the canonical key text (docs/sync.md §3.2).
+pub fn escape_part(part: &str, out: &mut String) {
+    for c in part.chars() {
+        if c == '\\' || c == '|' {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+}
+
+/// The canonical key text of parts given as their Postgres text forms.
+pub fn key_text<S: AsRef<str>>(parts: &[S]) -> String {
+    let mut out = String::new();
+    for (i, p) in parts.iter().enumerate() {
+        if i > 0 {
+            out.push('|');
+        }
+        escape_part(p.as_ref(), &mut out);
+    }
+    out
+}
+
+/// Splits a canonical key text into its parts' text forms; `None` if it does not have
+/// `n` parts or ends in a lone escape.
+pub fn split_key_text(text: &str, n: usize) -> Option<Vec<String>> {
+    let mut parts = vec![String::new()];
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => parts.last_mut()?.push(chars.next()?),
+            '|' => parts.push(String::new()),
+            c => parts.last_mut()?.push(c),
+        }
+    }
+    (parts.len() == n).then_some(parts)
+}
+
+impl Spec {
+    /// The relay's view of `rules` over what Postgres said about them. Refuses what the
+    /// relay cannot plan yet, naming the table.
+    pub fn build(
+        rules: &crate::rules::Rules,
+        catalog: &crate::catalog::Catalog,
+    ) -> Result<Spec, String> {
+        use crate::catalog::KeyKind;
+        use crate::rules::{Route, quote_ident};
+        let r = &rules.replicas;
+        let replicas = ReplicaSetSpec {
+            relation: r.relation.quoted(),
+            noted_as: r.relation.to_string(),
+            id: quote_ident(&r.id),
+            live: r.live.clone(),
+            partition: r.partition.as_deref().map(quote_ident),
+        };
+        let position = |relation: &crate::rules::Relation| {
+            catalog.tables.iter().position(|t| &t.relation == relation)
+        };
+        let mut tables = Vec::with_capacity(catalog.tables.len());
+        for ct in &catalog.tables {
+            let rt = rules.table(&ct.relation).ok_or_else(|| {
+                format!(
+                    "table {} is in the catalog but not in the rules",
+                    ct.relation
+                )
+            })?;
+            let key = ct
+                .key_parts()
+                .map(|(kind, column)| KeyColumn {
+                    column: quote_ident(column),
+                    pg_type: match kind {
+                        KeyKind::Int => "int8",
+                        KeyKind::Uuid => "uuid",
+                        KeyKind::Text => "text",
+                    }
+                    .to_string(),
+                })
+                .collect();
+            let mut parents = Vec::new();
+            let mut follows_slot = None;
+            for fk in &ct.parents {
+                let Some(p) = position(&fk.parent) else {
+                    continue;
+                };
+                let parent = &catalog.tables[p];
+                // Order the referencing columns by the parent's key parts; a foreign key
+                // into other columns than the parent's key names no row and is skipped.
+                let mut columns = Vec::with_capacity(parent.key.len());
+                for k in &parent.key {
+                    match fk.parent_columns.iter().position(|c| c == k) {
+                        Some(i) => columns.push(quote_ident(&fk.columns[i])),
+                        None => break,
+                    }
+                }
+                if columns.len() != parent.key.len() || fk.columns.len() != parent.key.len() {
+                    continue;
+                }
+                if let Route::Follows { columns: follow } = &rt.route
+                    && follow.iter().collect::<std::collections::BTreeSet<_>>()
+                        == fk.columns.iter().collect::<std::collections::BTreeSet<_>>()
+                {
+                    follows_slot = Some(parents.len());
+                }
+                parents.push(ParentSpec { table: p, columns });
+            }
+            let route = match &rt.route {
+                Route::Broadcast { partition } => RouteSpec::Broadcast { partition: partition.as_deref().map(quote_ident) },
+                Route::Assigned { column } => RouteSpec::Assigned { column: quote_ident(column) },
+                Route::Follows { columns } => RouteSpec::Follows {
+                    parent: follows_slot.ok_or_else(|| {
+                        format!("table {}: `follows = {columns:?}` is not a foreign key into the key of a mirrored table", ct.relation)
+                    })?,
+                },
+                Route::Closure => RouteSpec::Closure,
+                Route::Grouped(_) | Route::Routed(_) => {
+                    return Err(format!(
+                        "table {}: grouped and routed tables are installed and captured, but the relay does not plan them yet (docs/sync.md §13)",
+                        ct.relation
+                    ));
+                }
+            };
+            let columns = ct
+                .columns
+                .iter()
+                .map(|c| ColumnSpec {
+                    name: c.name.clone(),
+                    affinity: c.affinity,
+                    not_null: c.not_null,
+                    key_part: c.key_part,
+                    select: c.select_expr.clone(),
+                })
+                .collect();
+            tables.push(TableSpec {
+                relation: ct.relation.to_string(),
+                source: rt.from.as_ref().unwrap_or(&ct.relation).quoted(),
+                active: rt.active.as_ref().map(|a| a.quoted()),
+                name: rt.replica_name.clone(),
+                columns,
+                key,
+                route,
+                parents,
+            });
+        }
+        for t in &tables {
+            if t.is_broadcast() {
+                for p in &t.parents {
+                    if !tables[p.table].is_broadcast() {
+                        return Err(format!(
+                            "table {} is broadcast and points at {}, which is not: make {} broadcast too (every replica of the partition would hold the rows it points at anyway)",
+                            t.relation, tables[p.table].relation, tables[p.table].relation
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(Spec { replicas, tables })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_text_round_trips_escapes() {
+        let parts = ["a|b", "c\\d", "", "42"];
+        let text = key_text(&parts);
+        assert_eq!(text, "a\\|b|c\\\\d||42");
+        assert_eq!(split_key_text(&text, 4).unwrap(), parts);
+        assert_eq!(split_key_text(&text, 3), None);
+        assert_eq!(split_key_text("x\\", 1), None);
+    }
+}

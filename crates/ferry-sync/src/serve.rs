@@ -1,0 +1,308 @@
+//! The built-in transport, server side (docs/sync.md §8.1): every `ferry sync serve`
+//! process answers replicas from the committed outbox, relay or not.
+//!
+//! 1. A replica authenticates with its own bearer token: its SHA-256 must equal
+//!    `replicas.token_hash` for the id in the path (constant-time compare). A wrong token,
+//!    an unknown replica or another replica's id is 401 and serves nothing.
+//! 2. `GET …/messages` returns up to `max` frames after the replica's position, in order,
+//!    each prefixed with its length (u32, big-endian). With none, it waits up to
+//!    `wait_ms` for `NOTIFY ferry_sync_outbox` and looks again.
+//! 3. `POST …/reports` checks that the report decodes, stores it as the replica's latest
+//!    (`ferry_sync.reports`) and wakes the relay (`NOTIFY ferry_sync`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use sha2::{Digest as _, Sha256};
+use sqlx::{PgPool, Row};
+use tokio::sync::watch;
+use uuid::Uuid;
+
+use crate::wire;
+
+/// Frames one fetch returns at most.
+pub const FETCH_FRAMES_MAX: usize = 64;
+/// The longest a fetch waits for a frame.
+pub const FETCH_WAIT_MAX: Duration = Duration::from_secs(30);
+/// The largest report a replica may send (`wire`'s limit for an `Up`).
+pub const REPORT_BYTES_MAX: usize = 4 * 1024 * 1024;
+
+/// What the routes share.
+#[derive(Clone)]
+pub struct Serve {
+    pub pool: PgPool,
+    /// Bumped on every `NOTIFY ferry_sync_outbox`; long polls wait on it.
+    pub outbox: watch::Receiver<u64>,
+    /// Extra routes' data: the relay's counters, for /metrics and /status.
+    pub stats: Arc<crate::relay::RelayStats>,
+}
+
+impl Serve {
+    /// Listens for outbox notifications on a connection of its own.
+    pub async fn new(
+        pool: PgPool,
+        stats: Arc<crate::relay::RelayStats>,
+    ) -> Result<Serve, sqlx::Error> {
+        let (tx, rx) = watch::channel(0u64);
+        let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await?;
+        listener.listen("ferry_sync_outbox").await?;
+        tokio::spawn(async move {
+            loop {
+                match listener.recv().await {
+                    Ok(_) => {
+                        tx.send_modify(|n| *n += 1);
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "serve: lost the outbox notifications; long polls fall back to polling");
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                }
+                if tx.is_closed() {
+                    return;
+                }
+            }
+        });
+        Ok(Serve {
+            pool,
+            outbox: rx,
+            stats,
+        })
+    }
+
+    pub fn router(self) -> Router {
+        Router::new()
+            .route("/v1/replicas/{id}/messages", get(messages))
+            .route("/v1/replicas/{id}/reports", post(reports))
+            .route("/metrics", get(metrics))
+            .route("/status", get(status))
+            .route("/healthz", get(|| async { "ok\n" }))
+            .layer(DefaultBodyLimit::max(REPORT_BYTES_MAX))
+            .with_state(self)
+    }
+}
+
+#[derive(Debug, Deserialize)]
+pub struct FetchQuery {
+    #[serde(default)]
+    pub after: u64,
+    /// The epoch of the replica's position (hex uuid); another epoch's position means
+    /// "from the start".
+    #[serde(default)]
+    pub epoch: Option<Uuid>,
+    #[serde(default = "default_max")]
+    pub max: usize,
+    #[serde(default)]
+    pub wait_ms: u64,
+}
+
+fn default_max() -> usize {
+    16
+}
+
+fn refuse(status: StatusCode, message: impl Into<String>) -> Response {
+    (status, Json(serde_json::json!({ "error": message.into() }))).into_response()
+}
+
+/// Step 1.
+async fn authorize(serve: &Serve, id: Uuid, headers: &HeaderMap) -> Result<(), Response> {
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    let stored: Option<Option<Vec<u8>>> =
+        sqlx::query_scalar("SELECT token_hash FROM ferry_sync.replicas WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&serve.pool)
+            .await
+            .map_err(|e| refuse(StatusCode::SERVICE_UNAVAILABLE, format!("database: {e}")))?;
+    let hash = Sha256::digest(given.as_bytes());
+    match stored.flatten() {
+        Some(h) if !given.is_empty() && constant_time_eq(&h, &hash) => Ok(()),
+        _ => Err(refuse(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong bearer token for this replica: use the token `ferry sync enroll` gave it",
+        )),
+    }
+}
+
+/// Step 2.
+async fn messages(
+    State(serve): State<Serve>,
+    Path(id): Path<Uuid>,
+    Query(q): Query<FetchQuery>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(r) = authorize(&serve, id, &headers).await {
+        return r;
+    }
+    let max = q.max.clamp(1, FETCH_FRAMES_MAX);
+    let deadline =
+        tokio::time::Instant::now() + Duration::from_millis(q.wait_ms).min(FETCH_WAIT_MAX);
+    let mut outbox = serve.outbox.clone();
+    loop {
+        outbox.borrow_and_update();
+        match frames(&serve.pool, id, &q, max).await {
+            Ok(body) if !body.is_empty() => {
+                return (
+                    [(header::CONTENT_TYPE, "application/x-ferry-sync-frames")],
+                    body,
+                )
+                    .into_response();
+            }
+            Ok(_) => {}
+            Err(e) => return refuse(StatusCode::SERVICE_UNAVAILABLE, format!("database: {e}")),
+        }
+        // Wake on a notification, and look anyway every second in case one was missed.
+        let wait = deadline
+            .saturating_duration_since(tokio::time::Instant::now())
+            .min(Duration::from_secs(1));
+        if wait.is_zero() {
+            return StatusCode::NO_CONTENT.into_response();
+        }
+        let _ = tokio::time::timeout(wait, outbox.changed()).await;
+    }
+}
+
+async fn frames(
+    pool: &PgPool,
+    id: Uuid,
+    q: &FetchQuery,
+    max: usize,
+) -> Result<Vec<u8>, sqlx::Error> {
+    let mut out = Vec::new();
+    for frame in frames_after(pool, id, q.epoch, q.after, max).await? {
+        out.extend_from_slice(&(frame.len() as u32).to_be_bytes());
+        out.extend_from_slice(&frame);
+    }
+    Ok(out)
+}
+
+/// Up to `max` frames of replica `id` after position `after` of `epoch`, in order. A
+/// position in another epoch than the current one means "from the start".
+pub async fn frames_after(
+    pool: &PgPool,
+    id: Uuid,
+    epoch: Option<Uuid>,
+    after: u64,
+    max: usize,
+) -> Result<Vec<Vec<u8>>, sqlx::Error> {
+    let current: Uuid = sqlx::query_scalar("SELECT epoch FROM ferry_sync.meta")
+        .fetch_one(pool)
+        .await?;
+    let after = if epoch == Some(current) {
+        after as i64
+    } else {
+        0
+    };
+    let rows = sqlx::query(
+        "SELECT o.head, b.body FROM ferry_sync.outbox o JOIN ferry_sync.bodies b ON b.hash = o.body_hash
+         WHERE o.replica = $1 AND o.seq > $2 ORDER BY o.seq LIMIT $3",
+    )
+    .bind(id)
+    .bind(after)
+    .bind(max as i64)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .iter()
+        .map(|row| {
+            let mut frame: Vec<u8> = row.get(0);
+            frame.extend_from_slice(row.get::<&[u8], _>(1));
+            frame
+        })
+        .collect())
+}
+
+/// Why a report was not stored.
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    #[error("{0}")]
+    Malformed(#[from] wire::Refused),
+    #[error("database: {0}")]
+    Db(#[from] sqlx::Error),
+}
+
+/// Checks that a report decodes, stores it as replica `id`'s latest, and wakes the relay.
+pub async fn store_report(pool: &PgPool, id: Uuid, up: &[u8]) -> Result<(), ReportError> {
+    wire::decode_up(up, &wire::Limits::default())?;
+    sqlx::query(
+        "INSERT INTO ferry_sync.reports (replica, up, received_at) VALUES ($1, $2, now())
+         ON CONFLICT (replica) DO UPDATE SET up = excluded.up, received_at = excluded.received_at, handled = false",
+    )
+    .bind(id)
+    .bind(up)
+    .execute(pool)
+    .await?;
+    sqlx::query("SELECT pg_notify('ferry_sync', 'report')")
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
+/// Step 3.
+async fn reports(
+    State(serve): State<Serve>,
+    Path(id): Path<Uuid>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Err(r) = authorize(&serve, id, &headers).await {
+        return r;
+    }
+    match store_report(&serve.pool, id, &body).await {
+        Ok(()) => {}
+        Err(ReportError::Malformed(e)) => return refuse(StatusCode::BAD_REQUEST, e.to_string()),
+        Err(ReportError::Db(e)) => {
+            return refuse(StatusCode::SERVICE_UNAVAILABLE, format!("database: {e}"));
+        }
+    }
+    StatusCode::NO_CONTENT.into_response()
+}
+
+async fn metrics(State(serve): State<Serve>) -> Response {
+    use std::sync::atomic::Ordering::Relaxed;
+    let s = &serve.stats;
+    let text = format!(
+        "# TYPE ferry_sync_relay_holding gauge\nferry_sync_relay_holding {}\n\
+         # TYPE ferry_sync_passes_total counter\nferry_sync_passes_total {}\n\
+         # TYPE ferry_sync_notes_total counter\nferry_sync_notes_total {}\n\
+         # TYPE ferry_sync_messages_total counter\nferry_sync_messages_total {}\n\
+         # TYPE ferry_sync_message_bytes_total counter\nferry_sync_message_bytes_total {}\n\
+         # TYPE ferry_sync_parked_total counter\nferry_sync_parked_total {}\n\
+         # TYPE ferry_sync_pass_errors_total counter\nferry_sync_pass_errors_total {}\n\
+         # TYPE ferry_sync_new_epochs_total counter\nferry_sync_new_epochs_total {}\n",
+        s.holding.load(Relaxed) as u8,
+        s.passes.load(Relaxed),
+        s.notes.load(Relaxed),
+        s.messages.load(Relaxed),
+        s.bytes.load(Relaxed),
+        s.parked.load(Relaxed),
+        s.errors.load(Relaxed),
+        s.new_epochs.load(Relaxed),
+    );
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+async fn status(State(serve): State<Serve>) -> Response {
+    match crate::status::read(&serve.pool, None).await {
+        Ok(s) => Json(s).into_response(),
+        Err(e) => refuse(StatusCode::SERVICE_UNAVAILABLE, format!("database: {e}")),
+    }
+}
+
+/// Compares in time that depends only on the lengths.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = u8::from(a.len() != b.len());
+    for i in 0..a.len().max(b.len()) {
+        diff |= a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0xff);
+    }
+    diff == 0
+}

@@ -1,0 +1,115 @@
+//! The relay end to end on a real Postgres and real SQLite files: every store holds
+//! exactly what the rules say, in content, after writes, moves and deletes
+//! (docs/sync.md §1 guarantee 1, §6.3).
+
+mod common;
+
+use common::Shop;
+use uuid::Uuid;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_store_holds_exactly_what_its_rules_say_through_writes_moves_and_deletes() {
+    let mut shop = Shop::new("relay").await;
+    let north_a = shop.store("north").await;
+    let north_b = shop.store("north").await;
+    let south = shop.store("south").await;
+    let alice = Uuid::new_v4();
+    let bob = Uuid::new_v4();
+    let order_1 = Uuid::new_v4();
+    let order_2 = Uuid::new_v4();
+    shop.db
+        .exec(&format!(
+            "INSERT INTO products VALUES (1, 'tea', 3.50, 'north'), (2, 'coffee|dark', 4.00, 'north'), (3, 'mate', NULL, 'south');
+             INSERT INTO customers VALUES ('{alice}', 'Alice'), ('{bob}', 'Bob');
+             INSERT INTO orders (id, store_id, customer_id, note) VALUES ('{order_1}', '{north_a}', '{alice}', 'first'),
+               ('{order_2}', '{south}', '{bob}', NULL);
+             INSERT INTO order_lines VALUES ('{order_1}', 1, 1, 2), ('{order_1}', 2, 2, 1), ('{order_2}', 1, 3, 5);"
+        ))
+        .await;
+    shop.settle().await;
+    shop.assert_converged().await;
+    assert_eq!(
+        shop.held(north_b)["orders"].len(),
+        0,
+        "an order goes only to its store"
+    );
+    assert_eq!(
+        shop.held(north_a)["customers"].len(),
+        1,
+        "the customer comes with the order (closure)"
+    );
+
+    // A price change, a product moving region, an order moving store with its lines.
+    shop.db
+        .exec(&format!(
+            "UPDATE products SET price = 3.75 WHERE id = 1;
+             UPDATE products SET region = 'south' WHERE id = 2;
+             UPDATE orders SET store_id = '{north_b}' WHERE id = '{order_1}';"
+        ))
+        .await;
+    shop.settle().await;
+    shop.assert_converged().await;
+    assert_eq!(
+        shop.held(north_a)["customers"].len(),
+        0,
+        "alice leaves with her only order"
+    );
+    assert_eq!(
+        shop.held(north_b)["order_lines"].len(),
+        2,
+        "lines follow their order"
+    );
+
+    // Deletes: a line, an order (lines cascade), a product.
+    shop.db
+        .exec(&format!(
+            "DELETE FROM order_lines WHERE order_id = '{order_1}' AND line = 2;
+             DELETE FROM orders WHERE id = '{order_2}';
+             UPDATE order_lines SET product_id = NULL WHERE product_id = 3;
+             DELETE FROM products WHERE id = 3;
+             UPDATE customers SET name = 'Alice B.' WHERE id = '{alice}';"
+        ))
+        .await;
+    shop.settle().await;
+    shop.assert_converged().await;
+
+    // A store closing is retired: it is sent nothing more.
+    shop.db
+        .exec(&format!(
+            "UPDATE stores SET open = false WHERE id = '{south}'"
+        ))
+        .await;
+    shop.settle().await;
+    let status = ferry_sync::status::read(&shop.db.pool, None).await.unwrap();
+    let south_status = status
+        .replicas
+        .iter()
+        .find(|r| r.id == south.to_string())
+        .unwrap();
+    assert_eq!(south_status.standing, "retired");
+    shop.replicas.remove(&south);
+    shop.assert_converged().await;
+    for r in status.replicas.iter().filter(|r| r.standing != "retired") {
+        assert_eq!(r.standing, "synced", "{r:?}");
+    }
+    shop.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_store_is_provisioned_with_what_exists() {
+    let mut shop = Shop::new("late").await;
+    let first = shop.store("north").await;
+    shop.db
+        .exec(&format!(
+            "INSERT INTO products SELECT g, 'p' || g, g / 10.0, 'north' FROM generate_series(1, 2500) g;
+             INSERT INTO customers VALUES ('{first}', 'c');
+             INSERT INTO orders (id, store_id, customer_id) SELECT gen_random_uuid(), '{first}', '{first}' FROM generate_series(1, 50);"
+        ))
+        .await;
+    shop.settle().await;
+    let late = shop.store("north").await;
+    shop.settle().await;
+    shop.assert_converged().await;
+    assert_eq!(shop.held(late)["products"].len(), 2500);
+    shop.finish().await;
+}

@@ -1,0 +1,315 @@
+//! The relay under faults: two relays racing, a lock connection cut mid-pass, a pooler
+//! in transaction mode (docs/sync.md §6.1, guarantees 6 and 7).
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use common::Shop;
+use ferry_sync::relay::{Relay, RelayError, RelaySettings};
+use sqlx::{Connection, PgConnection};
+
+async fn count(shop: &Shop, sql: &'static str) -> i64 {
+    sqlx::query_scalar(sql)
+        .fetch_one(&shop.db.pool)
+        .await
+        .unwrap()
+}
+
+/// Delivers to every store while a relay runs elsewhere, until nothing is left to do.
+async fn settle_running(shop: &mut Shop) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let ids: Vec<_> = shop.replicas.keys().copied().collect();
+        let mut moved = false;
+        for id in ids {
+            moved |= shop.deliver(id).await;
+        }
+        let pending = count(shop, "SELECT count(*) FROM ferry_sync.notes").await
+            + count(shop, "SELECT count(*) FROM ferry_sync.outbox").await
+            + count(
+                shop,
+                "SELECT count(*) FROM ferry_sync.reports WHERE NOT handled",
+            )
+            .await;
+        if !moved && pending == 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never settled: {pending} notes, messages or reports left"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_relays_race_exactly_one_records_and_the_standby_takes_over() {
+    let mut shop = Shop::new("race").await;
+    sqlx::query("SELECT pg_advisory_unlock($1)")
+        .bind(ferry_sync::relay::LOCK_KEY)
+        .execute(&mut shop.lock)
+        .await
+        .unwrap();
+    let store = shop.store("north").await;
+    let settings = RelaySettings {
+        standby: Duration::from_millis(500),
+        idle: Duration::from_millis(50),
+        ..RelaySettings::default()
+    };
+    let mut stops = Vec::new();
+    let mut stats = Vec::new();
+    let mut tasks = Vec::new();
+    for _ in 0..2 {
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        let mut relay = Relay::new(shop.spec.clone(), settings.clone());
+        stats.push(relay.stats.clone());
+        let url = shop.db.url.clone();
+        tasks.push(tokio::spawn(async move { relay.run(&url, rx).await }));
+        stops.push(tx);
+    }
+    let holding = |stats: &Vec<Arc<ferry_sync::relay::RelayStats>>| {
+        stats
+            .iter()
+            .map(|s| s.holding.load(Ordering::Relaxed))
+            .collect::<Vec<_>>()
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !holding(&stats).contains(&true) {
+        assert!(Instant::now() < deadline, "no relay took the lock");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    shop.db
+        .exec("INSERT INTO products SELECT g, 'p' || g, g, 'north' FROM generate_series(1, 100) g")
+        .await;
+    settle_running(&mut shop).await;
+    shop.assert_converged().await;
+    let who = holding(&stats);
+    assert_eq!(
+        who.iter().filter(|h| **h).count(),
+        1,
+        "exactly one relay holds the lock: {who:?}"
+    );
+    let holder = who.iter().position(|h| *h).unwrap();
+    let standby = 1 - holder;
+    assert_eq!(
+        stats[standby].passes.load(Ordering::Relaxed),
+        0,
+        "the standby recorded nothing"
+    );
+
+    // The holder goes; the standby takes over within the standby bound.
+    let gone = Instant::now();
+    stops[holder].send(true).unwrap();
+    let _ = tasks.remove(holder).await;
+    while !stats[standby].holding.load(Ordering::Relaxed) {
+        assert!(
+            gone.elapsed() < Duration::from_secs(5),
+            "the standby did not take over"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let takeover = gone.elapsed();
+    eprintln!(
+        "takeover after the holder stopped: {} ms (standby 500 ms)",
+        takeover.as_millis()
+    );
+    assert!(
+        takeover <= Duration::from_millis(500) * 3,
+        "takeover took {takeover:?}"
+    );
+    shop.db
+        .exec("UPDATE products SET price = price + 1 WHERE id <= 10")
+        .await;
+    settle_running(&mut shop).await;
+    shop.assert_converged().await;
+    assert!(stats[standby].passes.load(Ordering::Relaxed) > 0);
+    for s in &stops {
+        let _ = s.send(true);
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let _ = store;
+    shop.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_lock_connection_is_cut_mid_pass_records_nothing() {
+    let mut shop = Shop::new("cut").await;
+    shop.store("north").await;
+    shop.settle().await;
+    shop.db
+        .exec("INSERT INTO products SELECT g, 'p' || g, g, 'north' FROM generate_series(1, 50) g")
+        .await;
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut shop.lock)
+        .await
+        .unwrap();
+    let url = shop.db.url.clone();
+    shop.relay.before_commit = Some(Box::new(move || {
+        let url = url.clone();
+        Box::pin(async move {
+            let mut other = PgConnection::connect(&url).await.unwrap();
+            sqlx::query("SELECT pg_terminate_backend($1)")
+                .bind(pid)
+                .execute(&mut other)
+                .await
+                .unwrap();
+        })
+    }));
+    let notes_before = count(&shop, "SELECT count(*) FROM ferry_sync.notes").await;
+    assert!(notes_before >= 50);
+    let outcome = shop.relay.pass(&mut shop.lock).await;
+    assert!(
+        outcome.is_err(),
+        "a pass whose lock connection died must fail: {outcome:?}"
+    );
+    assert_eq!(
+        count(&shop, "SELECT count(*) FROM ferry_sync.outbox").await,
+        0,
+        "nothing recorded"
+    );
+    assert_eq!(
+        count(&shop, "SELECT count(*) FROM ferry_sync.notes").await,
+        notes_before,
+        "the notes wait for the next relay"
+    );
+
+    // The next relay (a new connection, the lock free since the session died) records them.
+    shop.relay.before_commit = None;
+    shop.lock = PgConnection::connect(&shop.db.url).await.unwrap();
+    let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+        .bind(ferry_sync::relay::LOCK_KEY)
+        .fetch_one(&mut shop.lock)
+        .await
+        .unwrap();
+    assert!(got, "the dead session released the lock");
+    shop.settle().await;
+    shop.assert_converged().await;
+    shop.finish().await;
+}
+
+fn as_root() -> bool {
+    std::process::Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
+/// A pgbouncer in transaction mode in front of the test Postgres, on a free port.
+struct Pooler {
+    child: std::process::Child,
+    dir: std::path::PathBuf,
+    port: u16,
+}
+
+impl Pooler {
+    fn start(db: &str) -> Option<Pooler> {
+        let bin = ["/usr/sbin/pgbouncer", "/usr/bin/pgbouncer"]
+            .into_iter()
+            .find(|p| std::path::Path::new(p).exists())?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let dir = std::env::temp_dir().join(format!("ferry-sync-pgbouncer-{port}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("users.txt"), "\"postgres\" \"\"\n").unwrap();
+        std::fs::write(
+            dir.join("pgbouncer.ini"),
+            format!(
+                "[databases]\n{db} = host=127.0.0.1 port=5432 dbname={db}\n[pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = {port}\n\
+                 auth_type = trust\nauth_file = {users}\npool_mode = transaction\nunix_socket_dir =\nlogfile = {log}\npidfile = {pid}\n\
+                 default_pool_size = 4\nignore_startup_parameters = extra_float_digits\n",
+                users = dir.join("users.txt").display(),
+                log = dir.join("log").display(),
+                pid = dir.join("pid").display(),
+            ),
+        )
+        .unwrap();
+        let mut cmd = if as_root() {
+            let _ = std::process::Command::new("chown")
+                .args(["-R", "postgres"])
+                .arg(&dir)
+                .status();
+            let mut c = std::process::Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(bin);
+            c
+        } else {
+            std::process::Command::new(bin)
+        };
+        let child = cmd.arg(dir.join("pgbouncer.ini")).spawn().ok()?;
+        for _ in 0..100 {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return Some(Pooler { child, dir, port });
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+}
+
+impl Drop for Pooler {
+    fn drop(&mut self) {
+        // Under runuser the child is runuser; pgbouncer itself is named in its pidfile.
+        if let Ok(pid) = std::fs::read_to_string(self.dir.join("pid")) {
+            let _ = std::process::Command::new("kill").arg(pid.trim()).status();
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pooler_in_transaction_mode_is_refused() {
+    let mut shop = Shop::new("pooler").await;
+    sqlx::query("SELECT pg_advisory_unlock($1)")
+        .bind(ferry_sync::relay::LOCK_KEY)
+        .execute(&mut shop.lock)
+        .await
+        .unwrap();
+    shop.store("north").await;
+    let pooler = Pooler::start(&shop.db.name).expect("pgbouncer runs (scripts/test installs it)");
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{}/{}?statement-cache-capacity=0",
+        pooler.port, shop.db.name
+    );
+    // The relay takes the lock through the pooler, on the pooler's first backend...
+    let mut relay = Relay::new(shop.spec.clone(), RelaySettings::default());
+    let (_tx, mut rx) = tokio::sync::watch::channel(false);
+    let mut conn = relay
+        .acquire(&url, &mut rx)
+        .await
+        .unwrap()
+        .expect("the lock is free");
+    // ...another client of the pooler holds that backend in a transaction...
+    let mut other = PgConnection::connect(&url).await.unwrap();
+    sqlx::raw_sql("BEGIN; SELECT 1")
+        .execute(&mut other)
+        .await
+        .unwrap();
+    // ...so the relay's pass runs on another backend, which does not hold the lock.
+    match relay.pass(&mut conn).await {
+        Err(RelayError::LockLost) => {}
+        other => panic!("a pass behind a transaction pooler must be refused: {other:?}"),
+    }
+    assert_eq!(
+        count(&shop, "SELECT count(*) FROM ferry_sync.outbox").await,
+        0
+    );
+    // And `run` turns that first refusal into the error a person can act on.
+    drop(other);
+    drop(conn);
+    drop(pooler);
+    let text = ferry_sync::relay::POOLER;
+    assert!(
+        text.contains("pooler in transaction mode") && text.contains("session pooling"),
+        "{text}"
+    );
+    shop.finish().await;
+}

@@ -1,0 +1,419 @@
+//! `ferry sync check|install|enroll|serve|status|replica`: partial replicas of Postgres
+//! tables on SQLite (docs/sync.md).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use anyhow::{Context, anyhow, bail};
+use clap::{Args, Subcommand};
+use ferry_sync::catalog::Catalog;
+use ferry_sync::relay::spec::Spec;
+use ferry_sync::relay::{Relay, RelaySettings, RelayStats};
+use ferry_sync::replica::{Replica, RunSettings};
+use ferry_sync::rules::Rules;
+use sqlx::PgPool;
+
+#[derive(Subcommand)]
+pub enum SyncSub {
+    /// Validate a rules file against the database and print the triggers and indexes it
+    /// would install, and whether each is installed.
+    Check(RulesArgs),
+    /// Install (or update) the ferry_sync schema, the capture triggers and the indexes,
+    /// in one transaction.
+    Install(RulesArgs),
+    /// Give a replica its token (printed, or written to --token-file); enrolling again
+    /// replaces it and provisions the replica again.
+    Enroll(EnrollArgs),
+    /// Serve replicas over HTTP and, while this process holds the relay lock, record
+    /// their messages; until SIGTERM.
+    Serve(ServeArgs),
+    /// Where every replica stands: synced, catching up, unreachable, silent.
+    Status(StatusArgs),
+    /// Keep a local SQLite replica in step with a `ferry sync serve`, until SIGTERM; or,
+    /// with `status`, say where the replica stands.
+    Replica(ReplicaArgs),
+}
+
+#[derive(Args)]
+pub struct RulesArgs {
+    /// The rules file (TOML): which relation lists the replicas, and each table's route.
+    #[arg(long)]
+    pub rules: PathBuf,
+    /// The Postgres database: postgres://USER@HOST/DB.
+    #[arg(long)]
+    pub db: String,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args)]
+pub struct EnrollArgs {
+    #[arg(long)]
+    pub db: String,
+    /// The replica's id (the uuid in the replicas relation).
+    #[arg(long)]
+    pub replica: uuid::Uuid,
+    /// Write the token here (mode 0600) instead of printing it.
+    #[arg(long)]
+    pub token_file: Option<PathBuf>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args)]
+pub struct ServeArgs {
+    #[arg(long)]
+    pub rules: PathBuf,
+    #[arg(long)]
+    pub db: String,
+    /// Where replicas connect, e.g. 0.0.0.0:7370. /metrics and /status are served here too.
+    #[arg(long, default_value = "127.0.0.1:7370")]
+    pub listen: SocketAddr,
+    /// A standby takes the relay lock within this long of the holder's end.
+    #[arg(long, default_value_t = 5_000)]
+    pub standby_ms: u64,
+    /// Notes planned per pass.
+    #[arg(long, default_value_t = 500)]
+    pub batch: usize,
+    /// Without a notification, look for notes this often.
+    #[arg(long, default_value_t = 250)]
+    pub idle_ms: u64,
+    /// Retry parked notes and quarantined rows this often.
+    #[arg(long, default_value_t = 3_600_000)]
+    pub retry_every_ms: u64,
+    /// Serve replicas only; never take the relay lock.
+    #[arg(long)]
+    pub no_relay: bool,
+}
+
+#[derive(Args)]
+pub struct StatusArgs {
+    #[arg(long)]
+    pub db: String,
+    /// Only the replicas of this partition.
+    #[arg(long)]
+    pub partition: Option<String>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct ReplicaArgs {
+    #[command(subcommand)]
+    pub status: Option<ReplicaSub>,
+    /// The sync server: http://HOST:PORT.
+    #[arg(long)]
+    pub server: Option<String>,
+    /// The local SQLite file.
+    #[arg(long)]
+    pub db: Option<PathBuf>,
+    /// This replica's id.
+    #[arg(long)]
+    pub id: Option<uuid::Uuid>,
+    /// File holding this replica's token.
+    #[arg(long)]
+    pub token_file: Option<PathBuf>,
+    /// Frames fetched per round trip.
+    #[arg(long, default_value_t = 16)]
+    pub window: usize,
+    /// Report at least this often when nothing changed.
+    #[arg(long, default_value_t = 30_000)]
+    pub keepalive_ms: u64,
+}
+
+#[derive(Subcommand)]
+pub enum ReplicaSub {
+    /// Where the local replica stands (from its file).
+    Status(ReplicaStatusArgs),
+}
+
+#[derive(Args)]
+pub struct ReplicaStatusArgs {
+    #[arg(long)]
+    pub db: PathBuf,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(sub: SyncSub) -> anyhow::Result<()> {
+    if let SyncSub::Replica(a) = sub {
+        return replica(a);
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async move {
+        match sub {
+            SyncSub::Check(a) => check(a, false).await,
+            SyncSub::Install(a) => check(a, true).await,
+            SyncSub::Enroll(a) => enroll(a).await,
+            SyncSub::Serve(a) => serve(a).await,
+            SyncSub::Status(a) => status(a).await,
+            SyncSub::Replica(_) => unreachable!("handled above"),
+        }
+    })
+}
+
+fn load_rules(path: &PathBuf) -> anyhow::Result<Rules> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read the rules file {}", path.display()))?;
+    Ok(Rules::parse(&text, path)?)
+}
+
+async fn connect(url: &str) -> anyhow::Result<PgPool> {
+    PgPool::connect(url)
+        .await
+        .with_context(|| format!("cannot connect to --db {}", redact(url)))
+}
+
+/// The URL without its password, for messages.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => match url[s + 3..at].split_once(':') {
+            Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
+            None => url.to_string(),
+        },
+        _ => url.to_string(),
+    }
+}
+
+async fn check(a: RulesArgs, install: bool) -> anyhow::Result<()> {
+    let rules = load_rules(&a.rules)?;
+    let pool = connect(&a.db).await?;
+    let report = if install {
+        ferry_sync::schema::install(&pool, &rules).await?
+    } else {
+        let mut conn = pool.acquire().await?;
+        ferry_sync::schema::check(&mut conn, &rules).await?
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{report}");
+    }
+    Ok(())
+}
+
+async fn enroll(a: EnrollArgs) -> anyhow::Result<()> {
+    let pool = connect(&a.db).await?;
+    let token = ferry_sync::enroll::new_token();
+    let mut conn = pool.acquire().await?;
+    ferry_sync::enroll::enroll(&mut conn, a.replica, &token)
+        .await
+        .context("enrolling (is the ferry_sync schema installed? `ferry sync install`)")?;
+    match &a.token_file {
+        Some(path) => {
+            use std::io::Write;
+            use std::os::unix::fs::OpenOptionsExt;
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(path)
+                .with_context(|| format!("cannot write --token-file {}", path.display()))?;
+            writeln!(f, "{token}")?;
+            if a.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"replica": a.replica, "token_file": path})
+                );
+            } else {
+                println!(
+                    "replica {} enrolled; its token is in {}",
+                    a.replica,
+                    path.display()
+                );
+            }
+        }
+        None if a.json => println!(
+            "{}",
+            serde_json::json!({"replica": a.replica, "token": token})
+        ),
+        None => println!("{token}"),
+    }
+    Ok(())
+}
+
+async fn spec(pool: &PgPool, rules: &Rules) -> anyhow::Result<Spec> {
+    let mut conn = pool.acquire().await?;
+    ferry_sync::schema::verify(&mut conn, rules).await?;
+    let catalog = Catalog::load(&mut conn, rules).await?;
+    Spec::build(rules, &catalog).map_err(|e| anyhow!("{e}"))
+}
+
+async fn serve(a: ServeArgs) -> anyhow::Result<()> {
+    let settings = RelaySettings {
+        batch: a.batch,
+        standby: Duration::from_millis(a.standby_ms),
+        idle: Duration::from_millis(a.idle_ms),
+        retry_every: Duration::from_millis(a.retry_every_ms),
+        ..RelaySettings::default()
+    };
+    for (flag, zero) in [
+        ("--standby-ms", a.standby_ms == 0),
+        ("--idle-ms", a.idle_ms == 0),
+        ("--retry-every-ms", a.retry_every_ms == 0),
+        ("--batch", a.batch == 0),
+    ] {
+        if zero {
+            bail!("{flag} must be above 0");
+        }
+    }
+    let rules = load_rules(&a.rules)?;
+    let pool = connect(&a.db).await?;
+    let spec = Arc::new(spec(&pool, &rules).await?);
+    let listener = tokio::net::TcpListener::bind(a.listen)
+        .await
+        .with_context(|| format!("cannot listen on --listen {}", a.listen))?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stats = Arc::new(RelayStats::default());
+    let relay_task = if a.no_relay {
+        None
+    } else {
+        let mut relay = Relay::new(spec, settings);
+        relay.stats = stats.clone();
+        let url = a.db.clone();
+        let stop = stop_rx.clone();
+        Some(tokio::spawn(async move { relay.run(&url, stop).await }))
+    };
+    let serve = ferry_sync::serve::Serve::new(pool.clone(), stats).await?;
+    tracing::info!(listen = %a.listen, db = %redact(&a.db), relay = !a.no_relay, "ferry sync serve: serving replicas");
+    let mut stop_http = stop_rx.clone();
+    let http = tokio::spawn(async move {
+        axum::serve(listener, serve.router())
+            .with_graceful_shutdown(async move {
+                let _ = stop_http.wait_for(|s| *s).await;
+            })
+            .await
+    });
+    crate::terminated().await;
+    let _ = stop_tx.send(true);
+    if let Some(t) = relay_task {
+        t.await??;
+    }
+    http.await??;
+    tracing::info!("ferry sync serve: stopped");
+    Ok(())
+}
+
+async fn status(a: StatusArgs) -> anyhow::Result<()> {
+    let pool = connect(&a.db).await?;
+    let s = ferry_sync::status::read(&pool, a.partition.as_deref()).await?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&s)?);
+        return Ok(());
+    }
+    println!(
+        "epoch {}  notes pending {} (oldest {} ms)  parked {}  restores {}",
+        s.epoch,
+        s.notes_pending,
+        s.oldest_pending_ms.unwrap_or(0),
+        s.notes_parked,
+        s.restores
+    );
+    let rows: Vec<Vec<String>> = s
+        .replicas
+        .iter()
+        .map(|r| {
+            vec![
+                r.id.clone(),
+                r.partition.clone().unwrap_or_default(),
+                r.standing.to_string(),
+                format!("{}/{}", r.confirmed_seq, r.last_seq),
+                r.outbox_messages.to_string(),
+                r.held_rows.to_string(),
+                r.quarantined.to_string(),
+                r.heard_ago_ms
+                    .map_or("never".into(), |ms| format!("{ms} ms")),
+            ]
+        })
+        .collect();
+    print!(
+        "{}",
+        crate::table::render(
+            &[
+                "replica",
+                "partition",
+                "standing",
+                "confirmed",
+                "outbox",
+                "held",
+                "quarantined",
+                "heard"
+            ],
+            &rows
+        )
+    );
+    Ok(())
+}
+
+fn replica(a: ReplicaArgs) -> anyhow::Result<()> {
+    if let Some(ReplicaSub::Status(s)) = a.status {
+        let replica = Replica::open(&s.db, [0u8; 32])
+            .with_context(|| format!("cannot open --db {}", s.db.display()))?;
+        let st = replica.status()?;
+        if s.json {
+            println!("{}", serde_json::to_string_pretty(&st)?);
+        } else {
+            println!(
+                "position seq {} (epoch {})  gap {}  rejections {}  retired {}  standing {}",
+                st.seq,
+                st.epoch.as_deref().unwrap_or("none"),
+                st.gap,
+                st.rejections,
+                st.retired,
+                st.standing.map_or(
+                    "see the running replica's /status".to_string(),
+                    |s| format!("{s:?}")
+                )
+            );
+            for t in &st.tables {
+                println!("  {:<32} {:>10} rows", t.name, t.rows);
+            }
+        }
+        return Ok(());
+    }
+    let server = a.server.ok_or_else(|| {
+        anyhow!("--server is required (http://HOST:PORT of a `ferry sync serve`)")
+    })?;
+    let db =
+        a.db.ok_or_else(|| anyhow!("--db is required (the local SQLite file)"))?;
+    let id =
+        a.id.ok_or_else(|| anyhow!("--id is required (this replica's uuid)"))?;
+    let token = crate::read_token(&a.token_file)?
+        .ok_or_else(|| anyhow!("--token-file is required (from `ferry sync enroll`)"))?;
+    let mut link =
+        ferry_sync::client::HttpLink::new(&server, id, &token).map_err(|e| anyhow!("{e}"))?;
+    let mut replica = Replica::open(&db, ferry_sync::wire::seal_key(token.as_bytes()))
+        .with_context(|| format!("cannot open --db {}", db.display()))?;
+    let settings = RunSettings {
+        window: a.window,
+        keepalive: Duration::from_millis(a.keepalive_ms),
+        ..RunSettings::default()
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a signal runtime starts");
+        rt.block_on(crate::terminated());
+        flag.store(true, std::sync::atomic::Ordering::SeqCst);
+    });
+    tracing::info!(%server, db = %db.display(), %id, "ferry sync replica: following");
+    let end = replica.run(&mut link, &stop, &settings)?;
+    tracing::info!(?end, "ferry sync replica: stopped");
+    Ok(())
+}
