@@ -281,6 +281,9 @@ BEGIN
     IF TG_OP <> 'DELETE' THEN
         INSERT INTO ferry_sync.notes (relation, key) VALUES ({relation}, {new_text});
     END IF;
+    -- Wakes the relay at commit (Postgres sends one notification per transaction for
+    -- repeated identical ones), so a change waits for a pass, not for the relay's poll.
+    PERFORM pg_notify('ferry_sync', '');
     RETURN NULL;
 END
 ",
