@@ -151,6 +151,12 @@ pub async fn install(pool: &PgPool, rules: &Rules) -> Result<Report, CheckError>
         .execute(&mut *tx)
         .await
         .doing(|| "waiting for the install lock".into())?;
+    // `DROP TRIGGER IF EXISTS` on a first install says "does not exist, skipping" once
+    // per table; that is expected, not news for the person installing.
+    sqlx::query("SET LOCAL client_min_messages = warning")
+        .execute(&mut *tx)
+        .await
+        .doing(doing)?;
     let schema = schema_state(&mut tx).await?;
     let catalog = Catalog::load(&mut tx, rules).await?;
     let report = compare(&mut tx, rules, &catalog, &schema).await?;

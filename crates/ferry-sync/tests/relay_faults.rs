@@ -313,3 +313,54 @@ async fn a_pooler_in_transaction_mode_is_refused() {
     );
     shop.finish().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbox_past_its_bound_is_dropped_and_the_replica_caught_up_with_the_difference() {
+    let mut shop = Shop::new("bound").await;
+    shop.relay = Relay::new(
+        shop.spec.clone(),
+        RelaySettings {
+            outbox_messages_max: 3,
+            ..RelaySettings::default()
+        },
+    );
+    let away = shop.store("north").await;
+    let here = shop.store("north").await;
+    shop.db
+        .exec("INSERT INTO products SELECT g, 'p' || g, g, 'north' FROM generate_series(1, 20) g")
+        .await;
+    shop.settle().await;
+    shop.assert_converged().await;
+    // `away` stops fetching; every change is a pass and a message for it.
+    for i in 1..=6 {
+        shop.db.exec(&format!("UPDATE products SET price = price + 1 WHERE id = {i}; DELETE FROM products WHERE id = {}", 20 - i)).await;
+        shop.passes().await;
+        shop.deliver(here).await;
+    }
+    shop.passes().await;
+    let dropped: i32 = sqlx::query_scalar("SELECT dropped FROM ferry_sync.replicas WHERE id = $1")
+        .bind(away)
+        .fetch_one(&shop.db.pool)
+        .await
+        .unwrap();
+    assert!(dropped >= 1, "the outbox past 3 messages was dropped");
+    let outbox: Vec<Vec<u8>> =
+        sqlx::query_scalar("SELECT body_hash FROM ferry_sync.outbox WHERE replica = $1")
+            .bind(away)
+            .fetch_all(&shop.db.pool)
+            .await
+            .unwrap();
+    assert!(
+        outbox.len() <= 3,
+        "what is left is the catch-up chain: {} messages",
+        outbox.len()
+    );
+    shop.settle().await;
+    shop.assert_converged().await;
+    let status = ferry_sync::status::read(&shop.db.pool, None).await.unwrap();
+    assert!(
+        status.replicas.iter().all(|r| r.standing == "synced"),
+        "{status:?}"
+    );
+    shop.finish().await;
+}

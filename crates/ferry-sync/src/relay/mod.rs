@@ -59,6 +59,12 @@ pub struct RelaySettings {
     pub retry_every: Duration,
     /// What one message may carry when packing.
     pub budget: pack::Budget,
+    /// A replica's outbox past this many messages, or `outbox_bytes_max` bytes, is
+    /// dropped and the replica caught up by a new chain (docs/sync.md §6.4): 10,000
+    /// messages of a few rows each is days of changes for a shop, and bounds what one
+    /// replica that never comes back costs the server.
+    pub outbox_messages_max: i64,
+    pub outbox_bytes_max: i64,
 }
 
 impl Default for RelaySettings {
@@ -68,6 +74,8 @@ impl Default for RelaySettings {
             standby: Duration::from_secs(5),
             idle: Duration::from_millis(250),
             retry_every: Duration::from_secs(3600),
+            outbox_messages_max: 10_000,
+            outbox_bytes_max: 256 << 20,
             budget: pack::Budget {
                 bytes: crate::wire::BODY_TARGET_BYTES,
                 rows: crate::wire::ROWS_PER_MESSAGE_MAX,
@@ -116,6 +124,10 @@ pub struct Relay {
     batch_now: usize,
     members_checked: bool,
     retried_at: Option<Instant>,
+    /// Replicas whose outbox a committed pass dropped: the next pass catches them up.
+    catch_up: Vec<(Uuid, i64)>,
+    /// What the pass in progress dropped; becomes `catch_up` only if it commits.
+    dropped_now: Vec<(Uuid, i64)>,
 }
 
 impl Relay {
@@ -129,6 +141,8 @@ impl Relay {
             batch_now,
             members_checked: false,
             retried_at: None,
+            catch_up: Vec::new(),
+            dropped_now: Vec::new(),
         }
     }
 
@@ -272,6 +286,7 @@ impl Relay {
         match result {
             Ok(report) => {
                 sqlx::query("COMMIT").execute(&mut *conn).await?;
+                self.catch_up = std::mem::take(&mut self.dropped_now);
                 if report.messages > 0 {
                     sqlx::query("SELECT pg_notify('ferry_sync_outbox', '')")
                         .execute(&mut *conn)
@@ -324,6 +339,11 @@ impl Relay {
         report.more = notes.len() > self.batch_now;
         let notes = &notes[..notes.len().min(self.batch_now)];
         let mut provision: HashMap<Uuid, Provision> = decisions.provision;
+        for (r, since) in &self.catch_up {
+            provision
+                .entry(*r)
+                .or_insert(Provision::CatchUp { since: *since });
+        }
         let replica_note = notes.iter().any(|n| n.get::<String, _>(3) == "replica");
         if !self.members_checked || replica_note {
             for r in self.members(conn).await? {
@@ -388,6 +408,12 @@ impl Relay {
             .bind(&ids)
             .execute(&mut *conn)
             .await?;
+        self.dropped_now = drop_overflowing(
+            conn,
+            self.settings.outbox_messages_max,
+            self.settings.outbox_bytes_max,
+        )
+        .await?;
         prune_tombstones(conn).await?;
         Ok(report)
     }
@@ -568,6 +594,32 @@ async fn retry_set_aside(conn: &mut PgConnection) -> Result<(), RelayError> {
         .execute(&mut *conn)
         .await?;
     Ok(())
+}
+
+/// Drops the outbox of every replica past a bound (an alarm: `replicas.dropped`) and
+/// returns them with their marks, for the next pass to catch up by a new chain.
+async fn drop_overflowing(
+    conn: &mut PgConnection,
+    messages_max: i64,
+    bytes_max: i64,
+) -> Result<Vec<(Uuid, i64)>, RelayError> {
+    let over: Vec<(Uuid, i64)> = sqlx::query(
+        "WITH over AS (SELECT replica FROM ferry_sync.outbox GROUP BY replica HAVING count(*) > $1 OR sum(bytes) > $2),
+              gone AS (DELETE FROM ferry_sync.outbox o USING over WHERE o.replica = over.replica RETURNING o.replica)
+         UPDATE ferry_sync.replicas c SET dropped = dropped + 1 FROM (SELECT DISTINCT replica FROM gone) g
+         WHERE c.id = g.replica RETURNING c.id, c.confirmed_pass",
+    )
+    .bind(messages_max)
+    .bind(bytes_max)
+    .fetch_all(&mut *conn)
+    .await?
+    .iter()
+    .map(|row| (row.get(0), row.get(1)))
+    .collect();
+    for (r, _) in &over {
+        tracing::error!(replica = %r, "relay: a replica's outbox passed its bound and was dropped; it will be caught up by a new chain (alarm: replicas.dropped)");
+    }
+    Ok(over)
 }
 
 /// Tombstones every replica's confirmed mark has passed are no longer needed.

@@ -123,10 +123,12 @@ async fn one(
             seq
         }
     };
-    if up.gap != 0
-        && position < last_seq
+    // Whether or not it saw a gap: a replica behind its chain whose next message the
+    // outbox no longer holds (dropped past its bound) can only be caught up.
+    if position < last_seq
         && outbox_nonce(conn, r, position + 1).await?.is_none()
         && !decisions.provision.contains_key(&r)
+        && !chain_start_pending(conn, r).await?
     {
         let since: i64 =
             sqlx::query_scalar("SELECT confirmed_pass FROM ferry_sync.replicas WHERE id = $1")
