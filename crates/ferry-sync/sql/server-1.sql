@@ -47,6 +47,7 @@ CREATE TABLE ferry_sync.replicas (
     heard_at        timestamptz,
     confirmed_at    timestamptz,
     failing_since   timestamptz,
+    digest_at       timestamptz,                 -- when its digests were last compared
     confirmed_pass  bigint NOT NULL DEFAULT 0,   -- the pass its newest confirmed message was recorded in
     dropped         integer NOT NULL DEFAULT 0   -- outboxes dropped (the alarm)
 );

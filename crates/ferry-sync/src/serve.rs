@@ -278,7 +278,8 @@ async fn metrics(State(serve): State<Serve>) -> Response {
          # TYPE ferry_sync_message_bytes_total counter\nferry_sync_message_bytes_total {}\n\
          # TYPE ferry_sync_parked_total counter\nferry_sync_parked_total {}\n\
          # TYPE ferry_sync_pass_errors_total counter\nferry_sync_pass_errors_total {}\n\
-         # TYPE ferry_sync_new_epochs_total counter\nferry_sync_new_epochs_total {}\n",
+         # TYPE ferry_sync_new_epochs_total counter\nferry_sync_new_epochs_total {}\n\
+         # TYPE ferry_sync_heals_total counter\nferry_sync_heals_total {}\n",
         s.holding.load(Relaxed) as u8,
         s.passes.load(Relaxed),
         s.notes.load(Relaxed),
@@ -287,6 +288,7 @@ async fn metrics(State(serve): State<Serve>) -> Response {
         s.parked.load(Relaxed),
         s.errors.load(Relaxed),
         s.new_epochs.load(Relaxed),
+        s.heals.load(Relaxed),
     );
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }

@@ -712,3 +712,71 @@ impl Planner<'_> {
         Ok(())
     }
 }
+
+/// The rows replica `r` (of `partition`) should hold in table `t`, as the server records
+/// it, leaving out rows quarantined for it: what a digest is compared with and what a
+/// table heal sends.
+pub async fn should_rows(
+    conn: &mut PgConnection,
+    spec: &Spec,
+    r: Uuid,
+    partition: &str,
+    t: usize,
+) -> Result<Vec<Fetched>, sqlx::Error> {
+    let table = &spec.tables[t];
+    let rows = match &table.route {
+        RouteSpec::Broadcast { partition: Some(_) } => {
+            read::rows(conn, spec, table, Filter::Partition(partition)).await?
+        }
+        RouteSpec::Broadcast { partition: None } => {
+            read::rows(conn, spec, table, Filter::All).await?
+        }
+        _ => {
+            let keys: Vec<String> = sqlx::query_scalar(
+                "SELECT key FROM ferry_sync.held WHERE replica = $1 AND relation = $2",
+            )
+            .bind(r)
+            .bind(&table.relation)
+            .fetch_all(&mut *conn)
+            .await?;
+            read::rows(conn, spec, table, Filter::Keys(&keys)).await?
+        }
+    };
+    let quarantined: HashSet<String> = sqlx::query_scalar(
+        "SELECT key FROM ferry_sync.quarantine WHERE replica = $1 AND relation = $2",
+    )
+    .bind(r)
+    .bind(&table.relation)
+    .fetch_all(&mut *conn)
+    .await?
+    .into_iter()
+    .collect();
+    Ok(rows
+        .into_iter()
+        .filter(|row| (row.shown || !table.is_broadcast()) && !quarantined.contains(&row.key))
+        .collect())
+}
+
+impl Planner<'_> {
+    /// Resends one table to replica `r` inside its chain, with a sweep, so the replica ends
+    /// with exactly what the server records it holding (docs/sync.md §7.3).
+    pub async fn heal_table(
+        &mut self,
+        conn: &mut PgConnection,
+        r: Uuid,
+        t: usize,
+    ) -> Result<(), sqlx::Error> {
+        let partition = self
+            .following
+            .partition_of
+            .get(&r)
+            .cloned()
+            .unwrap_or_default();
+        let rows = should_rows(conn, self.spec, r, &partition, t).await?;
+        let o = self.out.entry(r).or_default().table(t);
+        o.sweep_start = true;
+        o.sweep_end = true;
+        o.upserts.extend(rows.iter().map(|row| row.values.clone()));
+        Ok(())
+    }
+}

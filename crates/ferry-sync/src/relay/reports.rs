@@ -7,6 +7,9 @@
 //!    (provision); more → a confirmation (prune the outbox, advance its marks).
 //! 3. A gap the outbox cannot fill → catch up by a new chain.
 //! 4. Rejections → quarantine for that replica.
+//! 5. Digests, when the replica confirmed everything recorded for it and none were
+//!    compared within `digest_every`: a table whose count or fingerprint differs from
+//!    what the server says the replica holds is healed (resent with a sweep, in-chain).
 
 use std::collections::HashMap;
 
@@ -26,12 +29,15 @@ pub struct Decisions {
     /// A confirmation proved this installation was restored from an older copy.
     pub new_epoch: bool,
     pub confirmed: usize,
+    /// Tables whose digest disagreed: (replica, table index), healed in-chain.
+    pub heal: Vec<(Uuid, usize)>,
 }
 
 pub async fn handle(
     conn: &mut PgConnection,
     spec: &Spec,
     epoch: &Epoch,
+    digest_every: std::time::Duration,
 ) -> Result<Decisions, sqlx::Error> {
     let mut decisions = Decisions::default();
     let reports = sqlx::query(
@@ -47,6 +53,7 @@ pub async fn handle(
             continue;
         };
         one(conn, spec, epoch, r, &up, &mut decisions).await?;
+        compare_digests(conn, spec, r, &up, digest_every, &mut decisions).await?;
     }
     Ok(decisions)
 }
@@ -228,6 +235,49 @@ async fn quarantine_rejections(
         .bind(&rejection.reason)
         .execute(&mut *conn)
         .await?;
+    }
+    Ok(())
+}
+
+/// Step 5.
+async fn compare_digests(
+    conn: &mut PgConnection,
+    spec: &Spec,
+    r: Uuid,
+    up: &wire::Up,
+    every: std::time::Duration,
+    decisions: &mut Decisions,
+) -> Result<(), sqlx::Error> {
+    if up.digests.is_empty() || decisions.new_epoch || decisions.provision.contains_key(&r) {
+        return Ok(());
+    }
+    let due: Option<(String,)> = sqlx::query_as(
+        "UPDATE ferry_sync.replicas SET digest_at = now()
+         WHERE id = $1 AND standing = 'following' AND confirmed_seq = last_seq
+           AND (digest_at IS NULL OR digest_at <= now() - make_interval(secs => $2))
+         RETURNING coalesce(partition, '')",
+    )
+    .bind(r)
+    .bind(every.as_secs_f64())
+    .fetch_optional(&mut *conn)
+    .await?;
+    let Some((partition,)) = due else {
+        return Ok(());
+    };
+    for digest in &up.digests {
+        let Some(t) = spec.tables.iter().position(|t| t.name == digest.table) else {
+            continue;
+        };
+        let rows = super::plan::should_rows(conn, spec, r, &partition, t).await?;
+        let mut print = crate::value::Fingerprint::default();
+        for row in &rows {
+            print.add(&row.values);
+        }
+        if (print.rows, print.sum) != (digest.rows, digest.fingerprint) {
+            tracing::warn!(replica = %r, table = %digest.table, server_rows = print.rows, replica_rows = digest.rows,
+                "a replica's digest differs from what it should hold; resending that table");
+            decisions.heal.push((r, t));
+        }
     }
     Ok(())
 }

@@ -1,9 +1,10 @@
-//! The report up: the last applied message, the gap, rejections not yet reported, and
-//! digests of the synced tables.
+//! The report up: the last applied message, the gap, the rejections still standing
+//! (those not yet reported first), and digests of the synced tables. The server keeps
+//! only each replica's latest report, so every report says everything that still holds.
 //!
 //! A digest is a table's row count and the wrapping sum of its rows' hashes, each row
 //! read in the column order of the last part that named the table, leaving out retired
-//! rows (the server deleted them). Digests are sent only when the replica is at the end
+//! rows (the server deleted them) and rejected ones (the server holds them quarantined). Digests are sent only when the replica is at the end
 //! of its chain as far as it knows: no gap, no sweep under way (mid-sweep the table
 //! holds rows the server already dropped).
 //!
@@ -82,8 +83,8 @@ fn unreported(conn: &Connection) -> Result<Vec<Rejection>, ReplicaError> {
     let s = |e| ReplicaError::storage("reading rejections", e);
     let mut stmt = conn
         .prepare_cached(
-            "SELECT tbl, key, reason, seq FROM _ferry_sync_rejections WHERE reported = 0 \
-             ORDER BY seq, tbl, key LIMIT ?1",
+            "SELECT tbl, key, reason, seq FROM _ferry_sync_rejections \
+             ORDER BY reported, seq, tbl, key LIMIT ?1",
         )
         .map_err(s)?;
     let rows = stmt
@@ -179,7 +180,12 @@ fn fingerprint(
 fn retired_keys(conn: &Connection, table: &str) -> Result<HashSet<Vec<u8>>, ReplicaError> {
     let s = |e| ReplicaError::storage("reading retired rows", e);
     let mut stmt = conn
-        .prepare_cached("SELECT key FROM _ferry_sync_retired WHERE tbl = ?1")
+        // Rejected rows are left out too: the server leaves out the rows it holds
+        // quarantined for this replica, so both sides count what both agree on.
+        .prepare_cached(
+            "SELECT key FROM _ferry_sync_retired WHERE tbl = ?1 \
+             UNION SELECT key FROM _ferry_sync_rejections WHERE tbl = ?1",
+        )
         .map_err(s)?;
     let keys = stmt
         .query_map([table], |r| r.get::<_, Vec<u8>>(0))

@@ -182,7 +182,13 @@ impl Shop {
                 moved |= self.deliver(id).await;
             }
             self.passes().await;
-            if !moved {
+            // The last passes may have recorded more (a heal, a catch-up): settled means
+            // nothing moved and nothing waits in any outbox.
+            let waiting: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry_sync.outbox")
+                .fetch_one(&self.db.pool)
+                .await
+                .unwrap();
+            if !moved && waiting == 0 {
                 return;
             }
         }
