@@ -11,6 +11,9 @@
 //!    passes integrity_check, and show that the old primary is now fenced.
 //! 6. The outbox part (`demo_outbox`): orders and their events in one SQLite transaction,
 //!    relayed to a webhook endpoint that goes down and comes back mid-way.
+//! 7. The flow part (`demo_flow`): order workflows through an engine SIGKILLed mid-way.
+//! 8. The sync part (`demo_sync`): a Postgres shop kept on three stores' SQLite replicas
+//!    through a relay SIGKILL, a network cut and a store offline, checked in content.
 
 use crate::report::{fact, say};
 use anyhow::{Context, anyhow, bail, ensure};
@@ -297,6 +300,7 @@ fn demo(root: &Path, a: &DemoArgs) -> anyhow::Result<()> {
     );
     crate::demo_outbox::run(root, a.outbox_orders)?;
     crate::demo_flow::run(root, a.flow_orders)?;
+    crate::demo_sync::run(root)?;
     say!("OK");
     Ok(())
 }

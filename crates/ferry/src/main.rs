@@ -5,6 +5,7 @@
 mod demo;
 mod demo_flow;
 mod demo_outbox;
+mod demo_sync;
 mod flow;
 mod grammar;
 mod outbox;

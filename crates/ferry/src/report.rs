@@ -6,7 +6,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 static JSON: AtomicBool = AtomicBool::new(false);
-/// Figures by part ("ship", "outbox", "flow"), in the order recorded.
+/// Figures by part ("ship", "outbox", "flow", "sync"), in the order recorded.
 static FACTS: Mutex<Vec<(&'static str, &'static str, serde_json::Value)>> = Mutex::new(Vec::new());
 
 /// Report as JSON (on stdout at `finish`) rather than as sentences on stdout.
