@@ -158,15 +158,75 @@ impl<'a> Planner<'a> {
         .bind(&w_gone)
         .execute(&mut *conn)
         .await?;
+        // Replicas that hold some of these rows per row, because their own rows point at
+        // them (closure across partitions), and the pointers that keep them.
+        let holders = held_of(conn, &table.relation, keys).await?;
+        let pointed: HashSet<(Uuid, String)> = sqlx::query(
+            "SELECT replica, key FROM ferry_sync.points WHERE relation = $1 AND key = ANY($2)",
+        )
+        .bind(&table.relation)
+        .bind(keys)
+        .fetch_all(&mut *conn)
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+        let key_cols = table.key_columns();
+        // Every row read, shown or not: a row `active` hides still travels to a replica
+        // whose rows point at it.
+        let any: HashMap<&str, &Fetched> = rows.iter().map(|r| (r.key.as_str(), r)).collect();
+        let mut kept: Vec<(Uuid, String, bool)> = Vec::new();
         for (part, (deletes, upserts)) in parts {
             let deletes = Arc::new(deletes);
             let upserts = Arc::new(upserts);
             for r in self.following.by_partition.get(&part).into_iter().flatten() {
                 let o = self.out.entry(*r).or_default().table(t);
-                o.deletes.extend(deletes.iter().cloned());
                 o.upserts.extend(upserts.iter().cloned());
+                for k in deletes.iter() {
+                    let key = super::record::key_text_of(k, &(0..k.len()).collect::<Vec<_>>());
+                    match any.get(key.as_str()) {
+                        // Leaving the replica's partition while its own rows point at it:
+                        // it stays, held per row.
+                        Some(row) if pointed.contains(&(*r, key.clone())) => {
+                            o.upserts.push(row.values.clone());
+                            kept.push((*r, key, false));
+                        }
+                        _ => o.deletes.push(k.clone()),
+                    }
+                }
             }
         }
+        let mut dropped: Vec<(Uuid, String)> = Vec::new();
+        for (key, hs) in &holders {
+            for (r, _) in hs {
+                let rpart = self.following.partition_of.get(r);
+                match any.get(key.as_str()) {
+                    Some(row) if row.shown && rpart == Some(&row.partition) => {
+                        dropped.push((*r, key.clone()))
+                    }
+                    Some(row) => {
+                        if !kept.iter().any(|(kr, kk, _)| kr == r && kk == key) {
+                            self.out
+                                .entry(*r)
+                                .or_default()
+                                .table(t)
+                                .upserts
+                                .push(row.values.clone());
+                        }
+                    }
+                    None => {
+                        if let Some(k) = key_values(self.spec, t, key) {
+                            let o = self.out.entry(*r).or_default().table(t);
+                            o.upserts
+                                .retain(|row| super::record::key_text_of(row, &key_cols) != *key);
+                            o.deletes.push(k);
+                        }
+                        dropped.push((*r, key.clone()));
+                    }
+                }
+            }
+        }
+        write_held(conn, &table.relation, &kept, &dropped).await?;
         for row in rows.iter().filter(|r| r.shown) {
             for r in self
                 .following
@@ -343,12 +403,12 @@ impl<'a> Planner<'a> {
                 };
                 let p = parent.table;
                 let pt = &self.spec.tables[p];
-                if pt.is_broadcast() {
+                if table.is_broadcast() {
+                    // A broadcast row's parents are broadcast too (Spec::build), held by
+                    // every replica of their partition.
                     continue;
                 }
-                if !table.is_broadcast() {
-                    points.push((pt.relation.clone(), pk.clone()));
-                }
+                points.push((pt.relation.clone(), pk.clone()));
                 if !seen.insert((r, p, pk.clone())) || holds(conn, r, &pt.relation, pk).await? {
                     continue;
                 }
@@ -357,6 +417,15 @@ impl<'a> Planner<'a> {
                 let Some(prow) = parents.into_iter().next() else {
                     continue;
                 };
+                // A broadcast parent of the replica's own partition is held by its rule; one
+                // of another partition (or one `active` hides) travels per row, like any
+                // closure parent.
+                if pt.is_broadcast()
+                    && prow.shown
+                    && self.following.partition_of.get(&r) == Some(&prow.partition)
+                {
+                    continue;
+                }
                 self.out
                     .entry(r)
                     .or_default()
@@ -428,6 +497,25 @@ impl<'a> Planner<'a> {
         if gone.is_some()
             && let Some(p) = self.spec.table(relation)
         {
+            if self.spec.tables[p].is_broadcast() {
+                let part = self
+                    .following
+                    .partition_of
+                    .get(&r)
+                    .cloned()
+                    .unwrap_or_default();
+                let by_rule: bool = sqlx::query_scalar(
+                    "SELECT EXISTS (SELECT 1 FROM ferry_sync.rows WHERE relation = $1 AND part = $2 AND key = $3 AND NOT gone)",
+                )
+                .bind(relation)
+                .bind(&part)
+                .bind(key)
+                .fetch_one(&mut *conn)
+                .await?;
+                if by_rule {
+                    return Ok(());
+                }
+            }
             if let Some(k) = key_values(self.spec, p, key) {
                 // An upsert of the same row earlier in this pass (it was kept for a pointer
                 // that has just gone) must not outlive the delete: the replica applies
@@ -724,24 +812,27 @@ pub async fn should_rows(
     t: usize,
 ) -> Result<Vec<Fetched>, sqlx::Error> {
     let table = &spec.tables[t];
-    let rows = match &table.route {
-        RouteSpec::Broadcast { partition: Some(_) } => {
-            read::rows(conn, spec, table, Filter::Partition(partition)).await?
-        }
-        RouteSpec::Broadcast { partition: None } => {
-            read::rows(conn, spec, table, Filter::All).await?
-        }
-        _ => {
-            let keys: Vec<String> = sqlx::query_scalar(
-                "SELECT key FROM ferry_sync.held WHERE replica = $1 AND relation = $2",
-            )
+    // Rows held per row: all of a per-replica table's, and a broadcast table's rows of
+    // other partitions that the replica's own rows point at (closure).
+    let keys: Vec<String> =
+        sqlx::query_scalar("SELECT key FROM ferry_sync.held WHERE replica = $1 AND relation = $2")
             .bind(r)
             .bind(&table.relation)
             .fetch_all(&mut *conn)
             .await?;
-            read::rows(conn, spec, table, Filter::Keys(&keys)).await?
-        }
-    };
+    let mut rows = read::rows(conn, spec, table, Filter::Keys(&keys)).await?;
+    if let RouteSpec::Broadcast { partition: p } = &table.route {
+        let by_rule = match p {
+            Some(_) => read::rows(conn, spec, table, Filter::Partition(partition)).await?,
+            None => read::rows(conn, spec, table, Filter::All).await?,
+        };
+        let seen: HashSet<String> = rows.iter().map(|row| row.key.clone()).collect();
+        rows.extend(
+            by_rule
+                .into_iter()
+                .filter(|row| row.shown && !seen.contains(&row.key)),
+        );
+    }
     let quarantined: HashSet<String> = sqlx::query_scalar(
         "SELECT key FROM ferry_sync.quarantine WHERE replica = $1 AND relation = $2",
     )
@@ -751,10 +842,8 @@ pub async fn should_rows(
     .await?
     .into_iter()
     .collect();
-    Ok(rows
-        .into_iter()
-        .filter(|row| (row.shown || !table.is_broadcast()) && !quarantined.contains(&row.key))
-        .collect())
+    rows.retain(|row| !quarantined.contains(&row.key));
+    Ok(rows)
 }
 
 impl Planner<'_> {

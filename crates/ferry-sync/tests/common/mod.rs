@@ -106,6 +106,8 @@ pub struct Shop {
     pub lock: PgConnection,
     pub dir: PathBuf,
     pub replicas: BTreeMap<Uuid, Replica>,
+    /// Each replica's seal key, kept so a killed replica can be opened again.
+    pub seal_keys: BTreeMap<Uuid, [u8; 32]>,
 }
 
 impl Shop {
@@ -137,12 +139,17 @@ impl Shop {
             lock,
             dir,
             replicas: BTreeMap::new(),
+            seal_keys: BTreeMap::new(),
         }
     }
 
     /// A store (a replica) in `region`, enrolled, with its SQLite file.
     pub async fn store(&mut self, region: &str) -> Uuid {
-        let id = Uuid::new_v4();
+        self.store_as(Uuid::new_v4(), region).await
+    }
+
+    /// As [`Shop::store`], under a chosen id (a seeded walk names its stores).
+    pub async fn store_as(&mut self, id: Uuid, region: &str) -> Uuid {
         sqlx::query("INSERT INTO stores (id, region) VALUES ($1, $2)")
             .bind(id)
             .bind(region)
@@ -152,13 +159,22 @@ impl Shop {
         let token = enroll::new_token();
         let mut conn = self.db.pool.acquire().await.unwrap();
         enroll::enroll(&mut conn, id, &token).await.unwrap();
-        let replica = Replica::open(
-            &self.dir.join(format!("{id}.db")),
-            wire::seal_key(token.as_bytes()),
-        )
-        .unwrap();
-        self.replicas.insert(id, replica);
+        let seal_key = wire::seal_key(token.as_bytes());
+        self.seal_keys.insert(id, seal_key);
+        self.replicas.insert(id, self.open_replica(id));
         id
+    }
+
+    /// Kills store `id`'s replica (drops it, with its connection) and opens the same
+    /// file again, as a restarted process would.
+    pub fn reopen(&mut self, id: Uuid) {
+        drop(self.replicas.remove(&id));
+        let replica = self.open_replica(id);
+        self.replicas.insert(id, replica);
+    }
+
+    fn open_replica(&self, id: Uuid) -> Replica {
+        Replica::open(&self.dir.join(format!("{id}.db")), self.seal_keys[&id]).unwrap()
     }
 
     /// Runs passes until no note is left.
@@ -232,8 +248,12 @@ impl Shop {
         let pool = &self.db.pool;
         let mut out = BTreeMap::new();
         let q = |sql: &'static str| sqlx::query(sql).bind(id);
+        // Products of its region, and products its order lines name (closure, whatever
+        // their region).
         let rows = q("SELECT p.id::text || '|' || p.name || '|' || coalesce(p.price::text, 'NULL') || '|' || p.region
-                      FROM products p JOIN stores s ON s.region = p.region WHERE s.id = $1 AND s.open")
+                      FROM products p JOIN stores s ON s.id = $1 AND s.open
+                      WHERE p.region = s.region OR p.id IN (SELECT l.product_id FROM order_lines l
+                        JOIN orders o ON o.id = l.order_id WHERE o.store_id = s.id)")
             .fetch_all(pool).await.unwrap();
         out.insert(
             "products".into(),
