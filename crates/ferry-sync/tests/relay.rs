@@ -113,3 +113,105 @@ async fn a_late_store_is_provisioned_with_what_exists() {
     assert_eq!(shop.held(late)["products"].len(), 2500);
     shop.finish().await;
 }
+
+// Guards a store that moved region and whose outbox was then dropped before it confirmed
+// its new partition's snapshot: the catch-up must not start from its mark, which counts
+// passes of the old partition (it kept the old region's products and missed the new
+// one's). Found by the walk (seed 1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_that_moved_region_and_fell_behind_is_provisioned_not_caught_up() {
+    let mut shop = Shop::new("moved").await;
+    shop.relay = ferry_sync::relay::Relay::new(
+        shop.spec.clone(),
+        ferry_sync::relay::RelaySettings {
+            outbox_messages_max: 2,
+            ..ferry_sync::relay::RelaySettings::default()
+        },
+    );
+    let store = shop.store("north").await;
+    shop.db
+        .exec("INSERT INTO products SELECT g, 'p' || g, g, CASE WHEN g % 2 = 0 THEN 'north' ELSE 'south' END FROM generate_series(1, 10) g")
+        .await;
+    shop.settle().await;
+    shop.assert_converged().await;
+    // It moves south; the snapshot for south and what follows wait until the outbox
+    // passes its bound and is dropped.
+    shop.db
+        .exec(&format!(
+            "UPDATE stores SET region = 'south' WHERE id = '{store}'"
+        ))
+        .await;
+    for i in 1..=4 {
+        shop.db
+            .exec(&format!(
+                "UPDATE products SET price = price + 1 WHERE id = {}",
+                2 * i - 1
+            ))
+            .await;
+        shop.passes().await;
+    }
+    shop.settle().await;
+    shop.assert_converged().await;
+    shop.finish().await;
+}
+
+// As above, when the store confirms a message of its old region after the move, before
+// the new snapshot: that confirmation must not give it a mark the catch-up starts from.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_confirmation_from_before_a_move_gives_no_mark_in_the_new_region() {
+    let mut shop = Shop::new("moved2").await;
+    shop.relay = ferry_sync::relay::Relay::new(
+        shop.spec.clone(),
+        ferry_sync::relay::RelaySettings {
+            outbox_messages_max: 2,
+            ..ferry_sync::relay::RelaySettings::default()
+        },
+    );
+    let store = shop.store("north").await;
+    shop.db
+        .exec("INSERT INTO products SELECT g, 'p' || g, g, CASE WHEN g % 2 = 0 THEN 'north' ELSE 'south' END FROM generate_series(1, 10) g")
+        .await;
+    shop.settle().await;
+    shop.db
+        .exec("UPDATE products SET price = 0 WHERE id = 2")
+        .await;
+    shop.passes().await;
+    shop.db
+        .exec(&format!(
+            "UPDATE stores SET region = 'south' WHERE id = '{store}'"
+        ))
+        .await;
+    shop.passes().await;
+    // The store takes the north message (not the snapshot after it) and confirms it.
+    let replica = shop.replicas.get_mut(&store).unwrap();
+    let status = replica.status().unwrap();
+    let frames = ferry_sync::serve::frames_after(
+        &shop.db.pool,
+        store,
+        status
+            .epoch
+            .as_deref()
+            .and_then(|h| Uuid::parse_str(h).ok()),
+        status.seq,
+        1,
+    )
+    .await
+    .unwrap();
+    replica.receive(&frames[0]).unwrap();
+    let up = replica.up_without_digests().unwrap();
+    ferry_sync::serve::store_report(&shop.db.pool, store, &ferry_sync::wire::encode_up(&up))
+        .await
+        .unwrap();
+    for i in 1..=4 {
+        shop.db
+            .exec(&format!(
+                "UPDATE products SET price = price + 1 WHERE id = {}",
+                2 * i - 1
+            ))
+            .await;
+        shop.passes().await;
+    }
+    shop.settle().await;
+    shop.assert_converged().await;
+    shop.finish().await;
+}

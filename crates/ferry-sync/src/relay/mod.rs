@@ -461,7 +461,12 @@ impl Relay {
                 Some((old, standing, enrolled)) => {
                     let moved = old.as_deref() != Some(partition.as_str());
                     if moved || standing == "retired" {
-                        sqlx::query("UPDATE ferry_sync.replicas SET partition = $2, standing = 'new' WHERE id = $1")
+                        // The mark counts passes of the partition it held (and a retired
+                        // replica's tombstones were not kept for it): it says nothing of
+                        // the rows it must now hold. A catch-up before it confirms its new
+                        // snapshot (its outbox dropped) would start from it and miss rows;
+                        // no mark makes that catch-up a full provisioning.
+                        sqlx::query("UPDATE ferry_sync.replicas SET partition = $2, standing = 'new', confirmed_pass = 0 WHERE id = $1")
                             .bind(id)
                             .bind(&partition)
                             .execute(&mut *conn)

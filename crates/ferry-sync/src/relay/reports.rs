@@ -201,6 +201,22 @@ async fn confirm(
     .bind(&hashes)
     .execute(&mut *conn)
     .await?;
+    // Until the replica confirms the chain start that follows, what it confirms is of the
+    // chain being replaced: for a replica being provisioned (a move, a reopening) the
+    // passes of those messages are not a mark in what it must now hold, and a catch-up
+    // started from them would miss rows. Its position advances; its mark and standing
+    // wait for the chain start.
+    if chain_start_pending(conn, r).await? {
+        sqlx::query(
+            "UPDATE ferry_sync.replicas SET confirmed_seq = $2, confirmed_nonce = $3, confirmed_at = now() WHERE id = $1",
+        )
+        .bind(r)
+        .bind(seq)
+        .bind(nonce)
+        .execute(&mut *conn)
+        .await?;
+        return Ok(());
+    }
     sqlx::query(
         "UPDATE ferry_sync.replicas SET confirmed_seq = $2, confirmed_nonce = $3, confirmed_pass = $4,
          confirmed_at = now(), standing = 'following' WHERE id = $1",
