@@ -1,0 +1,637 @@
+//! A seeded random walk over the shop (docs/sync.md §1 guarantee 1): whatever the writes,
+//! and whatever a lossy, repeating, reordering transport, killed replicas and relays
+//! killed mid-pass do meanwhile, once writes stop and the transport delivers every store
+//! holds exactly the rows its rules route to it, in content, and status calls it synced.
+//!
+//! The oracle is `Shop::expected` (the rules written as plain SQL from the doc) against
+//! what each SQLite file holds. In half the seeds the replicas never send digests, so the
+//! relay's safety net (a table heal on a digest mismatch) cannot cover a planner bug; in
+//! the other half they send them on every report and the relay compares them at once, so
+//! heals run in the middle of everything else.
+//!
+//! `FERRY_SYNC_WALK_SEEDS=N` runs seeds 0..N (default 6), `FERRY_SYNC_WALK_SEED=K` runs
+//! seed K alone (a failure names its seed), `FERRY_SYNC_WALK_STEPS` sets the steps per
+//! seed (default 400). `scripts/soak-sync` runs many seeds in release mode.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use common::Shop;
+use ferry_sync::relay::{Relay, RelaySettings};
+use ferry_sync::replica::Received;
+use ferry_sync::wire;
+use sqlx::{Connection, PgConnection};
+use uuid::Uuid;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_store_converges_on_its_rules_through_a_seeded_random_walk() {
+    let seeds: Vec<u64> = match env_u64("FERRY_SYNC_WALK_SEED") {
+        Some(seed) => vec![seed],
+        None => (0..env_u64("FERRY_SYNC_WALK_SEEDS").unwrap_or(6)).collect(),
+    };
+    let steps = env_u64("FERRY_SYNC_WALK_STEPS").unwrap_or(400) as usize;
+    let started = Instant::now();
+    for seed in seeds {
+        let one = Instant::now();
+        let guard = Replay(seed);
+        walk(seed, steps).await;
+        drop(guard);
+        eprintln!("walk seed {seed}: {steps} steps in {:?}", one.elapsed());
+    }
+    eprintln!("walk: done in {:?}", started.elapsed());
+}
+
+/// Names a failing seed and the way to replay it, as the panic unwinds.
+struct Replay(u64);
+
+impl Drop for Replay {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "walk seed {seed} failed; replay it alone with FERRY_SYNC_WALK_SEED={seed} \
+                 cargo test -p ferry-sync --test walk -- --nocapture",
+                seed = self.0
+            );
+        }
+    }
+}
+
+fn env_u64(name: &str) -> Option<u64> {
+    let text = std::env::var(name).ok()?;
+    Some(
+        text.parse()
+            .unwrap_or_else(|_| panic!("{name}={text} is not a number")),
+    )
+}
+
+/// splitmix64: small, deterministic, and good enough to choose steps.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in 0..n (n > 0).
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    /// True with probability `percent` / 100.
+    fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+
+    fn pick<'a, T>(&mut self, items: &'a [T]) -> Option<&'a T> {
+        if items.is_empty() {
+            None
+        } else {
+            Some(&items[self.below(items.len() as u64) as usize])
+        }
+    }
+
+    fn uuid(&mut self) -> Uuid {
+        Uuid::from_u64_pair(self.next(), self.next())
+    }
+}
+
+const REGIONS: [&str; 2] = ["north", "south"];
+/// Product ids come from a small range, so inserts collide with existing rows and
+/// deletes hit rows that lines point at.
+const PRODUCT_IDS: u64 = 24;
+/// Names that exercise key and value escaping (`|`, `\`) and non-ASCII text. No quote:
+/// the walk writes its SQL with `format!`.
+const NAMES: [&str; 7] = ["tea", "a|b", "back\\slash", "x\\|y|", "", "ünï", "|"];
+
+/// What one seed chose once: its stores and faults.
+struct Plan {
+    /// The stores open from the start, and a late one that starts at `late_at`.
+    stores: Vec<(Uuid, &'static str)>,
+    late: Option<(Uuid, &'static str, usize)>,
+    /// One store closes at the first step and opens again at the second (if ever).
+    close: Option<(Uuid, usize, Option<usize>)>,
+    /// Replicas send digests on every report and the relay compares them at once.
+    digests: bool,
+}
+
+/// The walk's own picture of which ids may exist: only to aim writes at likely rows.
+/// Every write is valid SQL whether or not the row is still there.
+#[derive(Default)]
+struct Ids {
+    stores: Vec<Uuid>,
+    customers: Vec<Uuid>,
+    orders: Vec<Uuid>,
+}
+
+async fn walk(seed: u64, steps: usize) {
+    let mut rng = Rng(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ 0x5EED);
+    let mut shop = Shop::new(&format!("walk{seed}")).await;
+    let plan = plan(&mut rng, steps);
+    shop.relay = new_relay(&shop, &mut rng, plan.digests);
+    let mut ids = Ids::default();
+    for (id, region) in &plan.stores {
+        shop.store_as(*id, region).await;
+        ids.stores.push(*id);
+    }
+    // Frames a delivery held back, delivered (late, repeated) by a later one.
+    let mut late_frames: BTreeMap<Uuid, Vec<Vec<u8>>> = BTreeMap::new();
+    let mut heals = 0;
+    for step in 0..steps {
+        if let Some((id, region, at)) = plan.late
+            && at == step
+        {
+            shop.store_as(id, region).await;
+            ids.stores.push(id);
+        }
+        if let Some((id, close_at, reopen_at)) = plan.close {
+            if close_at == step {
+                set_open(&shop, id, false).await;
+            }
+            if reopen_at == Some(step) {
+                set_open(&shop, id, true).await;
+            }
+        }
+        let choice = rng.below(100);
+        if trace() {
+            eprintln!("step {step}: {choice}");
+        }
+        match choice {
+            0..=44 => write(&shop, &mut rng, &mut ids).await,
+            45..=59 => {
+                let report = shop
+                    .relay
+                    .pass(&mut shop.lock)
+                    .await
+                    .unwrap_or_else(|e| panic!("seed {seed} step {step}: pass: {e}"));
+                if trace() {
+                    eprintln!("  pass: {report:?}");
+                }
+            }
+            60..=89 => {
+                let id = *rng.pick(&ids.stores).expect("a store exists");
+                deliver_faulty(&mut shop, &mut rng, id, &mut late_frames, plan.digests).await;
+            }
+            90..=93 => {
+                let id = *rng.pick(&ids.stores).expect("a store exists");
+                shop.reopen(id);
+            }
+            94..=96 => {
+                heals += shop
+                    .relay
+                    .stats
+                    .heals
+                    .load(std::sync::atomic::Ordering::Relaxed);
+                kill_relay_mid_pass(&mut shop, &mut rng, plan.digests).await;
+            }
+            _ => {
+                // A store moves region: it is provisioned for its new partition.
+                let id = *rng.pick(&ids.stores).expect("a store exists");
+                let region = REGIONS[rng.below(2) as usize];
+                if trace() {
+                    eprintln!("  store {id} moves to {region}");
+                }
+                shop.db
+                    .exec(&format!(
+                        "UPDATE stores SET region = '{region}' WHERE id = '{id}'"
+                    ))
+                    .await;
+            }
+        }
+    }
+
+    // Writes stop; the transport delivers faithfully until nothing moves.
+    quiesce(&mut shop, seed).await;
+    let closed = plan
+        .close
+        .filter(|(_, _, reopen)| reopen.is_none_or(|at| at >= steps))
+        .map(|(id, _, _)| id);
+    if let Some(id) = closed {
+        // A closed store is sent nothing more; what its file still holds is its own.
+        shop.replicas.remove(&id);
+    }
+    shop.assert_converged().await;
+    let status = ferry_sync::status::read(&shop.db.pool, None).await.unwrap();
+    for r in &status.replicas {
+        let expected = if Some(r.id.as_str()) == closed.map(|c| c.to_string()).as_deref() {
+            "retired"
+        } else {
+            "synced"
+        };
+        assert_eq!(r.standing, expected, "seed {seed}: {r:?}");
+    }
+    assert_eq!(status.notes_parked, 0, "seed {seed}: no note was parked");
+    // The converged replicas' digests agree with what the server says they hold: with
+    // everything delivered, a digest now that asks for a heal is a fingerprint bug.
+    let before = shop
+        .relay
+        .stats
+        .heals
+        .load(std::sync::atomic::Ordering::Relaxed);
+    shop.settle().await;
+    let after = shop
+        .relay
+        .stats
+        .heals
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(
+        after, before,
+        "seed {seed}: converged replicas' digests differ"
+    );
+    shop.assert_converged().await;
+    heals += after;
+    eprintln!(
+        "walk seed {seed}: digests {}, heals during the walk {heals}",
+        plan.digests
+    );
+    shop.finish().await;
+}
+
+fn plan(rng: &mut Rng, steps: usize) -> Plan {
+    let mut stores = vec![(rng.uuid(), REGIONS[0]), (rng.uuid(), REGIONS[1])];
+    if rng.chance(50) {
+        stores.push((rng.uuid(), REGIONS[rng.below(2) as usize]));
+    }
+    let late = (stores.len() < 4 && rng.chance(70)).then(|| {
+        let at = steps / 4 + rng.below((steps / 2).max(1) as u64) as usize;
+        (rng.uuid(), REGIONS[rng.below(2) as usize], at)
+    });
+    let close = rng.chance(60).then(|| {
+        let id = stores[rng.below(stores.len() as u64) as usize].0;
+        let at = rng.below((steps / 2).max(1) as u64) as usize;
+        let reopen = rng
+            .chance(70)
+            .then(|| at + 1 + rng.below((steps - at).max(1) as u64) as usize);
+        (id, at, reopen)
+    });
+    Plan {
+        stores,
+        late,
+        close,
+        digests: rng.chance(50),
+    }
+}
+
+/// A relay process as a seed runs it: sometimes with small batches (a pass leaves notes
+/// for the next), sometimes with a small outbox bound (a replica that falls behind is
+/// dropped and caught up by a new chain).
+fn new_relay(shop: &Shop, rng: &mut Rng, digests: bool) -> Relay {
+    let batch = *rng.pick(&[500, 500, 7, 2]).unwrap();
+    let outbox_messages_max = *rng.pick(&[10_000, 10_000, 5, 2]).unwrap();
+    Relay::new(
+        shop.spec.clone(),
+        RelaySettings {
+            batch,
+            outbox_messages_max,
+            digest_every: if digests {
+                Duration::ZERO
+            } else {
+                RelaySettings::default().digest_every
+            },
+            ..RelaySettings::default()
+        },
+    )
+}
+
+async fn set_open(shop: &Shop, id: Uuid, open: bool) {
+    if trace() {
+        eprintln!("  store {id} open = {open}");
+    }
+    shop.db
+        .exec(&format!(
+            "UPDATE stores SET open = {open} WHERE id = '{id}'"
+        ))
+        .await;
+}
+
+/// One random write, in one transaction.
+async fn write(shop: &Shop, rng: &mut Rng, ids: &mut Ids) {
+    let product = 1 + rng.below(PRODUCT_IDS);
+    let name = NAMES[rng.below(NAMES.len() as u64) as usize];
+    let region = REGIONS[rng.below(2) as usize];
+    let price = if rng.chance(15) {
+        "NULL".to_string()
+    } else {
+        format!("{}.{:02}", rng.below(100), rng.below(100))
+    };
+    let sql = match rng.below(16) {
+        0 | 1 => format!(
+            "INSERT INTO products VALUES ({product}, '{name}', {price}, '{region}')
+             ON CONFLICT (id) DO UPDATE SET name = excluded.name, price = excluded.price, region = excluded.region"
+        ),
+        2 => format!("UPDATE products SET price = {price} WHERE id = {product}"),
+        3 => format!("UPDATE products SET name = '{name}' WHERE id = {product}"),
+        4 => format!("UPDATE products SET region = '{region}' WHERE id = {product}"),
+        5 => format!(
+            "UPDATE order_lines SET product_id = NULL WHERE product_id = {product};
+             DELETE FROM products WHERE id = {product}"
+        ),
+        6 => {
+            let id = rng.uuid();
+            ids.customers.push(id);
+            format!("INSERT INTO customers VALUES ('{id}', '{name}')")
+        }
+        7 => match rng.pick(&ids.customers) {
+            Some(c) => format!("UPDATE customers SET name = '{name}' WHERE id = '{c}'"),
+            None => return,
+        },
+        8 => {
+            let Some(c) = rng.pick(&ids.customers).copied() else {
+                return;
+            };
+            ids.customers.retain(|x| *x != c);
+            format!(
+                "UPDATE orders SET customer_id = NULL WHERE customer_id = '{c}';
+                 DELETE FROM customers WHERE id = '{c}'"
+            )
+        }
+        9 | 10 => {
+            let id = rng.uuid();
+            let store = *rng.pick(&ids.stores).expect("a store exists");
+            let customer = customer_or_null(rng, ids);
+            let note = if rng.chance(30) {
+                "NULL".to_string()
+            } else {
+                format!("'{name}'")
+            };
+            ids.orders.push(id);
+            format!(
+                "INSERT INTO orders (id, store_id, customer_id, note)
+                 SELECT '{id}', '{store}', id, {note} FROM (SELECT {customer}::uuid AS id) c
+                 WHERE c.id IS NULL OR EXISTS (SELECT 1 FROM customers WHERE id = c.id)"
+            )
+        }
+        11 => {
+            let (Some(order), Some(store)) =
+                (rng.pick(&ids.orders).copied(), rng.pick(&ids.stores).copied())
+            else {
+                return;
+            };
+            format!("UPDATE orders SET store_id = '{store}' WHERE id = '{order}'")
+        }
+        12 => {
+            let Some(order) = rng.pick(&ids.orders).copied() else {
+                return;
+            };
+            let customer = customer_or_null(rng, ids);
+            format!(
+                "UPDATE orders SET customer_id = (SELECT id FROM customers WHERE id = {customer}::uuid),
+                 note = '{name}' WHERE id = '{order}'"
+            )
+        }
+        13 => {
+            let Some(order) = rng.pick(&ids.orders).copied() else {
+                return;
+            };
+            if rng.chance(50) {
+                ids.orders.retain(|x| *x != order);
+            }
+            format!("DELETE FROM orders WHERE id = '{order}'")
+        }
+        14 => {
+            let Some(order) = rng.pick(&ids.orders).copied() else {
+                return;
+            };
+            let line = 1 + rng.below(4);
+            let qty = rng.below(10);
+            format!(
+                "INSERT INTO order_lines SELECT id, {line}, (SELECT id FROM products WHERE id = {product}), {qty}
+                 FROM orders WHERE id = '{order}'
+                 ON CONFLICT (order_id, line) DO UPDATE SET product_id = excluded.product_id, qty = excluded.qty"
+            )
+        }
+        _ => {
+            let Some(order) = rng.pick(&ids.orders).copied() else {
+                return;
+            };
+            let line = 1 + rng.below(4);
+            if rng.chance(50) {
+                format!("DELETE FROM order_lines WHERE order_id = '{order}' AND line = {line}")
+            } else {
+                format!(
+                    "UPDATE order_lines SET qty = qty + 1, product_id = (SELECT id FROM products WHERE id = {product})
+                     WHERE order_id = '{order}' AND line = {line}"
+                )
+            }
+        }
+    };
+    if trace() {
+        eprintln!("  {sql}");
+    }
+    shop.db.exec(&sql).await;
+}
+
+/// `FERRY_SYNC_WALK_TRACE=1` prints every step, to read a failing seed.
+fn trace() -> bool {
+    std::env::var_os("FERRY_SYNC_WALK_TRACE").is_some()
+}
+
+fn customer_or_null(rng: &mut Rng, ids: &Ids) -> String {
+    match rng.pick(&ids.customers) {
+        Some(c) if rng.chance(80) => format!("'{c}'"),
+        _ => "NULL".to_string(),
+    }
+}
+
+/// A transport that loses, repeats, reorders, delays and cuts short: it fetches the
+/// frames after the replica's position, mangles the list, applies what is left, and
+/// then sends the report or loses it. Frames are never altered, so no outcome but an
+/// error or a refusal is wrong.
+async fn deliver_faulty(
+    shop: &mut Shop,
+    rng: &mut Rng,
+    id: Uuid,
+    late_frames: &mut BTreeMap<Uuid, Vec<Vec<u8>>>,
+    digests: bool,
+) {
+    let status = shop.replicas[&id].status().unwrap();
+    let epoch = status
+        .epoch
+        .as_deref()
+        .and_then(|h| Uuid::parse_str(h).ok());
+    let max = 1 + rng.below(64) as usize;
+    let mut frames = ferry_sync::serve::frames_after(&shop.db.pool, id, epoch, status.seq, max)
+        .await
+        .unwrap();
+    if rng.chance(25) {
+        frames.retain(|_| !rng.chance(30));
+    }
+    if rng.chance(20) {
+        let mut repeated = Vec::new();
+        for f in frames {
+            if rng.chance(30) {
+                repeated.push(f.clone());
+            }
+            repeated.push(f);
+        }
+        frames = repeated;
+    }
+    if rng.chance(20) {
+        for i in (1..frames.len()).step_by(2) {
+            if rng.chance(50) {
+                frames.swap(i - 1, i);
+            }
+        }
+    }
+    if rng.chance(20) && !frames.is_empty() {
+        let keep = rng.below(frames.len() as u64) as usize;
+        let cut = frames.split_off(keep);
+        if rng.chance(50) {
+            late_frames.entry(id).or_default().extend(cut);
+        }
+    }
+    // Frames held back from an earlier delivery arrive now, before or after.
+    if rng.chance(30)
+        && let Some(late) = late_frames.remove(&id)
+    {
+        if rng.chance(50) {
+            frames.extend(late);
+        } else {
+            frames.splice(0..0, late);
+        }
+    }
+    let replica = shop.replicas.get_mut(&id).unwrap();
+    for frame in &frames {
+        let received = replica.receive(frame);
+        if trace() {
+            eprintln!("  store {id} at {}: {received:?}", status.seq);
+        }
+        match received {
+            Ok(
+                Received::Applied { .. } | Received::AlreadyApplied { .. } | Received::Gap { .. },
+            ) => {}
+            Ok(other) => panic!("store {id}: an unaltered frame was not taken: {other:?}"),
+            Err(e) => panic!("store {id}: receiving a frame failed: {e}"),
+        }
+    }
+    if rng.chance(75) {
+        let up = if digests {
+            replica.up()
+        } else {
+            replica.up_without_digests()
+        }
+        .unwrap();
+        if trace() {
+            eprintln!(
+                "  store {id} reports {:?}",
+                up.applied.as_ref().map(|a| a.seq)
+            );
+        }
+        ferry_sync::serve::store_report(&shop.db.pool, id, &wire::encode_up(&up))
+            .await
+            .unwrap();
+        replica.reported(&up).unwrap();
+    }
+}
+
+/// The relay process dies mid-pass: its lock connection's backend is terminated just
+/// before the commit, the pass fails and records nothing, and a new relay process (no
+/// memory of the old one) takes the lock on a new connection.
+async fn kill_relay_mid_pass(shop: &mut Shop, rng: &mut Rng, digests: bool) {
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut shop.lock)
+        .await
+        .unwrap();
+    let url = shop.db.url.clone();
+    shop.relay.before_commit = Some(Box::new(move || {
+        let url = url.clone();
+        Box::pin(async move {
+            let mut other = PgConnection::connect(&url).await.unwrap();
+            sqlx::query("SELECT pg_terminate_backend($1)")
+                .bind(pid)
+                .execute(&mut other)
+                .await
+                .unwrap();
+        })
+    }));
+    let outcome = shop.relay.pass(&mut shop.lock).await;
+    assert!(
+        outcome.is_err(),
+        "a pass whose lock connection died must fail: {outcome:?}"
+    );
+    shop.lock = PgConnection::connect(&shop.db.url).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+            .bind(ferry_sync::relay::LOCK_KEY)
+            .fetch_one(&mut shop.lock)
+            .await
+            .unwrap();
+        if got {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the dead session never released the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    shop.relay = new_relay(shop, rng, digests);
+}
+
+/// Passes and faithful deliveries (reports without digests, so only the planner can
+/// bring a replica to its rules) until nothing moves and nothing waits.
+async fn quiesce(shop: &mut Shop, seed: u64) {
+    for _ in 0..60 {
+        shop.passes().await;
+        let mut moved = false;
+        let ids: Vec<Uuid> = shop.replicas.keys().copied().collect();
+        for id in ids {
+            moved |= deliver_faithful(shop, id).await;
+        }
+        shop.passes().await;
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT (SELECT count(*) FROM ferry_sync.outbox) + (SELECT count(*) FROM ferry_sync.reports WHERE NOT handled)",
+        )
+        .fetch_one(&shop.db.pool)
+        .await
+        .unwrap();
+        if !moved && waiting == 0 {
+            return;
+        }
+    }
+    panic!("seed {seed}: delivery never settled");
+}
+
+async fn deliver_faithful(shop: &mut Shop, id: Uuid) -> bool {
+    let mut applied = false;
+    loop {
+        let replica = shop.replicas.get_mut(&id).unwrap();
+        let status = replica.status().unwrap();
+        let epoch = status
+            .epoch
+            .as_deref()
+            .and_then(|h| Uuid::parse_str(h).ok());
+        let frames = ferry_sync::serve::frames_after(&shop.db.pool, id, epoch, status.seq, 64)
+            .await
+            .unwrap();
+        let mut progressed = false;
+        for frame in &frames {
+            let received = replica.receive(frame).unwrap();
+            if trace() {
+                eprintln!("  quiesce: store {id} at {}: {received:?}", status.seq);
+            }
+            match received {
+                Received::Applied { .. } => {
+                    applied = true;
+                    progressed = true;
+                }
+                Received::AlreadyApplied { .. } | Received::Gap { .. } => {}
+                other => panic!("store {id}: {other:?}"),
+            }
+        }
+        let up = replica.up_without_digests().unwrap();
+        ferry_sync::serve::store_report(&shop.db.pool, id, &wire::encode_up(&up))
+            .await
+            .unwrap();
+        replica.reported(&up).unwrap();
+        if !progressed {
+            return applied;
+        }
+    }
+}
