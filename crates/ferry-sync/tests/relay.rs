@@ -215,3 +215,62 @@ async fn a_confirmation_from_before_a_move_gives_no_mark_in_the_new_region() {
     shop.assert_converged().await;
     shop.finish().await;
 }
+
+// Guards a heal planned in the same pass as a move: a digest compared while the move was
+// not yet planned differs (the server reads the order's new content for the old store),
+// so the orders table is resent to the old store from the held state at the start of the
+// pass; the move then deletes the order there. The replica applies a part's deletes
+// before its upserts, so the heal's upsert must not outlive the delete. Found by the walk
+// (seed 24).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_order_moved_in_the_pass_that_heals_its_old_store_leaves_it() {
+    let mut shop = Shop::new("healmove").await;
+    shop.relay = ferry_sync::relay::Relay::new(
+        shop.spec.clone(),
+        ferry_sync::relay::RelaySettings {
+            digest_every: std::time::Duration::ZERO,
+            ..ferry_sync::relay::RelaySettings::default()
+        },
+    );
+    let old = shop.store("north").await;
+    let new = shop.store("north").await;
+    let order = Uuid::new_v4();
+    shop.db
+        .exec(&format!(
+            "INSERT INTO orders (id, store_id, note) VALUES ('{order}', '{old}', 'o')"
+        ))
+        .await;
+    shop.settle().await;
+    shop.assert_converged().await;
+    let heals = shop
+        .relay
+        .stats
+        .heals
+        .load(std::sync::atomic::Ordering::Relaxed);
+    shop.db
+        .exec(&format!(
+            "UPDATE orders SET store_id = '{new}' WHERE id = '{order}'"
+        ))
+        .await;
+    // The old store reports its digests before the move is planned.
+    shop.deliver(old).await;
+    shop.passes().await;
+    assert!(
+        shop.relay
+            .stats
+            .heals
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > heals,
+        "the digest compared before the move was planned heals the old store's orders"
+    );
+    // Checked before any later digest could heal the mistake away.
+    shop.deliver(old).await;
+    assert_eq!(
+        shop.held(old)["orders"].len(),
+        0,
+        "the order left its old store"
+    );
+    shop.settle().await;
+    shop.assert_converged().await;
+    shop.finish().await;
+}

@@ -2,9 +2,10 @@
 //! shared (`Arc`) between replicas, so a broadcast change held by a hundred replicas is
 //! read once, encoded once per distinct message, and stored once (`ferry_sync.bodies`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
+use super::record::key_text_of;
 use crate::value::Value;
 
 pub type RowRef = Arc<Vec<Value>>;
@@ -18,9 +19,37 @@ pub struct TableOut {
     pub deletes: Vec<RowRef>,
     /// Rows to upsert, one value per column.
     pub upserts: Vec<RowRef>,
+    /// Per key deleted (key text), how many upserts were planned before its last delete.
+    deleted_after: HashMap<String, usize>,
 }
 
 impl TableOut {
+    /// Deletes a row (`key` its key text, `values` its typed key values). The replica
+    /// applies a part's deletes before its upserts, so an upsert of the same row planned
+    /// earlier in the pass (a heal, a catch-up, a row kept for a pointer) is dropped by
+    /// `settle`; one planned later still wins.
+    pub fn delete(&mut self, key: String, values: RowRef) {
+        self.deleted_after.insert(key, self.upserts.len());
+        self.deletes.push(values);
+    }
+
+    /// Drops every upsert that a later delete of the same row overrides: within a pass the
+    /// last decision for a row wins. `key_cols` are the table's key columns.
+    pub fn settle(&mut self, key_cols: &[usize]) {
+        if self.deleted_after.is_empty() {
+            return;
+        }
+        let deleted = std::mem::take(&mut self.deleted_after);
+        let mut i = 0;
+        self.upserts.retain(|row| {
+            let before = deleted
+                .get(&key_text_of(row, key_cols))
+                .is_some_and(|after| i < *after);
+            i += 1;
+            !before
+        });
+    }
+
     pub fn is_empty(&self) -> bool {
         !self.sweep_start && !self.sweep_end && self.deletes.is_empty() && self.upserts.is_empty()
     }

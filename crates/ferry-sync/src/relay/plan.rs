@@ -95,7 +95,15 @@ impl<'a> Planner<'a> {
             }
         }
         self.closure(conn).await?;
-        self.release(conn).await
+        self.release(conn).await?;
+        // A row a heal or a provisioning sent from the held state at the start of the
+        // pass, and that a note then took away, must not stay: the last decision wins.
+        for out in self.out.values_mut() {
+            for (t, table_out) in out.tables.iter_mut() {
+                table_out.settle(&self.spec.tables[*t].key_columns());
+            }
+        }
+        Ok(())
     }
 
     /// Step 2: broadcast rows.
@@ -171,7 +179,6 @@ impl<'a> Planner<'a> {
         .iter()
         .map(|r| (r.get(0), r.get(1)))
         .collect();
-        let key_cols = table.key_columns();
         // Every row read, shown or not: a row `active` hides still travels to a replica
         // whose rows point at it.
         let any: HashMap<&str, &Fetched> = rows.iter().map(|r| (r.key.as_str(), r)).collect();
@@ -191,7 +198,7 @@ impl<'a> Planner<'a> {
                             o.upserts.push(row.values.clone());
                             kept.push((*r, key, false));
                         }
-                        _ => o.deletes.push(k.clone()),
+                        _ => o.delete(key, k.clone()),
                     }
                 }
             }
@@ -216,10 +223,11 @@ impl<'a> Planner<'a> {
                     }
                     None => {
                         if let Some(k) = key_values(self.spec, t, key) {
-                            let o = self.out.entry(*r).or_default().table(t);
-                            o.upserts
-                                .retain(|row| super::record::key_text_of(row, &key_cols) != *key);
-                            o.deletes.push(k);
+                            self.out
+                                .entry(*r)
+                                .or_default()
+                                .table(t)
+                                .delete(key.clone(), k);
                         }
                         dropped.push((*r, key.clone()));
                     }
@@ -299,7 +307,11 @@ impl<'a> Planner<'a> {
                     }
                     _ => {
                         if let Some(k) = key_values(self.spec, t, key) {
-                            self.out.entry(*r).or_default().table(t).deletes.push(k);
+                            self.out
+                                .entry(*r)
+                                .or_default()
+                                .table(t)
+                                .delete(key.clone(), k);
                         }
                         held_drop.push((*r, key.clone()));
                         self.released.push(Release::Row(*r, t, key.clone()));
@@ -518,13 +530,12 @@ impl<'a> Planner<'a> {
             }
             if let Some(k) = key_values(self.spec, p, key) {
                 // An upsert of the same row earlier in this pass (it was kept for a pointer
-                // that has just gone) must not outlive the delete: the replica applies
-                // deletes before upserts.
-                let key_cols = self.spec.tables[p].key_columns();
-                let o = self.out.entry(r).or_default().table(p);
-                o.upserts
-                    .retain(|row| super::record::key_text_of(row, &key_cols) != key);
-                o.deletes.push(k);
+                // that has just gone) does not outlive the delete (`TableOut::settle`).
+                self.out
+                    .entry(r)
+                    .or_default()
+                    .table(p)
+                    .delete(key.to_string(), k);
             }
             self.released.push(Release::Row(r, p, key.to_string()));
         }
@@ -789,7 +800,7 @@ impl Planner<'_> {
         let o = self.out.entry(r).or_default().table(t);
         for (key, _) in changed.iter().filter(|(_, gone)| *gone) {
             if let Some(k) = key_values(self.spec, t, key) {
-                o.deletes.push(k);
+                o.delete(key.clone(), k);
             }
         }
         o.upserts.extend(
