@@ -275,6 +275,7 @@ fn follow(
     let mut seen: HashMap<i64, i64> = HashMap::new();
     let mut samples = Vec::new();
     let mut counted = false;
+    let mut last_report = Instant::now();
     while !stop.load(Ordering::Relaxed) {
         let st = replica.status().unwrap();
         let at = Position {
@@ -326,8 +327,13 @@ fn follow(
                 }
             }
         }
-        if let Ok(up) = replica.up() {
-            let _ = link.report(&wire::encode_up(&up));
+        // Like the replica's run loop: a report after applying, at most once a second
+        // (and at once while provisioning, so the relay hears the snapshot confirmed).
+        if applied && (!counted || last_report.elapsed() >= Duration::from_secs(1)) {
+            if let Ok(up) = replica.up_without_digests() {
+                let _ = link.report(&wire::encode_up(&up));
+            }
+            last_report = Instant::now();
         }
     }
     samples
