@@ -408,3 +408,55 @@ async fn rows_changed_behind_a_replicas_back_are_healed_by_that_tables_digest_al
     eprintln!("healing the products table cost {healed} bytes");
     shop.finish().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_restored_from_an_older_copy_is_detected_and_provisioned_again() {
+    let mut shop = Shop::new("restored").await;
+    let store = shop.store("north").await;
+    let order = uuid::Uuid::new_v4();
+    shop.db
+        .exec(&format!(
+            "INSERT INTO products SELECT g, 'p' || g, g, 'north' FROM generate_series(1, 20) g;
+             INSERT INTO orders (id, store_id) VALUES ('{order}', '{store}');"
+        ))
+        .await;
+    shop.settle().await;
+    // A backup of the store's file at this point...
+    let file = shop.dir.join(format!("{store}.db"));
+    let backup = shop.dir.join("backup.db");
+    shop.replicas[&store]
+        .conn()
+        .execute("VACUUM INTO ?1", [backup.to_str().unwrap()])
+        .unwrap();
+    // ...then more changes it applies and confirms...
+    shop.db
+        .exec(&format!(
+            "UPDATE products SET price = 0 WHERE id <= 5; DELETE FROM orders WHERE id = '{order}'"
+        ))
+        .await;
+    shop.settle().await;
+    shop.assert_converged().await;
+    // ...then the file is restored from the backup: it confirms less than before.
+    drop(shop.replicas.remove(&store));
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", file.display()));
+    }
+    std::fs::copy(&backup, &file).unwrap();
+    shop.reopen(store);
+    assert_eq!(
+        shop.held(store)["orders"].len(),
+        1,
+        "the restored copy holds the old order"
+    );
+    shop.settle().await;
+    shop.assert_converged().await;
+    let provisioned: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM ferry_sync.replicas WHERE id = $1 AND standing = 'following'",
+    )
+    .bind(store)
+    .fetch_one(&shop.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(provisioned, 1);
+    shop.finish().await;
+}
