@@ -460,3 +460,52 @@ async fn a_replica_restored_from_an_older_copy_is_detected_and_provisioned_again
     assert_eq!(provisioned, 1);
     shop.finish().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_a_replica_refuses_is_set_aside_while_the_rest_flows_and_goes_through_after_a_fix() {
+    let mut shop = Shop::new("poison").await;
+    let store = shop.store("north").await;
+    shop.db
+        .exec("INSERT INTO products VALUES (1, 'tea', 1, 'north')")
+        .await;
+    shop.settle().await;
+    // The store's own rule: it refuses products named 'bad' (its trigger, not ferry's).
+    shop.replicas[&store]
+        .conn()
+        .execute_batch("CREATE TRIGGER refuse_bad BEFORE INSERT ON products WHEN NEW.name = 'bad' BEGIN SELECT RAISE(ABORT, 'bad names are refused here'); END;")
+        .unwrap();
+    shop.db
+        .exec("INSERT INTO products VALUES (2, 'bad', 2, 'north'), (3, 'coffee', 3, 'north')")
+        .await;
+    shop.settle().await;
+    let held = shop.held(store);
+    assert!(
+        held["products"].iter().any(|p| p.starts_with("3|")),
+        "the rest flows"
+    );
+    assert!(
+        !held["products"].iter().any(|p| p.starts_with("2|")),
+        "the refused row is not there"
+    );
+    let quarantined: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM ferry_sync.quarantine WHERE cause = 'replica'")
+            .fetch_one(&shop.db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        quarantined, 1,
+        "the server holds it set aside for that store"
+    );
+    let status = ferry_sync::status::read(&shop.db.pool, None).await.unwrap();
+    assert_eq!(status.replicas[0].quarantined, 1);
+    // The store's deploy drops its rule; the relay's retry (at start, and on its timer)
+    // sends the row again.
+    shop.replicas[&store]
+        .conn()
+        .execute_batch("DROP TRIGGER refuse_bad")
+        .unwrap();
+    shop.relay = Relay::new(shop.spec.clone(), RelaySettings::default());
+    shop.settle().await;
+    shop.assert_converged().await;
+    shop.finish().await;
+}
