@@ -21,6 +21,7 @@ pub mod plan;
 pub mod read;
 pub mod record;
 pub mod reports;
+pub mod route;
 pub mod spec;
 
 use std::collections::{HashMap, HashSet};
@@ -397,10 +398,20 @@ impl Relay {
                         planner.note(t, row.key);
                     }
                 }
+                "group" => {
+                    for k in route::keys_in_group(conn, &self.spec, t, &key).await? {
+                        planner.note(t, k);
+                    }
+                }
+                "routed" => {
+                    for k in route::keys_routed(conn, &self.spec, t).await? {
+                        planner.note(t, k);
+                    }
+                }
                 other => tracing::warn!(
                     kind = other,
                     relation,
-                    "relay: this kind of note is not planned yet; dropped"
+                    "relay: unknown kind of note; dropped"
                 ),
             }
         }

@@ -379,6 +379,13 @@ impl<'a> Planner<'a> {
                         .collect()
                 }
             }
+            RouteSpec::Grouped { .. } | RouteSpec::Routed { .. } => {
+                super::route::replicas_of(conn, self.spec, t, &row.key)
+                    .await?
+                    .into_iter()
+                    .filter(|r| self.following.partition_of.contains_key(r))
+                    .collect()
+            }
             RouteSpec::Closure | RouteSpec::Broadcast { .. } => BTreeSet::new(),
         })
     }
@@ -749,6 +756,10 @@ impl Planner<'_> {
                         read::rows(conn, self.spec, table, Filter::Parents(*parent, &keys)).await?;
                     by_rule[p] = keys;
                     rows
+                }
+                RouteSpec::Grouped { .. } | RouteSpec::Routed { .. } => {
+                    let keys = super::route::keys_for(conn, self.spec, t, r).await?;
+                    read::rows(conn, self.spec, table, Filter::Keys(&keys)).await?
                 }
                 RouteSpec::Closure => Vec::new(),
             };

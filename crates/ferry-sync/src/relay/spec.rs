@@ -58,6 +58,23 @@ pub enum RouteSpec {
     Assigned { column: String },
     /// Wherever the parent `parents[parent]` goes by its own rule.
     Follows { parent: usize },
+    /// Every replica a group holding the row is assigned to: `members` (quoted) links
+    /// rows (`row`) to groups (`group`); `assigned` links groups (the same column name)
+    /// to replicas (`replica`). The table's key has one part.
+    Grouped {
+        members: String,
+        row: String,
+        group: String,
+        assigned: String,
+        replica: String,
+    },
+    /// Every replica the view (quoted) pairs the row with: `row` are the view's columns
+    /// for the key's parts, in key order; `replica` its uuid column.
+    Routed {
+        view: String,
+        row: Vec<String>,
+        replica: String,
+    },
     /// Only with rows that point at it.
     Closure,
 }
@@ -265,12 +282,26 @@ impl Spec {
                     })?,
                 },
                 Route::Closure => RouteSpec::Closure,
-                Route::Grouped(_) | Route::Routed(_) => {
-                    return Err(format!(
-                        "table {}: grouped and routed tables are installed and captured, but the relay does not plan them yet (docs/sync.md §13)",
-                        ct.relation
-                    ));
+                Route::Grouped(g) => {
+                    if ct.key.len() != 1 {
+                        return Err(format!(
+                            "table {}: a grouped table needs a key of one column (its members table names rows by it)",
+                            ct.relation
+                        ));
+                    }
+                    RouteSpec::Grouped {
+                        members: g.members.quoted(),
+                        row: quote_ident(&g.row),
+                        group: quote_ident(&g.group),
+                        assigned: g.assigned.quoted(),
+                        replica: quote_ident(&g.replica),
+                    }
                 }
+                Route::Routed(v) => RouteSpec::Routed {
+                    view: v.view.quoted(),
+                    row: v.row.iter().map(|c| quote_ident(c)).collect(),
+                    replica: quote_ident(&v.replica),
+                },
             };
             let columns = ct
                 .columns

@@ -112,9 +112,15 @@ pub struct Shop {
 
 impl Shop {
     pub async fn new(prefix: &str) -> Shop {
+        Shop::new_with(prefix, SHOP_SCHEMA, SHOP_RULES).await
+    }
+
+    /// Another schema and rules; `expected`/`held`/`assert_converged` are the shop's, so a
+    /// test of other rules checks what it expects itself.
+    pub async fn new_with(prefix: &str, schema: &str, rules_text: &str) -> Shop {
         let db = TestDb::new(prefix).await;
-        db.exec(SHOP_SCHEMA).await;
-        let rules = Rules::parse(SHOP_RULES, "shop.toml").expect("the shop rules parse");
+        db.exec(schema).await;
+        let rules = Rules::parse(rules_text, "rules.toml").expect("the rules parse");
         ferry_sync::schema::install(&db.pool, &rules)
             .await
             .expect("install");
