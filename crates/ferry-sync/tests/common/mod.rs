@@ -18,8 +18,9 @@ use sqlx::{Connection, PgConnection, PgPool, Row};
 use uuid::Uuid;
 
 pub fn admin_url() -> String {
-    std::env::var("FERRY_TEST_PG_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+    let base = std::env::var("FERRY_TEST_PG")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
+    format!("{}/postgres", base.trim_end_matches('/'))
 }
 
 /// A database of the test's own, dropped at the end.
