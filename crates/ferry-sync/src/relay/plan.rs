@@ -204,6 +204,7 @@ impl<'a> Planner<'a> {
             }
         }
         let mut dropped: Vec<(Uuid, String)> = Vec::new();
+        let mut taken_back: Vec<(String, String)> = Vec::new();
         for (key, hs) in &holders {
             for (r, _) in hs {
                 let rpart = self.following.partition_of.get(r);
@@ -229,12 +230,18 @@ impl<'a> Planner<'a> {
                                 .table(t)
                                 .delete(key.clone(), k);
                         }
+                        if let Some(part) = rpart {
+                            taken_back.push((part.clone(), key.clone()));
+                        }
                         dropped.push((*r, key.clone()));
                     }
                 }
             }
         }
         write_held(conn, &table.relation, &kept, &dropped).await?;
+        for (part, key) in &taken_back {
+            tombstone(conn, &table.relation, part, key, self.pass).await?;
+        }
         for row in rows.iter().filter(|r| r.shown) {
             for r in self
                 .following
@@ -534,6 +541,11 @@ impl<'a> Planner<'a> {
                 if by_rule {
                     return Ok(());
                 }
+                // A catch-up of the replica's partition sends that partition's tombstones
+                // only: without one here, a take-back in a dropped outbox is never resent.
+                if !part.is_empty() {
+                    tombstone(conn, relation, &part, key, self.pass).await?;
+                }
             }
             if let Some(k) = key_values(self.spec, p, key) {
                 // An upsert of the same row earlier in this pass (it was kept for a pointer
@@ -651,6 +663,30 @@ async fn pointed_at(
         .bind(key)
         .fetch_one(&mut *conn)
         .await
+}
+
+/// Records that a broadcast row held per row (closure) left a replica of `part`, where it
+/// is not held by the partition's rule: a tombstone, so a catch-up of `part`'s replicas
+/// from before this pass takes it back too. A replica of `part` that still points at the
+/// row gets it again from that catch-up's closure, after the delete.
+async fn tombstone(
+    conn: &mut PgConnection,
+    relation: &str,
+    part: &str,
+    key: &str,
+    pass: i64,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO ferry_sync.rows (relation, part, key, rv, gone) VALUES ($1, $2, $3, $4, true)
+         ON CONFLICT (relation, part, key) DO UPDATE SET rv = excluded.rv, gone = true",
+    )
+    .bind(relation)
+    .bind(part)
+    .bind(key)
+    .bind(pass)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
 }
 
 /// Replaces what a held row points at; returns the parents it no longer points at.
