@@ -85,6 +85,8 @@ CREATE TABLE ferry_sync.held (
     by_rule   boolean NOT NULL,   -- its own rule sends it (false: only closure keeps it)
     PRIMARY KEY (replica, relation, key)
 );
+-- A changed row's holders, whoever they are (the planner looks rows up by key).
+CREATE INDEX held_by_key ON ferry_sync.held (relation, key);
 
 -- Bodies shared by every replica a message goes to (a broadcast change is stored once).
 CREATE TABLE ferry_sync.bodies (
@@ -116,7 +118,7 @@ CREATE TABLE ferry_sync.points (
     child_key      text NOT NULL,
     PRIMARY KEY (replica, child_relation, child_key, relation, key)
 );
-CREATE INDEX points_parent ON ferry_sync.points (replica, relation, key);
+CREATE INDEX points_parent ON ferry_sync.points (relation, key, replica);
 
 -- Each replica's latest report up, stored by whichever serve process received it and
 -- handled by the relay's next pass.

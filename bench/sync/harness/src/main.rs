@@ -132,7 +132,8 @@ impl Bench {
     }
 
     async fn drop_db(self) {
-        self.pool.close().await;
+        // Not `pool.close()`: a serve's notification listener holds one of the pool's
+        // connections for good, and close would wait for it. FORCE ends the sessions.
         let mut c = PgConnection::connect(&self.admin).await.unwrap();
         let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
             "DROP DATABASE IF EXISTS {} WITH (FORCE)",
