@@ -187,13 +187,13 @@ impl Rules {
 
 impl Relation {
     /// `name` means `public.name`; `schema.name` names the schema. Each part an identifier.
-    pub fn parse(text: &str) -> Result<Relation, String> {
+    pub fn parse(text: &str) -> Result<Relation, NameError> {
         let (schema, name) = match text.split_once('.') {
             Some((schema, name)) => (schema, name),
             None => ("public", text),
         };
-        check_ident(schema).map_err(|e| format!("{text:?}: the schema {e}"))?;
-        check_ident(name).map_err(|e| format!("{text:?}: {e}"))?;
+        check_ident(schema).map_err(|e| NameError(format!("{text:?}: the schema {e}")))?;
+        check_ident(name).map_err(|e| NameError(format!("{text:?}: {e}")))?;
         Ok(Relation {
             schema: schema.into(),
             name: name.into(),
@@ -236,23 +236,35 @@ pub fn quote_literal(text: &str) -> String {
     format!("'{}'", text.replace('\'', "''"))
 }
 
+/// A name in the rules that is not an identifier Postgres would take as written.
+/// Permanent: the same name fails the same way; the message says which and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct NameError(pub String);
+
+impl ferry_core::Classify for NameError {
+    fn class(&self) -> ferry_core::Class {
+        ferry_core::Class::Permanent
+    }
+}
+
 /// An identifier as the rules accept it: 1..=63 bytes of `[A-Za-z0-9_]`, not starting
 /// with a digit.
-pub fn check_ident(ident: &str) -> Result<(), String> {
+pub fn check_ident(ident: &str) -> Result<(), NameError> {
     if ident.is_empty() {
-        return Err("name is empty".into());
+        return Err(NameError("name is empty".into()));
     }
     if ident.len() > IDENT_BYTES_MAX {
-        return Err(format!(
+        return Err(NameError(format!(
             "name {ident:?} is {} bytes, over Postgres's {IDENT_BYTES_MAX}",
             ident.len()
-        ));
+        )));
     }
     let first_ok = ident.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_');
     if !first_ok || !ident.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-        return Err(format!(
+        return Err(NameError(format!(
             "name {ident:?} is not an identifier (letters, digits and _, not starting with a digit)"
-        ));
+        )));
     }
     Ok(())
 }
