@@ -216,12 +216,14 @@ async fn a_confirmation_from_before_a_move_gives_no_mark_in_the_new_region() {
     shop.finish().await;
 }
 
-// Guards a heal planned in the same pass as a move: a digest compared while the move was
-// not yet planned differs (the server reads the order's new content for the old store),
-// so the orders table is resent to the old store from the held state at the start of the
-// pass; the move then deletes the order there. The replica applies a part's deletes
-// before its upserts, so the heal's upsert must not outlive the delete. Found by the walk
-// (seed 24).
+// Guards a heal planned in the same pass as a move: the old store's copy of the order's
+// lines was changed behind the relay's back, so their digest differs and the lines are
+// resent to it from the held state at the start of the pass, while the order's move,
+// planned in the same pass, takes them (its followers) away there. The replica applies a
+// part's deletes before its upserts, so the heal's upserts must not outlive the deletes.
+// Found by the walk (seed 24), where a digest compared before a write's pass healed the
+// written table; such a digest now waits for the table's notes, so a real difference in
+// a follower table stands in for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_order_moved_in_the_pass_that_heals_its_old_store_leaves_it() {
     let mut shop = Shop::new("healmove").await;
@@ -237,7 +239,8 @@ async fn an_order_moved_in_the_pass_that_heals_its_old_store_leaves_it() {
     let order = Uuid::new_v4();
     shop.db
         .exec(&format!(
-            "INSERT INTO orders (id, store_id, note) VALUES ('{order}', '{old}', 'o')"
+            "INSERT INTO orders (id, store_id, note) VALUES ('{order}', '{old}', 'o');
+             INSERT INTO order_lines (order_id, line, qty) VALUES ('{order}', 1, 1), ('{order}', 2, 2);"
         ))
         .await;
     shop.settle().await;
@@ -247,6 +250,10 @@ async fn an_order_moved_in_the_pass_that_heals_its_old_store_leaves_it() {
         .stats
         .heals
         .load(std::sync::atomic::Ordering::Relaxed);
+    shop.replicas[&old]
+        .conn()
+        .execute_batch("UPDATE order_lines SET qty = 7")
+        .unwrap();
     shop.db
         .exec(&format!(
             "UPDATE orders SET store_id = '{new}' WHERE id = '{order}'"
@@ -261,7 +268,7 @@ async fn an_order_moved_in_the_pass_that_heals_its_old_store_leaves_it() {
             .heals
             .load(std::sync::atomic::Ordering::Relaxed)
             > heals,
-        "the digest compared before the move was planned heals the old store's orders"
+        "the old store's order lines are healed in the pass that plans the move"
     );
     // Checked before any later digest could heal the mistake away.
     shop.deliver(old).await;
@@ -269,6 +276,11 @@ async fn an_order_moved_in_the_pass_that_heals_its_old_store_leaves_it() {
         shop.held(old)["orders"].len(),
         0,
         "the order left its old store"
+    );
+    assert_eq!(
+        shop.held(old)["order_lines"].len(),
+        0,
+        "its lines left with it"
     );
     shop.settle().await;
     shop.assert_converged().await;

@@ -409,6 +409,67 @@ async fn rows_changed_behind_a_replicas_back_are_healed_by_that_tables_digest_al
     shop.finish().await;
 }
 
+// Guards a false heal: a replica reports a digest taken before a write's pass while the
+// write's note waits; the server reads current rows, so the digests differ and a table
+// was resent that the pass itself was about to send (bytes, never correctness).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_digest_taken_before_a_writes_pass_heals_nothing_and_a_real_difference_still_heals() {
+    let mut shop = Shop::new("noheal").await;
+    shop.relay = Relay::new(
+        shop.spec.clone(),
+        RelaySettings {
+            digest_every: Duration::ZERO,
+            ..RelaySettings::default()
+        },
+    );
+    let store = shop.store("north").await;
+    let order = uuid::Uuid::new_v4();
+    shop.db
+        .exec(&format!(
+            "INSERT INTO products SELECT g, 'p' || g, g, 'north' FROM generate_series(1, 20) g;
+             INSERT INTO orders (id, store_id, note) VALUES ('{order}', '{store}', 'first');"
+        ))
+        .await;
+    shop.settle().await;
+    shop.assert_converged().await;
+    let heals = |shop: &Shop| shop.relay.stats.heals.load(Ordering::Relaxed);
+    assert_eq!(heals(&shop), 0, "a clean run needs no heal");
+
+    // Writes to a broadcast and a per-replica table; before any pass plans them, the
+    // store reports (it is at the end of its chain, so the report carries digests of
+    // what it held before the writes).
+    shop.db
+        .exec(&format!(
+            "UPDATE products SET price = 99 WHERE id = 3; DELETE FROM products WHERE id = 4;
+             INSERT INTO products VALUES (21, 'new', 1, 'north');
+             UPDATE orders SET note = 'changed' WHERE id = '{order}';"
+        ))
+        .await;
+    assert!(!shop.deliver(store).await, "nothing was recorded yet");
+    let up = shop.replicas[&store].up().unwrap();
+    assert!(!up.digests.is_empty(), "the report carries digests");
+    // The pass that handles the report plans the writes too.
+    shop.passes().await;
+    assert_eq!(
+        heals(&shop),
+        0,
+        "a digest older than pending notes for its table is not compared"
+    );
+    shop.settle().await;
+    shop.assert_converged().await;
+    assert_eq!(heals(&shop), 0, "the writes travelled as notes, not heals");
+
+    // A real difference (a row changed behind the relay's back, no note) still heals.
+    shop.replicas[&store]
+        .conn()
+        .execute_batch("UPDATE products SET name = 'tampered' WHERE id = 5")
+        .unwrap();
+    shop.settle().await;
+    shop.assert_converged().await;
+    assert_eq!(heals(&shop), 1, "the tampered table was healed");
+    shop.finish().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_restored_from_an_older_copy_is_detected_and_provisioned_again() {
     let mut shop = Shop::new("restored").await;

@@ -8,10 +8,11 @@
 //! 3. A gap the outbox cannot fill → catch up by a new chain.
 //! 4. Rejections → quarantine for that replica.
 //! 5. Digests, when the replica confirmed everything recorded for it and none were
-//!    compared within `digest_every`: a table whose count or fingerprint differs from
-//!    what the server says the replica holds is healed (resent with a sweep, in-chain).
+//!    compared within `digest_every`: a table with no note pending or parked whose count
+//!    or fingerprint differs from what the server says the replica holds is healed
+//!    (resent with a sweep, in-chain).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use sqlx::{PgConnection, Row};
 use uuid::Uuid;
@@ -40,6 +41,7 @@ pub async fn handle(
     digest_every: std::time::Duration,
 ) -> Result<Decisions, sqlx::Error> {
     let mut decisions = Decisions::default();
+    let mut deferred = None;
     let reports = sqlx::query(
         "UPDATE ferry_sync.reports SET handled = true WHERE NOT handled RETURNING replica, up",
     )
@@ -53,7 +55,16 @@ pub async fn handle(
             continue;
         };
         one(conn, spec, epoch, r, &up, &mut decisions).await?;
-        compare_digests(conn, spec, r, &up, digest_every, &mut decisions).await?;
+        compare_digests(
+            conn,
+            spec,
+            r,
+            &up,
+            digest_every,
+            &mut deferred,
+            &mut decisions,
+        )
+        .await?;
     }
     Ok(decisions)
 }
@@ -255,23 +266,43 @@ async fn quarantine_rejections(
     Ok(())
 }
 
-/// Step 5.
+/// Step 5. A table is compared only when nothing the server knows of is still on its way
+/// to the replica, so that a difference means the replica really holds something else:
+///
+/// - no message recorded for the replica is unconfirmed (`confirmed_seq = last_seq`), so
+///   every pass's decision for it is in what it applied;
+/// - no note for the table is pending or parked (`deferred`). What the server says the
+///   replica should hold (`should_rows`) is the held state, which only passes change,
+///   read with current content, plus, for a broadcast table, the partition's current
+///   rows: the one thing that changes it without a pass is a write to that very table,
+///   and every such write leaves a note on it in the same transaction, so this pass's
+///   snapshot sees both or neither. Notes on other tables (a parent's move, a group, a
+///   route, a replica) change the held state only when planned, so they need not wait.
+///   A write to a table that only a `from` or `active` view reads notes nothing here; a
+///   difference it makes is real, since no pass would resend it, and is what the heal
+///   is for.
+///
+/// Comparing without the second condition healed, by a table's worth of bytes, every
+/// table written between a replica's report and the pass that handled it. A table whose
+/// notes never run out (writes every pass) waits for a quiet pass; a replica's
+/// `digest_at` is stamped only when some table was compared, so the next report tries
+/// again.
 async fn compare_digests(
     conn: &mut PgConnection,
     spec: &Spec,
     r: Uuid,
     up: &wire::Up,
     every: std::time::Duration,
+    deferred: &mut Option<HashSet<String>>,
     decisions: &mut Decisions,
 ) -> Result<(), sqlx::Error> {
     if up.digests.is_empty() || decisions.new_epoch || decisions.provision.contains_key(&r) {
         return Ok(());
     }
     let due: Option<(String,)> = sqlx::query_as(
-        "UPDATE ferry_sync.replicas SET digest_at = now()
+        "SELECT coalesce(partition, '') FROM ferry_sync.replicas
          WHERE id = $1 AND standing = 'following' AND confirmed_seq = last_seq
-           AND (digest_at IS NULL OR digest_at <= now() - make_interval(secs => $2))
-         RETURNING coalesce(partition, '')",
+           AND (digest_at IS NULL OR digest_at <= now() - make_interval(secs => $2))",
     )
     .bind(r)
     .bind(every.as_secs_f64())
@@ -280,10 +311,19 @@ async fn compare_digests(
     let Some((partition,)) = due else {
         return Ok(());
     };
+    let deferred = match deferred {
+        Some(noted) => noted,
+        None => deferred.insert(noted_relations(conn).await?),
+    };
+    let mut compared = false;
     for digest in &up.digests {
         let Some(t) = spec.tables.iter().position(|t| t.name == digest.table) else {
             continue;
         };
+        if deferred.contains(&spec.tables[t].relation) {
+            continue;
+        }
+        compared = true;
         let rows = super::plan::should_rows(conn, spec, r, &partition, t).await?;
         let mut print = crate::value::Fingerprint::default();
         for row in &rows {
@@ -295,5 +335,22 @@ async fn compare_digests(
             decisions.heal.push((r, t));
         }
     }
+    if compared {
+        sqlx::query("UPDATE ferry_sync.replicas SET digest_at = now() WHERE id = $1")
+            .bind(r)
+            .execute(&mut *conn)
+            .await?;
+    }
     Ok(())
+}
+
+/// The relations with a note pending or parked: their digests wait (`compare_digests`).
+/// Read once per pass, and only when some replica's digests are due: the notes table is
+/// small between passes, but holds a whole bulk load while one is planned.
+async fn noted_relations(conn: &mut PgConnection) -> Result<HashSet<String>, sqlx::Error> {
+    let relations: Vec<String> =
+        sqlx::query_scalar("SELECT DISTINCT relation FROM ferry_sync.notes")
+            .fetch_all(&mut *conn)
+            .await?;
+    Ok(relations.into_iter().collect())
 }
