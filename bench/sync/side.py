@@ -1,0 +1,384 @@
+#!/usr/bin/env python3
+"""ferry-sync side by side with magic_sync 0.5.1 (issue 27's benchmark; bench/sync/side runs it).
+
+Each engine runs as the same three kinds of process on this machine:
+
+1. Postgres (the one scripts/test uses, FERRY_TEST_PG), a fresh database per run;
+2. the engine's server: `ferry sync serve` (relay + HTTP transport from its outbox), or
+   `magic-sync-server` (magic_sync's Server + a loopback store-and-forward queue served
+   over HTTP by our harness, bench/sync/magic);
+3. one replica host running R replicas, one SQLite file each (WAL, synchronous=FULL):
+   `ferry-bench-sync replicas` (ferry's own replica loop) or `magic-sync-replicas`
+   (magic_sync's Replica, its own run loop). Both hosts share one contract (stdout JSON
+   lines `provisioned`, `mark`, `done`) and measure lag the same way: each changed row
+   carries `at_ns`, Postgres's clock at the change; the host samples `now - at_ns` right
+   after the apply that brought it.
+
+The writer is a psql session fed SQL at a fixed rate (synchronous_commit off, for both).
+A point: load N products and R stores (K orders each, not live), start the server, wait
+for it, flip the stores live and start the host (provisioning runs until every replica
+holds all its rows), then M changes a second for S seconds to `products` (broadcast: each
+change reaches every replica) or `orders` (assigned: each change reaches one replica),
+then two seconds to drain. Server CPU = the engine's server process plus every Postgres
+process (user + system, from /proc), over the stream. WAL from pg_current_wal_lsn. Wire
+bytes are what the host's transport carried (frames down, reports up), over the stream.
+Each point runs RUNS times per engine, engines interleaved; medians are reported.
+"""
+
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+WORK = ROOT / "bench/.work/sync-side"
+RESULTS = ROOT / "bench/results"
+PG = os.environ.get("FERRY_TEST_PG", "postgres://postgres@127.0.0.1:5432").rstrip("/")
+FERRY = ROOT / "bench/.work/sync-bin/ferry"
+FERRY_HOST = ROOT / "bench/.work/sync-bin/ferry-bench-sync"
+MAGIC_SERVER = ROOT / "bench/sync/magic/target/release/magic-sync-server"
+MAGIC_HOST = ROOT / "bench/sync/magic/target/release/magic-sync-replicas"
+ORDERS_PER_STORE = 10
+ENGINES = ["ferry", "magic_sync 0.5.1"]
+
+SCHEMA = """
+CREATE TABLE stores (id uuid PRIMARY KEY, live boolean NOT NULL DEFAULT false);
+CREATE TABLE products (id int8 PRIMARY KEY, name text NOT NULL, price_cents int8 NOT NULL, at_ns int8 NOT NULL DEFAULT 0);
+CREATE TABLE orders (id int8 PRIMARY KEY, store uuid NOT NULL, qty int8 NOT NULL, at_ns int8 NOT NULL DEFAULT 0);
+"""
+RULES = """
+[replicas]
+relation = "stores"
+live = "live"
+
+[tables.products]
+sync = "broadcast"
+
+[tables.orders]
+sync = { assigned = "store" }
+"""
+NOW_NS = "(extract(epoch from clock_timestamp()) * 1e9)::int8"
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def psql(db, sql, *flags):
+    r = subprocess.run(["psql", f"{PG}/{db}", "-X", "-q", "-v", "ON_ERROR_STOP=1", *flags, "-c", sql],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"psql failed: {r.stderr.strip()}\n{sql[:300]}")
+    return r.stdout
+
+
+def scalar(db, sql):
+    return psql(db, sql, "-At").strip()
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def cpu_ticks(pids):
+    total = 0
+    for pid in pids:
+        try:
+            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(f[11]) + int(f[12])
+        except (OSError, IndexError):
+            pass
+    return total
+
+
+def postgres_ticks():
+    """CPU ticks of every Postgres process by pid (backends keep the comm "postgres")."""
+    out = subprocess.run(["pgrep", "-x", "postgres"], capture_output=True, text=True).stdout
+    return {int(p): cpu_ticks([int(p)]) for p in out.split()}
+
+
+class Host:
+    """A replica host process and its JSON lines."""
+
+    def __init__(self, argv, log_path):
+        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=open(log_path, "w"), text=True, bufsize=1)
+
+    def read(self, event, timeout):
+        import selectors
+        sel = selectors.DefaultSelector()
+        sel.register(self.p.stdout, selectors.EVENT_READ)
+        end = time.time() + timeout
+        while time.time() < end:
+            if not sel.select(timeout=max(0.0, end - time.time())):
+                break
+            line = self.p.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the replica host ended before {event}")
+            try:
+                j = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if j.get("event") == event:
+                return j
+        raise TimeoutError(f"no {event} within {timeout} s")
+
+    def say(self, cmd):
+        self.p.stdin.write(cmd + "\n")
+        self.p.stdin.flush()
+
+    def mark(self):
+        self.say("mark")
+        return self.read("mark", 30)
+
+    def done(self):
+        self.p.send_signal(signal.SIGTERM)
+        j = self.read("done", 60)
+        self.p.wait(timeout=30)
+        return j
+
+
+def wait_http(url, timeout=60):
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            urllib.request.urlopen(url, timeout=2).read()
+            return
+        except Exception:
+            time.sleep(0.1)
+    raise TimeoutError(f"{url} did not answer")
+
+
+def start_server(engine, db, d, port, replicas_file, stores):
+    url = f"{PG}/{db}"
+    if engine == "ferry":
+        rules = d / "rules.toml"
+        rules.write_text(RULES)
+        subprocess.run([FERRY, "sync", "install", "--rules", rules, "--db", url], check=True,
+                       capture_output=True)
+        lines = []
+        for s in stores:
+            tok = subprocess.run([FERRY, "sync", "enroll", "--db", url, "--replica", s, "--json"],
+                                 check=True, capture_output=True, text=True).stdout
+            lines.append(f"{s} {json.loads(tok)['token']}")
+        replicas_file.write_text("\n".join(lines) + "\n")
+        p = subprocess.Popen([FERRY, "sync", "serve", "--rules", rules, "--db", url,
+                              "--listen", f"127.0.0.1:{port}"],
+                             stdout=subprocess.DEVNULL, stderr=open(d / "server.log", "w"),
+                             env={**os.environ, "RUST_LOG": "warn"})
+        wait_http(f"http://127.0.0.1:{port}/status")
+    else:
+        replicas_file.write_text("\n".join(stores) + "\n")
+        p = subprocess.Popen([MAGIC_SERVER, "--db", url, "--listen", f"127.0.0.1:{port}"],
+                             stdout=subprocess.PIPE, stderr=open(d / "server.log", "w"), text=True)
+        line = p.stdout.readline()
+        if not line or json.loads(line).get("event") != "ready":
+            raise RuntimeError(f"magic-sync-server did not get ready: {line!r}")
+    return p
+
+
+def host_argv(engine, port, replicas_file, d, products):
+    exe = FERRY_HOST if engine == "ferry" else MAGIC_HOST
+    argv = [exe] + (["replicas"] if engine == "ferry" else [])
+    return argv + ["--server", f"http://127.0.0.1:{port}", "--stores", replicas_file,
+                   "--dir", d / "replicas", "--products", str(products),
+                   "--orders-per-store", str(ORDERS_PER_STORE)]
+
+
+def sync_schema_bytes(db):
+    return int(scalar(db, """SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname NOT IN ('public', 'pg_catalog', 'information_schema', 'pg_toast')
+        AND c.relkind IN ('r', 'm')"""))
+
+
+def wal(db):
+    return int(scalar(db, "SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::int8"))
+
+
+def point(engine, products, replicas, rate=0, mode="broadcast", seconds=0, heal=False):
+    """One run of one point; returns a dict of figures."""
+    db = f"bench_side_{uuid.uuid4().hex[:8]}"
+    d = WORK / db
+    d.mkdir(parents=True)
+    psql("postgres", f"CREATE DATABASE {db}")
+    server = host = None
+    out = {"engine": engine, "products": products, "replicas": replicas, "rate": rate,
+           "mode": mode, "seconds": seconds}
+    try:
+        psql(db, SCHEMA)
+        psql(db, f"INSERT INTO products SELECT g, 'product ' || g, g, 0 FROM generate_series(1, {products}) g")
+        stores = [str(uuid.uuid4()) for _ in range(replicas)]
+        psql(db, "INSERT INTO stores (id) VALUES " + ",".join(f"('{s}')" for s in stores))
+        psql(db, f"""INSERT INTO orders SELECT row_number() OVER (), s.id, 1, 0
+                     FROM stores s, generate_series(1, {ORDERS_PER_STORE})""")
+        psql(db, "VACUUM ANALYZE")
+        port = free_port()
+        replicas_file = d / "stores.txt"
+        server = start_server(engine, db, d, port, replicas_file, stores)
+        time.sleep(1.0)
+        t0 = time.time()
+        psql(db, "UPDATE stores SET live = true")
+        host = Host(host_argv(engine, port, replicas_file, d, products), d / "host.log")
+        host.read("provisioned", 600)
+        out["provision_s"] = time.time() - t0
+        out["provision_bytes"] = host.mark()["bytes_down"]
+        time.sleep(0.5)
+        if heal:
+            out.update(heal_one(engine, db, host, port))
+        if rate:
+            out.update(stream(engine, db, server, host, rate, mode, seconds, replicas))
+        out["sync_schema_bytes"] = sync_schema_bytes(db)
+        out.update({k: v for k, v in host.done().items() if k != "event"})
+        host = None
+    finally:
+        for p in [host.p if host else None, server]:
+            if p and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        psql("postgres", f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
+        subprocess.run(["rm", "-rf", str(d)])
+    return out
+
+
+def stream(engine, db, server, host, rate, mode, seconds, replicas):
+    keys = 100 if mode == "broadcast" else replicas * ORDERS_PER_STORE
+    table = "products" if mode == "broadcast" else "orders"
+    col = "price_cents" if mode == "broadcast" else "qty"
+    before = host.mark()
+    cpu0, pg0, wal0 = cpu_ticks([server.pid]), postgres_ticks(), wal(db)
+    w = subprocess.Popen(["psql", f"{PG}/{db}", "-X", "-q"], stdin=subprocess.PIPE,
+                         stdout=subprocess.DEVNULL, text=True)
+    w.stdin.write("SET synchronous_commit = off;\n")
+    start, n = time.time(), 0
+    while time.time() - start < seconds:
+        n += 1
+        w.stdin.write(f"UPDATE {table} SET at_ns = {NOW_NS}, {col} = {col} + 1 WHERE id = {n % keys + 1};\n")
+        w.stdin.flush()
+        delay = start + n / rate - time.time()
+        if delay > 0:
+            time.sleep(delay)
+    w.stdin.close()
+    w.wait()
+    time.sleep(2.0)
+    cpu1, pg1, wal1 = cpu_ticks([server.pid]), postgres_ticks(), wal(db)
+    engine_s = (cpu1 - cpu0) / os.sysconf("SC_CLK_TCK")
+    pg_s = sum(t - pg0.get(pid, 0) for pid, t in pg1.items()) / os.sysconf("SC_CLK_TCK")
+    after = host.mark()
+    deliveries = n * (replicas if mode == "broadcast" else 1)
+    return {
+        "changes": n,
+        "expected_samples": deliveries,
+        "server_cpu_ms_per_1000": (engine_s + pg_s) * 1e6 / n,
+        "engine_cpu_ms_per_1000": engine_s * 1e6 / n,
+        "postgres_cpu_ms_per_1000": pg_s * 1e6 / n,
+        "wal_bytes_per_change": (wal1 - wal0) / n,
+        "wire_bytes_per_delivery": (after["bytes_down"] + after["bytes_up"] - before["bytes_down"] - before["bytes_up"]) / deliveries,
+        "stream_samples": after["samples"] - before["samples"],
+    }
+
+
+def heal_one(engine, db, host, port):
+    """One change delivered normally, then one whose message the transport loses."""
+
+    def one(key, lose):
+        before = host.mark()
+        if lose:
+            if engine == "ferry":
+                host.say("lose-next")
+            else:
+                urllib.request.urlopen(urllib.request.Request(
+                    f"http://127.0.0.1:{port}/control/lose-next", method="POST"), timeout=5).read()
+        t = time.time()
+        psql(db, f"UPDATE products SET at_ns = {NOW_NS}, price_cents = price_cents + 1 WHERE id = {key}")
+        while True:
+            m = host.mark()
+            if m["samples"] > before["samples"]:
+                break
+            if time.time() - t > 300:
+                return None, None
+            time.sleep(0.05)
+        time.sleep(1.5)  # let the reports that follow the apply go up
+        m = host.mark()
+        return time.time() - t - 1.5, m["bytes_down"] + m["bytes_up"] - before["bytes_down"] - before["bytes_up"]
+
+    t_ok, b_ok = one(1, False)
+    t_lost, b_lost = one(2, True)
+    return {"heal_normal_s": t_ok, "heal_normal_bytes": b_ok, "heal_lost_s": t_lost, "heal_lost_bytes": b_lost}
+
+
+def median(runs, key):
+    vals = [r[key] for r in runs if r.get(key) is not None and r[key] == r[key]]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def machine():
+    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().split("\n")
+                if l.startswith("model name")), "unknown")
+    git = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    pg = scalar("postgres", "SHOW server_version")
+    return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(), "ferry": git, "postgres": pg}
+
+
+def plan(quick):
+    pts = []
+    for n in [10_000, 100_000]:
+        for r in [1, 10]:
+            pts.append(dict(products=n, replicas=r))
+    for mode in ["broadcast", "assigned"]:
+        for r in [1, 10, 100]:
+            for m in [10, 100, 1000]:
+                pts.append(dict(products=10_000, replicas=r, rate=m, mode=mode, seconds=5 if quick else 10))
+    pts.append(dict(products=10_000, replicas=1, heal=True))
+    return pts
+
+
+def main():
+    quick = "--quick" in sys.argv
+    only = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--only=")]
+    runs = 1 if quick else 3
+    for b in [FERRY, FERRY_HOST, MAGIC_SERVER, MAGIC_HOST]:
+        if not Path(b).exists():
+            sys.exit(f"{b} is missing: run bench/sync/side, which builds everything")
+    WORK.mkdir(parents=True, exist_ok=True)
+    raw = WORK / "raw.jsonl"
+    results = []
+    pts = plan(quick)
+    if only:
+        pts = [p for p in pts if any(o in json.dumps(p) for o in only)]
+    for i, p in enumerate(pts):
+        for run in range(runs):
+            for engine in ENGINES:
+                log(f"[{i + 1}/{len(pts)} run {run + 1}/{runs}] {engine} {p}")
+                try:
+                    r = point(engine, **p)
+                except Exception as e:  # a point that fails is reported, not fatal
+                    log(f"  failed: {e}")
+                    r = {"engine": engine, **p, "failed": str(e)[:300]}
+                r["run"] = run
+                results.append(r)
+                with raw.open("a") as f:
+                    f.write(json.dumps(r) + "\n")
+                log("  " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()
+                                       if k not in ("engine",) + tuple(p)}))
+    (WORK / "machine.json").write_text(json.dumps(machine()))
+    log(f"raw results in {raw}; report with bench/sync/side_report.py {raw}")
+
+
+if __name__ == "__main__":
+    main()
