@@ -9,7 +9,7 @@
 //! 3. Wake on `NOTIFY ferry_sync` (a write, a report) or every `idle`.
 //! 4. A transient error rolls the pass back and retries after a backoff; a lost lock
 //!    connection goes back to step 1. A permanent error halves the batch until the one
-//!    note it belongs to is parked.
+//!    note it belongs to is parked (`step`).
 //!
 //! What a crash leaves: before a pass commits, nothing (notes and reports stay); after,
 //! the outbox rows, which every serve process delivers.
@@ -115,6 +115,18 @@ pub struct PassReport {
     pub bytes: usize,
     /// More notes were waiting than the batch took.
     pub more: bool,
+}
+
+/// What one step of the relay did (`Relay::step`).
+#[derive(Clone, Debug)]
+pub enum Step {
+    /// A pass committed.
+    Passed(PassReport),
+    /// A pass failed on some note's data; the next one takes `batch` notes.
+    Narrowed { batch: usize },
+    /// A pass of one note failed on it: that note (its id) is parked, and the batch is
+    /// whole again. `None`: no note was pending, so the failure was not a note's.
+    Parked(Option<i64>),
 }
 
 /// A test seam: runs inside a pass, after everything is recorded and before the commit.
@@ -224,7 +236,7 @@ impl Relay {
             if *stop.borrow() {
                 return Ok(());
             }
-            let outcome = self.pass(conn).await;
+            let outcome = self.step(conn).await;
             if first && matches!(outcome, Err(RelayError::LockLost)) {
                 // The lock was taken a moment ago on this very connection: a transaction
                 // that does not see it ran on another backend, which is what a pooler in
@@ -233,22 +245,22 @@ impl Relay {
             }
             first = false;
             match outcome {
-                Ok(report) => {
+                Ok(Step::Passed(report)) => {
                     failures = 0;
-                    self.batch_now = (self.batch_now * 2).min(self.settings.batch);
                     if report.more {
                         continue;
                     }
                 }
+                Ok(Step::Narrowed { .. } | Step::Parked(Some(_))) => continue,
                 Err(RelayError::LockLost) => return Err(RelayError::LockLost),
-                Err(e) if !e.is_transient() && matches!(e, RelayError::Db(_)) => {
-                    self.stats.errors.fetch_add(1, Ordering::Relaxed);
-                    if self.batch_now > 1 {
-                        self.batch_now /= 2;
-                        tracing::warn!(error = %e, batch = self.batch_now, "relay: a note failed; halving the batch to find it");
-                    } else {
-                        self.park_first(conn, &e).await?;
-                        self.batch_now = self.settings.batch;
+                // A pass of one note, or of none, failed on data and there was no note to
+                // park: the cause is not a note (a row a provisioning reads, say), so it is
+                // retried with a backoff like a transient error rather than at once.
+                Ok(Step::Parked(None)) => {
+                    failures += 1;
+                    let wait = Duration::from_millis(100 * 2u64.pow(failures.min(8)));
+                    if sleep_or_stop(stop, wait).await {
+                        return Ok(());
                     }
                     continue;
                 }
@@ -272,6 +284,34 @@ impl Relay {
                 _ = tokio::time::sleep(self.settings.idle) => {}
                 _ = stop.changed() => {}
             }
+        }
+    }
+
+    /// One pass, and what a failure of it on data does next (docs/sync.md §6.4): the
+    /// batch is halved until a pass of one note fails, and that note is parked; a pass
+    /// that commits grows the batch back. Transient errors are returned for the caller to
+    /// back off. `hold` runs the relay on it; tests step it deterministically.
+    pub async fn step(&mut self, conn: &mut PgConnection) -> Result<Step, RelayError> {
+        match self.pass(conn).await {
+            Ok(report) => {
+                self.batch_now = (self.batch_now * 2).min(self.settings.batch);
+                Ok(Step::Passed(report))
+            }
+            Err(e) if !e.is_transient() && matches!(e, RelayError::Db(_)) => {
+                self.stats.errors.fetch_add(1, Ordering::Relaxed);
+                if self.batch_now > 1 {
+                    self.batch_now /= 2;
+                    tracing::warn!(error = %e, batch = self.batch_now, "relay: a note failed; halving the batch to find it");
+                    Ok(Step::Narrowed {
+                        batch: self.batch_now,
+                    })
+                } else {
+                    let parked = self.park_first(conn, &e).await?;
+                    self.batch_now = self.settings.batch;
+                    Ok(Step::Parked(parked))
+                }
+            }
+            Err(e) => Err(e),
         }
     }
 
@@ -512,8 +552,13 @@ impl Relay {
         Ok(provision)
     }
 
-    /// Parks the first pending note: a single-note pass failed permanently on it.
-    async fn park_first(&self, conn: &mut PgConnection, e: &RelayError) -> Result<(), RelayError> {
+    /// Parks the first pending note: a single-note pass failed permanently on it. Returns
+    /// its id, or `None` when no note was pending (the failure was not a note's).
+    async fn park_first(
+        &self,
+        conn: &mut PgConnection,
+        e: &RelayError,
+    ) -> Result<Option<i64>, RelayError> {
         let mut tx = conn.begin().await?;
         check_lock(&mut tx).await?;
         let id: Option<i64> = sqlx::query_scalar(
@@ -524,9 +569,16 @@ impl Relay {
         .fetch_optional(&mut *tx)
         .await?;
         tx.commit().await?;
-        self.stats.parked.fetch_add(1, Ordering::Relaxed);
-        tracing::error!(note = ?id, error = %e, "relay: parked a note the planner fails on; everything else flows");
-        Ok(())
+        match id {
+            Some(id) => {
+                self.stats.parked.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(note = id, error = %e, "relay: parked a note the planner fails on; everything else flows");
+            }
+            None => {
+                tracing::error!(error = %e, "relay: a pass without notes failed on data (a row a provisioning or a heal reads?); retrying with a backoff");
+            }
+        }
+        Ok(id)
     }
 }
 

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use ferry_sync::catalog::Catalog;
 use ferry_sync::relay::spec::Spec;
-use ferry_sync::relay::{Relay, RelaySettings};
+use ferry_sync::relay::{Relay, RelaySettings, Step};
 use ferry_sync::replica::{Received, Replica};
 use ferry_sync::rules::Rules;
 use ferry_sync::value::Value;
@@ -195,16 +195,51 @@ impl Shop {
         panic!("notes never ran out");
     }
 
+    /// As [`Shop::passes`], through the relay's own answer to a pass that fails on a
+    /// note's data (`Relay::step`): the batch is halved until that note is parked, as a
+    /// running relay does. Returns the ids of the notes parked.
+    pub async fn steps(&mut self) -> Vec<i64> {
+        let mut parked = Vec::new();
+        for _ in 0..1000 {
+            match self.relay.step(&mut self.lock).await.expect("step") {
+                Step::Passed(report) if !report.more && report.notes == 0 => return parked,
+                Step::Passed(_) | Step::Narrowed { .. } => {}
+                Step::Parked(Some(id)) => parked.push(id),
+                Step::Parked(None) => panic!("a pass failed on data with no note to park"),
+            }
+        }
+        panic!("notes never ran out");
+    }
+
     /// Delivers every replica's outbox, reports, and runs passes, until nothing moves.
     pub async fn settle(&mut self) {
+        self.settle_by(false).await;
+    }
+
+    /// As [`Shop::settle`], with passes that narrow and park ([`Shop::steps`]); returns
+    /// the ids of the notes parked.
+    pub async fn settle_parking(&mut self) -> Vec<i64> {
+        self.settle_by(true).await
+    }
+
+    async fn settle_by(&mut self, parking: bool) -> Vec<i64> {
+        let mut parked = Vec::new();
         for _ in 0..50 {
-            self.passes().await;
+            if parking {
+                parked.extend(self.steps().await);
+            } else {
+                self.passes().await;
+            }
             let mut moved = false;
             let ids: Vec<Uuid> = self.replicas.keys().copied().collect();
             for id in ids {
                 moved |= self.deliver(id).await;
             }
-            self.passes().await;
+            if parking {
+                parked.extend(self.steps().await);
+            } else {
+                self.passes().await;
+            }
             // The last passes may have recorded more (a heal, a catch-up): settled means
             // nothing moved and nothing waits in any outbox.
             let waiting: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry_sync.outbox")
@@ -212,7 +247,7 @@ impl Shop {
                 .await
                 .unwrap();
             if !moved && waiting == 0 {
-                return;
+                return parked;
             }
         }
         panic!("delivery never settled");
