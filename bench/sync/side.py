@@ -294,9 +294,13 @@ def stream(engine, db, server, host, rate, mode, seconds, replicas):
 
 
 def heal_one(engine, db, host, port):
-    """One change delivered normally, then one whose message the transport loses."""
+    """Two changes a second apart, delivered normally; then two more where the transport
+    loses the first one's message. The second change is what reveals a loss to an
+    engine that only notices a gap (magic_sync heals a lost *last* message only after
+    `unconfirmed_after`, an hour by default). Bytes: both directions until both changes
+    are applied and the reports after them have gone up."""
 
-    def one(key, lose):
+    def two(keys, lose):
         before = host.mark()
         if lose:
             if engine == "ferry":
@@ -305,20 +309,24 @@ def heal_one(engine, db, host, port):
                 urllib.request.urlopen(urllib.request.Request(
                     f"http://127.0.0.1:{port}/control/lose-next", method="POST"), timeout=5).read()
         t = time.time()
-        psql(db, f"UPDATE products SET at_ns = {NOW_NS}, price_cents = price_cents + 1 WHERE id = {key}")
+        for i, key in enumerate(keys):
+            if i:
+                time.sleep(1.0)
+            psql(db, f"UPDATE products SET at_ns = {NOW_NS}, price_cents = price_cents + 1 WHERE id = {key}")
         while True:
             m = host.mark()
-            if m["samples"] > before["samples"]:
+            if m["samples"] >= before["samples"] + len(keys):
                 break
             if time.time() - t > 300:
                 return None, None
             time.sleep(0.05)
-        time.sleep(1.5)  # let the reports that follow the apply go up
+        took = time.time() - t
+        time.sleep(1.5)
         m = host.mark()
-        return time.time() - t - 1.5, m["bytes_down"] + m["bytes_up"] - before["bytes_down"] - before["bytes_up"]
+        return took, m["bytes_down"] + m["bytes_up"] - before["bytes_down"] - before["bytes_up"]
 
-    t_ok, b_ok = one(1, False)
-    t_lost, b_lost = one(2, True)
+    t_ok, b_ok = two([1, 2], False)
+    t_lost, b_lost = two([3, 4], True)
     return {"heal_normal_s": t_ok, "heal_normal_bytes": b_ok, "heal_lost_s": t_lost, "heal_lost_bytes": b_lost}
 
 
