@@ -12,7 +12,7 @@ use clap::{Args, Subcommand};
 use ferry_sync::catalog::Catalog;
 use ferry_sync::relay::spec::Spec;
 use ferry_sync::relay::{Relay, RelaySettings, RelayStats};
-use ferry_sync::replica::{Replica, RunSettings};
+use ferry_sync::replica::{Live, Replica, RunSettings};
 use ferry_sync::rules::Rules;
 use sqlx::PgPool;
 
@@ -32,8 +32,9 @@ pub enum SyncSub {
     Serve(ServeArgs),
     /// Where every replica stands: synced, catching up, unreachable, silent.
     Status(StatusArgs),
-    /// Keep a local SQLite replica in step with a `ferry sync serve`, until SIGTERM; or,
-    /// with `status`, say where the replica stands.
+    /// Keep a local SQLite replica in step with a `ferry sync serve`, until SIGTERM
+    /// (with --metrics-listen, serving its own /metrics and /status: synced, catching up,
+    /// offline); or, with `status`, say where the replica's file stands.
     Replica(ReplicaArgs),
 }
 
@@ -126,11 +127,24 @@ pub struct ReplicaArgs {
     /// Report at least this often when nothing changed.
     #[arg(long, default_value_t = 30_000)]
     pub keepalive_ms: u64,
+    /// How long one fetch waits at the server for a message (long poll; at most 30,000).
+    #[arg(long, default_value_t = 20_000)]
+    pub wait_ms: u64,
+    /// No answer from the server for this long and the replica stands `offline` (must be
+    /// above --wait-ms).
+    #[arg(long, default_value_t = 60_000)]
+    pub offline_after_ms: u64,
+    /// Serve this running replica's /metrics (Prometheus) and /status (JSON: its file's
+    /// status, its standing and when it last heard from the server) on this address,
+    /// e.g. 127.0.0.1:7371 (port 0: any free port, logged). Off unless given.
+    #[arg(long)]
+    pub metrics_listen: Option<String>,
 }
 
 #[derive(Subcommand)]
 pub enum ReplicaSub {
-    /// Where the local replica stands (from its file).
+    /// Where the local replica stands, from its file alone (whether it is synced or
+    /// offline takes the running replica: its --metrics-listen /status).
     Status(ReplicaStatusArgs),
 }
 
@@ -374,8 +388,8 @@ fn replica(a: ReplicaArgs) -> anyhow::Result<()> {
                 st.rejections,
                 st.retired,
                 st.standing.map_or(
-                    "see the running replica's /status".to_string(),
-                    |s| format!("{s:?}")
+                    "see the running replica's /status (--metrics-listen)".to_string(),
+                    |s| s.name().to_string()
                 )
             );
             for t in &st.tables {
@@ -400,8 +414,26 @@ fn replica(a: ReplicaArgs) -> anyhow::Result<()> {
     let settings = RunSettings {
         window: a.window,
         keepalive: Duration::from_millis(a.keepalive_ms),
+        wait: Duration::from_millis(a.wait_ms),
+        offline_after: Duration::from_millis(a.offline_after_ms),
         ..RunSettings::default()
     };
+    settings.check().map_err(|e| {
+        let given = match e.setting {
+            "window" => a.window.to_string(),
+            "wait" => a.wait_ms.to_string(),
+            "keepalive" => a.keepalive_ms.to_string(),
+            "offline_after" => a.offline_after_ms.to_string(),
+            _ => e.value.clone(),
+        };
+        REPLICA_FLAGS.error(&e, Some(given))
+    })?;
+    let live = Arc::new(Live::new());
+    if let Some(addr) = &a.metrics_listen {
+        let listener = std::net::TcpListener::bind(addr)
+            .with_context(|| format!("cannot listen on --metrics-listen {addr}"))?;
+        serve_replica_metrics(listener, live.clone(), db.clone())?;
+    }
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();
     std::thread::spawn(move || {
@@ -413,7 +445,84 @@ fn replica(a: ReplicaArgs) -> anyhow::Result<()> {
         flag.store(true, std::sync::atomic::Ordering::SeqCst);
     });
     tracing::info!(%server, db = %db.display(), %id, "ferry sync replica: following");
-    let end = replica.run(&mut link, &stop, &settings)?;
+    let end = replica.run_live(&mut link, &stop, &settings, &live)?;
     tracing::info!(?end, "ferry sync replica: stopped");
     Ok(())
+}
+
+/// The replica loop's settings as its flags spell them.
+const REPLICA_FLAGS: crate::grammar::Flags = crate::grammar::Flags(&[
+    ("window", "--window"),
+    ("wait", "--wait-ms"),
+    ("keepalive", "--keepalive-ms"),
+    ("offline_after", "--offline-after-ms"),
+]);
+
+/// Serve the running replica's /metrics (its counters and standing, from `live` alone),
+/// /status (its file read on a connection of its own, with `live`) and /healthz, on a
+/// thread of its own: the replica's loop is synchronous and must not wait on a scrape.
+fn serve_replica_metrics(
+    listener: std::net::TcpListener,
+    live: Arc<Live>,
+    db: PathBuf,
+) -> anyhow::Result<()> {
+    listener.set_nonblocking(true)?;
+    tracing::info!(addr = %listener.local_addr()?, "serving /metrics and /status");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the metrics runtime")?;
+    let listener = {
+        let _entered = rt.enter();
+        tokio::net::TcpListener::from_std(listener)?
+    };
+    let live_metrics = live.clone();
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            axum::routing::get(move || {
+                let live = live_metrics.clone();
+                async move { live.metrics() }
+            }),
+        )
+        .route(
+            "/status",
+            axum::routing::get(move || {
+                let (live, db) = (live.clone(), db.clone());
+                async move { replica_status(&live, db).await }
+            }),
+        )
+        .route("/healthz", axum::routing::get(|| async { "ok\n" }));
+    std::thread::Builder::new()
+        .name("replica-metrics".into())
+        .spawn(move || {
+            rt.block_on(async move {
+                if let Err(e) = axum::serve(listener, app).await {
+                    tracing::error!("metrics server stopped: {e}");
+                }
+            })
+        })
+        .context("starting the metrics thread")?;
+    Ok(())
+}
+
+/// /status: the file's status (counting each table's rows, off the async thread) with
+/// what the running loop knows.
+async fn replica_status(live: &Live, db: PathBuf) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    match tokio::task::spawn_blocking(move || ferry_sync::replica::read_status(&db)).await {
+        Ok(Ok(file)) => axum::Json(live.status(file)).into_response(),
+        Ok(Err(e)) => (
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(serde_json::json!({
+                "error": format!("{e}; the running replica's standing is {}", live.standing().name())
+            })),
+        )
+            .into_response(),
+        Err(e) => (
+            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+            format!("reading the replica's status failed: {e}"),
+        )
+            .into_response(),
+    }
 }

@@ -36,14 +36,16 @@
 mod apply;
 mod codec;
 mod digest;
+mod live;
 mod run;
 mod state;
 mod status;
 mod tables;
 
+pub use live::{Live, LiveStatus, LiveTotals};
 pub use run::{Downlink, Position, RunEnd, RunError, RunSettings, TransportError};
 pub use state::{SCHEMA_VERSION, install};
-pub use status::{ReplicaStatus, Standing, TableRows};
+pub use status::{ReplicaStatus, Standing, TableRows, read_status};
 
 use crate::wire::{Down, Limits, Refused, Up};
 use ferry_core::{Class, Classify};

@@ -16,7 +16,10 @@
 //!
 //! Nothing here is persisted beyond what `receive`, `reported` and `heard` write. A
 //! crash anywhere leaves the file at a message boundary; the loop restarts from it.
+//! [`Replica::run_live`] also tells a [`Live`] what it does, for the running replica's
+//! /metrics and /status (`live.rs`).
 
+use super::live::{FileFacts, Live};
 use super::{Received, Replica, ReplicaError};
 use crate::wire;
 use ferry_core::backoff::Backoff;
@@ -87,6 +90,9 @@ pub struct RunSettings {
     pub keepalive: Duration,
     /// How often reports carry digests, which read every synced row.
     pub digest_every: Duration,
+    /// No fetch answered within this long: the replica stands `offline`. Above `wait`, or
+    /// a replica waiting in a healthy long poll would show offline.
+    pub offline_after: Duration,
     pub backoff: Backoff,
 }
 
@@ -102,6 +108,7 @@ impl Default for RunSettings {
             report_every: Duration::from_secs(1),
             keepalive: Duration::from_secs(30),
             digest_every: Duration::from_secs(600),
+            offline_after: Duration::from_secs(60),
             backoff: Backoff::new(
                 Duration::from_millis(200),
                 Duration::from_secs(30),
@@ -132,6 +139,13 @@ impl RunSettings {
                 "report_every",
                 format!("{:?}", self.report_every),
                 "must be above 0 and at most keepalive, or a change would be reported later than no change",
+            ));
+        }
+        if self.offline_after <= self.wait {
+            return Err(ConfigError::new(
+                "offline_after",
+                format!("{:?}", self.offline_after),
+                "must be above wait, or a replica waiting in a healthy long poll would show offline",
             ));
         }
         Ok(())
@@ -169,7 +183,9 @@ impl Classify for RunError {
 }
 
 /// What the loop remembers between turns (nothing of it is persisted).
-struct Turn {
+struct Turn<'a> {
+    /// Where the loop tells what it does, for readers on other threads.
+    live: &'a Live,
     /// A change (applied, gap, refusal, failure) not yet reported.
     unreported: bool,
     last_attempt: Option<Instant>,
@@ -190,9 +206,25 @@ impl Replica {
         stop: &AtomicBool,
         settings: &RunSettings,
     ) -> Result<RunEnd, RunError> {
+        self.run_live(link, stop, settings, &Live::new())
+    }
+
+    /// As [`Replica::run`], telling `live` what it does (its counters, when the server
+    /// last answered, a snapshot of the file's position), so another thread can serve the
+    /// running replica's /metrics and /status.
+    pub fn run_live(
+        &mut self,
+        link: &mut dyn Downlink,
+        stop: &AtomicBool,
+        settings: &RunSettings,
+        live: &Live,
+    ) -> Result<RunEnd, RunError> {
         settings.check()?;
+        live.set_offline_after_ms(settings.offline_after.as_millis() as u64);
+        self.tell_file(live);
         let mut rng = SplitMix64::from_entropy();
         let mut turn = Turn {
+            live,
             unreported: true,
             last_attempt: None,
             last_ok: None,
@@ -201,12 +233,15 @@ impl Replica {
             failures: 0,
         };
         while !stop.load(Ordering::SeqCst) {
-            match self.turn(link, &mut turn, settings) {
+            let result = self.turn(link, &mut turn, settings);
+            self.tell_file(live);
+            match result {
                 Ok(Some(end)) => return Ok(end),
                 Ok(None) if turn.failures == 0 => {}
                 Ok(None) => pause(stop, settings.backoff.delay(turn.failures, &mut rng)),
                 Err(e) if e.is_transient() => {
                     tracing::warn!(error = %e, "the replica loop failed; retrying after a backoff");
+                    live.failed();
                     turn.failures = turn.failures.saturating_add(1);
                     pause(stop, settings.backoff.delay(turn.failures, &mut rng));
                 }
@@ -216,12 +251,36 @@ impl Replica {
         Ok(RunEnd::Stopped)
     }
 
+    /// Step 3 of `live.rs`: the file's facts a standing needs. A failed read keeps the
+    /// last ones (the turn's own error says what failed).
+    fn tell_file(&self, live: &Live) {
+        let read = || -> Result<FileFacts, ReplicaError> {
+            let state = super::state::State::read(&self.conn)?;
+            let rejections: i64 = self
+                .conn
+                .query_row("SELECT COUNT(*) FROM _ferry_sync_rejections", [], |r| {
+                    r.get(0)
+                })
+                .map_err(|e| ReplicaError::storage("counting rejections", e))?;
+            Ok(FileFacts {
+                provisioned: state.epoch.is_some(),
+                seq: state.seq,
+                gap: state.gap,
+                rejections: rejections as u64,
+                heard_at_ms: state.heard_at_ms,
+            })
+        };
+        if let Ok(facts) = read() {
+            live.file_read(facts);
+        }
+    }
+
     /// Steps 1 to 3 once. `turn.failures` grows when the batch moved nothing (a gap, a
     /// refusal, a storage failure), so the caller backs off before fetching it again.
     fn turn(
         &mut self,
         link: &mut dyn Downlink,
-        turn: &mut Turn,
+        turn: &mut Turn<'_>,
         settings: &RunSettings,
     ) -> Result<Option<RunEnd>, RunError> {
         if until_report(turn, settings).is_zero() {
@@ -235,13 +294,15 @@ impl Replica {
             nonce: position.nonce,
         };
         let frames = link.fetch(at, settings.window, wait)?;
-        self.heard(wall_ms())?;
+        let heard_at_ms = wall_ms();
         turn.caught_up = frames.len() < settings.window;
+        turn.live.heard(heard_at_ms, turn.caught_up);
+        self.heard(heard_at_ms)?;
         if frames.is_empty() {
             turn.failures = 0;
             return Ok(None);
         }
-        let moved = match self.apply_batch(&frames)? {
+        let moved = match self.apply_batch(&frames, turn.live)? {
             Batch::Done { moved } => moved,
             Batch::LaterProtocol(protocol) => {
                 // Best effort: the server learns the position; the loop ends anyway.
@@ -261,10 +322,15 @@ impl Replica {
     }
 
     /// Step 3 for one batch.
-    fn apply_batch(&mut self, frames: &[Vec<u8>]) -> Result<Batch, ReplicaError> {
+    fn apply_batch(&mut self, frames: &[Vec<u8>], live: &Live) -> Result<Batch, ReplicaError> {
         let mut moved = false;
         for frame in frames {
-            match self.receive(frame) {
+            live.received(frame.len());
+            let received = self.receive(frame);
+            if let Ok(r) = &received {
+                live.count(r);
+            }
+            match received {
                 Ok(Received::Applied { .. }) => moved = true,
                 Ok(Received::AlreadyApplied { .. }) => {}
                 Ok(Received::Gap { seq }) => {
@@ -287,7 +353,7 @@ impl Replica {
     fn report(
         &mut self,
         link: &mut dyn Downlink,
-        turn: &mut Turn,
+        turn: &mut Turn<'_>,
         settings: &RunSettings,
     ) -> Result<(), RunError> {
         let now = Instant::now();
@@ -303,6 +369,7 @@ impl Replica {
             self.up_without_digests()?
         };
         link.report(&wire::encode_up(&up))?;
+        turn.live.reported();
         turn.unreported = false;
         turn.last_ok = Some(now);
         if !up.digests.is_empty() {
@@ -323,7 +390,7 @@ enum Batch {
 }
 
 /// Time until the next report falls due.
-fn until_report(turn: &Turn, settings: &RunSettings) -> Duration {
+fn until_report(turn: &Turn<'_>, settings: &RunSettings) -> Duration {
     let since = |at: Option<Instant>| at.map_or(Duration::MAX, |at| at.elapsed());
     if turn.unreported {
         settings

@@ -2,10 +2,12 @@
 //!
 //! What the file knows (position, gap, tables, rejections, retirements) is read in
 //! [`status`]; whether the replica is synced, catching up or offline also needs what the
-//! transport knows, which the caller passes to [`ReplicaStatus::standing`].
+//! transport knows, which the caller passes to [`ReplicaStatus::standing`] (a running
+//! replica's [`super::Live`] does).
 
 use super::{ReplicaError, state::State, tables};
-use rusqlite::{Connection, ErrorCode};
+use rusqlite::{Connection, ErrorCode, OpenFlags};
+use std::path::Path;
 
 /// A replica's state as its file holds it.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
@@ -52,19 +54,49 @@ pub enum Standing {
     Offline,
 }
 
-impl ReplicaStatus {
-    /// The full standing. What the file says comes first (a gap or no chain yet are facts
-    /// the transport cannot change); then `offline` if no fetch succeeded within
-    /// `offline_after_ms` of `now_ms`; then `catching_up` unless the last fetch found
-    /// nothing more to apply (`caught_up`); else `synced`.
-    pub fn standing(
-        &self,
+impl Standing {
+    /// Every standing, in the order metrics list them.
+    pub const ALL: [Standing; 5] = [
+        Standing::NotProvisioned,
+        Standing::AwaitingFix,
+        Standing::CatchingUp,
+        Standing::Synced,
+        Standing::Offline,
+    ];
+
+    /// The name JSON and metrics use (`synced`, `catching_up`, …).
+    pub fn name(self) -> &'static str {
+        match self {
+            Standing::NotProvisioned => "not_provisioned",
+            Standing::AwaitingFix => "awaiting_fix",
+            Standing::CatchingUp => "catching_up",
+            Standing::Synced => "synced",
+            Standing::Offline => "offline",
+        }
+    }
+
+    /// What the file alone says: a gap or outstanding rejections are `awaiting_fix`, no
+    /// chain yet is `not_provisioned`; `None` when it takes the transport to tell.
+    pub(crate) fn of_file(provisioned: bool, gap: u64, rejections: u64) -> Option<Standing> {
+        if gap != 0 || rejections > 0 {
+            Some(Standing::AwaitingFix)
+        } else if !provisioned {
+            Some(Standing::NotProvisioned)
+        } else {
+            None
+        }
+    }
+
+    /// The full standing from what the file says (`file`, from [`Standing::of_file`]) and
+    /// what the transport knows; see [`ReplicaStatus::standing`].
+    pub(crate) fn judge(
+        file: Option<Standing>,
         last_fetch_ok_ms: Option<u64>,
         caught_up: bool,
         now_ms: u64,
         offline_after_ms: u64,
     ) -> Standing {
-        if let Some(known) = self.standing {
+        if let Some(known) = file {
             return known;
         }
         match last_fetch_ok_ms {
@@ -78,6 +110,43 @@ impl ReplicaStatus {
             _ => Standing::Offline,
         }
     }
+}
+
+impl ReplicaStatus {
+    /// The full standing. What the file says comes first (a gap or no chain yet are facts
+    /// the transport cannot change); then `offline` if no fetch succeeded within
+    /// `offline_after_ms` of `now_ms`; then `catching_up` unless the last fetch found
+    /// nothing more to apply (`caught_up`); else `synced`.
+    pub fn standing(
+        &self,
+        last_fetch_ok_ms: Option<u64>,
+        caught_up: bool,
+        now_ms: u64,
+        offline_after_ms: u64,
+    ) -> Standing {
+        Standing::judge(
+            self.standing,
+            last_fetch_ok_ms,
+            caught_up,
+            now_ms,
+            offline_after_ms,
+        )
+    }
+}
+
+/// The status of the replica file at `path`, read on a read-only connection of its own:
+/// what a process beside the running replica (its /status, a health check) reads while
+/// the replica writes (WAL: it sees the last committed message). Counting each table's
+/// rows reads every row, as `ferry sync replica status` does.
+pub fn read_status(path: &Path) -> Result<ReplicaStatus, ReplicaError> {
+    let conn = Connection::open_with_flags(
+        path,
+        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )
+    .map_err(|e| ReplicaError::storage("opening the replica file to read its status", e))?;
+    conn.busy_timeout(super::BUSY_TIMEOUT)
+        .map_err(|e| ReplicaError::storage("setting the busy timeout", e))?;
+    status(&conn)
 }
 
 pub(crate) fn status(conn: &Connection) -> Result<ReplicaStatus, ReplicaError> {
@@ -100,13 +169,7 @@ pub(crate) fn status(conn: &Connection) -> Result<ReplicaStatus, ReplicaError> {
     }
     let count = |sql: &str| conn.query_row(sql, [], |r| r.get::<_, i64>(0)).map_err(s);
     let rejections = count("SELECT COUNT(*) FROM _ferry_sync_rejections")? as u64;
-    let standing = if state.gap != 0 || rejections > 0 {
-        Some(Standing::AwaitingFix)
-    } else if state.epoch.is_none() {
-        Some(Standing::NotProvisioned)
-    } else {
-        None
-    };
+    let standing = Standing::of_file(state.epoch.is_some(), state.gap, rejections);
     Ok(ReplicaStatus {
         epoch: state
             .epoch
