@@ -8,7 +8,29 @@
 //! - `silent`: it was never heard from;
 //! - `unenrolled`: live in the rules but without a token (`ferry sync enroll`);
 //! - `retired`: no longer live.
+//!
+//! And, per mirrored table, how many rows it should hold and how many it confirmed at
+//! their latest version ([`TableProgress`], docs/sync.md §5.2):
+//! - a broadcast table: the live rows of its partition, less what is set aside for it;
+//!   those with `rv` at or below its mark (`confirmed_pass`) are confirmed, the rest
+//!   pending; the mark `covers` the table when it reaches the partition's newest version
+//!   (deletes included);
+//! - a per-row table (assigned, follows, grouped, routed, closure): its `held` entries;
+//!   those carried by a message at or below `confirmed_seq` are confirmed, the rest in
+//!   flight.
+//!
+//! A table appears once something is recorded for it; changes not yet planned (notes)
+//! are not counted anywhere.
+//!
+//! What a read costs, all in the one snapshot: one scan of `held` for the replicas shown
+//! (one entry per row a replica holds per row, what the per-replica count read before);
+//! one scan of `rows` for their partitions (broadcast rows and tombstones, once, whatever
+//! the number of replicas); per distinct (partition, mark) among them, an index range
+//! over the rows changed since that mark (`rows_since`), so replicas at the same mark
+//! share it and a replica far behind costs what a catch-up would read; and the
+//! quarantine. Nothing scales with replicas × broadcast rows.
 
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use serde::Serialize;
@@ -45,6 +67,36 @@ pub struct ReplicaStanding {
     pub quarantined: i64,
     /// Outboxes dropped past their bound (an alarm).
     pub dropped: i32,
+    /// The broadcast mark: every broadcast row of its partition recorded up to this pass
+    /// is in a message it confirmed.
+    pub confirmed_pass: i64,
+    /// Per mirrored table, what it should hold and what it confirmed (none for a retired
+    /// replica). Sorted by table, broadcast first.
+    pub tables: Vec<TableProgress>,
+}
+
+/// One mirrored table on one replica. `rows = confirmed + pending`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct TableProgress {
+    /// The relation as the rules name it (`public.products`).
+    pub table: String,
+    /// `broadcast` (held by version and mark) or `per_row` (held per row).
+    pub kind: &'static str,
+    /// Rows it should hold as recorded so far, less those set aside for it.
+    pub rows: i64,
+    /// Rows it confirmed at their latest version.
+    pub confirmed: i64,
+    /// Rows not yet confirmed at their latest version: in a message it has not confirmed
+    /// (or, for a broadcast table of a replica still being provisioned, not yet in one).
+    pub pending: i64,
+    /// Rows set aside for it (quarantine), beside `rows`.
+    pub quarantined: i64,
+    /// Broadcast: the pass of the partition's newest version of this table, deletes
+    /// included (`None` for a per-row table).
+    pub latest_pass: Option<i64>,
+    /// Broadcast: the mark reaches `latest_pass`, so every change to the table, deletes
+    /// included, is confirmed (`None` for a per-row table).
+    pub covered: Option<bool>,
 }
 
 /// Reads the status, for every replica or one partition's.
@@ -69,25 +121,35 @@ pub async fn read(pool: &PgPool, partition: Option<&str>) -> Result<Status, sqlx
            (SELECT coalesce(sum(bytes), 0)::int8 FROM ferry_sync.outbox o WHERE o.replica = c.id),
            (SELECT (extract(epoch FROM now() - min(recorded_at)) * 1000)::int8 FROM ferry_sync.outbox o WHERE o.replica = c.id),
            (SELECT (extract(epoch FROM now() - received_at) * 1000)::int8 FROM ferry_sync.reports r WHERE r.replica = c.id),
-           (SELECT count(*) FROM ferry_sync.held h WHERE h.replica = c.id),
-           (SELECT count(*) FROM ferry_sync.quarantine q WHERE q.replica = c.id)
+           (SELECT count(*) FROM ferry_sync.quarantine q WHERE q.replica = c.id),
+           c.confirmed_pass
          FROM ferry_sync.replicas c WHERE $1::text IS NULL OR c.partition = $1 ORDER BY c.id",
     )
     .bind(partition)
     .fetch_all(&mut *tx)
     .await?;
+    let progress = Progress::read(&mut tx, partition).await?;
     tx.commit().await?;
     let replicas = rows
         .iter()
         .map(|r| {
+            let id: String = r.get(0);
+            let partition: Option<String> = r.get(1);
             let standing: String = r.get(2);
             let enrolled: bool = r.get(3);
             let outbox: i64 = r.get(7);
             let heard: Option<i64> = r.get(10);
+            let confirmed_pass: i64 = r.get(12);
+            let standing = judge(&standing, enrolled, outbox, heard);
+            let tables = if standing == "retired" {
+                Vec::new()
+            } else {
+                progress.of(&id, partition.as_deref().unwrap_or(""), confirmed_pass)
+            };
             ReplicaStanding {
-                id: r.get(0),
-                partition: r.get(1),
-                standing: judge(&standing, enrolled, outbox, heard),
+                held_rows: progress.held_rows(&id),
+                partition,
+                standing,
                 last_seq: r.get(4),
                 confirmed_seq: r.get(5),
                 dropped: r.get(6),
@@ -95,8 +157,10 @@ pub async fn read(pool: &PgPool, partition: Option<&str>) -> Result<Status, sqlx
                 outbox_bytes: r.get(8),
                 oldest_unconfirmed_ms: r.get(9),
                 heard_ago_ms: heard,
-                held_rows: r.get(11),
-                quarantined: r.get(12),
+                quarantined: r.get(11),
+                confirmed_pass,
+                tables,
+                id,
             }
         })
         .collect();
@@ -122,5 +186,157 @@ fn judge(standing: &str, enrolled: bool, outbox: i64, heard_ago_ms: Option<i64>)
         Some(_) if outbox == 0 && standing == "following" => "synced",
         Some(ms) if ms <= HEARD_RECENTLY.as_millis() as i64 => "catching_up",
         Some(_) => "unreachable",
+    }
+}
+
+/// What the per-table progress is computed from, read in the status's snapshot (the
+/// module doc says what each read costs).
+#[derive(Default)]
+struct Progress {
+    /// (replica, relation) → (held entries, confirmed ones).
+    held: BTreeMap<(String, String), (i64, i64)>,
+    /// (partition, relation) → (live broadcast rows, newest rv).
+    parts: BTreeMap<(String, String), (i64, i64)>,
+    /// (partition, mark, relation) → live broadcast rows changed after the mark.
+    since: HashMap<(String, i64, String), i64>,
+    /// (replica, relation) → quarantined live broadcast rows at or below its mark, above
+    /// it, and quarantined rows that are not broadcast rows of its partition.
+    quarantine: HashMap<(String, String), (i64, i64, i64)>,
+}
+
+impl Progress {
+    async fn read(
+        tx: &mut sqlx::PgConnection,
+        partition: Option<&str>,
+    ) -> Result<Progress, sqlx::Error> {
+        let mut p = Progress::default();
+        for r in sqlx::query(
+            "SELECT h.replica::text, h.relation, count(*), count(*) FILTER (WHERE h.seq <= c.confirmed_seq)
+             FROM ferry_sync.held h JOIN ferry_sync.replicas c ON c.id = h.replica
+             WHERE $1::text IS NULL OR c.partition = $1 GROUP BY 1, 2",
+        )
+        .bind(partition)
+        .fetch_all(&mut *tx)
+        .await?
+        {
+            p.held.insert((r.get(0), r.get(1)), (r.get(2), r.get(3)));
+        }
+        for r in sqlx::query(
+            "SELECT part, relation, count(*) FILTER (WHERE NOT gone), max(rv) FROM ferry_sync.rows
+             WHERE part IN (SELECT coalesce(partition, '') FROM ferry_sync.replicas
+                            WHERE standing <> 'retired' AND ($1::text IS NULL OR partition = $1))
+             GROUP BY 1, 2",
+        )
+        .bind(partition)
+        .fetch_all(&mut *tx)
+        .await?
+        {
+            p.parts.insert((r.get(0), r.get(1)), (r.get(2), r.get(3)));
+        }
+        let relations: Vec<&str> = {
+            let mut v: Vec<&str> = p.parts.keys().map(|(_, rel)| rel.as_str()).collect();
+            v.sort_unstable();
+            v.dedup();
+            v
+        };
+        for r in sqlx::query(
+            "SELECT m.part, m.mark, rel, s.live
+             FROM (SELECT DISTINCT coalesce(partition, '') AS part, confirmed_pass AS mark
+                   FROM ferry_sync.replicas
+                   WHERE standing <> 'retired' AND ($1::text IS NULL OR partition = $1)) m
+             CROSS JOIN unnest($2::text[]) AS rel
+             CROSS JOIN LATERAL (SELECT count(*) FILTER (WHERE NOT r.gone) AS live FROM ferry_sync.rows r
+                                 WHERE r.relation = rel AND r.part = m.part AND r.rv > m.mark) s",
+        )
+        .bind(partition)
+        .bind(&relations)
+        .fetch_all(&mut *tx)
+        .await?
+        {
+            p.since.insert((r.get(0), r.get(1), r.get(2)), r.get(3));
+        }
+        for r in sqlx::query(
+            "SELECT q.replica::text, q.relation,
+               count(*) FILTER (WHERE r.key IS NOT NULL AND r.rv <= c.confirmed_pass),
+               count(*) FILTER (WHERE r.key IS NOT NULL AND r.rv > c.confirmed_pass),
+               count(*) FILTER (WHERE r.key IS NULL)
+             FROM ferry_sync.quarantine q JOIN ferry_sync.replicas c ON c.id = q.replica
+             LEFT JOIN ferry_sync.rows r ON r.relation = q.relation AND r.part = coalesce(c.partition, '')
+               AND r.key = q.key AND NOT r.gone
+             WHERE $1::text IS NULL OR c.partition = $1 GROUP BY 1, 2",
+        )
+        .bind(partition)
+        .fetch_all(&mut *tx)
+        .await?
+        {
+            p.quarantine
+                .insert((r.get(0), r.get(1)), (r.get(2), r.get(3), r.get(4)));
+        }
+        Ok(p)
+    }
+
+    fn held_rows(&self, replica: &str) -> i64 {
+        self.held_of(replica).map(|(_, (n, _))| n).sum()
+    }
+
+    fn held_of<'a>(&'a self, replica: &'a str) -> impl Iterator<Item = (&'a str, (i64, i64))> + 'a {
+        self.held
+            .range((replica.to_string(), String::new())..)
+            .take_while(move |((r, _), _)| r == replica)
+            .map(|((_, rel), n)| (rel.as_str(), *n))
+    }
+
+    /// Replica `id`'s tables, for its partition and mark.
+    fn of(&self, id: &str, part: &str, mark: i64) -> Vec<TableProgress> {
+        let quarantine = |rel: &str| {
+            self.quarantine
+                .get(&(id.to_string(), rel.to_string()))
+                .copied()
+                .unwrap_or_default()
+        };
+        let mut out = Vec::new();
+        for ((_, rel), &(live, latest)) in self.parts.iter().filter(|((p, _), _)| p == part) {
+            let changed = self
+                .since
+                .get(&(part.to_string(), mark, rel.clone()))
+                .copied()
+                .unwrap_or(0);
+            let (q_old, q_new, _) = quarantine(rel);
+            let confirmed = live - changed - q_old;
+            let pending = changed - q_new;
+            out.push(TableProgress {
+                table: rel.clone(),
+                kind: "broadcast",
+                rows: confirmed + pending,
+                confirmed,
+                pending,
+                quarantined: q_old + q_new,
+                latest_pass: Some(latest),
+                covered: Some(mark >= latest),
+            });
+        }
+        let mut per_row: BTreeMap<&str, (i64, i64, i64)> = BTreeMap::new();
+        for (rel, (held, confirmed)) in self.held_of(id) {
+            per_row.insert(rel, (held, confirmed, 0));
+        }
+        for ((r, rel), &(_, _, other)) in &self.quarantine {
+            if r == id && other > 0 {
+                per_row.entry(rel.as_str()).or_default().2 = other;
+            }
+        }
+        for (rel, (held, confirmed, quarantined)) in per_row {
+            out.push(TableProgress {
+                table: rel.to_string(),
+                kind: "per_row",
+                rows: held,
+                confirmed,
+                pending: held - confirmed,
+                quarantined,
+                latest_pass: None,
+                covered: None,
+            });
+        }
+        out.sort_by(|a, b| a.table.cmp(&b.table).then(a.kind.cmp(b.kind)));
+        out
     }
 }

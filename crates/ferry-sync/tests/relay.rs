@@ -286,3 +286,139 @@ async fn an_order_moved_in_the_pass_that_heals_its_old_store_leaves_it() {
     shop.assert_converged().await;
     shop.finish().await;
 }
+
+/// Replica `id`'s progress on `table` of `kind` in `status`, as (rows, confirmed,
+/// pending, covered).
+fn progress(
+    status: &ferry_sync::status::Status,
+    id: Uuid,
+    table: &str,
+    kind: &str,
+) -> Option<(i64, i64, i64, Option<bool>)> {
+    let replica = status.replicas.iter().find(|r| r.id == id.to_string())?;
+    let t = replica
+        .tables
+        .iter()
+        .find(|t| t.table == table && t.kind == kind)?;
+    assert_eq!(t.rows, t.confirmed + t.pending, "{t:?}");
+    Some((t.rows, t.confirmed, t.pending, t.covered))
+}
+
+// Guards per-table progress in `ferry sync status` (docs/sync.md §12, guarantee 5): it
+// counts a row as confirmed only once the store confirmed a message carrying its latest
+// version, per store (two stores of one partition at different marks), for broadcast
+// tables by their mark (a delete too: the mark must cover the tombstone) and for per-row
+// tables by their held rows' messages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_counts_each_tables_rows_confirmed_only_once_confirmed() {
+    let mut shop = Shop::new("progress").await;
+    let a = shop.store("north").await;
+    let b = shop.store("north").await;
+    let alice = Uuid::new_v4();
+    let order_1 = Uuid::new_v4();
+    shop.db
+        .exec(&format!(
+            "INSERT INTO products VALUES (1, 'tea', 1, 'north'), (2, 'coffee', 2, 'north'),
+               (3, 'mate', 3, 'north'), (9, 'yerba', 9, 'south');
+             INSERT INTO customers VALUES ('{alice}', 'Alice');
+             INSERT INTO orders (id, store_id, customer_id) VALUES ('{order_1}', '{a}', '{alice}');
+             INSERT INTO order_lines VALUES ('{order_1}', 1, 1, 2), ('{order_1}', 2, 2, 1);"
+        ))
+        .await;
+    shop.settle().await;
+    let st = ferry_sync::status::read(&shop.db.pool, None).await.unwrap();
+    for id in [a, b] {
+        assert_eq!(
+            progress(&st, id, "public.products", "broadcast"),
+            Some((3, 3, 0, Some(true))),
+            "{st:?}"
+        );
+    }
+    assert_eq!(
+        progress(&st, a, "public.orders", "per_row"),
+        Some((1, 1, 0, None))
+    );
+    assert_eq!(
+        progress(&st, a, "public.order_lines", "per_row"),
+        Some((2, 2, 0, None))
+    );
+    assert_eq!(
+        progress(&st, a, "public.customers", "per_row"),
+        Some((1, 1, 0, None))
+    );
+    assert_eq!(
+        progress(&st, b, "public.orders", "per_row"),
+        None,
+        "b holds no order"
+    );
+    let json = serde_json::to_value(&st).unwrap();
+    assert_eq!(
+        json["replicas"][0]["tables"][0]["kind"], "broadcast",
+        "{json}"
+    );
+
+    // Recorded, not yet confirmed: a changed product and a new one are pending for both
+    // stores, and a's new order is in flight.
+    let order_2 = Uuid::new_v4();
+    shop.db
+        .exec(&format!(
+            "UPDATE products SET price = 10 WHERE id = 1;
+             INSERT INTO products VALUES (4, 'rooibos', 4, 'north');
+             INSERT INTO orders (id, store_id) VALUES ('{order_2}', '{a}');"
+        ))
+        .await;
+    shop.passes().await;
+    let st = ferry_sync::status::read(&shop.db.pool, None).await.unwrap();
+    for id in [a, b] {
+        assert_eq!(
+            progress(&st, id, "public.products", "broadcast"),
+            Some((4, 2, 2, Some(false))),
+            "{st:?}"
+        );
+    }
+    assert_eq!(
+        progress(&st, a, "public.orders", "per_row"),
+        Some((2, 1, 1, None))
+    );
+
+    // a confirms; b does not: each store's own mark counts.
+    shop.deliver(a).await;
+    shop.passes().await;
+    let st = ferry_sync::status::read(&shop.db.pool, None).await.unwrap();
+    assert_eq!(
+        progress(&st, a, "public.products", "broadcast"),
+        Some((4, 4, 0, Some(true)))
+    );
+    assert_eq!(
+        progress(&st, a, "public.orders", "per_row"),
+        Some((2, 2, 0, None))
+    );
+    assert_eq!(
+        progress(&st, b, "public.products", "broadcast"),
+        Some((4, 2, 2, Some(false)))
+    );
+
+    // A delete leaves every row it still holds confirmed, but the mark does not cover
+    // the table until the delete is confirmed too.
+    shop.settle().await;
+    shop.db.exec("DELETE FROM products WHERE id = 3").await;
+    shop.passes().await;
+    let st = ferry_sync::status::read(&shop.db.pool, None).await.unwrap();
+    for id in [a, b] {
+        assert_eq!(
+            progress(&st, id, "public.products", "broadcast"),
+            Some((3, 3, 0, Some(false))),
+            "{st:?}"
+        );
+    }
+    shop.settle().await;
+    let st = ferry_sync::status::read(&shop.db.pool, None).await.unwrap();
+    for id in [a, b] {
+        assert_eq!(
+            progress(&st, id, "public.products", "broadcast"),
+            Some((3, 3, 0, Some(true)))
+        );
+    }
+    shop.assert_converged().await;
+    shop.finish().await;
+}

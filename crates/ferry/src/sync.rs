@@ -30,7 +30,8 @@ pub enum SyncSub {
     /// Serve replicas over HTTP and, while this process holds the relay lock, record
     /// their messages; until SIGTERM.
     Serve(ServeArgs),
-    /// Where every replica stands: synced, catching up, unreachable, silent.
+    /// Where every replica stands (synced, catching up, unreachable, silent) and, per
+    /// mirrored table, how many of the rows it should hold it confirmed.
     Status(StatusArgs),
     /// Keep a local SQLite replica in step with a `ferry sync serve`, until SIGTERM
     /// (with --metrics-listen, serving its own /metrics and /status: synced, catching up,
@@ -369,6 +370,46 @@ async fn status(a: StatusArgs) -> anyhow::Result<()> {
             &rows
         )
     );
+    let tables: Vec<Vec<String>> = s
+        .replicas
+        .iter()
+        .flat_map(|r| r.tables.iter().map(move |t| (r, t)))
+        .map(|(r, t)| {
+            vec![
+                r.id.clone(),
+                t.table.clone(),
+                t.kind.to_string(),
+                format!("{}/{}", t.confirmed, t.rows),
+                t.pending.to_string(),
+                t.quarantined.to_string(),
+                match (t.covered, t.latest_pass) {
+                    (Some(true), _) => "yes".into(),
+                    (Some(false), Some(latest)) => {
+                        format!("no (mark {} < pass {latest})", r.confirmed_pass)
+                    }
+                    _ => "-".into(),
+                },
+            ]
+        })
+        .collect();
+    if !tables.is_empty() {
+        println!();
+        print!(
+            "{}",
+            crate::table::render(
+                &[
+                    "replica",
+                    "table",
+                    "kind",
+                    "confirmed",
+                    "pending",
+                    "quarantined",
+                    "mark covers latest"
+                ],
+                &tables
+            )
+        );
+    }
     Ok(())
 }
 

@@ -178,6 +178,54 @@ async fn the_running_replica_serves_its_metrics_and_standing() {
     assert_eq!(sample(&metrics, "ferry_sync_replica_rejections"), Some(0.0));
     assert!(sample(&metrics, "ferry_sync_replica_heard_ago_seconds").is_some());
 
+    // The server's side (`ferry sync status`, JSON and text): the store confirmed every
+    // product of its region, by its mark, once the relay handled its report.
+    let server_status = || {
+        let (code, out, err) =
+            ferry_testkit::proc::run(ferry(), &["sync", "status", "--db", &db.url, "--json"], &[]);
+        assert_eq!(code, 0, "{err}");
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    let products = |s: &serde_json::Value| {
+        s["replicas"][0]["tables"]
+            .as_array()?
+            .iter()
+            .find(|t| t["table"] == "public.products")
+            .cloned()
+    };
+    assert!(
+        wait_until(Duration::from_secs(60), || products(&server_status())
+            .is_some_and(|p| p["confirmed"] == 20 && p["covered"] == true)),
+        "the server never counted the products confirmed: {}",
+        server_status()
+    );
+    let p = products(&server_status()).unwrap();
+    assert_eq!(
+        (&p["kind"], &p["rows"], &p["pending"], &p["quarantined"]),
+        (
+            &serde_json::json!("broadcast"),
+            &serde_json::json!(20),
+            &serde_json::json!(0),
+            &serde_json::json!(0)
+        ),
+        "{p}"
+    );
+    let (code, text, err) =
+        ferry_testkit::proc::run(ferry(), &["sync", "status", "--db", &db.url], &[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        text.contains("mark covers latest") && text.contains("public.products"),
+        "{text}"
+    );
+    let line = text
+        .lines()
+        .find(|l| l.contains("public.products"))
+        .unwrap();
+    assert!(
+        line.contains("broadcast") && line.contains("20/20") && line.contains("yes"),
+        "{text}"
+    );
+
     // The server gone, the replica says offline once --offline-after-ms passed.
     serve.kill9();
     assert!(
