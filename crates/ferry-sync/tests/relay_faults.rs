@@ -674,3 +674,99 @@ async fn a_note_the_planner_fails_on_is_parked_while_the_rest_flows_and_goes_thr
     );
     shop.finish().await;
 }
+
+// Fault 13, a clock set back: correctness must not rest on wall clocks. Every time either
+// side stored is moved a day ahead of both clocks now, as a server or a replica whose
+// clock ran a day fast and was then corrected would have left them. Writes must still
+// apply and be confirmed, status must still say synced, and a real difference must still
+// be healed: the digest's rate limit counted from a stamp in the future suspended
+// comparisons for as long as the clock had been wrong.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn times_recorded_ahead_of_the_clocks_change_nothing_applied_confirmed_or_healed() {
+    let mut shop = Shop::new("clock").await;
+    shop.relay = Relay::new(
+        shop.spec.clone(),
+        RelaySettings {
+            digest_every: Duration::from_secs(3600),
+            ..RelaySettings::default()
+        },
+    );
+    let store = shop.store("north").await;
+    let order = uuid::Uuid::new_v4();
+    shop.db
+        .exec(&format!(
+            "INSERT INTO products SELECT g, 'p' || g, g, 'north' FROM generate_series(1, 20) g;
+             INSERT INTO orders (id, store_id, note) VALUES ('{order}', '{store}', 'first');"
+        ))
+        .await;
+    shop.settle().await;
+    shop.assert_converged().await;
+    let digest_at: Option<i64> = sqlx::query_scalar(
+        "SELECT extract(epoch FROM digest_at)::int8 FROM ferry_sync.replicas WHERE id = $1",
+    )
+    .bind(store)
+    .fetch_one(&shop.db.pool)
+    .await
+    .unwrap();
+    assert!(
+        digest_at.is_some(),
+        "the first report's digests were compared"
+    );
+
+    // Both sides' stored times a day ahead; writes are noted and recorded meanwhile, so
+    // notes and outbox rows carry future times too.
+    const DAY_MS: i64 = 86_400_000;
+    shop.replicas[&store]
+        .conn()
+        .execute(
+            "UPDATE _ferry_sync_state SET applied_at_ms = applied_at_ms + ?1,
+             heard_at_ms = coalesce(heard_at_ms, applied_at_ms) + ?1",
+            [DAY_MS],
+        )
+        .unwrap();
+    let ahead = "
+        UPDATE ferry_sync.replicas SET digest_at = digest_at + interval '1 day',
+          confirmed_at = confirmed_at + interval '1 day';
+        UPDATE ferry_sync.reports SET received_at = received_at + interval '1 day';
+        UPDATE ferry_sync.notes SET noted_at = noted_at + interval '1 day';
+        UPDATE ferry_sync.outbox SET recorded_at = recorded_at + interval '1 day';
+        UPDATE ferry_sync.meta SET installed_at = installed_at + interval '1 day';";
+    shop.db.exec(ahead).await;
+    shop.db
+        .exec(&format!(
+            "UPDATE products SET price = 0 WHERE id = 3; DELETE FROM products WHERE id = 4;
+             UPDATE orders SET note = 'second' WHERE id = '{order}';"
+        ))
+        .await;
+    shop.db.exec(ahead).await;
+    shop.passes().await;
+    shop.db.exec(ahead).await;
+    shop.settle().await;
+    shop.assert_converged().await;
+    let (last, confirmed): (i64, i64) =
+        sqlx::query_as("SELECT last_seq, confirmed_seq FROM ferry_sync.replicas WHERE id = $1")
+            .bind(store)
+            .fetch_one(&shop.db.pool)
+            .await
+            .unwrap();
+    assert_eq!(confirmed, last, "everything recorded was confirmed");
+    assert_eq!(shop.replicas[&store].status().unwrap().seq as i64, last);
+    let status = ferry_sync::status::read(&shop.db.pool, None).await.unwrap();
+    assert_eq!(status.replicas[0].standing, "synced", "{status:?}");
+
+    // A real difference is still healed, though the last comparison's stamp is a day
+    // ahead of the server's clock and `digest_every` is an hour.
+    shop.db.exec(ahead).await;
+    shop.replicas[&store]
+        .conn()
+        .execute_batch("UPDATE products SET name = 'tampered' WHERE id = 5")
+        .unwrap();
+    shop.settle().await;
+    shop.assert_converged().await;
+    assert_eq!(
+        shop.relay.stats.heals.load(Ordering::Relaxed),
+        1,
+        "the tampered table was healed"
+    );
+    shop.finish().await;
+}

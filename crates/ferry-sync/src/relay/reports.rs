@@ -299,10 +299,15 @@ async fn compare_digests(
     if up.digests.is_empty() || decisions.new_epoch || decisions.provision.contains_key(&r) {
         return Ok(());
     }
+    // `digest_at` is the server's wall clock. A stamp later than now means the clock was
+    // set back since it was taken; counting from it would suspend comparisons (the safety
+    // net) for as long as the clock was wrong, a year for a clock a year ahead. Such a
+    // stamp is due: one comparison too many costs a read, one too few a missed heal.
     let due: Option<(String,)> = sqlx::query_as(
         "SELECT coalesce(partition, '') FROM ferry_sync.replicas
          WHERE id = $1 AND standing = 'following' AND confirmed_seq = last_seq
-           AND (digest_at IS NULL OR digest_at <= now() - make_interval(secs => $2))",
+           AND (digest_at IS NULL OR digest_at <= now() - make_interval(secs => $2)
+                OR digest_at > now())",
     )
     .bind(r)
     .bind(every.as_secs_f64())
