@@ -8,12 +8,17 @@
 //!    each prefixed with its length (u32, big-endian). With none, it waits up to
 //!    `wait_ms` for `NOTIFY ferry_sync_outbox` and looks again.
 //! 3. `POST …/reports` checks that the report decodes, stores it as the replica's latest
-//!    (`ferry_sync.reports`) and wakes the relay (`NOTIFY ferry_sync`).
+//!    (`ferry_sync.reports`) and wakes the relay (`NOTIFY ferry_sync`). A report over
+//!    [`REPORT_BYTES_MAX`] is 413 and one that does not decode 400; neither is stored.
+//!
+//! Every refusal is JSON, `{"error": "..."}`, saying what was refused and what to do; the
+//! replica's client shows it (`client.rs`).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Path, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -110,13 +115,20 @@ fn refuse(status: StatusCode, message: impl Into<String>) -> Response {
     (status, Json(serde_json::json!({ "error": message.into() }))).into_response()
 }
 
-/// Step 1.
+/// Step 1. Whether the id is enrolled at all is not told apart from a wrong token, so a
+/// caller without a token learns nothing about which replicas exist.
 async fn authorize(serve: &Serve, id: Uuid, headers: &HeaderMap) -> Result<(), Response> {
     let given = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .unwrap_or("");
+    if given.is_empty() {
+        return Err(unauthorized(format!(
+            "no bearer token for replica {id}: send `Authorization: Bearer TOKEN` with the \
+             token `ferry sync enroll --replica {id}` gave it"
+        )));
+    }
     let stored: Option<Option<Vec<u8>>> =
         sqlx::query_scalar("SELECT token_hash FROM ferry_sync.replicas WHERE id = $1")
             .bind(id)
@@ -125,12 +137,22 @@ async fn authorize(serve: &Serve, id: Uuid, headers: &HeaderMap) -> Result<(), R
             .map_err(|e| refuse(StatusCode::SERVICE_UNAVAILABLE, format!("database: {e}")))?;
     let hash = Sha256::digest(given.as_bytes());
     match stored.flatten() {
-        Some(h) if !given.is_empty() && constant_time_eq(&h, &hash) => Ok(()),
-        _ => Err(refuse(
-            StatusCode::UNAUTHORIZED,
-            "missing or wrong bearer token for this replica: use the token `ferry sync enroll` gave it",
-        )),
+        Some(h) if constant_time_eq(&h, &hash) => Ok(()),
+        _ => Err(unauthorized(format!(
+            "wrong bearer token for replica {id}, or no such replica enrolled; nothing was \
+             served or stored: use the token `ferry sync enroll --replica {id}` gave this \
+             replica (enrolling again replaces it)"
+        ))),
     }
+}
+
+fn unauthorized(message: String) -> Response {
+    let mut response = refuse(StatusCode::UNAUTHORIZED, message);
+    response.headers_mut().insert(
+        header::WWW_AUTHENTICATE,
+        header::HeaderValue::from_static("Bearer"),
+    );
+    response
 }
 
 /// Step 2.
@@ -247,19 +269,48 @@ pub async fn store_report(pool: &PgPool, id: Uuid, up: &[u8]) -> Result<(), Repo
     Ok(())
 }
 
-/// Step 3.
+/// Step 3. The token is checked before the body's size, so a caller without one learns
+/// only that.
 async fn reports(
     State(serve): State<Serve>,
     Path(id): Path<Uuid>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
     if let Err(r) = authorize(&serve, id, &headers).await {
         return r;
     }
+    let body = match body {
+        Ok(body) => body,
+        Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+            return refuse(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!(
+                    "the report is over {REPORT_BYTES_MAX} bytes (4 MiB), the most a report \
+                     may be; nothing was stored: a ferry replica keeps its reports within \
+                     this, so check that the replica runs the same ferry as this server"
+                ),
+            );
+        }
+        Err(e) => {
+            return refuse(
+                e.status(),
+                format!("the report could not be read ({e}); nothing was stored: send it again"),
+            );
+        }
+    };
     match store_report(&serve.pool, id, &body).await {
         Ok(()) => {}
-        Err(ReportError::Malformed(e)) => return refuse(StatusCode::BAD_REQUEST, e.to_string()),
+        Err(ReportError::Malformed(e)) => {
+            return refuse(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "the report was not stored: {e}. A ferry replica sends well-formed \
+                     reports: check that the replica runs the same ferry as this server, and \
+                     that nothing between them changes request bodies"
+                ),
+            );
+        }
         Err(ReportError::Db(e)) => {
             return refuse(StatusCode::SERVICE_UNAVAILABLE, format!("database: {e}"));
         }
