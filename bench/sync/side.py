@@ -208,15 +208,18 @@ def wal(db):
     return int(scalar(db, "SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::int8"))
 
 
-def point(engine, products, replicas, rate=0, mode="broadcast", seconds=0, heal=False):
-    """One run of one point; returns a dict of figures."""
+def point(engine, products, replicas, streams=(), seconds=8, heal=False):
+    """One run of one point: provisioning, then each (mode, rate) stream in turn on the
+    same server and replicas; returns one dict of figures per stream (or one for the
+    provisioning alone)."""
     db = f"bench_side_{uuid.uuid4().hex[:8]}"
     d = WORK / db
     d.mkdir(parents=True)
     psql("postgres", f"CREATE DATABASE {db}")
     server = host = None
-    out = {"engine": engine, "products": products, "replicas": replicas, "rate": rate,
-           "mode": mode, "seconds": seconds}
+    out = {"engine": engine, "products": products, "replicas": replicas, "rate": 0,
+           "mode": "broadcast", "seconds": seconds}
+    records = []
     try:
         psql(db, SCHEMA)
         psql(db, f"INSERT INTO products SELECT g, 'product ' || g, g, 0 FROM generate_series(1, {products}) g")
@@ -238,11 +241,18 @@ def point(engine, products, replicas, rate=0, mode="broadcast", seconds=0, heal=
         time.sleep(0.5)
         if heal:
             out.update(heal_one(engine, db, host, port))
-        if rate:
-            out.update(stream(engine, db, server, host, rate, mode, seconds, replicas))
-        out["sync_schema_bytes"] = sync_schema_bytes(db)
-        out.update({k: v for k, v in host.done().items() if k != "event"})
+        for mode, rate in streams:
+            r = {**out, "mode": mode, "rate": rate}
+            r.update(stream(engine, db, server, host, rate, mode, seconds, replicas))
+            records.append(r)
+        schema = sync_schema_bytes(db)
+        done = host.done()
         host = None
+        if not records:
+            records.append({**out, **{k: v for k, v in done.items() if k not in ("event", "samples")}})
+        for r in records:
+            r["sync_schema_bytes"] = schema
+            r["gaps"] = done.get("gaps")
     finally:
         for p in [host.p if host else None, server]:
             if p and p.poll() is None:
@@ -253,13 +263,15 @@ def point(engine, products, replicas, rate=0, mode="broadcast", seconds=0, heal=
                     p.kill()
         psql("postgres", f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
         subprocess.run(["rm", "-rf", str(d)])
-    return out
+    return records
 
 
 def stream(engine, db, server, host, rate, mode, seconds, replicas):
     keys = 100 if mode == "broadcast" else replicas * ORDERS_PER_STORE
     table = "products" if mode == "broadcast" else "orders"
     col = "price_cents" if mode == "broadcast" else "qty"
+    host.say("stats")  # forget what came before this stream
+    host.read("stats", 30)
     before = host.mark()
     cpu0, pg0, wal0 = cpu_ticks([server.pid]), postgres_ticks(), wal(db)
     w = subprocess.Popen(["psql", f"{PG}/{db}", "-X", "-q"], stdin=subprocess.PIPE,
@@ -280,6 +292,8 @@ def stream(engine, db, server, host, rate, mode, seconds, replicas):
     engine_s = (cpu1 - cpu0) / os.sysconf("SC_CLK_TCK")
     pg_s = sum(t - pg0.get(pid, 0) for pid, t in pg1.items()) / os.sysconf("SC_CLK_TCK")
     after = host.mark()
+    host.say("stats")
+    lag = {k: v for k, v in host.read("stats", 30).items() if k not in ("event", "s", "bytes_down", "bytes_up", "lost")}
     deliveries = n * (replicas if mode == "broadcast" else 1)
     return {
         "changes": n,
@@ -289,7 +303,7 @@ def stream(engine, db, server, host, rate, mode, seconds, replicas):
         "postgres_cpu_ms_per_1000": pg_s * 1e6 / n,
         "wal_bytes_per_change": (wal1 - wal0) / n,
         "wire_bytes_per_delivery": (after["bytes_down"] + after["bytes_up"] - before["bytes_down"] - before["bytes_up"]) / deliveries,
-        "stream_samples": after["samples"] - before["samples"],
+        **lag,
     }
 
 
@@ -344,14 +358,9 @@ def machine():
 
 
 def plan(quick):
-    pts = []
-    for n in [10_000, 100_000]:
-        for r in [1, 10]:
-            pts.append(dict(products=n, replicas=r))
-    for mode in ["broadcast", "assigned"]:
-        for r in [1, 10, 100]:
-            for m in [10, 100, 1000]:
-                pts.append(dict(products=10_000, replicas=r, rate=m, mode=mode, seconds=5 if quick else 10))
+    streams = [(mode, m) for mode in ["broadcast", "assigned"] for m in [10, 100, 1000]]
+    pts = [dict(products=100_000, replicas=r) for r in [1, 10]]
+    pts += [dict(products=10_000, replicas=r, streams=streams, seconds=4 if quick else 8) for r in [1, 10, 100]]
     pts.append(dict(products=10_000, replicas=1, heal=True))
     return pts
 
@@ -374,16 +383,18 @@ def main():
             for engine in ENGINES:
                 log(f"[{i + 1}/{len(pts)} run {run + 1}/{runs}] {engine} {p}")
                 try:
-                    r = point(engine, **p)
+                    rs = point(engine, **p)
                 except Exception as e:  # a point that fails is reported, not fatal
                     log(f"  failed: {e}")
-                    r = {"engine": engine, **p, "failed": str(e)[:300]}
-                r["run"] = run
-                results.append(r)
-                with raw.open("a") as f:
-                    f.write(json.dumps(r) + "\n")
-                log("  " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()
-                                       if k not in ("engine",) + tuple(p)}))
+                    rs = [{"engine": engine, "products": p["products"], "replicas": p["replicas"],
+                           "failed": str(e)[:300]}]
+                for r in rs:
+                    r["run"] = run
+                    results.append(r)
+                    with raw.open("a") as f:
+                        f.write(json.dumps(r) + "\n")
+                    log("  " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in r.items()
+                                           if k not in ("engine", "products", "replicas")}))
     (WORK / "machine.json").write_text(json.dumps(machine()))
     log(f"raw results in {raw}; report with bench/sync/side_report.py {raw}")
 

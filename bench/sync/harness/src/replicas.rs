@@ -9,7 +9,7 @@
 //! (right after each applied batch): every product or order row whose `at_ns` is new is a
 //! sample `now - at_ns`. `FILE` has `uuid token` per line. Prints one JSON object per
 //! line: `provisioned` once every replica holds N products and its K orders; on stdin
-//! `mark`, the totals so far; `lose-next` makes the next fetched batch vanish (the
+//! `mark`, the totals so far; `stats`, the lag of the samples since the last `stats`; `lose-next` makes the next fetched batch vanish (the
 //! replica asks again from its position); SIGTERM or stdin's end prints `done`.
 
 use std::collections::HashMap;
@@ -138,6 +138,31 @@ fn pct(sorted: &[i64], p: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize] as f64 / 1e6
 }
 
+/// Lag percentiles over `samples` (at_ns, lag), and the p50 of their first and last
+/// third by `at_ns`: does lag grow over the run?
+fn lag_stats(mut all: Vec<(i64, i64)>) -> serde_json::Value {
+    all.sort();
+    let third = all.len() / 3;
+    let mut first: Vec<i64> = all[..third].iter().map(|s| s.1).collect();
+    let mut last: Vec<i64> = all[all.len() - third..].iter().map(|s| s.1).collect();
+    first.sort();
+    last.sort();
+    let mut lags: Vec<i64> = all.iter().map(|s| s.1).collect();
+    lags.sort();
+    serde_json::json!({
+        "samples": lags.len(),
+        "p50_ms": pct(&lags, 0.5), "p95_ms": pct(&lags, 0.95), "p99_ms": pct(&lags, 0.99),
+        "max_ms": pct(&lags, 1.0),
+        "first_third_p50_ms": pct(&first, 0.5), "last_third_p50_ms": pct(&last, 0.5),
+    })
+}
+
+fn merge(into: &mut serde_json::Value, from: serde_json::Value) {
+    for (k, v) in from.as_object().into_iter().flatten() {
+        into[k] = v.clone();
+    }
+}
+
 fn follow(
     base: String,
     id: Uuid,
@@ -230,34 +255,25 @@ pub async fn main() {
             }
             cmd = rx.recv() => match cmd.as_deref() {
                 Some("mark") => println!("{}", line("mark")),
+                Some("stats") => {
+                    let taken = std::mem::take(&mut *totals.samples.lock().unwrap());
+                    let mut stats = line("stats");
+                    merge(&mut stats, lag_stats(taken));
+                    println!("{stats}");
+                }
                 Some("lose-next") => totals.lose_next.store(true, Ordering::SeqCst),
                 Some("eof") | None => break,
-                Some(other) => eprintln!("unknown command {other:?} (mark, lose-next)"),
+                Some(other) => eprintln!("unknown command {other:?} (mark, stats, lose-next)"),
             },
             _ = term.recv() => break,
         }
     }
     stop.store(true, Ordering::SeqCst);
     let gaps: u64 = threads.into_iter().map(|t| t.join().unwrap_or(0)).sum();
-    let mut all = std::mem::take(&mut *totals.samples.lock().unwrap());
-    all.sort();
-    let third = all.len() / 3;
-    let mut first: Vec<i64> = all[..third].iter().map(|s| s.1).collect();
-    let mut last: Vec<i64> = all[all.len() - third..].iter().map(|s| s.1).collect();
-    first.sort();
-    last.sort();
-    let mut lags: Vec<i64> = all.iter().map(|s| s.1).collect();
-    lags.sort();
+    let all = std::mem::take(&mut *totals.samples.lock().unwrap());
     let mut done = line("done");
-    let extra = serde_json::json!({
-        "samples": lags.len(),
-        "p50_ms": pct(&lags, 0.5), "p95_ms": pct(&lags, 0.95), "p99_ms": pct(&lags, 0.99),
-        "max_ms": pct(&lags, 1.0),
-        "first_third_p50_ms": pct(&first, 0.5), "last_third_p50_ms": pct(&last, 0.5),
-        "gaps": gaps, "malformed": 0,
-    });
-    for (k, v) in extra.as_object().unwrap() {
-        done[k] = v.clone();
-    }
+    merge(&mut done, lag_stats(all));
+    done["gaps"] = gaps.into();
+    done["malformed"] = 0.into();
     println!("{done}");
 }

@@ -492,7 +492,8 @@ impl Uplink for HttpUp {
     }
 }
 
-/// Stdin: `mark` prints the totals so far; the end of stdin stops the host.
+/// Stdin: `mark` prints the totals so far; `stats` prints the lag of the samples since
+/// the last `stats` and forgets them; the end of stdin stops the host.
 async fn commands(run: Arc<Run>, stop: watch::Sender<bool>) {
     let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).lines();
     loop {
@@ -507,8 +508,17 @@ async fn commands(run: Arc<Run>, stop: watch::Sender<bool>) {
                     "gaps": t.gaps.load(Ordering::Relaxed),
                 }));
             }
+            Ok(Some(line)) if line.trim() == "stats" => {
+                let t = &run.totals;
+                let taken = std::mem::take(
+                    &mut *t.samples.lock().expect("no thread panics holding the samples"),
+                );
+                say(&lag_line("stats", taken, t));
+            }
             Ok(Some(line)) if line.trim().is_empty() => {}
-            Ok(Some(line)) => tracing::warn!("unknown command {line:?}: only `mark` is known"),
+            Ok(Some(line)) => {
+                tracing::warn!("unknown command {line:?}: only `mark` and `stats` are known")
+            }
             Ok(None) | Err(_) => {
                 let _ = stop.send(true);
                 return;
@@ -533,14 +543,20 @@ async fn signalled(stop: watch::Sender<bool>) {
     let _ = stop.send(true);
 }
 
-/// The `done` line: lag percentiles over every sample of every store, and the p50 of the
-/// first and last third of them by `at_ns` (does lag grow over the run?).
+/// The `done` line: lag percentiles over every sample of every store not yet taken by
+/// `stats`, and the p50 of the first and last third of them by `at_ns` (does lag grow
+/// over the run?).
 fn done(t: &Totals) -> serde_json::Value {
-    let mut samples = t
+    let samples = t
         .samples
         .lock()
         .expect("no thread panics holding the samples")
         .clone();
+    lag_line("done", samples, t)
+}
+
+/// The lag line for `samples` (the `stats` command's and `done`'s).
+fn lag_line(event: &str, mut samples: Vec<(i64, i64)>, t: &Totals) -> serde_json::Value {
     samples.sort_unstable();
     let third = samples.len() / 3;
     let p50_of = |part: &[(i64, i64)]| {
@@ -553,7 +569,7 @@ fn done(t: &Totals) -> serde_json::Value {
     let mut lags: Vec<i64> = samples.iter().map(|s| s.1).collect();
     lags.sort_unstable();
     serde_json::json!({
-        "event": "done",
+        "event": event,
         "samples": lags.len(),
         "p50_ms": pct(&lags, 0.50),
         "p95_ms": pct(&lags, 0.95),
