@@ -49,7 +49,8 @@ CREATE TABLE ferry_sync.replicas (
     failing_since   timestamptz,
     digest_at       timestamptz,                 -- when its digests were last compared
     confirmed_pass  bigint NOT NULL DEFAULT 0,   -- the pass its newest confirmed message was recorded in
-    dropped         integer NOT NULL DEFAULT 0   -- outboxes dropped (the alarm)
+    dropped         integer NOT NULL DEFAULT 0,  -- outboxes dropped (the alarm)
+    handled_n       bigint NOT NULL DEFAULT 0    -- the `reports.n` the relay handled last
 );
 
 -- Row versions of broadcast tables: one row per (table, partition, key), O(rows). A
@@ -120,13 +121,16 @@ CREATE TABLE ferry_sync.points (
 );
 CREATE INDEX points_parent ON ferry_sync.points (relation, key, replica);
 
--- Each replica's latest report up, stored by whichever serve process received it and
--- handled by the relay's next pass.
+-- Each replica's latest report up, stored by whichever serve process received it; `n`
+-- counts the reports stored. The relay's pass handles a report whose `n` is above the
+-- replica's `replicas.handled_n`, and writes only that: a pass (REPEATABLE READ) never
+-- updates a row a serve process updates, so a report arriving mid-pass cannot fail the
+-- pass with a serialization error; it is handled by the next.
 CREATE TABLE ferry_sync.reports (
     replica     uuid PRIMARY KEY REFERENCES ferry_sync.replicas ON DELETE CASCADE,
     up          bytea NOT NULL,
     received_at timestamptz NOT NULL DEFAULT now(),   -- when it was last heard from
-    handled     boolean NOT NULL DEFAULT false
+    n           bigint NOT NULL DEFAULT 1
 );
 
 -- Rows set aside for one replica: they did not encode, did not fit a message, or the

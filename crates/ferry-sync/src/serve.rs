@@ -39,14 +39,55 @@ pub const FETCH_WAIT_MAX: Duration = Duration::from_secs(30);
 /// The largest report a replica may send (`wire`'s limit for an `Up`).
 pub const REPORT_BYTES_MAX: usize = 4 * 1024 * 1024;
 
+/// How often a waiting long poll looks at the outbox without a notification.
+const LOOK_ANYWAY: Duration = Duration::from_secs(5);
+
+/// The long polls waiting, by replica: each waits on its replica's counter, which a
+/// notification naming the replica (or naming none: every replica) bumps. A counter, not
+/// a one-shot wake-up, so a notification between a poll's look and its wait is not lost.
+#[derive(Default)]
+struct Wakes {
+    by_replica: std::sync::Mutex<std::collections::HashMap<Uuid, watch::Sender<u64>>>,
+}
+
+impl Wakes {
+    fn subscribe(&self, id: Uuid) -> watch::Receiver<u64> {
+        ferry_core::sync::lock(&self.by_replica)
+            .entry(id)
+            .or_insert_with(|| watch::channel(0).0)
+            .subscribe()
+    }
+
+    /// `payload`: uuids joined by commas (`relay::wake_payload`), or empty for every one.
+    fn wake(&self, payload: &str) {
+        let mut by_replica = ferry_core::sync::lock(&self.by_replica);
+        by_replica.retain(|_, tx| tx.receiver_count() > 0);
+        if payload.is_empty() {
+            for tx in by_replica.values() {
+                tx.send_modify(|n| *n += 1);
+            }
+            return;
+        }
+        for id in payload.split(',').filter_map(|s| s.parse::<Uuid>().ok()) {
+            if let Some(tx) = by_replica.get(&id) {
+                tx.send_modify(|n| *n += 1);
+            }
+        }
+    }
+}
+
 /// What the routes share.
 #[derive(Clone)]
 pub struct Serve {
     pub pool: PgPool,
-    /// Bumped on every `NOTIFY ferry_sync_outbox`; long polls wait on it.
-    pub outbox: watch::Receiver<u64>,
+    /// The long polls waiting, by replica; `NOTIFY ferry_sync_outbox` wakes the ones it
+    /// names.
+    wakes: Arc<Wakes>,
     /// Extra routes' data: the relay's counters, for /metrics and /status.
     pub stats: Arc<crate::relay::RelayStats>,
+    /// Turns true when the process stops: open long polls answer at once (empty), so a
+    /// graceful shutdown does not wait out their 30 s.
+    pub stopping: Option<watch::Receiver<bool>>,
 }
 
 impl Serve {
@@ -55,30 +96,39 @@ impl Serve {
         pool: PgPool,
         stats: Arc<crate::relay::RelayStats>,
     ) -> Result<Serve, sqlx::Error> {
-        let (tx, rx) = watch::channel(0u64);
+        let wakes = Arc::new(Wakes::default());
         let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await?;
         listener.listen("ferry_sync_outbox").await?;
+        let weak = Arc::downgrade(&wakes);
         tokio::spawn(async move {
             loop {
-                match listener.recv().await {
-                    Ok(_) => {
-                        tx.send_modify(|n| *n += 1);
-                    }
+                let received = listener.recv().await;
+                let Some(wakes) = weak.upgrade() else {
+                    return; // every Serve clone is gone
+                };
+                match received {
+                    Ok(n) => wakes.wake(n.payload()),
                     Err(e) => {
-                        tracing::warn!(error = %e, "serve: lost the outbox notifications; long polls fall back to polling");
+                        tracing::warn!(error = %e, "serve: lost the outbox notifications; waking every long poll each second until they are back");
+                        wakes.wake("");
+                        drop(wakes);
                         tokio::time::sleep(Duration::from_secs(1)).await;
                     }
-                }
-                if tx.is_closed() {
-                    return;
                 }
             }
         });
         Ok(Serve {
             pool,
-            outbox: rx,
+            wakes,
             stats,
+            stopping: None,
         })
+    }
+
+    /// Long polls end, empty, once `stop` turns true (see [`Serve::stopping`]).
+    pub fn stop_on(mut self, stop: watch::Receiver<bool>) -> Serve {
+        self.stopping = Some(stop);
+        self
     }
 
     pub fn router(self) -> Router {
@@ -168,7 +218,8 @@ async fn messages(
     let max = q.max.clamp(1, FETCH_FRAMES_MAX);
     let deadline =
         tokio::time::Instant::now() + Duration::from_millis(q.wait_ms).min(FETCH_WAIT_MAX);
-    let mut outbox = serve.outbox.clone();
+    let mut outbox = serve.wakes.subscribe(id);
+    let mut stopping = serve.stopping.clone();
     loop {
         outbox.borrow_and_update();
         match frames(&serve.pool, id, &q, max).await {
@@ -182,14 +233,23 @@ async fn messages(
             Ok(_) => {}
             Err(e) => return refuse(StatusCode::SERVICE_UNAVAILABLE, format!("database: {e}")),
         }
-        // Wake on a notification, and look anyway every second in case one was missed.
+        // Wake on a notification naming this replica, and look anyway every few seconds
+        // in case one was lost (while the listener reconnects, every poll is woken).
         let wait = deadline
             .saturating_duration_since(tokio::time::Instant::now())
-            .min(Duration::from_secs(1));
-        if wait.is_zero() {
+            .min(LOOK_ANYWAY);
+        if wait.is_zero() || stopping.as_ref().is_some_and(|s| *s.borrow()) {
             return StatusCode::NO_CONTENT.into_response();
         }
-        let _ = tokio::time::timeout(wait, outbox.changed()).await;
+        tokio::select! {
+            _ = tokio::time::timeout(wait, outbox.changed()) => {}
+            _ = async {
+                match stopping.as_mut() {
+                    Some(s) => drop(s.wait_for(|stop| *stop).await),
+                    None => std::future::pending().await,
+                }
+            } => return StatusCode::NO_CONTENT.into_response(),
+        }
     }
 }
 
@@ -257,7 +317,7 @@ pub async fn store_report(pool: &PgPool, id: Uuid, up: &[u8]) -> Result<(), Repo
     wire::decode_up(up, &wire::Limits::default())?;
     sqlx::query(
         "INSERT INTO ferry_sync.reports (replica, up, received_at) VALUES ($1, $2, now())
-         ON CONFLICT (replica) DO UPDATE SET up = excluded.up, received_at = excluded.received_at, handled = false",
+         ON CONFLICT (replica) DO UPDATE SET up = excluded.up, received_at = excluded.received_at, n = ferry_sync.reports.n + 1",
     )
     .bind(id)
     .bind(up)

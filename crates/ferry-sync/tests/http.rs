@@ -238,3 +238,47 @@ async fn serve_refuses_strangers_and_bad_reports_and_says_what_to_do() {
     assert_eq!(stored(&shop, north).await.as_ref(), Some(&before));
     shop.finish().await;
 }
+
+/// Guards: a serve that stops (SIGTERM in `ferry sync serve`) answers its open long polls
+/// at once, empty, instead of holding the shutdown for up to their 30 s wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_serve_ends_its_long_polls_at_once() {
+    let mut shop = Shop::new("http_stop").await;
+    let north = shop.store("north").await;
+    shop.settle().await;
+    // A token the test knows, enrolled after north is provisioned: no message is sealed
+    // under the new key, and none is needed.
+    let token = token_for(&shop, north).await;
+    let at = shop.replicas[&north].status().unwrap();
+    let epoch = at.epoch.expect("north is provisioned");
+    let pool = sqlx::PgPool::connect(&shop.db.url).await.unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let serve = Serve::new(pool, Arc::new(RelayStats::default()))
+        .await
+        .unwrap()
+        .stop_on(stop_rx);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, serve.router()).await });
+    // From where north stands, with nothing new: the poll waits.
+    let poll = tokio::spawn(call(
+        "GET",
+        format!(
+            "{url}/v1/replicas/{north}/messages?after={}&epoch={}&max=16&wait_ms=30000",
+            at.seq,
+            Uuid::parse_str(&epoch).unwrap()
+        ),
+        Some(token),
+        vec![],
+    ));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!poll.is_finished(), "the long poll waits while serve runs");
+    let asked = std::time::Instant::now();
+    stop_tx.send(true).unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(5), poll)
+        .await
+        .expect("the long poll ends within 5 s of the stop, not its 30 s wait")
+        .unwrap();
+    assert_eq!(answer.status, 204, "{}", answer.body);
+    assert!(asked.elapsed() < Duration::from_secs(2));
+}

@@ -31,7 +31,7 @@ async fn settle_running(shop: &mut Shop) {
             + count(shop, "SELECT count(*) FROM ferry_sync.outbox").await
             + count(
                 shop,
-                "SELECT count(*) FROM ferry_sync.reports WHERE NOT handled",
+                "SELECT count(*) FROM ferry_sync.reports r JOIN ferry_sync.replicas c ON c.id = r.replica WHERE r.n > c.handled_n",
             )
             .await;
         if !moved && pending == 0 {
@@ -768,5 +768,61 @@ async fn times_recorded_ahead_of_the_clocks_change_nothing_applied_confirmed_or_
         1,
         "the tampered table was healed"
     );
+    shop.finish().await;
+}
+
+// Guards guarantee 9 for a row that cannot travel (fault 9's un-encodable server row): a
+// product whose float8 is NaN (which never equals itself, so no digest could hold it) is
+// quarantined for the stores owed it while the rows beside it flow; status counts it; a
+// fix on the server (the value made a number) sends it and clears the quarantine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_that_cannot_travel_is_quarantined_while_the_rest_flows_and_goes_through_after_a_fix()
+{
+    let schema = format!(
+        "{}ALTER TABLE products ADD COLUMN weight float8;\n",
+        common::SHOP_SCHEMA
+    );
+    let mut shop = Shop::new_with("nan", &schema, common::SHOP_RULES).await;
+    let north = shop.store("north").await;
+    shop.db
+        .exec("INSERT INTO products VALUES (1, 'tea', 1, 'north', 0.5), (2, 'odd', 2, 'north', 'NaN'), (3, 'coffee', 3, 'north', 1.5)")
+        .await;
+    shop.settle().await;
+    let held = shop.held(north);
+    assert!(
+        held["products"].iter().any(|p| p.starts_with("1|"))
+            && held["products"].iter().any(|p| p.starts_with("3|")),
+        "the rest flows: {:?}",
+        held["products"]
+    );
+    assert!(
+        !held["products"].iter().any(|p| p.starts_with("2|")),
+        "the NaN row is not sent"
+    );
+    let quarantined: Vec<(String, String)> =
+        sqlx::query_as("SELECT key, cause FROM ferry_sync.quarantine WHERE replica = $1")
+            .bind(north)
+            .fetch_all(&shop.db.pool)
+            .await
+            .unwrap();
+    assert_eq!(quarantined, vec![("2".to_string(), "encode".to_string())]);
+    let status = ferry_sync::status::read(&shop.db.pool, None).await.unwrap();
+    assert_eq!(status.replicas[0].quarantined, 1);
+    // The fix: a number. Its note plans the row again; it travels and leaves quarantine.
+    shop.db
+        .exec("UPDATE products SET weight = 2.5 WHERE id = 2")
+        .await;
+    shop.settle().await;
+    let held = shop.held(north);
+    assert!(
+        held["products"].iter().any(|p| p.starts_with("2|")),
+        "the fixed row arrives: {:?}",
+        held["products"]
+    );
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry_sync.quarantine")
+        .fetch_one(&shop.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(left, 0, "nothing stays quarantined once the row travelled");
     shop.finish().await;
 }

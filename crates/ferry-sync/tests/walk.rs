@@ -586,7 +586,7 @@ async fn quiesce(shop: &mut Shop, seed: u64) {
         }
         shop.passes().await;
         let waiting: i64 = sqlx::query_scalar(
-            "SELECT (SELECT count(*) FROM ferry_sync.outbox) + (SELECT count(*) FROM ferry_sync.reports WHERE NOT handled)",
+            "SELECT (SELECT count(*) FROM ferry_sync.outbox) + (SELECT count(*) FROM ferry_sync.reports r JOIN ferry_sync.replicas c ON c.id = r.replica WHERE r.n > c.handled_n)",
         )
         .fetch_one(&shop.db.pool)
         .await

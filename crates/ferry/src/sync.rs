@@ -302,7 +302,9 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         let stop = stop_rx.clone();
         Some(tokio::spawn(async move { relay.run(&url, stop).await }))
     };
-    let serve = ferry_sync::serve::Serve::new(pool.clone(), stats).await?;
+    let serve = ferry_sync::serve::Serve::new(pool.clone(), stats)
+        .await?
+        .stop_on(stop_rx.clone());
     tracing::info!(listen = %a.listen, db = %redact(&a.db), relay = !a.no_relay, "ferry sync serve: serving replicas");
     let mut stop_http = stop_rx.clone();
     let http = tokio::spawn(async move {

@@ -115,6 +115,18 @@ pub struct PassReport {
     pub bytes: usize,
     /// More notes were waiting than the batch took.
     pub more: bool,
+    /// The replicas that got a message.
+    pub to: Vec<Uuid>,
+}
+
+/// The payload of `NOTIFY ferry_sync_outbox`: the replicas that got messages, as uuids
+/// joined by commas, so a serve process wakes only their long polls; empty (wake every
+/// one) when they would not fit Postgres's payload limit (8,000 bytes).
+pub fn wake_payload(to: &[Uuid]) -> String {
+    if to.len() * 37 > 7_900 {
+        return String::new();
+    }
+    to.iter().map(Uuid::to_string).collect::<Vec<_>>().join(",")
 }
 
 /// What one step of the relay did (`Relay::step`).
@@ -343,7 +355,8 @@ impl Relay {
                 sqlx::query("COMMIT").execute(&mut *conn).await?;
                 self.catch_up = std::mem::take(&mut self.dropped_now);
                 if report.messages > 0 {
-                    sqlx::query("SELECT pg_notify('ferry_sync_outbox', '')")
+                    sqlx::query("SELECT pg_notify('ferry_sync_outbox', $1)")
+                        .bind(wake_payload(&report.to))
                         .execute(&mut *conn)
                         .await?;
                 }
@@ -476,6 +489,7 @@ impl Relay {
         .await?;
         report.messages = recorded.messages;
         report.bytes = recorded.bytes;
+        report.to = recorded.to;
         sqlx::query("DELETE FROM ferry_sync.notes WHERE id = ANY($1)")
             .bind(&ids)
             .execute(&mut *conn)

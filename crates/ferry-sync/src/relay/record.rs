@@ -38,6 +38,8 @@ pub struct Epoch {
 #[derive(Clone, Debug, Default)]
 pub struct Recorded {
     pub messages: usize,
+    /// The replicas that got a message, to wake their long polls (and only theirs).
+    pub to: Vec<Uuid>,
     pub bodies: usize,
     pub bytes: usize,
     pub quarantined: usize,
@@ -89,9 +91,12 @@ pub async fn record(
     }
     recorded.quarantined = q_replica.len();
     if !q_replica.is_empty() {
+        // DISTINCT ON: a row can be in a replica's message twice when one pass both
+        // provisions the replica and plans the row's note; ON CONFLICT may not meet one
+        // key twice in a statement (found by the NaN test, 2026-12-06).
         sqlx::query(
             "INSERT INTO ferry_sync.quarantine (replica, relation, key, cause, reason)
-             SELECT r, rel, k, c, CASE c WHEN 'encode' THEN 'a real value is NaN' ELSE 'the row is larger than a message can carry' END
+             SELECT DISTINCT ON (r, rel, k) r, rel, k, c, CASE c WHEN 'encode' THEN 'a real value is NaN' ELSE 'the row is larger than a message can carry' END
              FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[]) AS x(r, rel, k, c)
              ON CONFLICT (replica, relation, key) DO UPDATE SET cause = excluded.cause, reason = excluded.reason, at = now()",
         )
@@ -99,6 +104,36 @@ pub async fn record(
         .bind(&q_relation)
         .bind(&q_key)
         .bind(&q_cause)
+        .execute(&mut *conn)
+        .await?;
+    }
+    // A row quarantined by the server (NaN, too large) that now travels leaves quarantine:
+    // status must not count it after a fix. Looked for only while such rows exist.
+    let server_quarantine: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM ferry_sync.quarantine WHERE cause IN ('encode', 'size'))",
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    if server_quarantine {
+        let (mut s_replica, mut s_relation, mut s_key) = (Vec::new(), Vec::new(), Vec::new());
+        for (r, out) in &outs {
+            for (t, table_out) in &out.tables {
+                let table = &spec.tables[*t];
+                let key_cols = table.key_columns();
+                for row in &table_out.upserts {
+                    s_replica.push(*r);
+                    s_relation.push(table.relation.clone());
+                    s_key.push(key_text_of(row, &key_cols));
+                }
+            }
+        }
+        sqlx::query(
+            "DELETE FROM ferry_sync.quarantine q USING unnest($1::uuid[], $2::text[], $3::text[]) AS x(r, rel, k)
+             WHERE q.replica = x.r AND q.relation = x.rel AND q.key = x.k AND q.cause IN ('encode', 'size')",
+        )
+        .bind(&s_replica)
+        .bind(&s_relation)
+        .bind(&s_key)
         .execute(&mut *conn)
         .await?;
     }
@@ -139,6 +174,9 @@ pub async fn record(
             continue;
         };
         let bodies = &packed[&out.signature()];
+        if !bodies.is_empty() {
+            recorded.to.push(*r);
+        }
         for (i, (carried, compressed, hash)) in bodies.iter().enumerate() {
             let seq = chain.last_seq + 1;
             let nonce = random_nonce();

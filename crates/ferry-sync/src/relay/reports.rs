@@ -42,11 +42,25 @@ pub async fn handle(
 ) -> Result<Decisions, sqlx::Error> {
     let mut decisions = Decisions::default();
     let mut deferred = None;
+    // Read, not updated: serve processes update these rows as reports arrive, and a
+    // REPEATABLE READ pass that updated one of them concurrently would fail whole. What
+    // the pass handled is recorded in `replicas.handled_n`, which only the relay writes.
     let reports = sqlx::query(
-        "UPDATE ferry_sync.reports SET handled = true WHERE NOT handled RETURNING replica, up",
+        "SELECT r.replica, r.up, r.n FROM ferry_sync.reports r JOIN ferry_sync.replicas c ON c.id = r.replica
+         WHERE r.n > c.handled_n",
     )
     .fetch_all(&mut *conn)
     .await?;
+    let handled: Vec<(Uuid, i64)> = reports.iter().map(|r| (r.get(0), r.get(2))).collect();
+    if !handled.is_empty() {
+        sqlx::query(
+            "UPDATE ferry_sync.replicas c SET handled_n = x.n FROM unnest($1::uuid[], $2::int8[]) AS x(id, n) WHERE c.id = x.id",
+        )
+        .bind(handled.iter().map(|h| h.0).collect::<Vec<_>>())
+        .bind(handled.iter().map(|h| h.1).collect::<Vec<_>>())
+        .execute(&mut *conn)
+        .await?;
+    }
     for row in reports {
         let r: Uuid = row.get(0);
         let bytes: Vec<u8> = row.get(1);
