@@ -184,7 +184,9 @@ fn judge(standing: &str, enrolled: bool, outbox: i64, heard_ago_ms: Option<i64>)
     match heard_ago_ms {
         None => "silent",
         Some(_) if outbox == 0 && standing == "following" => "synced",
-        Some(ms) if ms <= HEARD_RECENTLY.as_millis() as i64 => "catching_up",
+        // A report stamped ahead of the clock (the server's clock set back since) is not
+        // recent: the replica's next report stamps the clock's own time again.
+        Some(ms) if (0..=HEARD_RECENTLY.as_millis() as i64).contains(&ms) => "catching_up",
         Some(_) => "unreachable",
     }
 }

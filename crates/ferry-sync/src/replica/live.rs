@@ -131,7 +131,7 @@ impl Live {
         file.standing = Some(self.standing());
         LiveStatus {
             file,
-            heard_ago_ms: facts.heard_at_ms.map(|at| wall_ms().saturating_sub(at)),
+            heard_ago_ms: facts.heard_at_ms.map(|at| wall_ms().abs_diff(at)),
             caught_up: self.caught_up.load(Relaxed),
             offline_after_ms: self.offline_after_ms.load(Relaxed),
             totals: self.totals(),
@@ -203,7 +203,7 @@ impl Live {
                 "ferry_sync_replica_heard_ago_seconds",
                 "Seconds since the server last answered a fetch.",
                 &[],
-                wall_ms().saturating_sub(at) as f64 / 1000.0,
+                wall_ms().abs_diff(at) as f64 / 1000.0,
             );
         }
         for s in Standing::ALL {

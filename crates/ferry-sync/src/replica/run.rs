@@ -62,7 +62,8 @@ pub enum TransportError {
     Unavailable(String),
     /// The server refused this replica (401: a wrong token or another replica's id; 413:
     /// a report over its limit). Retrying cannot help.
-    #[error("the sync server refused this replica: {0}; check the replica's id and token")]
+    /// The server's own words say what to do (serve's refusals do: docs/sync.md §8.1).
+    #[error("the sync server refused this replica's request: {0}")]
     Refused(String),
 }
 

@@ -100,7 +100,9 @@ impl Standing {
             return known;
         }
         match last_fetch_ok_ms {
-            Some(at) if now_ms.saturating_sub(at) <= offline_after_ms => {
+            // abs_diff: a heard time ahead of the clock (the clock set back since) is not
+            // "just now"; the next answered fetch stamps the clock's own time again.
+            Some(at) if now_ms.abs_diff(at) <= offline_after_ms => {
                 if caught_up {
                     Standing::Synced
                 } else {
