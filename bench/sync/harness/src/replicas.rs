@@ -5,8 +5,8 @@
 //!
 //! One thread per replica runs ferry's own replica loop ([`Replica::run`], default
 //! settings but a 1 s long poll so a stop is quick) over the built-in HTTP transport,
-//! through a [`Downlink`] that counts bytes and measures lag when the loop reports
-//! (right after each applied batch): every product or order row whose `at_ns` is new is a
+//! through a [`Downlink`] that counts bytes and measures lag when the loop fetches
+//! again (right after each applied batch): every product or order row whose `at_ns` is new is a
 //! sample `now - at_ns`. `FILE` has `uuid token` per line. Prints one JSON object per
 //! line: `provisioned` once every replica holds N products and its K orders; on stdin
 //! `mark`, the totals so far; `stats`, the lag of the samples since the last `stats`; `lose-next` makes the next fetched batch vanish (the
@@ -54,7 +54,8 @@ impl Measured {
             .unwrap_or(0)
     }
 
-    /// Called right after each applied batch. Until the replica holds all its rows,
+    /// Called right after each applied batch (before the next fetch; also after an
+    /// empty long poll, which finds nothing new). Until the replica holds all its rows,
     /// only counts (a count walks the table: about a millisecond at 100,000 rows); then
     /// samples the rows
     /// the writer touches: products 1 to 100 (its hot set, a key range) and the
@@ -102,6 +103,9 @@ impl Downlink for Measured {
         max: usize,
         wait: Duration,
     ) -> Result<Vec<Vec<u8>>, TransportError> {
+        // The loop fetches right after applying a batch (reports go at most once a
+        // second): the rows that batch brought are sampled here.
+        self.sample();
         let frames = self.inner.fetch(position, max, wait)?;
         let bytes: usize = frames.iter().map(|f| f.len() + 4).sum();
         self.totals
@@ -115,7 +119,6 @@ impl Downlink for Measured {
     }
 
     fn report(&mut self, up: &[u8]) -> Result<(), TransportError> {
-        self.sample();
         self.totals
             .bytes_up
             .fetch_add(up.len() as u64, Ordering::Relaxed);

@@ -1,8 +1,9 @@
 //! The replica's loop over a transport: fetch, apply, report.
 //!
-//! 1. Report where the replica stands (at once when it starts, after every batch that
-//!    brought frames, every `report_every` while a change is unreported, and every
-//!    `keepalive` otherwise). The transport took the report: its rejections are marked
+//! 1. Report where the replica stands: at once when it starts and after a batch that
+//!    moved nothing (a gap, a refusal); after batches that applied, at most once per
+//!    `report_every` (the next fetch's wait is cut short when one falls due); every
+//!    `keepalive` otherwise. The transport took the report: its rejections are marked
 //!    reported.
 //! 2. Fetch up to `window` frames after the replica's position (seq, nonce), waiting up
 //!    to `wait` (long poll, cut short when a report falls due); mark the server heard.
@@ -84,7 +85,8 @@ pub struct RunSettings {
     pub window: usize,
     /// Long-poll wait per fetch; the server waits at most 30 s.
     pub wait: Duration,
-    /// How soon an unreported change (a report that failed) is reported again.
+    /// How soon an unreported change (applied frames, or a report that failed) is
+    /// reported: while frames keep applying, reports go at most this often.
     pub report_every: Duration,
     /// How often the replica reports with nothing new (the server's view of its
     /// position is at most this old).
@@ -313,7 +315,13 @@ impl Replica {
             Batch::StorageFailed => false,
         };
         turn.unreported = true;
-        self.report(link, turn, settings)?;
+        // A batch that moved nothing (a gap, a refusal) is told at once: the server heals
+        // it. Otherwise at most once per `report_every`: a report costs the server a
+        // pass's work per replica, and what it carries (confirmations) only prunes the
+        // outbox and moves marks; what is sent next never waits for it.
+        if !moved || until_report(turn, settings).is_zero() {
+            self.report(link, turn, settings)?;
+        }
         turn.failures = if moved {
             0
         } else {
