@@ -6,7 +6,10 @@
 //!    an unknown replica or another replica's id is 401 and serves nothing.
 //! 2. `GET …/messages` returns up to `max` frames after the replica's position, in order,
 //!    each prefixed with its length (u32, big-endian). With none, it waits up to
-//!    `wait_ms` for `NOTIFY ferry_sync_outbox` and looks again.
+//!    `wait_ms` for `NOTIFY ferry_sync_outbox` and looks again. The looks of all the
+//!    polls a notification wakes go to Postgres together, one statement for the batch
+//!    that also reads each replica's token hash ([`look`]), so a message to 100 replicas
+//!    costs one statement, not 300, and its shared body is read once.
 //! 3. `POST …/reports` checks that the report decodes, stores it as the replica's latest
 //!    (`ferry_sync.reports`) and wakes the relay (`NOTIFY ferry_sync`). A report over
 //!    [`REPORT_BYTES_MAX`] is 413 and one that does not decode 400; neither is stored.
@@ -15,6 +18,8 @@
 //! replica's client shows it (`client.rs`).
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use axum::body::Bytes;
@@ -27,7 +32,7 @@ use axum::{Json, Router};
 use serde::Deserialize;
 use sha2::{Digest as _, Sha256};
 use sqlx::{PgPool, Row};
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 use uuid::Uuid;
 
 use crate::wire;
@@ -42,35 +47,100 @@ pub const REPORT_BYTES_MAX: usize = 4 * 1024 * 1024;
 /// How often a waiting long poll looks at the outbox without a notification.
 const LOOK_ANYWAY: Duration = Duration::from_secs(5);
 
+/// How long a replica's slot outlives its last long poll; a replica polls again well
+/// within this, so what its slot knows (below) survives between polls.
+const SLOT_IDLE_MAX: Duration = Duration::from_secs(60);
+
 /// The long polls waiting, by replica: each waits on its replica's counter, which a
 /// notification naming the replica (or naming none: every replica) bumps. A counter, not
 /// a one-shot wake-up, so a notification between a poll's look and its wait is not lost.
 #[derive(Default)]
 struct Wakes {
-    by_replica: std::sync::Mutex<std::collections::HashMap<Uuid, watch::Sender<u64>>>,
+    slots: std::sync::Mutex<Slots>,
+}
+
+#[derive(Default)]
+struct Slots {
+    by_replica: std::collections::HashMap<Uuid, Slot>,
+    pruned_at: Option<std::time::Instant>,
+}
+
+struct Slot {
+    wakes: watch::Sender<u64>,
+    used_at: std::time::Instant,
+    known: Option<Known>,
+}
+
+/// What the replica's last look found: nothing after `(epoch, after)`, as of wake count
+/// `wakes` (read before that look). While the count stands, no pass has recorded a message
+/// for the replica since that look's snapshot (its notification would have bumped the
+/// count), so a poll from that position need not look before it waits: at 100 replicas
+/// this halves the looks, since each poll after an apply would otherwise find nothing.
+#[derive(Clone)]
+struct Known {
+    epoch: Uuid,
+    after: u64,
+    wakes: u64,
+    /// The token hash the look read: a skipped look still checks the token.
+    token_hash: Vec<u8>,
 }
 
 impl Wakes {
     fn subscribe(&self, id: Uuid) -> watch::Receiver<u64> {
-        ferry_core::sync::lock(&self.by_replica)
-            .entry(id)
-            .or_insert_with(|| watch::channel(0).0)
-            .subscribe()
+        let mut slots = ferry_core::sync::lock(&self.slots);
+        let slot = slots.by_replica.entry(id).or_insert_with(|| Slot {
+            wakes: watch::channel(0).0,
+            used_at: std::time::Instant::now(),
+            known: None,
+        });
+        slot.used_at = std::time::Instant::now();
+        slot.wakes.subscribe()
+    }
+
+    /// Whether a look for `ask` would find nothing, as of wake count `wakes`, by a token
+    /// hashing to `given`.
+    fn nothing_for(&self, ask: &Ask, wakes: u64, given: &[u8]) -> bool {
+        let slots = ferry_core::sync::lock(&self.slots);
+        slots
+            .by_replica
+            .get(&ask.replica)
+            .and_then(|slot| slot.known.as_ref())
+            .is_some_and(|k| {
+                ask.epoch == Some(k.epoch)
+                    && ask.after == k.after
+                    && wakes == k.wakes
+                    && constant_time_eq(&k.token_hash, given)
+            })
+    }
+
+    fn learn(&self, id: Uuid, known: Option<Known>) {
+        if let Some(slot) = ferry_core::sync::lock(&self.slots).by_replica.get_mut(&id) {
+            slot.known = known;
+        }
     }
 
     /// `payload`: uuids joined by commas (`relay::wake_payload`), or empty for every one.
     fn wake(&self, payload: &str) {
-        let mut by_replica = ferry_core::sync::lock(&self.by_replica);
-        by_replica.retain(|_, tx| tx.receiver_count() > 0);
+        let mut slots = ferry_core::sync::lock(&self.slots);
+        let now = std::time::Instant::now();
+        if slots
+            .pruned_at
+            .is_none_or(|at| now.duration_since(at) >= SLOT_IDLE_MAX / 6)
+        {
+            slots.by_replica.retain(|_, slot| {
+                slot.wakes.receiver_count() > 0 || now.duration_since(slot.used_at) < SLOT_IDLE_MAX
+            });
+            slots.pruned_at = Some(now);
+        }
         if payload.is_empty() {
-            for tx in by_replica.values() {
-                tx.send_modify(|n| *n += 1);
+            for slot in slots.by_replica.values() {
+                slot.wakes.send_modify(|n| *n += 1);
             }
             return;
         }
         for id in payload.split(',').filter_map(|s| s.parse::<Uuid>().ok()) {
-            if let Some(tx) = by_replica.get(&id) {
-                tx.send_modify(|n| *n += 1);
+            if let Some(slot) = slots.by_replica.get(&id) {
+                slot.wakes.send_modify(|n| *n += 1);
             }
         }
     }
@@ -83,6 +153,8 @@ pub struct Serve {
     /// The long polls waiting, by replica; `NOTIFY ferry_sync_outbox` wakes the ones it
     /// names.
     wakes: Arc<Wakes>,
+    /// Takes the long polls' looks at the outbox together.
+    fetcher: Arc<Fetcher>,
     /// Extra routes' data: the relay's counters, for /metrics and /status.
     pub stats: Arc<crate::relay::RelayStats>,
     /// Turns true when the process stops: open long polls answer at once (empty), so a
@@ -118,6 +190,7 @@ impl Serve {
             }
         });
         Ok(Serve {
+            fetcher: Arc::new(Fetcher::start(pool.clone())),
             pool,
             wakes,
             stats,
@@ -165,34 +238,54 @@ fn refuse(status: StatusCode, message: impl Into<String>) -> Response {
     (status, Json(serde_json::json!({ "error": message.into() }))).into_response()
 }
 
-/// Step 1. Whether the id is enrolled at all is not told apart from a wrong token, so a
-/// caller without a token learns nothing about which replicas exist.
-async fn authorize(serve: &Serve, id: Uuid, headers: &HeaderMap) -> Result<(), Response> {
-    let given = headers
+/// Step 1: the bearer token the request carries (no database needed to refuse none).
+fn bearer(headers: &HeaderMap) -> Option<String> {
+    headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
-    if given.is_empty() {
-        return Err(unauthorized(format!(
-            "no bearer token for replica {id}: send `Authorization: Bearer TOKEN` with the \
-             token `ferry sync enroll --replica {id}` gave it"
-        )));
-    }
+        .filter(|given| !given.is_empty())
+        .map(str::to_string)
+}
+
+fn no_token(id: Uuid) -> Response {
+    unauthorized(format!(
+        "no bearer token for replica {id}: send `Authorization: Bearer TOKEN` with the \
+         token `ferry sync enroll --replica {id}` gave it"
+    ))
+}
+
+/// Whether the given token's hash is the stored one (`None`: no such replica).
+fn token_matches(stored: Option<&[u8]>, given: &[u8]) -> bool {
+    stored.is_some_and(|h| constant_time_eq(h, given))
+}
+
+/// Whether the id is enrolled at all is not told apart from a wrong token, so a caller
+/// without a token learns nothing about which replicas exist.
+fn wrong_token(id: Uuid) -> Response {
+    unauthorized(format!(
+        "wrong bearer token for replica {id}, or no such replica enrolled; nothing was \
+         served or stored: use the token `ferry sync enroll --replica {id}` gave this \
+         replica (enrolling again replaces it)"
+    ))
+}
+
+/// Step 1 for a report: the token against the replica's row.
+async fn authorize(serve: &Serve, id: Uuid, headers: &HeaderMap) -> Result<(), Response> {
+    let given = bearer(headers).ok_or_else(|| no_token(id))?;
     let stored: Option<Option<Vec<u8>>> =
         sqlx::query_scalar("SELECT token_hash FROM ferry_sync.replicas WHERE id = $1")
             .bind(id)
             .fetch_optional(&serve.pool)
             .await
             .map_err(|e| refuse(StatusCode::SERVICE_UNAVAILABLE, format!("database: {e}")))?;
-    let hash = Sha256::digest(given.as_bytes());
-    match stored.flatten() {
-        Some(h) if constant_time_eq(&h, &hash) => Ok(()),
-        _ => Err(unauthorized(format!(
-            "wrong bearer token for replica {id}, or no such replica enrolled; nothing was \
-             served or stored: use the token `ferry sync enroll --replica {id}` gave this \
-             replica (enrolling again replaces it)"
-        ))),
+    if token_matches(
+        stored.flatten().as_deref(),
+        &Sha256::digest(given.as_bytes()),
+    ) {
+        Ok(())
+    } else {
+        Err(wrong_token(id))
     }
 }
 
@@ -212,25 +305,67 @@ async fn messages(
     Query(q): Query<FetchQuery>,
     headers: HeaderMap,
 ) -> Response {
-    if let Err(r) = authorize(&serve, id, &headers).await {
-        return r;
-    }
-    let max = q.max.clamp(1, FETCH_FRAMES_MAX);
+    let Some(given) = bearer(&headers) else {
+        return no_token(id);
+    };
+    let ask = Ask {
+        replica: id,
+        epoch: q.epoch,
+        after: q.after,
+        max: q.max.clamp(1, FETCH_FRAMES_MAX),
+    };
     let deadline =
         tokio::time::Instant::now() + Duration::from_millis(q.wait_ms).min(FETCH_WAIT_MAX);
+    let given = Sha256::digest(given.as_bytes()).to_vec();
     let mut outbox = serve.wakes.subscribe(id);
     let mut stopping = serve.stopping.clone();
+    let mut first = true;
     loop {
-        outbox.borrow_and_update();
-        match frames(&serve.pool, id, &q, max).await {
-            Ok(body) if !body.is_empty() => {
-                return (
-                    [(header::CONTENT_TYPE, "application/x-ferry-sync-frames")],
-                    body,
-                )
-                    .into_response();
+        let wakes = *outbox.borrow_and_update();
+        let skip = first && serve.wakes.nothing_for(&ask, wakes, &given);
+        first = false;
+        if skip {
+            serve.fetcher.counts.skipped.fetch_add(1, Relaxed);
+        }
+        // The token is checked on every look, against the row the frames were read with,
+        // so enrolling the replica again refuses its old token at the next look.
+        match if skip {
+            Ok(None)
+        } else {
+            serve.fetcher.fetch(ask.clone()).await.map(Some)
+        } {
+            Ok(None) => {}
+            Ok(Some(found)) if !token_matches(found.token_hash.as_deref(), &given) => {
+                serve.wakes.learn(id, None);
+                return wrong_token(id);
             }
-            Ok(_) => {}
+            Ok(Some(found)) => {
+                let known = |after| Known {
+                    epoch: found.epoch,
+                    after,
+                    wakes,
+                    token_hash: given.clone(),
+                };
+                let end = match found.last_seq {
+                    Some(seq) if !found.cut && found.frames.len() < ask.max => Some(known(seq)),
+                    None if ask.epoch == Some(found.epoch) => Some(known(ask.after)),
+                    _ => None,
+                };
+                serve.wakes.learn(id, end);
+                if !found.frames.is_empty() {
+                    let mut body =
+                        Vec::with_capacity(found.frames.iter().map(|f| f.len() + 4).sum());
+                    for frame in &found.frames {
+                        body.extend_from_slice(&(frame.len() as u32).to_be_bytes());
+                        body.extend_from_slice(frame);
+                    }
+                    return (
+                        [(header::CONTENT_TYPE, "application/x-ferry-sync-frames")],
+                        body,
+                    )
+                        .into_response();
+                }
+            }
             Err(e) => return refuse(StatusCode::SERVICE_UNAVAILABLE, format!("database: {e}")),
         }
         // Wake on a notification naming this replica, and look anyway every few seconds
@@ -253,22 +388,205 @@ async fn messages(
     }
 }
 
-async fn frames(
-    pool: &PgPool,
-    id: Uuid,
-    q: &FetchQuery,
-    max: usize,
-) -> Result<Vec<u8>, sqlx::Error> {
-    let mut out = Vec::new();
-    for frame in frames_after(pool, id, q.epoch, q.after, max).await? {
-        out.extend_from_slice(&(frame.len() as u32).to_be_bytes());
-        out.extend_from_slice(&frame);
-    }
-    Ok(out)
+/// One replica's look at the outbox: up to `max` frames after position `after` of
+/// `epoch`. A position in another epoch than the current one means "from the start".
+#[derive(Clone, Debug)]
+pub struct Ask {
+    pub replica: Uuid,
+    pub epoch: Option<Uuid>,
+    pub after: u64,
+    pub max: usize,
 }
 
-/// Up to `max` frames of replica `id` after position `after` of `epoch`, in order. A
-/// position in another epoch than the current one means "from the start".
+/// What one look found.
+#[derive(Debug, Default)]
+pub struct Found {
+    /// The replica's `token_hash` as the frames were read; `None`: not enrolled.
+    pub token_hash: Option<Vec<u8>>,
+    /// Its frames (head then body), in chain order.
+    pub frames: Vec<Vec<u8>>,
+    /// The seq of the last frame.
+    pub last_seq: Option<u64>,
+    /// The answer stopped early at [`FETCH_ANSWER_BYTES_MAX`]: more frames follow.
+    pub cut: bool,
+    /// The installation's epoch as the frames were read.
+    pub epoch: Uuid,
+}
+
+/// Bytes of frames one answer carries before it stops early (at least one frame goes):
+/// what `client.rs` reads at most, less room.
+pub const FETCH_ANSWER_BYTES_MAX: usize = 64 << 20;
+
+/// Looks a batch of replicas take at once: a body shared by all of them (a broadcast
+/// change) is read once per batch, and the statement's fixed cost is paid once.
+const ASKS_PER_BATCH: usize = 128;
+/// Batches read at once per serve process; further looks queue and go in the next one.
+const BATCHES_AT_ONCE: usize = 2;
+
+/// Takes the looks of every waiting long poll together: at 100 replicas, a message to
+/// each is one statement for all of them instead of three per replica.
+struct Fetcher {
+    asks: tokio::sync::mpsc::UnboundedSender<(Ask, oneshot::Sender<Result<Found, sqlx::Error>>)>,
+    counts: Arc<LookCounts>,
+}
+
+/// For /metrics: looks taken, the statements that took them, and looks a poll skipped
+/// because its slot knew they would find nothing.
+#[derive(Default)]
+struct LookCounts {
+    looks: AtomicU64,
+    batches: AtomicU64,
+    skipped: AtomicU64,
+}
+
+impl Fetcher {
+    fn start(pool: PgPool) -> Fetcher {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(
+            Ask,
+            oneshot::Sender<Result<Found, sqlx::Error>>,
+        )>();
+        let permits = Arc::new(tokio::sync::Semaphore::new(BATCHES_AT_ONCE));
+        let counts = Arc::new(LookCounts::default());
+        let counting = counts.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok(permit) = permits.clone().acquire_owned().await else {
+                    return;
+                };
+                let Some(first) = rx.recv().await else {
+                    return; // every Serve clone is gone
+                };
+                // The polls one notification wakes send their looks within this turn of
+                // the scheduler: let them, then take them all.
+                tokio::task::yield_now().await;
+                let mut batch = vec![first];
+                while batch.len() < ASKS_PER_BATCH {
+                    match rx.try_recv() {
+                        Ok(next) => batch.push(next),
+                        Err(_) => break,
+                    }
+                }
+                counting.batches.fetch_add(1, Relaxed);
+                counting.looks.fetch_add(batch.len() as u64, Relaxed);
+                let pool = pool.clone();
+                tokio::spawn(async move {
+                    let _permit = permit;
+                    let (asks, replies): (Vec<Ask>, Vec<_>) = batch.into_iter().unzip();
+                    match look(&pool, &asks).await {
+                        Ok(found) => {
+                            for (reply, found) in replies.into_iter().zip(found) {
+                                let _ = reply.send(Ok(found)); // the poll may have ended
+                            }
+                        }
+                        Err(e) => {
+                            let message = e.to_string();
+                            for reply in replies {
+                                let _ = reply.send(Err(sqlx::Error::Protocol(message.clone())));
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        Fetcher { asks: tx, counts }
+    }
+
+    async fn fetch(&self, ask: Ask) -> Result<Found, sqlx::Error> {
+        let (tx, rx) = oneshot::channel();
+        self.asks
+            .send((ask, tx))
+            .map_err(|_| sqlx::Error::PoolClosed)?;
+        rx.await.map_err(|_| sqlx::Error::PoolClosed)?
+    }
+}
+
+/// Every ask's frames and token hash, in one statement (one snapshot): the current epoch,
+/// each replica's row and its next frames; a body several frames share comes once.
+pub async fn look(pool: &PgPool, asks: &[Ask]) -> Result<Vec<Found>, sqlx::Error> {
+    let ids: Vec<Uuid> = asks.iter().map(|a| a.replica).collect();
+    // The nil uuid is never an epoch (epochs are random), so it reads as "from the start".
+    let epochs: Vec<Uuid> = asks
+        .iter()
+        .map(|a| a.epoch.unwrap_or(Uuid::nil()))
+        .collect();
+    let afters: Vec<i64> = asks
+        .iter()
+        .map(|a| i64::try_from(a.after).unwrap_or(i64::MAX))
+        .collect();
+    let maxes: Vec<i32> = asks
+        .iter()
+        .map(|a| a.max.min(FETCH_FRAMES_MAX) as i32)
+        .collect();
+    // A custom plan for this statement cost 350 µs a batch, more than running it, and
+    // the plan does not depend on the arrays' contents: a generic one, and no JIT. Set
+    // for this transaction only, so a pooler's other clients never see them.
+    let mut tx = pool.begin().await?;
+    sqlx::raw_sql("SET LOCAL plan_cache_mode = force_generic_plan; SET LOCAL jit = off")
+        .execute(&mut *tx)
+        .await?;
+    // The epoch is a scalar subquery, not a join with `meta`: the planner's guess for an
+    // unanalyzed one-row table (hundreds of rows) once priced this statement past
+    // `jit_above_cost`, and compiling it cost 240 ms a batch.
+    let rows = sqlx::query(
+        "SELECT q.i, r.token_hash, o.seq, o.head, o.body_hash,
+                CASE WHEN row_number() OVER (PARTITION BY o.body_hash ORDER BY q.i, o.seq) = 1
+                     THEN o.body END AS body,
+                (SELECT epoch FROM ferry_sync.meta)
+         FROM unnest($1::uuid[], $2::uuid[], $3::int8[], $4::int4[])
+                  WITH ORDINALITY AS q(replica, epoch, after, max, i)
+         LEFT JOIN ferry_sync.replicas r ON r.id = q.replica
+         LEFT JOIN LATERAL (
+             SELECT o.seq, o.head, o.body_hash, b.body
+             FROM ferry_sync.outbox o JOIN ferry_sync.bodies b ON b.hash = o.body_hash
+             WHERE o.replica = q.replica
+               AND o.seq > CASE WHEN q.epoch = (SELECT epoch FROM ferry_sync.meta)
+                                THEN q.after ELSE 0 END
+             ORDER BY o.seq LIMIT q.max) o ON true
+         ORDER BY q.i, o.seq",
+    )
+    .bind(&ids)
+    .bind(&epochs)
+    .bind(&afters)
+    .bind(&maxes)
+    .fetch_all(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    let mut found: Vec<Found> = asks.iter().map(|_| Found::default()).collect();
+    let mut bytes = vec![0usize; asks.len()];
+    let mut bodies: std::collections::HashMap<Vec<u8>, Vec<u8>> = Default::default();
+    for row in &rows {
+        let i = usize::try_from(row.get::<i64, _>(0) - 1).expect("ordinality starts at 1");
+        let f = &mut found[i];
+        f.token_hash = row.get(1);
+        f.epoch = row.get(6);
+        let Some(mut frame) = row.get::<Option<Vec<u8>>, _>(3) else {
+            continue; // no frames for this ask
+        };
+        if f.cut {
+            continue;
+        }
+        let hash: Vec<u8> = row.get(4);
+        let body: Option<Vec<u8>> = row.get(5);
+        let body: &[u8] = match body {
+            Some(body) => bodies.entry(hash).or_insert(body),
+            None => bodies
+                .get(&hash)
+                .expect("a shared body comes with its first frame"),
+        };
+        if !f.frames.is_empty() && bytes[i] + frame.len() + body.len() > FETCH_ANSWER_BYTES_MAX {
+            f.cut = true;
+            continue;
+        }
+        frame.extend_from_slice(body);
+        bytes[i] += frame.len();
+        f.frames.push(frame);
+        f.last_seq = Some(row.get::<i64, _>(2) as u64);
+    }
+    Ok(found)
+}
+
+/// Up to `max` frames of replica `id` after position `after` of `epoch`, in order: one
+/// [`look`], for callers that carry frames their own way (the tests' loopback).
 pub async fn frames_after(
     pool: &PgPool,
     id: Uuid,
@@ -276,31 +594,13 @@ pub async fn frames_after(
     after: u64,
     max: usize,
 ) -> Result<Vec<Vec<u8>>, sqlx::Error> {
-    let current: Uuid = sqlx::query_scalar("SELECT epoch FROM ferry_sync.meta")
-        .fetch_one(pool)
-        .await?;
-    let after = if epoch == Some(current) {
-        after as i64
-    } else {
-        0
+    let ask = Ask {
+        replica: id,
+        epoch,
+        after,
+        max,
     };
-    let rows = sqlx::query(
-        "SELECT o.head, b.body FROM ferry_sync.outbox o JOIN ferry_sync.bodies b ON b.hash = o.body_hash
-         WHERE o.replica = $1 AND o.seq > $2 ORDER BY o.seq LIMIT $3",
-    )
-    .bind(id)
-    .bind(after)
-    .bind(max as i64)
-    .fetch_all(pool)
-    .await?;
-    Ok(rows
-        .iter()
-        .map(|row| {
-            let mut frame: Vec<u8> = row.get(0);
-            frame.extend_from_slice(row.get::<&[u8], _>(1));
-            frame
-        })
-        .collect())
+    Ok(look(pool, &[ask]).await?.pop().unwrap_or_default().frames)
 }
 
 /// Why a report was not stored.
@@ -379,8 +679,8 @@ async fn reports(
 }
 
 async fn metrics(State(serve): State<Serve>) -> Response {
-    use std::sync::atomic::Ordering::Relaxed;
     let s = &serve.stats;
+    let looks = &serve.fetcher.counts;
     let text = format!(
         "# TYPE ferry_sync_relay_holding gauge\nferry_sync_relay_holding {}\n\
          # TYPE ferry_sync_passes_total counter\nferry_sync_passes_total {}\n\
@@ -390,7 +690,13 @@ async fn metrics(State(serve): State<Serve>) -> Response {
          # TYPE ferry_sync_parked_total counter\nferry_sync_parked_total {}\n\
          # TYPE ferry_sync_pass_errors_total counter\nferry_sync_pass_errors_total {}\n\
          # TYPE ferry_sync_new_epochs_total counter\nferry_sync_new_epochs_total {}\n\
-         # TYPE ferry_sync_heals_total counter\nferry_sync_heals_total {}\n",
+         # TYPE ferry_sync_heals_total counter\nferry_sync_heals_total {}\n\
+         # HELP ferry_sync_serve_looks_total Long polls' looks at the outbox.\n\
+         # TYPE ferry_sync_serve_looks_total counter\nferry_sync_serve_looks_total {}\n\
+         # HELP ferry_sync_serve_look_statements_total Statements those looks took, batched.\n\
+         # TYPE ferry_sync_serve_look_statements_total counter\nferry_sync_serve_look_statements_total {}\n\
+         # HELP ferry_sync_serve_looks_skipped_total Looks skipped: the poll's position was known to be the newest.\n\
+         # TYPE ferry_sync_serve_looks_skipped_total counter\nferry_sync_serve_looks_skipped_total {}\n",
         s.holding.load(Relaxed) as u8,
         s.passes.load(Relaxed),
         s.notes.load(Relaxed),
@@ -400,6 +706,9 @@ async fn metrics(State(serve): State<Serve>) -> Response {
         s.errors.load(Relaxed),
         s.new_epochs.load(Relaxed),
         s.heals.load(Relaxed),
+        looks.looks.load(Relaxed),
+        looks.batches.load(Relaxed),
+        looks.skipped.load(Relaxed),
     );
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
