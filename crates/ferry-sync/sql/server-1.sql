@@ -101,7 +101,11 @@ CREATE TABLE ferry_sync.outbox (
     replica    uuid NOT NULL REFERENCES ferry_sync.replicas ON DELETE CASCADE,
     seq        bigint NOT NULL,
     head       bytea NOT NULL,    -- the encoded header, seal and stamp
-    body_hash  bytea NOT NULL REFERENCES ferry_sync.bodies,
+    -- No foreign key to `bodies`: the relay writes a body in the pass that records the
+    -- messages naming it, and deletes it only when no message names it (one pass each,
+    -- fenced). The check per row was most of the cost of recording a broadcast change
+    -- to many replicas.
+    body_hash  bytea NOT NULL,
     bytes      integer NOT NULL,
     pass       bigint NOT NULL,   -- the pass that recorded it: confirming it moves the replica's mark here
     recorded_at timestamptz NOT NULL DEFAULT now(),

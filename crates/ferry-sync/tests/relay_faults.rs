@@ -27,19 +27,29 @@ async fn settle_running(shop: &mut Shop) {
         for id in ids {
             moved |= shop.deliver(id).await;
         }
-        let pending = count(shop, "SELECT count(*) FROM ferry_sync.notes").await
-            + count(shop, "SELECT count(*) FROM ferry_sync.outbox").await
-            + count(
+        // Each delivery reports, and the relay gathers reports for up to 100 ms before
+        // a pass: let it handle them before delivering (and reporting) again.
+        let (mut notes, mut reports);
+        let handled_by = Instant::now() + Duration::from_secs(2);
+        loop {
+            notes = count(shop, "SELECT count(*) FROM ferry_sync.notes").await;
+            reports = count(
                 shop,
                 "SELECT count(*) FROM ferry_sync.reports r JOIN ferry_sync.replicas c ON c.id = r.replica WHERE r.n > c.handled_n",
             )
             .await;
-        if !moved && pending == 0 {
+            if notes + reports == 0 || Instant::now() > handled_by {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let messages = count(shop, "SELECT count(*) FROM ferry_sync.outbox").await;
+        if !moved && notes + messages + reports == 0 {
             return;
         }
         assert!(
             Instant::now() < deadline,
-            "never settled: {pending} notes, messages or reports left"
+            "never settled: {notes} notes, {messages} messages, {reports} reports left"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -292,7 +292,12 @@ impl Relay {
                 Err(e) => return Err(e),
             }
             tokio::select! {
-                _ = listener.recv() => drain(&mut listener).await,
+                n = listener.recv() => {
+                    let notes = !is_report(&n) | drain(&mut listener).await;
+                    if !notes {
+                        gather_reports(&mut listener, stop).await;
+                    }
+                }
                 _ = tokio::time::sleep(self.settings.idle) => {}
                 _ = stop.changed() => {}
             }
@@ -329,16 +334,19 @@ impl Relay {
 
     /// One pass (docs/sync.md §6.2). Public for tests and `ferry sync pass`.
     pub async fn pass(&mut self, conn: &mut PgConnection) -> Result<PassReport, RelayError> {
-        sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ")
-            .execute(&mut *conn)
-            .await?;
         // The pass's statements look rows up by key lists of every size; a generic plan
         // (chosen after five runs) may scan whole tables for them, which made a pass cost
         // O(rows) and a bulk load quadratic (572 notes/s at 100,000 rows, against 16,500
-        // at 5,000). A custom plan per execution costs a few hundred microseconds.
-        sqlx::query("SET LOCAL plan_cache_mode = force_custom_plan")
-            .execute(&mut *conn)
-            .await?;
+        // at 5,000). A custom plan per execution costs a few hundred microseconds. JIT
+        // never pays for statements this short, and a planner's guess on a table not yet
+        // analyzed can price one past `jit_above_cost` (compiling cost 240 ms a time).
+        // One round trip, in the pass's own transaction, so any pooler keeps them together.
+        sqlx::raw_sql(
+            "BEGIN ISOLATION LEVEL REPEATABLE READ; \
+             SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL jit = off",
+        )
+        .execute(&mut *conn)
+        .await?;
         let mut result = self.pass_inside(conn).await;
         if result.is_ok()
             && let Some(hook) = &mut self.before_commit
@@ -350,16 +358,20 @@ impl Relay {
                 result = Err(e);
             }
         }
+        // In the pass's transaction: Postgres delivers it at the commit, with the messages.
+        if let Ok(report) = &result
+            && report.messages > 0
+            && let Err(e) = sqlx::query("SELECT pg_notify('ferry_sync_outbox', $1)")
+                .bind(wake_payload(&report.to))
+                .execute(&mut *conn)
+                .await
+        {
+            result = Err(e.into());
+        }
         match result {
             Ok(report) => {
                 sqlx::query("COMMIT").execute(&mut *conn).await?;
                 self.catch_up = std::mem::take(&mut self.dropped_now);
-                if report.messages > 0 {
-                    sqlx::query("SELECT pg_notify('ferry_sync_outbox', $1)")
-                        .bind(wake_payload(&report.to))
-                        .execute(&mut *conn)
-                        .await?;
-                }
                 self.stats.passes.fetch_add(1, Ordering::Relaxed);
                 self.stats
                     .notes
@@ -740,9 +752,47 @@ async fn prune_tombstones(conn: &mut PgConnection) -> Result<(), RelayError> {
 /// a burst the listener holds thousands, and taking one per pass ran thousands of empty
 /// passes (2,287 in 6 s after 1,000 changes/s stopped, a core's worth: 2026-12-06). One
 /// pass sees everything they announced, so one wake-up is enough.
-async fn drain(listener: &mut sqlx::postgres::PgListener) {
+/// True if one of them was not a report (a note, an enrollment).
+async fn drain(listener: &mut sqlx::postgres::PgListener) -> bool {
+    let mut notes = false;
     // A zero timeout polls `recv` once: ready while notifications are queued.
-    while let Ok(Ok(_)) = tokio::time::timeout(Duration::ZERO, listener.recv()).await {}
+    while let Ok(n) = tokio::time::timeout(Duration::ZERO, listener.recv()).await {
+        notes |= !is_report(&n);
+        if n.is_err() {
+            break;
+        }
+    }
+    notes
+}
+
+/// How long a wake-up by reports alone waits for more before its pass. A report costs a
+/// pass's fixed work, and 100 replicas send 100 a second: alone, each ran a pass. What
+/// reports carry (confirmations, a gap to heal) waits this much; a note does not.
+const REPORTS_GATHER: Duration = Duration::from_millis(100);
+
+fn is_report(n: &Result<sqlx::postgres::PgNotification, sqlx::Error>) -> bool {
+    matches!(n, Ok(n) if n.payload() == "report")
+}
+
+/// After a wake-up by reports alone: waits [`REPORTS_GATHER`], or until a notification
+/// that is not a report, or a stop.
+async fn gather_reports(
+    listener: &mut sqlx::postgres::PgListener,
+    stop: &mut tokio::sync::watch::Receiver<bool>,
+) {
+    let until = tokio::time::Instant::now() + REPORTS_GATHER;
+    loop {
+        tokio::select! {
+            n = listener.recv() => {
+                if !is_report(&n) {
+                    drain(listener).await;
+                    return;
+                }
+            }
+            _ = tokio::time::sleep_until(until) => return,
+            _ = stop.changed() => return,
+        }
+    }
 }
 
 /// Sleeps; true if `stop` turned true meanwhile.

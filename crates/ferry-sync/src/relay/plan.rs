@@ -862,12 +862,18 @@ impl Planner<'_> {
 /// The rows replica `r` (of `partition`) should hold in table `t`, as the server records
 /// it, leaving out rows quarantined for it: what a digest is compared with and what a
 /// table heal sends.
+/// A broadcast table's rows by its rule, per (table, partition), read once in a pass
+/// (one snapshot): every replica of the partition should hold the same ones, so 100
+/// replicas' digests cost one read of the table, not 100.
+pub type ByRule = HashMap<(usize, String), Arc<Vec<Fetched>>>;
+
 pub async fn should_rows(
     conn: &mut PgConnection,
     spec: &Spec,
     r: Uuid,
     partition: &str,
     t: usize,
+    by_rule_read: Option<&mut ByRule>,
 ) -> Result<Vec<Fetched>, sqlx::Error> {
     let table = &spec.tables[t];
     // Rows held per row: all of a per-replica table's, and a broadcast table's rows of
@@ -880,15 +886,26 @@ pub async fn should_rows(
             .await?;
     let mut rows = read::rows(conn, spec, table, Filter::Keys(&keys)).await?;
     if let RouteSpec::Broadcast { partition: p } = &table.route {
-        let by_rule = match p {
-            Some(_) => read::rows(conn, spec, table, Filter::Partition(partition)).await?,
-            None => read::rows(conn, spec, table, Filter::All).await?,
+        let cache_key = (t, partition.to_string());
+        let by_rule = match by_rule_read.as_ref().and_then(|c| c.get(&cache_key)) {
+            Some(rows) => rows.clone(),
+            None => {
+                let read = Arc::new(match p {
+                    Some(_) => read::rows(conn, spec, table, Filter::Partition(partition)).await?,
+                    None => read::rows(conn, spec, table, Filter::All).await?,
+                });
+                if let Some(cache) = by_rule_read {
+                    cache.insert(cache_key, read.clone());
+                }
+                read
+            }
         };
         let seen: HashSet<String> = rows.iter().map(|row| row.key.clone()).collect();
         rows.extend(
             by_rule
-                .into_iter()
-                .filter(|row| row.shown && !seen.contains(&row.key)),
+                .iter()
+                .filter(|row| row.shown && !seen.contains(&row.key))
+                .cloned(),
         );
     }
     let quarantined: HashSet<String> = sqlx::query_scalar(
@@ -919,7 +936,7 @@ impl Planner<'_> {
             .get(&r)
             .cloned()
             .unwrap_or_default();
-        let rows = should_rows(conn, self.spec, r, &partition, t).await?;
+        let rows = should_rows(conn, self.spec, r, &partition, t, None).await?;
         let o = self.out.entry(r).or_default().table(t);
         o.sweep_start = true;
         o.sweep_end = true;

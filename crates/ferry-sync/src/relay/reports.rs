@@ -41,7 +41,7 @@ pub async fn handle(
     digest_every: std::time::Duration,
 ) -> Result<Decisions, sqlx::Error> {
     let mut decisions = Decisions::default();
-    let mut deferred = None;
+    let mut reads = Reads::default();
     // Read, not updated: serve processes update these rows as reports arrive, and a
     // REPEATABLE READ pass that updated one of them concurrently would fail whole. What
     // the pass handled is recorded in `replicas.handled_n`, which only the relay writes.
@@ -69,16 +69,7 @@ pub async fn handle(
             continue;
         };
         one(conn, spec, epoch, r, &up, &mut decisions).await?;
-        compare_digests(
-            conn,
-            spec,
-            r,
-            &up,
-            digest_every,
-            &mut deferred,
-            &mut decisions,
-        )
-        .await?;
+        compare_digests(conn, spec, r, &up, digest_every, &mut reads, &mut decisions).await?;
     }
     Ok(decisions)
 }
@@ -301,13 +292,21 @@ async fn quarantine_rejections(
 /// notes never run out (writes every pass) waits for a quiet pass; a replica's
 /// `digest_at` is stamped only when some table was compared, so the next report tries
 /// again.
+/// What one pass's digest comparisons read once and share: the relations with notes
+/// pending, and broadcast tables' rows by rule.
+#[derive(Default)]
+struct Reads {
+    deferred: Option<HashSet<String>>,
+    by_rule: super::plan::ByRule,
+}
+
 async fn compare_digests(
     conn: &mut PgConnection,
     spec: &Spec,
     r: Uuid,
     up: &wire::Up,
     every: std::time::Duration,
-    deferred: &mut Option<HashSet<String>>,
+    reads: &mut Reads,
     decisions: &mut Decisions,
 ) -> Result<(), sqlx::Error> {
     if up.digests.is_empty() || decisions.new_epoch || decisions.provision.contains_key(&r) {
@@ -330,9 +329,9 @@ async fn compare_digests(
     let Some((partition,)) = due else {
         return Ok(());
     };
-    let deferred = match deferred {
+    let deferred = match &mut reads.deferred {
         Some(noted) => noted,
-        None => deferred.insert(noted_relations(conn).await?),
+        None => reads.deferred.insert(noted_relations(conn).await?),
     };
     let mut compared = false;
     for digest in &up.digests {
@@ -343,7 +342,8 @@ async fn compare_digests(
             continue;
         }
         compared = true;
-        let rows = super::plan::should_rows(conn, spec, r, &partition, t).await?;
+        let rows = super::plan::should_rows(conn, spec, r, &partition, t, Some(&mut reads.by_rule))
+            .await?;
         let mut print = crate::value::Fingerprint::default();
         for row in &rows {
             print.add(&row.values);
