@@ -101,17 +101,15 @@ CREATE TABLE ferry_sync.outbox (
     replica    uuid NOT NULL REFERENCES ferry_sync.replicas ON DELETE CASCADE,
     seq        bigint NOT NULL,
     head       bytea NOT NULL,    -- the encoded header, seal and stamp
-    -- No foreign key to `bodies`: the relay writes a body in the pass that records the
-    -- messages naming it, and deletes it only when no message names it (one pass each,
-    -- fenced). The check per row was most of the cost of recording a broadcast change
-    -- to many replicas.
+    -- No foreign key to `bodies`, and no index: the relay writes a body in the pass that
+    -- records the messages naming it, and a pass every few seconds deletes the bodies
+    -- no message names (fenced, like every write). Both cost every message's insert.
     body_hash  bytea NOT NULL,
     bytes      integer NOT NULL,
     pass       bigint NOT NULL,   -- the pass that recorded it: confirming it moves the replica's mark here
     recorded_at timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (replica, seq)
 );
-CREATE INDEX outbox_body ON ferry_sync.outbox (body_hash);
 
 -- What a replica's held rows point at (per-replica tables only): a parent stays on a
 -- replica while any row here names it.

@@ -196,8 +196,9 @@ async fn confirm(
     nonce: i64,
     confirmed_pass: i64,
 ) -> Result<(), sqlx::Error> {
+    // Bodies no message names any more go in the relay's sweep (`sweep_bodies`).
     let pruned = sqlx::query(
-        "DELETE FROM ferry_sync.outbox WHERE replica = $1 AND seq <= $2 RETURNING pass, body_hash",
+        "DELETE FROM ferry_sync.outbox WHERE replica = $1 AND seq <= $2 RETURNING pass",
     )
     .bind(r)
     .bind(seq)
@@ -209,14 +210,6 @@ async fn confirm(
         .max()
         .unwrap_or(confirmed_pass)
         .max(confirmed_pass);
-    let hashes: Vec<Vec<u8>> = pruned.iter().map(|row| row.get(1)).collect();
-    sqlx::query(
-        "DELETE FROM ferry_sync.bodies b WHERE b.hash = ANY($1)
-         AND NOT EXISTS (SELECT 1 FROM ferry_sync.outbox o WHERE o.body_hash = b.hash)",
-    )
-    .bind(&hashes)
-    .execute(&mut *conn)
-    .await?;
     // Until the replica confirms the chain start that follows, what it confirms is of the
     // chain being replaced: for a replica being provisioned (a move, a reopening) the
     // passes of those messages are not a mark in what it must now hold, and a catch-up
