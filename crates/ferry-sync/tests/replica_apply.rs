@@ -1089,3 +1089,88 @@ fn the_loop_ends_on_a_permanent_transport_failure() {
         "the replica reported where it stands first"
     );
 }
+
+/// Guards: a window of messages that follow each other applies in one transaction with
+/// the same outcome as one by one, and anything the one-by-one path must handle (a row
+/// whose trigger rolls back, a gap) makes the window apply nothing, so that path runs.
+#[test]
+fn a_window_applies_in_one_transaction_and_anything_unusual_applies_nothing() {
+    let scratch = Scratch::new("replica-window");
+    let mut replica = open(&db(&scratch));
+    let key = SEAL_KEY;
+    replica
+        .conn()
+        .execute_batch(
+            "CREATE TABLE items(id INTEGER PRIMARY KEY, name TEXT NOT NULL, qty INTEGER);
+             CREATE TRIGGER no_boom BEFORE INSERT ON items WHEN NEW.name = 'boom'
+               BEGIN SELECT RAISE(ROLLBACK, 'no boom here'); END;",
+        )
+        .unwrap();
+    let mut chain = Chain::new(1);
+    let f1 = frame(
+        &chain.start(vec![items(vec![item(1, "nut", 1)], vec![])]),
+        &key,
+    );
+    let f2 = frame(
+        &chain.next(vec![items(vec![item(2, "gear", 1)], vec![])]),
+        &key,
+    );
+    let got = replica.receive_many(&[f1.clone(), f2.clone()]).unwrap();
+    assert_eq!(
+        got.expect("a clean window applies").len(),
+        2,
+        "one answer per frame"
+    );
+    assert_eq!(
+        items_in(replica.conn()),
+        vec![item(1, "nut", 1), item(2, "gear", 1)]
+    );
+    assert_eq!(seq_of(&replica), 2);
+    // Sent again: already applied, nothing changes.
+    let again = replica.receive_many(&[f1, f2]).unwrap().unwrap();
+    assert!(
+        again
+            .iter()
+            .all(|r| matches!(r, Received::AlreadyApplied { .. }))
+    );
+
+    // A row whose trigger rolls back: the window applies nothing...
+    let f3 = frame(
+        &chain.next(vec![items(vec![item(3, "boom", 1)], vec![])]),
+        &key,
+    );
+    let f4 = frame(
+        &chain.next(vec![items(vec![item(4, "bolt", 1)], vec![])]),
+        &key,
+    );
+    assert_eq!(
+        replica.receive_many(&[f3.clone(), f4.clone()]).unwrap(),
+        None
+    );
+    assert_eq!(seq_of(&replica), 2);
+    assert_eq!(items_in(replica.conn()).len(), 2);
+    // ...and one by one, the row is a rejection and the rest applies.
+    applied(replica.receive(&f3).unwrap());
+    applied(replica.receive(&f4).unwrap());
+    assert_eq!(
+        items_in(replica.conn()),
+        vec![item(1, "nut", 1), item(2, "gear", 1), item(4, "bolt", 1)]
+    );
+
+    // A gap: the window applies nothing and records nothing; one by one records it.
+    let _lost = chain.next(vec![items(vec![item(5, "lost", 1)], vec![])]);
+    let f6 = frame(
+        &chain.next(vec![items(vec![item(6, "late", 1)], vec![])]),
+        &key,
+    );
+    assert_eq!(
+        replica.receive_many(&[f6.clone(), f6.clone()]).unwrap(),
+        None
+    );
+    assert_eq!(seq_of(&replica), 4);
+    assert_eq!(replica.status().unwrap().gap, 0);
+    assert!(matches!(
+        replica.receive(&f6).unwrap(),
+        Received::Gap { .. }
+    ));
+}

@@ -66,6 +66,22 @@ pub(crate) fn apply(
     }
 }
 
+/// Applies `down` inside a transaction the caller holds, under a savepoint, once: `None`
+/// when a row's trigger rolled the transaction back (the caller's transaction is gone;
+/// it applies its messages again one transaction each, which finds such rows). An error
+/// leaves the caller's transaction for the caller to roll back.
+pub(crate) fn apply_nested(
+    conn: &Connection,
+    down: &Down,
+    start: bool,
+    now_ms: u64,
+) -> Result<Option<Vec<(String, usize)>>, ReplicaError> {
+    match attempt_in(conn, down, start, now_ms, &Poisoned::default(), true)? {
+        Attempt::Committed(taken) => Ok(Some(taken)),
+        Attempt::RolledBack(_) => Ok(None),
+    }
+}
+
 enum Attempt {
     Committed(Vec<(String, usize)>),
     /// A row's trigger rolled the whole transaction back; nothing remains of it.
@@ -80,8 +96,25 @@ fn attempt<'a>(
     now_ms: u64,
     poisoned: &'a Poisoned,
 ) -> Result<Attempt, ReplicaError> {
+    attempt_in(conn, down, start, now_ms, poisoned, false)
+}
+
+/// `nested`: under a savepoint of the caller's transaction instead of one of its own.
+fn attempt_in<'a>(
+    conn: &Connection,
+    down: &'a Down,
+    start: bool,
+    now_ms: u64,
+    poisoned: &'a Poisoned,
+    nested: bool,
+) -> Result<Attempt, ReplicaError> {
     let s = |e| ReplicaError::storage("applying a message", e);
-    conn.execute_batch("BEGIN IMMEDIATE").map_err(s)?;
+    conn.execute_batch(if nested {
+        "SAVEPOINT ferry_message"
+    } else {
+        "BEGIN IMMEDIATE"
+    })
+    .map_err(s)?;
     if start {
         conn.execute_batch("DELETE FROM _ferry_sync_sweep; DELETE FROM _ferry_sync_sweeping;")
             .map_err(s)?;
@@ -147,8 +180,12 @@ fn attempt<'a>(
         }
     }
     state::record_applied(conn, down, start, now_ms).map_err(s)?;
-    conn.execute_batch("COMMIT")
-        .map_err(|e| ReplicaError::storage("committing a message", e))?;
+    conn.execute_batch(if nested {
+        "RELEASE ferry_message"
+    } else {
+        "COMMIT"
+    })
+    .map_err(|e| ReplicaError::storage("committing a message", e))?;
     let tables = down
         .parts
         .iter()

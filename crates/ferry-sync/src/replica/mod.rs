@@ -87,7 +87,15 @@ pub struct Replica {
     /// Set after an I/O error: SQLite may not know what reached the disk, so this
     /// connection does no more work and the host reopens (STYLE: no retried fsync).
     broken: bool,
+    /// The heard time last written to the file (see [`Replica::heard`]).
+    heard_written_ms: Option<u64>,
 }
+
+/// A heard time is written at most this often (wall ms): each write is a commit, an
+/// fsync under `synchronous=FULL`, and a replica fetching 25 times a second spent as
+/// much on recording that it heard the server as on applying what it heard. Status
+/// needs seconds (`offline` is a minute of silence by default).
+const HEARD_WRITE_EVERY_MS: u64 = 1_000;
 
 impl Replica {
     /// Opens (or creates) the replica's file: WAL, `synchronous=FULL` so a committed
@@ -116,6 +124,7 @@ impl Replica {
             seal_key,
             limits: Limits::default(),
             broken: false,
+            heard_written_ms: None,
         })
     }
 
@@ -164,6 +173,61 @@ impl Replica {
         }
     }
 
+    /// Frames that follow each other, applied in ONE transaction (one commit, one fsync
+    /// under `synchronous=FULL`, instead of one per message) when every one opens, follows
+    /// the chain (or was applied already) and applies cleanly: `Some` with what each did.
+    /// Anything else (a refusal, a gap, a later protocol, a row whose trigger rolls back)
+    /// rolls the whole transaction back and answers `None`, having applied nothing: the
+    /// caller receives the frames one at a time, which handles each case. Each message is
+    /// still applied whole or not at all; a crash before the commit leaves none of them.
+    pub fn receive_many(
+        &mut self,
+        frames: &[Vec<u8>],
+    ) -> Result<Option<Vec<Received>>, ReplicaError> {
+        self.check_usable()?;
+        let result = self.receive_many_inner(frames);
+        if !self.conn.is_autocommit() {
+            // Anything but a commit ends here: nothing of the batch remains.
+            let _ = self.conn.execute_batch("ROLLBACK");
+        }
+        self.note_io(&result);
+        result
+    }
+
+    fn receive_many_inner(
+        &mut self,
+        frames: &[Vec<u8>],
+    ) -> Result<Option<Vec<Received>>, ReplicaError> {
+        let s = |e| ReplicaError::storage("applying messages", e);
+        self.conn.execute_batch("BEGIN IMMEDIATE").map_err(s)?;
+        let mut received = Vec::with_capacity(frames.len());
+        for frame in frames {
+            let Ok(down) = crate::wire::open(frame, &self.seal_key, &self.limits) else {
+                return Ok(None);
+            };
+            let now = state::State::read(&self.conn)?;
+            let seq = down.head.seq;
+            match state::follow(&now, &down.head) {
+                state::Step::AlreadyApplied => received.push(Received::AlreadyApplied { seq }),
+                state::Step::Gap => return Ok(None),
+                state::Step::Apply { start } => {
+                    if tables::check_message(&self.conn, &down)?.is_err() {
+                        return Ok(None);
+                    }
+                    let now_ms = ferry_core::seams::wall_ms();
+                    match apply::apply_nested(&self.conn, &down, start, now_ms)? {
+                        Some(tables) => received.push(Received::Applied { seq, tables }),
+                        None => return Ok(None),
+                    }
+                }
+            }
+        }
+        self.conn
+            .execute_batch("COMMIT")
+            .map_err(|e| ReplicaError::storage("committing messages", e))?;
+        Ok(Some(received))
+    }
+
     /// A frame or message that cannot apply: the chain cannot continue past it, so it is a
     /// gap at its seq (or, unknown, the next one), unless a gap is already recorded.
     fn refuse(&mut self, reason: String, seq: Option<u64>) -> Result<Received, ReplicaError> {
@@ -197,11 +261,22 @@ impl Replica {
         result
     }
 
-    /// The transport answered at `at_ms` (wall time): what `status` shows as heard.
+    /// The transport answered at `at_ms` (wall time): what `status` shows as heard,
+    /// written at most once per [`HEARD_WRITE_EVERY_MS`] (at once when the clock moved
+    /// back).
     pub fn heard(&mut self, at_ms: u64) -> Result<(), ReplicaError> {
         self.check_usable()?;
+        if self
+            .heard_written_ms
+            .is_some_and(|w| at_ms >= w && at_ms - w < HEARD_WRITE_EVERY_MS)
+        {
+            return Ok(());
+        }
         let result = state::record_heard(&self.conn, at_ms);
         self.note_io(&result);
+        if result.is_ok() {
+            self.heard_written_ms = Some(at_ms);
+        }
         result
     }
 

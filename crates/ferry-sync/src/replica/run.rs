@@ -333,6 +333,24 @@ impl Replica {
     /// Step 3 for one batch.
     fn apply_batch(&mut self, frames: &[Vec<u8>], live: &Live) -> Result<Batch, ReplicaError> {
         let mut moved = false;
+        if frames.len() > 1 {
+            match self.receive_many(frames) {
+                Ok(Some(received)) => {
+                    for (frame, r) in frames.iter().zip(&received) {
+                        live.received(frame.len());
+                        live.count(r);
+                        moved |= matches!(r, Received::Applied { .. });
+                    }
+                    return Ok(Batch::Done { moved });
+                }
+                Ok(None) => {} // one at a time, below
+                Err(e) if e.is_transient() => {
+                    tracing::warn!(error = %e, "applying messages failed; they will be fetched again");
+                    return Ok(Batch::StorageFailed);
+                }
+                Err(e) => return Err(e),
+            }
+        }
         for frame in frames {
             live.received(frame.len());
             let received = self.receive(frame);

@@ -212,11 +212,9 @@ pub(crate) fn record_gap(conn: &Connection, seq: u64) -> Result<(), ReplicaError
 }
 
 pub(crate) fn record_heard(conn: &Connection, at_ms: u64) -> Result<(), ReplicaError> {
-    conn.execute(
-        "UPDATE _ferry_sync_state SET heard_at_ms = ?1 WHERE one = 1",
-        params![at_ms as i64],
-    )
-    .map_err(|e| ReplicaError::storage("recording when the server was heard", e))?;
+    conn.prepare_cached("UPDATE _ferry_sync_state SET heard_at_ms = ?1 WHERE one = 1")
+        .and_then(|mut stmt| stmt.execute(params![at_ms as i64]))
+        .map_err(|e| ReplicaError::storage("recording when the server was heard", e))?;
     Ok(())
 }
 
@@ -229,18 +227,18 @@ pub(crate) fn record_applied(
 ) -> rusqlite::Result<()> {
     // Any applied message forgets a recorded gap: it followed the chain (or started one).
     let h = &down.head;
-    conn.execute(
+    conn.prepare_cached(
         "UPDATE _ferry_sync_state SET epoch = ?1, seq = ?2, nonce = ?3, body_hash = ?4, \
          stamp = ?5, gap = 0, applied_at_ms = ?6 WHERE one = 1",
-        params![
-            &h.epoch[..],
-            h.seq as i64,
-            h.nonce as i64,
-            &down.body_hash[..],
-            &down.stamp[..],
-            now_ms as i64
-        ],
-    )?;
+    )?
+    .execute(params![
+        &h.epoch[..],
+        h.seq as i64,
+        h.nonce as i64,
+        &down.body_hash[..],
+        &down.stamp[..],
+        now_ms as i64
+    ])?;
     Ok(())
 }
 
