@@ -614,7 +614,10 @@ pub enum ReportError {
 
 /// Checks that a report decodes, stores it as replica `id`'s latest, and wakes the relay.
 pub async fn store_report(pool: &PgPool, id: Uuid, up: &[u8]) -> Result<(), ReportError> {
-    wire::decode_up(up, &wire::Limits::default())?;
+    let decoded = wire::decode_up(up, &wire::Limits::default())?;
+    // What the relay must act on soon (a replica with nothing applied, to provision; a
+    // gap, to heal; rejections) wakes it at once; mere confirmations are gathered.
+    let urgent = decoded.applied.is_none() || decoded.gap != 0 || !decoded.rejections.is_empty();
     sqlx::query(
         "INSERT INTO ferry_sync.reports (replica, up, received_at) VALUES ($1, $2, now())
          ON CONFLICT (replica) DO UPDATE SET up = excluded.up, received_at = excluded.received_at, n = ferry_sync.reports.n + 1",
@@ -623,7 +626,8 @@ pub async fn store_report(pool: &PgPool, id: Uuid, up: &[u8]) -> Result<(), Repo
     .bind(up)
     .execute(pool)
     .await?;
-    sqlx::query("SELECT pg_notify('ferry_sync', 'report')")
+    sqlx::query("SELECT pg_notify('ferry_sync', $1)")
+        .bind(if urgent { "report-now" } else { "report" })
         .execute(pool)
         .await?;
     Ok(())

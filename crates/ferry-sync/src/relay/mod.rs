@@ -823,7 +823,8 @@ async fn drain(listener: &mut sqlx::postgres::PgListener) -> bool {
 
 /// How long a wake-up by reports alone waits for more before its pass. A report costs a
 /// pass's fixed work, and 100 replicas send 100 a second: alone, each ran a pass. What
-/// reports carry (confirmations, a gap to heal) waits this much; a note does not.
+/// they carry (confirmations) waits this much; a note does not, nor a report serve
+/// marks urgent (`report-now`: nothing applied yet, a gap, rejections).
 const REPORTS_GATHER: Duration = Duration::from_millis(100);
 
 fn is_report(n: &Result<sqlx::postgres::PgNotification, sqlx::Error>) -> bool {
