@@ -76,7 +76,6 @@ struct Slot {
 /// for the replica since that look's snapshot (its notification would have bumped the
 /// count), so a poll from that position need not look before it waits: at 100 replicas
 /// this halves the looks, since each poll after an apply would otherwise find nothing.
-#[derive(Clone)]
 struct Known {
     epoch: Uuid,
     after: u64,
@@ -322,52 +321,47 @@ async fn messages(
     let mut first = true;
     loop {
         let wakes = *outbox.borrow_and_update();
-        let skip = first && serve.wakes.nothing_for(&ask, wakes, &given);
-        first = false;
-        if skip {
+        if first && serve.wakes.nothing_for(&ask, wakes, &given) {
             serve.fetcher.counts.skipped.fetch_add(1, Relaxed);
-        }
-        // The token is checked on every look, against the row the frames were read with,
-        // so enrolling the replica again refuses its old token at the next look.
-        match if skip {
-            Ok(None)
         } else {
-            serve.fetcher.fetch(ask.clone()).await.map(Some)
-        } {
-            Ok(None) => {}
-            Ok(Some(found)) if !token_matches(found.token_hash.as_deref(), &given) => {
+            // The token is checked on every look, against the row the frames were read
+            // with, so enrolling the replica again refuses its old token at the next look.
+            let found = match serve.fetcher.fetch(ask.clone()).await {
+                Ok(found) => found,
+                Err(e) => {
+                    return refuse(StatusCode::SERVICE_UNAVAILABLE, format!("database: {e}"));
+                }
+            };
+            if !token_matches(found.token_hash.as_deref(), &given) {
                 serve.wakes.learn(id, None);
                 return wrong_token(id);
             }
-            Ok(Some(found)) => {
-                let known = |after| Known {
-                    epoch: found.epoch,
-                    after,
-                    wakes,
-                    token_hash: given.clone(),
-                };
-                let end = match found.last_seq {
-                    Some(seq) if !found.cut && found.frames.len() < ask.max => Some(known(seq)),
-                    None if ask.epoch == Some(found.epoch) => Some(known(ask.after)),
-                    _ => None,
-                };
-                serve.wakes.learn(id, end);
-                if !found.frames.is_empty() {
-                    let mut body =
-                        Vec::with_capacity(found.frames.iter().map(|f| f.len() + 4).sum());
-                    for frame in &found.frames {
-                        body.extend_from_slice(&(frame.len() as u32).to_be_bytes());
-                        body.extend_from_slice(frame);
-                    }
-                    return (
-                        [(header::CONTENT_TYPE, "application/x-ferry-sync-frames")],
-                        body,
-                    )
-                        .into_response();
+            let known = |after| Known {
+                epoch: found.epoch,
+                after,
+                wakes,
+                token_hash: given.clone(),
+            };
+            let end = match found.last_seq {
+                Some(seq) if !found.cut && found.frames.len() < ask.max => Some(known(seq)),
+                None if ask.epoch == Some(found.epoch) => Some(known(ask.after)),
+                _ => None,
+            };
+            serve.wakes.learn(id, end);
+            if !found.frames.is_empty() {
+                let mut body = Vec::with_capacity(found.frames.iter().map(|f| f.len() + 4).sum());
+                for frame in &found.frames {
+                    body.extend_from_slice(&(frame.len() as u32).to_be_bytes());
+                    body.extend_from_slice(frame);
                 }
+                return (
+                    [(header::CONTENT_TYPE, "application/x-ferry-sync-frames")],
+                    body,
+                )
+                    .into_response();
             }
-            Err(e) => return refuse(StatusCode::SERVICE_UNAVAILABLE, format!("database: {e}")),
         }
+        first = false;
         // Wake on a notification naming this replica, and look anyway every few seconds
         // in case one was lost (while the listener reconnects, every poll is woken).
         let wait = deadline
