@@ -1,5 +1,5 @@
 //! The relay under faults: two relays racing, a lock connection cut mid-pass, a pooler
-//! in transaction mode (docs/sync.md §6.1, guarantees 6 and 7).
+//! in transaction mode (docs/sync.md §6.1, guarantees 6 and 7); and its pacing (§6.2).
 
 mod common;
 
@@ -143,6 +143,98 @@ async fn two_relays_race_exactly_one_records_and_the_standby_takes_over() {
         let _ = t.await;
     }
     let _ = store;
+    shop.finish().await;
+}
+
+/// Pacing (docs/sync.md §6.2): a change to an idle relay passes at once; changes that
+/// come while the previous pass's fan-out paces the relay share one pass, and each
+/// replica gets one message for all of them. Nothing is delivered meanwhile, so no report
+/// wakes a pass; the pace is seconds long so a slow machine cannot split the burst.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changes_during_a_passs_pace_share_the_next_pass_and_one_message_per_replica() {
+    let mut shop = Shop::new("pace").await;
+    sqlx::query("SELECT pg_advisory_unlock($1)")
+        .bind(ferry_sync::relay::LOCK_KEY)
+        .execute(&mut shop.lock)
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        shop.store("north").await;
+    }
+    shop.db
+        .exec("INSERT INTO products SELECT g, 'p' || g, g, 'north' FROM generate_series(1, 10) g")
+        .await;
+    let settings = RelaySettings {
+        idle: Duration::from_secs(60),
+        pace_per_message: Duration::from_millis(1_000),
+        pace_max: Duration::from_millis(3_000),
+        ..RelaySettings::default()
+    };
+    let (stop, rx) = tokio::sync::watch::channel(false);
+    let mut relay = Relay::new(shop.spec.clone(), settings);
+    let stats = relay.stats.clone();
+    let url = shop.db.url.clone();
+    let task = tokio::spawn(async move { relay.run(&url, rx).await });
+    settle_running(&mut shop).await;
+    // Past any pace the provisioning left.
+    tokio::time::sleep(Duration::from_millis(3_200)).await;
+    let (passes, outbox) = (
+        stats.passes.load(Ordering::Relaxed),
+        count(&shop, "SELECT count(*) FROM ferry_sync.outbox").await,
+    );
+    assert_eq!(outbox, 0, "settled");
+
+    shop.db
+        .exec("UPDATE products SET price = price + 1 WHERE id = 1")
+        .await;
+    let first = Instant::now();
+    while stats.passes.load(Ordering::Relaxed) == passes {
+        assert!(
+            first.elapsed() < Duration::from_secs(2),
+            "the first change waited"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    eprintln!(
+        "the first change's pass began within {} ms",
+        first.elapsed().as_millis()
+    );
+    for id in 2..=6 {
+        shop.db
+            .exec(&format!(
+                "UPDATE products SET price = price + 1 WHERE id = {id}"
+            ))
+            .await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while count(&shop, "SELECT count(*) FROM ferry_sync.notes").await > 0 {
+        assert!(Instant::now() < deadline, "the paced pass never came");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        first.elapsed() >= Duration::from_millis(2_900),
+        "the burst waited out the first pass's pace (3 messages × 1 s)"
+    );
+    assert_eq!(
+        stats.passes.load(Ordering::Relaxed),
+        passes + 2,
+        "two passes: one, then the burst"
+    );
+    let per_replica: Vec<i64> = sqlx::query_scalar(
+        "SELECT count(*) FROM ferry_sync.outbox GROUP BY replica ORDER BY replica",
+    )
+    .fetch_all(&shop.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        per_replica,
+        vec![2, 2, 2],
+        "one message for the first change, one for the burst"
+    );
+    settle_running(&mut shop).await;
+    shop.assert_converged().await;
+    stop.send(true).unwrap();
+    let _ = task.await;
     shop.finish().await;
 }
 

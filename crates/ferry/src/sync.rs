@@ -85,6 +85,14 @@ pub struct ServeArgs {
     /// Without a notification, look for notes this often.
     #[arg(long, default_value_t = 250)]
     pub idle_ms: u64,
+    /// Pacing: after a pass, the next waits this many microseconds per message the
+    /// pass recorded (from the pass's start), so a fast stream of changes to many
+    /// replicas shares passes and messages. 0 turns pacing off.
+    #[arg(long, default_value_t = 400)]
+    pub pace_us_per_message: u64,
+    /// The most pacing makes a pass wait.
+    #[arg(long, default_value_t = 50)]
+    pub pace_max_ms: u64,
     /// Retry parked notes and quarantined rows this often.
     #[arg(long, default_value_t = 3_600_000)]
     pub retry_every_ms: u64,
@@ -272,6 +280,8 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         batch: a.batch,
         standby: Duration::from_millis(a.standby_ms),
         idle: Duration::from_millis(a.idle_ms),
+        pace_per_message: Duration::from_micros(a.pace_us_per_message),
+        pace_max: Duration::from_millis(a.pace_max_ms),
         retry_every: Duration::from_millis(a.retry_every_ms),
         ..RelaySettings::default()
     };

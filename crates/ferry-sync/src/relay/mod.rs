@@ -56,6 +56,16 @@ pub struct RelaySettings {
     pub standby: Duration,
     /// Without a notification, the relay looks for notes this often.
     pub idle: Duration,
+    /// Pacing (docs/sync.md §6.2): a pass woken by a notification waits until
+    /// `pace_per_message` times the messages the previous pass recorded, at most
+    /// `pace_max`, has passed since that pass began. What a pass costs downstream (per
+    /// replica: an outbox row, a look, a fetch, an apply and its fsync, a confirmation)
+    /// is paid per message, so changes that come faster than a pass's fan-out can be
+    /// served share a pass and one message per replica. A pass that reached one replica
+    /// delays the next by microseconds, one that reached 100 by up to `pace_max`; an
+    /// idle relay's first change passes at once.
+    pub pace_per_message: Duration,
+    pub pace_max: Duration,
     /// Parked notes and quarantined rows are tried again this often (and at start).
     pub retry_every: Duration,
     /// What one message may carry when packing.
@@ -77,6 +87,8 @@ impl Default for RelaySettings {
             batch: 500,
             standby: Duration::from_secs(5),
             idle: Duration::from_millis(250),
+            pace_per_message: Duration::from_micros(400),
+            pace_max: Duration::from_millis(50),
             retry_every: Duration::from_secs(3600),
             outbox_messages_max: 10_000,
             digest_every: Duration::from_secs(600),
@@ -252,10 +264,13 @@ impl Relay {
         listener.listen("ferry_sync").await?;
         let mut failures = 0u32;
         let mut first = true;
+        let mut began;
+        let mut pace;
         loop {
             if *stop.borrow() {
                 return Ok(());
             }
+            began = Instant::now();
             let outcome = self.step(conn).await;
             if first && matches!(outcome, Err(RelayError::LockLost)) {
                 // The lock was taken a moment ago on this very connection: a transaction
@@ -266,6 +281,7 @@ impl Relay {
             first = false;
             match outcome {
                 Ok(Step::Passed(report)) => {
+                    pace = self.pace(report.messages);
                     self.vacuum(conn).await;
                     failures = 0;
                     if report.more {
@@ -305,12 +321,26 @@ impl Relay {
                     let notes = !is_report(&n) | drain(&mut listener).await;
                     if !notes {
                         gather_reports(&mut listener, stop).await;
+                    } else if let Some(rest) = pace.checked_sub(began.elapsed()) {
+                        if sleep_or_stop(stop, rest).await {
+                            return Ok(());
+                        }
+                        drain(&mut listener).await;
                     }
                 }
                 _ = tokio::time::sleep(self.settings.idle) => {}
                 _ = stop.changed() => {}
             }
         }
+    }
+
+    /// How long after a pass that recorded `messages` the next may begin.
+    fn pace(&self, messages: usize) -> Duration {
+        let n = u32::try_from(messages).unwrap_or(u32::MAX);
+        self.settings
+            .pace_per_message
+            .saturating_mul(n)
+            .min(self.settings.pace_max)
     }
 
     /// One pass, and what a failure of it on data does next (docs/sync.md §6.4): the
