@@ -189,9 +189,10 @@ async fn changes_during_a_passs_pace_share_the_next_pass_and_one_message_per_rep
         .await;
     let first = Instant::now();
     while stats.passes.load(Ordering::Relaxed) == passes {
+        // A guard against hanging, not a timing claim: an idle relay passes at once.
         assert!(
-            first.elapsed() < Duration::from_secs(2),
-            "the first change waited"
+            first.elapsed() < Duration::from_secs(30),
+            "the first change never passed"
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
