@@ -149,3 +149,25 @@ CREATE TABLE ferry_sync.quarantine (
 
 CREATE INDEX rows_key ON ferry_sync.rows (relation, key);
 -- `install` inserts the meta row with a secret from the operating system's random source.
+
+-- The way up (docs/sync-up.md §5). Per replica, how many uploads were filed: written by
+-- filing (serve) alone, never by the relay's passes, whose REPEATABLE READ updates of
+-- `replicas` a concurrent write would fail. `n` is what each Filed tells the replica; an
+-- upload that says more shows this database lost filings (a restore).
+CREATE TABLE ferry_sync.filings (
+    replica  uuid PRIMARY KEY REFERENCES ferry_sync.replicas ON DELETE CASCADE,
+    n        bigint NOT NULL DEFAULT 0
+);
+
+-- Rows the database refused to file for a reason a deploy may fix, newest per row;
+-- filed again by the relay at start and on its retry timer, and by `ferry sync refile`.
+CREATE TABLE ferry_sync.inbox (
+    replica   uuid NOT NULL REFERENCES ferry_sync.replicas ON DELETE CASCADE,
+    relation  text NOT NULL,          -- 'schema.table' as the rules name it
+    key       text NOT NULL,          -- canonical key text
+    row       bytea NOT NULL,         -- a body (docs/sync.md §7.1): one part, one upsert
+    reason    text NOT NULL,
+    tries     integer NOT NULL DEFAULT 1,
+    at        timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (replica, relation, key)
+);

@@ -31,7 +31,7 @@ mod routes;
 pub use error::CheckError;
 pub use mapping::{KeyKind, Mapping};
 
-use crate::rules::{Relation, Route, Rules, Table};
+use crate::rules::{RecordTable, Relation, Route, Rules, Table};
 use crate::value::Affinity;
 use error::Doing;
 use sqlx::{PgConnection, Row};
@@ -47,6 +47,8 @@ pub struct Catalog {
     pub groups: Vec<CatalogGroup>,
     /// One per routed table.
     pub routes: Vec<CatalogRoute>,
+    /// The tables the replicas write (docs/sync-up.md §2), as the rules list them.
+    pub records: Vec<CatalogTable>,
     /// Plain indexes (no expression, no predicate) of the relations ferry-sync indexes,
     /// other than ferry-sync's own: their key columns, leading first. The DDL creates no
     /// index that one of these already provides.
@@ -160,6 +162,10 @@ impl Catalog {
             }
             loader.check_views(table, catalog_table).await?;
         }
+        let mut records = Vec::with_capacity(rules.records.len());
+        for record in &rules.records {
+            records.push(loader.record(record).await?);
+        }
         let indexes = loader
             .relations
             .iter()
@@ -170,6 +176,7 @@ impl Catalog {
             replicas,
             groups,
             routes,
+            records,
             indexes,
         })
     }
@@ -292,6 +299,38 @@ impl Loader<'_> {
             key_kinds,
             parents: Vec::new(),
         })
+    }
+
+    /// Reads one table the replicas write: a table with a mappable key, its `replica`
+    /// column a uuid and its `version` column an integer.
+    async fn record(&mut self, record: &RecordTable) -> Result<CatalogTable, CheckError> {
+        let as_table = Table {
+            relation: record.relation.clone(),
+            replica_name: record.replica_name.clone(),
+            route: Route::Closure,
+            columns: record.columns.clone(),
+            from: None,
+            active: None,
+        };
+        let here = place(self.rules, &as_table);
+        let table = self.table(&as_table).await?;
+        if let Some(column) = &record.replica {
+            self.require_uuid(&record.relation, column, &here, "replica")?;
+        }
+        if let Some(column) = &record.version {
+            let c = table
+                .columns
+                .iter()
+                .find(|c| &c.name == column)
+                .ok_or_else(|| missing_column(&record.relation, column, &here, "version"))?;
+            if c.mapping != Mapping::Integer {
+                return Err(CheckError::Mismatch(format!(
+                    "column {}.{column} (version of {here}) has type {}; a version is an integer each write raises (the newer one wins): use int4 or int8",
+                    record.relation, c.pg_type
+                )));
+            }
+        }
+        Ok(table)
     }
 
     /// Reads a relation's columns and indexes once; refuses a missing relation.

@@ -151,3 +151,35 @@ impl Downlink for HttpLink {
         Err(status_error(status, &text))
     }
 }
+
+/// The most a `Filed` answer may hold: refusals of at most every row of an upload
+/// (1,000), each a few hundred bytes, with room.
+const FILED_BYTES_MAX: u64 = 4 << 20;
+
+impl crate::replica::Uplink for HttpLink {
+    fn upload(&mut self, upload: &[u8]) -> Result<Vec<u8>, TransportError> {
+        let url = format!("{}/v1/replicas/{}/uploads", self.base, self.id);
+        let mut resp = self
+            .agent
+            .post(&url)
+            .header("authorization", &self.auth)
+            .header("content-type", "application/x-ferry-sync-upload")
+            .send(upload)
+            .map_err(|e| {
+                TransportError::Unavailable(format!("no answer from {}: {e}", self.base))
+            })?;
+        let status = resp.status().as_u16();
+        let body = resp
+            .body_mut()
+            .with_config()
+            .limit(FILED_BYTES_MAX)
+            .read_to_vec()
+            .map_err(|e| {
+                TransportError::Unavailable(format!("the answer from {} broke off: {e}", self.base))
+            })?;
+        if status == 200 {
+            return Ok(body);
+        }
+        Err(status_error(status, &String::from_utf8_lossy(&body)))
+    }
+}

@@ -13,12 +13,15 @@
 //! - [`relay`]: the one process that records: plans notes into each replica's
 //!   numbered, sealed messages, under the relay lock.
 //! - [`serve`]: the built-in HTTP transport, server side; [`status`]: where replicas stand.
+//! - [`file`]: the way up on the server: uploads filed into record tables, the inbox
+//!   (`docs/sync-up.md`).
 //! - [`replica`]: the SQLite side: applies messages, reports where it stands.
 #![forbid(unsafe_code)]
 
 pub mod catalog;
 pub mod client;
 pub mod enroll;
+pub mod file;
 pub mod relay;
 pub mod replica;
 pub mod rules;

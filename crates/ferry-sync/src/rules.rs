@@ -53,6 +53,11 @@ pub struct Rules {
     pub replicas: Replicas,
     /// Sorted by relation; each relation once.
     pub tables: Vec<Table>,
+    /// Tables the replicas write and the server files (docs/sync-up.md §2), sorted by
+    /// relation. Left out of the digest's JSON when empty, so rules without any keep the
+    /// digest they were installed with.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub records: Vec<RecordTable>,
     /// The file the rules came from, for messages (not part of the digest).
     #[serde(skip)]
     pub path: PathBuf,
@@ -92,6 +97,26 @@ pub struct Table {
     /// A view of the rows the rule sends for their own sake.
     pub active: Option<Relation>,
 }
+
+/// A table the replicas write (`mirror = "record"`): each replica's rows are filed into
+/// it by the key (docs/sync-up.md §2).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct RecordTable {
+    pub relation: Relation,
+    /// The table's name on the replicas. Unique among every table the rules name.
+    pub replica_name: String,
+    /// The columns the replicas write; `None`: every column of the table.
+    pub columns: Option<Vec<String>>,
+    /// A uuid column filing sets to the sending replica; also what lets deletes be filed.
+    pub replica: Option<String>,
+    /// An integer column: a newer version wins. Without one, the first filing wins.
+    pub version: Option<String>,
+    /// The upload lane (docs/sync-up.md §3.2).
+    pub lane: String,
+}
+
+/// The lane a replica-written table uploads in when the rules name none.
+pub const LANE_DEFAULT: &str = "main";
 
 /// Which replicas hold which rows of a table.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -305,6 +330,9 @@ struct RawTable {
     from: Option<String>,
     #[serde(rename = "as")]
     replica_name: Option<String>,
+    replica: Option<String>,
+    version: Option<String>,
+    lane: Option<String>,
 }
 
 #[derive(Deserialize, Default, Clone, Copy, PartialEq, Eq, Debug)]
@@ -386,35 +414,46 @@ fn build(raw: RawRules, path: PathBuf) -> Result<Rules, RulesError> {
     };
     let replicas = build_replicas(raw.replicas).map_err(|m| invalid("[replicas]", m))?;
     let mut tables: Vec<Table> = Vec::new();
+    let mut records: Vec<RecordTable> = Vec::new();
+    let mut seen_relations: BTreeMap<Relation, String> = BTreeMap::new();
     let mut seen_replica_names: BTreeMap<String, String> = BTreeMap::new();
     for (key, raw_table) in raw.tables {
         let place = format!("[tables.{key}]");
-        let table = build_table(&key, raw_table, replicas.partition.is_some())
-            .map_err(|m| invalid(&place, m))?;
-        if let Some(other) = tables.iter().find(|t| t.relation == table.relation) {
+        let (relation, replica_name) = if raw_table.mirror == Mirror::Record {
+            let record = build_record(&key, raw_table).map_err(|m| invalid(&place, m))?;
+            let names = (record.relation.clone(), record.replica_name.clone());
+            records.push(record);
+            names
+        } else {
+            let table = build_table(&key, raw_table, replicas.partition.is_some())
+                .map_err(|m| invalid(&place, m))?;
+            let names = (table.relation.clone(), table.replica_name.clone());
+            tables.push(table);
+            names
+        };
+        if let Some(other) = seen_relations.insert(relation.clone(), key.clone()) {
             return Err(invalid(
                 &place,
                 format!(
-                    "names table {}, which another entry names too ({}); keep one",
-                    table.relation, other.relation
+                    "names table {relation}, which another entry names too ([tables.{other}]); keep one"
                 ),
             ));
         }
-        if let Some(other) = seen_replica_names.insert(table.replica_name.clone(), key.clone()) {
+        if let Some(other) = seen_replica_names.insert(replica_name.clone(), key.clone()) {
             return Err(invalid(
                 &place,
                 format!(
-                    "the replica-side name {:?} is taken by [tables.{other}]; give one of them another with `as = \"...\"`",
-                    table.replica_name
+                    "the replica-side name {replica_name:?} is taken by [tables.{other}]; give one of them another with `as = \"...\"`"
                 ),
             ));
         }
-        tables.push(table);
     }
     tables.sort_by(|a, b| a.relation.cmp(&b.relation));
+    records.sort_by(|a, b| a.relation.cmp(&b.relation));
     Ok(Rules {
         replicas,
         tables,
+        records,
         path,
     })
 }
@@ -444,19 +483,23 @@ fn build_table(key: &str, raw: RawTable, partitioned: bool) -> Result<Table, Str
     if raw.mirror != Mirror::Catalog {
         let name = format!("{:?}", raw.mirror).to_lowercase();
         return Err(format!(
-            "mirror = \"{name}\" comes with the way up (issue 28); this ferry mirrors only \"catalog\" tables"
+            "mirror = \"{name}\" comes with the rest of the way up (issue 28); this ferry mirrors \"catalog\" and \"record\" tables"
         ));
+    }
+    for (what, given) in [
+        ("replica", raw.replica.is_some()),
+        ("version", raw.version.is_some()),
+        ("lane", raw.lane.is_some()),
+    ] {
+        if given {
+            return Err(format!(
+                "`{what}` applies to tables the replicas write (mirror = \"record\"); remove it from this catalog table"
+            ));
+        }
     }
     let route = build_route(raw.sync, raw.partition, partitioned)?;
     let columns = raw.columns.map(check_columns).transpose()?;
-    let replica_name = raw.replica_name.unwrap_or_else(|| relation.name.clone());
-    check_ident(&replica_name).map_err(|e| format!("as: {e}"))?;
-    let lower = replica_name.to_ascii_lowercase();
-    if lower.starts_with("sqlite_") || lower.starts_with("ferry_") {
-        return Err(format!(
-            "the replica-side name {replica_name:?} starts with sqlite_ or ferry_, which SQLite and ferry keep for themselves; choose another with `as = \"...\"`"
-        ));
-    }
+    let replica_name = replica_side_name(&relation, raw.replica_name)?;
     let view = |what: &str, v: Option<String>| {
         v.map(|v| Relation::parse(&v).map_err(|e| format!("{what}: {e}")))
             .transpose()
@@ -468,6 +511,66 @@ fn build_table(key: &str, raw: RawTable, partitioned: bool) -> Result<Table, Str
         replica_name,
         route,
         columns,
+    })
+}
+
+/// The table's name on the replicas: `as`, or the relation's name.
+fn replica_side_name(relation: &Relation, given: Option<String>) -> Result<String, String> {
+    let replica_name = given.unwrap_or_else(|| relation.name.clone());
+    check_ident(&replica_name).map_err(|e| format!("as: {e}"))?;
+    let lower = replica_name.to_ascii_lowercase();
+    if lower.starts_with("sqlite_") || lower.starts_with("ferry_") {
+        return Err(format!(
+            "the replica-side name {replica_name:?} starts with sqlite_ or ferry_, which SQLite and ferry keep for themselves; choose another with `as = \"...\"`"
+        ));
+    }
+    Ok(replica_name)
+}
+
+fn build_record(key: &str, raw: RawTable) -> Result<RecordTable, String> {
+    let relation = Relation::parse(key).map_err(|e| format!("table {e}"))?;
+    for (what, given) in [
+        ("sync", raw.sync.is_some()),
+        ("partition", raw.partition.is_some()),
+        ("from", raw.from.is_some()),
+        ("active", raw.active.is_some()),
+    ] {
+        if given {
+            return Err(format!(
+                "`{what}` routes rows down, and the replicas write a record table: remove it, or make the table a catalog table"
+            ));
+        }
+    }
+    let ident = |what: &str, v: Option<String>| {
+        v.map(|v| {
+            check_ident(&v)
+                .map(|_| v)
+                .map_err(|e| format!("{what}: {e}"))
+        })
+        .transpose()
+    };
+    let columns = raw.columns.map(check_columns).transpose()?;
+    let replica = ident("replica", raw.replica)?;
+    let version = ident("version", raw.version)?;
+    let lane = ident("lane", raw.lane)?.unwrap_or_else(|| LANE_DEFAULT.to_string());
+    if let Some(columns) = &columns {
+        for (what, c) in [("replica", &replica), ("version", &version)] {
+            if let Some(c) = c
+                && !columns.contains(c)
+            {
+                return Err(format!(
+                    "{what} column {c:?} is not in `columns`; add it there"
+                ));
+            }
+        }
+    }
+    Ok(RecordTable {
+        replica_name: replica_side_name(&relation, raw.replica_name)?,
+        relation,
+        columns,
+        replica,
+        version,
+        lane,
     })
 }
 

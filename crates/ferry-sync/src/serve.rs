@@ -14,6 +14,10 @@
 //!    (`ferry_sync.reports`) and wakes the relay (`NOTIFY ferry_sync`). A report over
 //!    [`REPORT_BYTES_MAX`] is 413 and one that does not decode 400; neither is stored.
 //!
+//! 4. `POST …/uploads` files an upload from the replica (`file.rs`, docs/sync-up.md §5)
+//!    and answers its sealed `Filed`; over [`wire::UPLOAD_BYTES_MAX`] is 413, one that
+//!    does not decode or names a table nobody files 400; nothing is filed then.
+//!
 //! Every refusal is JSON, `{"error": "..."}`, saying what was refused and what to do; the
 //! replica's client shows it (`client.rs`).
 
@@ -159,6 +163,9 @@ pub struct Serve {
     /// Turns true when the process stops: open long polls answer at once (empty), so a
     /// graceful shutdown does not wait out their 30 s.
     pub stopping: Option<watch::Receiver<bool>>,
+    /// The tables replicas write, and how filing's transaction is shaped (step 4).
+    records: Arc<Vec<crate::file::RecordSpec>>,
+    shape: Arc<crate::file::Shape>,
 }
 
 impl Serve {
@@ -194,7 +201,21 @@ impl Serve {
             wakes,
             stats,
             stopping: None,
+            records: Arc::default(),
+            shape: Arc::default(),
         })
+    }
+
+    /// Files uploads into `records` (the rules' record tables), in transactions shaped by
+    /// `shape`. Without it, every upload is refused as naming a table nobody files.
+    pub fn file_into(
+        mut self,
+        records: Vec<crate::file::RecordSpec>,
+        shape: crate::file::Shape,
+    ) -> Serve {
+        self.records = Arc::new(records);
+        self.shape = Arc::new(shape);
+        self
     }
 
     /// Long polls end, empty, once `stop` turns true (see [`Serve::stopping`]).
@@ -207,6 +228,7 @@ impl Serve {
         Router::new()
             .route("/v1/replicas/{id}/messages", get(messages))
             .route("/v1/replicas/{id}/reports", post(reports))
+            .route("/v1/replicas/{id}/uploads", post(uploads))
             .route("/metrics", get(metrics))
             .route("/status", get(status))
             .route("/healthz", get(|| async { "ok\n" }))
@@ -269,20 +291,20 @@ fn wrong_token(id: Uuid) -> Response {
     ))
 }
 
-/// Step 1 for a report: the token against the replica's row.
-async fn authorize(serve: &Serve, id: Uuid, headers: &HeaderMap) -> Result<(), Response> {
+/// Step 1 for a report or an upload: the token against the replica's row. Answers the
+/// replica's seal key (`Filed` is sealed with it).
+async fn authorize(serve: &Serve, id: Uuid, headers: &HeaderMap) -> Result<Vec<u8>, Response> {
     let given = bearer(headers).ok_or_else(|| no_token(id))?;
-    let stored: Option<Option<Vec<u8>>> =
-        sqlx::query_scalar("SELECT token_hash FROM ferry_sync.replicas WHERE id = $1")
-            .bind(id)
-            .fetch_optional(&serve.pool)
-            .await
-            .map_err(|e| refuse(StatusCode::SERVICE_UNAVAILABLE, format!("database: {e}")))?;
-    if token_matches(
-        stored.flatten().as_deref(),
-        &Sha256::digest(given.as_bytes()),
-    ) {
-        Ok(())
+    let stored = sqlx::query("SELECT token_hash, seal_key FROM ferry_sync.replicas WHERE id = $1")
+        .bind(id)
+        .fetch_optional(&serve.pool)
+        .await
+        .map_err(|e| refuse(StatusCode::SERVICE_UNAVAILABLE, format!("database: {e}")))?;
+    let (token_hash, seal_key): (Option<Vec<u8>>, Option<Vec<u8>>) = stored
+        .map(|row| (row.get(0), row.get(1)))
+        .unwrap_or_default();
+    if token_matches(token_hash.as_deref(), &Sha256::digest(given.as_bytes())) {
+        Ok(seal_key.unwrap_or_default())
     } else {
         Err(wrong_token(id))
     }
@@ -674,6 +696,75 @@ async fn reports(
         }
     }
     StatusCode::NO_CONTENT.into_response()
+}
+
+/// Step 4: an upload, filed (`file.rs`) under the replica the token names; the answer is
+/// its sealed `Filed`. The token is checked before the body's size.
+async fn uploads(
+    State(serve): State<Serve>,
+    Path(id): Path<Uuid>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let seal_key = match authorize(&serve, id, &headers).await {
+        Ok(key) => key,
+        Err(r) => return r,
+    };
+    let too_large = || {
+        refuse(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "the upload is over {} bytes, the most an upload may be; nothing was filed: \
+                 a ferry replica keeps its uploads within this, so check that the replica \
+                 runs the same ferry as this server",
+                wire::UPLOAD_BYTES_MAX
+            ),
+        )
+    };
+    let body = match body {
+        Ok(body) if body.len() > wire::UPLOAD_BYTES_MAX => return too_large(),
+        Ok(body) => body,
+        Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => return too_large(),
+        Err(e) => {
+            return refuse(
+                e.status(),
+                format!("the upload could not be read ({e}); nothing was filed: send it again"),
+            );
+        }
+    };
+    let upload = match wire::decode_upload(&body) {
+        Ok(upload) => upload,
+        Err(e) => {
+            return refuse(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "the upload was not filed: {e}. A ferry replica sends well-formed uploads: \
+                     check that the replica runs the same ferry as this server, and that \
+                     nothing between them changes request bodies"
+                ),
+            );
+        }
+    };
+    let Ok(seal_key) = <[u8; 32]>::try_from(seal_key.as_slice()) else {
+        return refuse(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "replica {id} has no seal key; enroll it again with `ferry sync enroll --replica {id}`"
+            ),
+        );
+    };
+    match crate::file::file(&serve.pool, &serve.records, &serve.shape, id, &upload).await {
+        Ok(crate::file::Outcome::Filed(filed)) => (
+            [(header::CONTENT_TYPE, "application/x-ferry-sync-filed")],
+            wire::encode_filed(&filed, &seal_key, id.as_bytes()),
+        )
+            .into_response(),
+        Ok(crate::file::Outcome::Malformed(message)) => refuse(
+            StatusCode::BAD_REQUEST,
+            format!("the upload was not filed: {message}"),
+        ),
+        Err(e) => refuse(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+    }
 }
 
 async fn metrics(State(serve): State<Serve>) -> Response {

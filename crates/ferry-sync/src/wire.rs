@@ -59,6 +59,12 @@
 //! count of key values and the values, reason (varint length + UTF-8), seq u64; a varint
 //! count of digests, each table, rows u64, fingerprint u64. Nothing may follow.
 //!
+//! The way up (docs/sync-up.md §4): a replica sends what it wrote as an [`Upload`]
+//! ([`encode_upload`], [`decode_upload`]): a lane's rows in a body as above, one part per
+//! table; the server answers [`Filed`] ([`encode_filed`], [`open_filed`]), sealed with
+//! the replica's seal key so that only the server can make a replica forget its notes.
+//! Both layouts are in `wire/upload.rs`.
+//!
 //! Nothing here is persisted and nothing does I/O; decoding never panics on what a peer
 //! sends, and never allocates more than the bytes it was given justify (counts are checked
 //! against the bytes that remain) or, decompressing, more than `body_max`.
@@ -67,6 +73,7 @@ mod body;
 mod frame;
 mod reader;
 mod up;
+mod upload;
 
 pub use body::{decode_body, encode_body};
 pub use frame::{
@@ -74,6 +81,10 @@ pub use frame::{
     seal_key, stamp, verify_stamp,
 };
 pub use up::{MAGIC_UP, decode_up, encode_up};
+pub use upload::{
+    Filed, MAGIC_FILED, MAGIC_UPLOAD, RefusedRow, Upload, decode_upload, encode_filed,
+    encode_upload, open_filed,
+};
 
 use crate::value::{Affinity, Value};
 
@@ -128,6 +139,11 @@ pub struct TablePart {
     pub deletes: Vec<Vec<Value>>,
     /// Rows to insert or overwrite: each holds one value per column, in column order.
     pub upserts: Vec<Vec<Value>>,
+    /// `Some(lane)` when the replica writes this table (docs/sync-up.md §4.1): the lane
+    /// (1..=[`NAME_BYTES_MAX`] bytes, no NUL) its writes go up in. Such a part only
+    /// creates or widens the table; it has no sweep flags, deletes or upserts. Always
+    /// `None` in an upload.
+    pub writes: Option<String>,
 }
 
 /// A message down, as decoded and checked.
@@ -227,6 +243,31 @@ pub const REJECTIONS_MAX: usize = 10_000;
 /// (64 + 16) = 80 KB, well within [`UP_BYTES_MAX`]. More is refused (`digests-max`).
 pub const DIGESTS_MAX: usize = 1_000;
 
+/// Bytes of an upload that the server reads: 1 MiB. With [`UPLOAD_ROWS_MAX`] rows that is
+/// about 1 KiB a row; the replica closes an upload at whichever limit it reaches first.
+/// The server files an upload in one transaction, so this bounds what one filing writes
+/// and what a resend costs. A larger upload is refused (`upload-too-large`, HTTP 413); a
+/// single row larger than this cannot go up, and the replica sets it aside
+/// (docs/sync-up.md §3.2).
+pub const UPLOAD_BYTES_MAX: usize = 1 << 20;
+
+/// Rows (upserts and deletes together, over all parts) in one upload: 1 000, as
+/// [`ROWS_PER_MESSAGE_MAX`] bounds a message down, so a filing transaction is as long as
+/// an apply. More is refused (`upload-rows-max`) before anything is allocated for them.
+pub const UPLOAD_ROWS_MAX: usize = 1_000;
+
+/// Refused rows in one `Filed`: at most one per row of the upload it answers, so
+/// [`UPLOAD_ROWS_MAX`]. More is refused (`refused-rows-max`).
+pub const FILED_REFUSED_MAX: usize = UPLOAD_ROWS_MAX;
+
+/// Bytes of a `Filed` that a replica reads: 3 MiB. Its refused rows repeat keys of the
+/// upload it answers, at most [`UPLOAD_BYTES_MAX`] (1 MiB) of them, and each adds at most
+/// a table name (1 + 63 bytes), a key count (2), a reason's length (2) and the reason
+/// (1 024): 1 000 × 1 092 = 1 092 000 bytes; with 32 bytes of fixed fields, 2 of count
+/// and 16 of seal, 2 140 626 bytes in all, some 2.04 MiB. A larger `Filed` is refused
+/// (`filed-too-large`): the replica forgets nothing and sends the upload again.
+pub const FILED_BYTES_MAX: usize = 3 << 20;
+
 /// Bytes of a rejection's reason: 1024, enough for SQLite's constraint message; the
 /// replica cuts longer ones at a character boundary. Longer is refused (`reason-len`).
 pub const REASON_BYTES_MAX: usize = 1024;
@@ -250,6 +291,13 @@ const _: () = assert!(FRAME_BYTES_MAX <= BODY_BYTES_MAX);
 const _: () = assert!(COMPRESS_ABOVE_BYTES < BODY_TARGET_BYTES);
 const _: () = assert!(DIGESTS_MAX * (NAME_BYTES_MAX + 1 + 16) < UP_BYTES_MAX);
 const _: () = assert!(COLUMNS_MAX <= u16::MAX as usize);
+// A Filed holds a refusal of every row of the largest upload, each with the longest
+// reason; the rows' count and a key's length fit two varint bytes.
+const _: () = assert!(
+    UPLOAD_BYTES_MAX + FILED_REFUSED_MAX * (1 + NAME_BYTES_MAX + 2 + 2 + REASON_BYTES_MAX) + 50
+        <= FILED_BYTES_MAX
+);
+const _: () = assert!(FILED_REFUSED_MAX < 1 << 14 && COLUMNS_MAX < 1 << 14);
 
 /// Limits a replica enforces when it opens a message; [`Limits::default`] holds the named
 /// defaults. Checked before anything is allocated for the message.
@@ -270,11 +318,14 @@ impl Default for Limits {
     }
 }
 
-/// Why a message was refused. Nothing was taken from it: [`open`] and [`decode_up`] are
-/// pure. What the receiver does next depends on the variant:
+/// Why a message was refused. Nothing was taken from it: [`open`], [`decode_up`],
+/// [`decode_upload`] and [`open_filed`] are pure. What the receiver does next depends on
+/// the variant:
 /// - [`Refused::LaterProtocol`]: wait for an upgrade; the message is fine for a newer side.
 /// - [`Refused::BadSeal`], [`Refused::BadBody`]: damaged in transit or not meant for this
 ///   replica; wait for redelivery, and if every message is refused so, check the token.
+/// - [`Refused::BadFiledSeal`]: a `Filed` damaged in transit or not meant for this
+///   replica; forget nothing, and send the upload again next turn.
 /// - [`Refused::Malformed`]: the sender broke protocol v1 (a bug to report), or a size
 ///   limit of this side is below what the sender packs (raise the limit).
 #[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
@@ -295,19 +346,27 @@ pub enum Refused {
          covers, so it was damaged in transit; nothing was applied: it will be sent again"
     )]
     BadBody,
+    #[error(
+        "Filed refused: its seal (its last 16 bytes) does not match this replica's seal key \
+         and id, so it was sealed for another replica or token, or damaged in transit; no \
+         note was forgotten: the upload goes up again next turn; if every Filed is refused \
+         so, check that the replica's token is the server's"
+    )]
+    BadFiledSeal,
     #[error("message refused: {detail} [{rule}]; nothing was taken from it")]
     Malformed { rule: Rule, detail: String },
 }
 
 impl Refused {
     /// A short stable name for the refusal: the rule's name for [`Refused::Malformed`],
-    /// `later-protocol`, `bad-seal` or `bad-body` otherwise. The malformed corpus
+    /// `later-protocol`, `bad-seal`, `bad-body` or `bad-filed-seal` otherwise. The malformed corpus
     /// (`tests/golden/malformed.txt`) names its expected refusals so.
     pub fn kind(&self) -> &'static str {
         match self {
             Refused::LaterProtocol(_) => "later-protocol",
             Refused::BadSeal => "bad-seal",
             Refused::BadBody => "bad-body",
+            Refused::BadFiledSeal => "bad-filed-seal",
             Refused::Malformed { rule, .. } => rule.name(),
         }
     }
@@ -318,7 +377,7 @@ impl Refused {
 pub enum Rule {
     /// A frame shorter than [`HEAD_LEN`].
     FrameShort,
-    /// Not `FSD1` (down) or `FSU1` (up).
+    /// Not `FSD1` (down), `FSU1` (report up), `FSW1` (upload) or `FSF1` (`Filed`).
     Magic,
     /// Protocol 0, which no side ever spoke.
     ProtocolZero,
@@ -356,11 +415,12 @@ pub enum Rule {
     NotUtf8,
     /// A real value that is NaN.
     RealNan,
-    /// A sweep flag bit other than start (bit 0) and end (bit 1).
+    /// A part flag bit other than sweep start (bit 0), sweep end (bit 1) and the replica
+    /// writes the table (bit 2).
     SweepFlags,
     /// A table name of 0 or more than [`NAME_BYTES_MAX`] bytes.
     TableNameLen,
-    /// A table or column name holding a NUL.
+    /// A table, column or lane name holding a NUL.
     NameNul,
     /// A table name starting with one of [`RESERVED_TABLE_PREFIXES`].
     TableNameReserved,
@@ -396,13 +456,30 @@ pub enum Rule {
     DigestsMax,
     /// A reason over [`REASON_BYTES_MAX`] bytes.
     ReasonLen,
-    /// A rejection's key of 0 or more than [`COLUMNS_MAX`] values.
+    /// A rejection's or refused row's key of 0 or more than [`COLUMNS_MAX`] values.
     RejectionKeyLen,
+    /// A part that says the replica writes its table (flag bit 2) with a sweep flag, a
+    /// delete or an upsert.
+    ReplicaWrittenPart,
+    /// A lane name of 0 or more than [`NAME_BYTES_MAX`] bytes.
+    LaneNameLen,
+    /// An upload over [`UPLOAD_BYTES_MAX`].
+    UploadTooLarge,
+    /// An upload id of 0, in an upload or the `Filed` answering it.
+    UploadIdZero,
+    /// A part of an upload with any part flag (a sweep, or the replica writes the table).
+    UploadPartFlags,
+    /// An upload of more than [`UPLOAD_ROWS_MAX`] rows.
+    UploadRowsMax,
+    /// A `Filed` over [`FILED_BYTES_MAX`].
+    FiledTooLarge,
+    /// A `Filed` with more than [`FILED_REFUSED_MAX`] refused rows.
+    RefusedRowsMax,
 }
 
 impl Rule {
     /// Every rule, for tests that check a corpus covers them all.
-    pub const ALL: [Rule; 41] = [
+    pub const ALL: [Rule; 49] = [
         Rule::FrameShort,
         Rule::Magic,
         Rule::ProtocolZero,
@@ -444,6 +521,14 @@ impl Rule {
         Rule::DigestsMax,
         Rule::ReasonLen,
         Rule::RejectionKeyLen,
+        Rule::ReplicaWrittenPart,
+        Rule::LaneNameLen,
+        Rule::UploadTooLarge,
+        Rule::UploadIdZero,
+        Rule::UploadPartFlags,
+        Rule::UploadRowsMax,
+        Rule::FiledTooLarge,
+        Rule::RefusedRowsMax,
     ];
 
     /// The rule's stable name (kebab case), as [`Refused::kind`] gives it.
@@ -490,6 +575,14 @@ impl Rule {
             Rule::DigestsMax => "digests-max",
             Rule::ReasonLen => "reason-len",
             Rule::RejectionKeyLen => "rejection-key-len",
+            Rule::ReplicaWrittenPart => "replica-written-part",
+            Rule::LaneNameLen => "lane-name-len",
+            Rule::UploadTooLarge => "upload-too-large",
+            Rule::UploadIdZero => "upload-id-zero",
+            Rule::UploadPartFlags => "upload-part-flags",
+            Rule::UploadRowsMax => "upload-rows-max",
+            Rule::FiledTooLarge => "filed-too-large",
+            Rule::RefusedRowsMax => "refused-rows-max",
         }
     }
 }

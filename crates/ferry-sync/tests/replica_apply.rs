@@ -58,6 +58,7 @@ fn part(
         sweep: Sweep::default(),
         deletes,
         upserts,
+        writes: None,
     }
 }
 

@@ -223,14 +223,76 @@ fn a_bad_shape_is_refused_as_syntax() {
 }
 
 #[test]
-fn mirror_other_than_catalog_comes_with_the_way_up() {
+fn both_and_setting_come_with_the_rest_of_the_way_up() {
     let ok = parse(&format!("{REPLICAS}[tables.t]\nmirror = \"catalog\"\n")).unwrap();
     assert_eq!(ok.tables[0].route, Route::Closure);
-    for mirror in ["record", "both", "setting"] {
+    for mirror in ["both", "setting"] {
         let e = invalid(&format!("{REPLICAS}[tables.t]\nmirror = \"{mirror}\"\n"));
-        assert!(e.contains("comes with the way up (issue 28)"), "{e}");
+        assert!(
+            e.contains("comes with the rest of the way up (issue 28)"),
+            "{e}"
+        );
         assert!(e.contains("[tables.t]"), "{e}");
     }
+}
+
+/// docs/sync-up.md §2: a record table is the replicas' to write; what routes rows down
+/// makes no sense on it, and what only records mean makes no sense on a catalog table.
+#[test]
+fn a_record_table_takes_replica_version_and_lane_and_nothing_that_routes_rows_down() {
+    let rules = parse(&format!(
+        "{REPLICAS}[tables.sales]\nmirror = \"record\"\nreplica = \"store_id\"\nversion = \"rev\"\nlane = \"tills\"\n[tables.notes]\nmirror = \"record\"\n"
+    ))
+    .unwrap();
+    assert!(rules.tables.is_empty());
+    assert_eq!(rules.records.len(), 2);
+    let notes = &rules.records[0];
+    assert_eq!(
+        (notes.replica_name.as_str(), notes.lane.as_str()),
+        ("notes", "main")
+    );
+    assert_eq!(
+        (notes.replica.as_deref(), notes.version.as_deref()),
+        (None, None)
+    );
+    let sales = &rules.records[1];
+    assert_eq!(sales.replica.as_deref(), Some("store_id"));
+    assert_eq!(sales.version.as_deref(), Some("rev"));
+    assert_eq!(sales.lane, "tills");
+    for (extra, needle) in [
+        ("sync = \"broadcast\"", "`sync` routes rows down"),
+        ("from = \"v\"", "`from` routes rows down"),
+        ("active = \"v\"", "`active` routes rows down"),
+        (
+            "columns = [\"id\"]\nreplica = \"store_id\"",
+            "replica column \"store_id\" is not in `columns`",
+        ),
+        ("lane = \"a b\"", "lane:"),
+    ] {
+        let e = invalid(&format!(
+            "{REPLICAS}[tables.t]\nmirror = \"record\"\n{extra}\n"
+        ));
+        assert!(e.contains(needle), "{extra}: {e}");
+    }
+    for field in ["replica = \"x\"", "version = \"x\"", "lane = \"x\""] {
+        let e = invalid(&format!("{REPLICAS}[tables.t]\n{field}\n"));
+        assert!(
+            e.contains("applies to tables the replicas write"),
+            "{field}: {e}"
+        );
+    }
+    let e = invalid(&format!(
+        "{REPLICAS}[tables.t]\nmirror = \"record\"\n[tables.u]\nas = \"t\"\n"
+    ));
+    assert!(e.contains("is taken by"), "{e}");
+}
+
+/// Rules written before record tables existed keep the digest they were installed with.
+#[test]
+fn rules_without_record_tables_keep_their_digest() {
+    let rules = parse(&format!("{REPLICAS}[tables.t]\nsync = \"broadcast\"\n")).unwrap();
+    let json = serde_json::to_string(&rules).unwrap();
+    assert!(!json.contains("records"), "{json}");
 }
 
 #[test]

@@ -1,10 +1,11 @@
 //! Guards protocol v1's bytes, the contract between a server and replicas of other
-//! versions: values, bodies, frames and reports decode to what was encoded; the golden
-//! vectors (`tests/golden/`) are reproduced byte for byte, so a change of encoding fails
-//! here before it strands a replica; every rule `open` and `decode_up` enforce is refused
-//! by name on a corpus of malformed messages; no flipped byte, truncation or random
-//! corruption gets through or panics; a zip bomb stops at `body_max` without allocating
-//! past it.
+//! versions: values, bodies, frames, reports, uploads and `Filed` answers decode to what
+//! was encoded; the golden vectors (`tests/golden/`) are reproduced byte for byte, so a
+//! change of encoding fails here before it strands a replica; every rule `open`,
+//! `decode_up`, `decode_upload` and `open_filed` enforce is refused by name on a corpus of
+//! malformed messages; no flipped byte, truncation or random corruption gets through or
+//! panics; a zip bomb stops at `body_max` without allocating past it; a `Filed` opens
+//! only for the replica and token it was sealed for.
 //!
 //! The frames here are also built by a second, independent encoder (`raw_frame`, straight
 //! from the layout table with the hmac and sha2 crates), so a layout mistake shared by
@@ -23,10 +24,12 @@ use ferry_sync::value::{
     encode_value, key_text, parse_key_text, row_hash, row_len, value_len,
 };
 use ferry_sync::wire::{
-    Applied, BODY_BYTES_MAX, COMPRESS_ABOVE_BYTES, ChainHead, Column, Digest, Down, HEAD_LEN,
-    Limits, PROTOCOL, Refused, Rejection, Rule, Sweep, TablePart, UP_BYTES_MAX, Up, body_hash,
-    decode_body, decode_up, encode_body, encode_down, encode_head, encode_up, open, pack_body,
-    seal_key, stamp, verify_stamp,
+    Applied, BODY_BYTES_MAX, COMPRESS_ABOVE_BYTES, ChainHead, Column, Digest, Down,
+    FILED_BYTES_MAX, FILED_REFUSED_MAX, Filed, HEAD_LEN, Limits, PROTOCOL, REASON_BYTES_MAX,
+    Refused, RefusedRow, Rejection, Rule, Sweep, TablePart, UP_BYTES_MAX, UPLOAD_BYTES_MAX, Up,
+    Upload, body_hash, decode_body, decode_up, decode_upload, encode_body, encode_down,
+    encode_filed, encode_head, encode_up, encode_upload, open, open_filed, pack_body, seal_key,
+    stamp, verify_stamp,
 };
 use hmac::{Hmac, KeyInit, Mac};
 use sha2::{Digest as _, Sha256};
@@ -35,6 +38,7 @@ const SECRET: [u8; 32] = [7; 32];
 const TOKEN: &[u8] = b"token-1";
 const OTHER_TOKEN: &[u8] = b"token-2";
 const REPLICA: [u8; 16] = [0x11; 16];
+const OTHER_REPLICA: [u8; 16] = [0x12; 16];
 const EPOCH: [u8; 16] = [
     0xe0, 0xe1, 0xe2, 0xe3, 0xe4, 0xe5, 0xe6, 0xe7, 0xe8, 0xe9, 0xea, 0xeb, 0xec, 0xed, 0xee, 0xef,
 ];
@@ -292,6 +296,7 @@ fn key_parts_may_come_in_any_column_order() {
         sweep: Sweep::default(),
         deletes: vec![vec![Value::Int(20), Value::Int(10)]],
         upserts: vec![vec![Value::Int(10), Value::Int(20), Value::Null]],
+        writes: None,
     };
     let body = encode_body(std::slice::from_ref(&part)).unwrap();
     assert_eq!(decode_body(&body).unwrap(), vec![part]);
@@ -305,6 +310,7 @@ fn encode_body_refuses_what_a_replica_would() {
         sweep: Sweep::default(),
         deletes: vec![],
         upserts: vec![vec![Value::Int(1), Value::Null]],
+        writes: None,
     };
     type Breaker = Box<dyn Fn(&mut TablePart)>;
     let cases: Vec<(&str, Breaker)> = vec![
@@ -638,6 +644,400 @@ fn reports_over_their_limit_are_refused() {
 }
 
 // ---------------------------------------------------------------------------------------
+// Replica-written parts (docs/sync-up.md §4.1)
+
+#[test]
+fn replica_written_parts_roundtrip_with_their_lane() {
+    // A part the replica writes carries flag bit 2 and, after its columns, the lane; no
+    // rows. A decoder that lost the lane would create the table but never upload it.
+    let part = written("sales", "main");
+    let body = encode_body(std::slice::from_ref(&part)).unwrap();
+    let mut raw = Raw::default();
+    raw.varint(1);
+    raw.part_header("sales", 4, &[("id", 1, 1, 1), ("note", 3, 0, 0)]);
+    raw.str("main");
+    raw.varint(0);
+    raw.varint(0);
+    assert_eq!(body, raw.0);
+    assert_eq!(decode_body(&body).unwrap(), vec![part.clone()]);
+    // Beside an ordinary part, in a frame.
+    let parts = vec![golden_downs()[0].parts[0].clone(), part];
+    let key = seal_key(TOKEN);
+    let (frame, _) = encode_down(&chain(1, NONCE_1, 0, 0), &parts, &SECRET, &key).unwrap();
+    assert_eq!(open(&frame, &key, &Limits::default()).unwrap().parts, parts);
+}
+
+#[test]
+fn replica_written_parts_with_rows_or_sweeps_are_refused() {
+    // A replica never sweeps a table it writes nor takes rows of it from the server: a
+    // part that says both is a server bug, refused whole before anything is applied.
+    let body = |flags: u8, lane: &str, deletes: u64, upserts: u64| {
+        let mut raw = Raw::default();
+        raw.varint(1);
+        raw.part_header("sales", flags, &[("id", 1, 1, 1)]);
+        if flags & 4 != 0 {
+            raw.str(lane);
+        }
+        raw.varint(deletes);
+        (0..deletes).for_each(|_| raw.bytes(&[1, 2]));
+        raw.varint(upserts);
+        (0..upserts).for_each(|_| raw.bytes(&[1, 4]));
+        raw.0
+    };
+    let long = "l".repeat(64);
+    let cases: [(u8, &str, u64, u64, &str, &str); 10] = [
+        (
+            4,
+            "main",
+            1,
+            0,
+            "replica-written-part",
+            "delete count at byte 20",
+        ),
+        (
+            4,
+            "main",
+            0,
+            1,
+            "replica-written-part",
+            "upsert count at byte 21",
+        ),
+        (
+            5,
+            "main",
+            0,
+            0,
+            "replica-written-part",
+            "part flags at byte 7",
+        ),
+        (
+            6,
+            "main",
+            0,
+            0,
+            "replica-written-part",
+            "part flags at byte 7",
+        ),
+        (
+            7,
+            "main",
+            1,
+            1,
+            "replica-written-part",
+            "part flags at byte 7",
+        ),
+        (8, "", 0, 0, "sweep-flags", "part flags at byte 7"),
+        (0x84, "main", 0, 0, "sweep-flags", "part flags at byte 7"),
+        (4, "", 0, 0, "lane-name-len", "lane name is 0 bytes"),
+        (4, &long, 0, 0, "lane-name-len", "lane name is 64 bytes"),
+        (4, "ma\0in", 0, 0, "name-nul", "lane name"),
+    ];
+    for (flags, lane, deletes, upserts, kind, says) in cases {
+        let refused = decode_body(&body(flags, lane, deletes, upserts)).unwrap_err();
+        assert_eq!(refused.kind(), kind, "flags {flags:#x}: {refused}");
+        assert!(refused.to_string().contains(says), "{refused}");
+        assert!(refused.to_string().contains("table part 1"), "{refused}");
+    }
+    // The flags of before still mean what they meant.
+    for flags in 0..4 {
+        assert!(decode_body(&body(flags, "", 1, 1)).is_ok(), "flags {flags}");
+    }
+    assert!(decode_body(&body(4, &"l".repeat(63), 0, 0)).is_ok());
+}
+
+#[test]
+fn encode_body_refuses_a_replica_written_part_a_replica_would() {
+    type Breaker = Box<dyn Fn(&mut TablePart)>;
+    let cases: Vec<(&str, Breaker)> = vec![
+        (
+            "replica-written-part",
+            Box::new(|p: &mut TablePart| p.sweep.start = true),
+        ),
+        (
+            "replica-written-part",
+            Box::new(|p: &mut TablePart| p.sweep.end = true),
+        ),
+        (
+            "replica-written-part",
+            Box::new(|p: &mut TablePart| p.upserts.push(vec![Value::Int(1), Value::Null])),
+        ),
+        (
+            "replica-written-part",
+            Box::new(|p: &mut TablePart| p.deletes.push(vec![Value::Int(1)])),
+        ),
+        (
+            "lane-name-len",
+            Box::new(|p: &mut TablePart| p.writes = Some(String::new())),
+        ),
+        (
+            "lane-name-len",
+            Box::new(|p: &mut TablePart| p.writes = Some("l".repeat(64))),
+        ),
+        (
+            "name-nul",
+            Box::new(|p: &mut TablePart| p.writes = Some("ma\0in".into())),
+        ),
+    ];
+    for (rule, break_it) in cases {
+        let mut part = written("sales", "main");
+        break_it(&mut part);
+        match encode_body(&[part]) {
+            Err(EncodeError::Invalid { rule: got, detail }) => {
+                assert_eq!(got, rule, "{detail}");
+                assert!(detail.contains("table part 1"), "{detail}");
+            }
+            other => panic!("expected {rule}, got {other:?}"),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Uploads and Filed (docs/sync-up.md §4.2, §4.3)
+
+#[test]
+fn uploads_roundtrip_at_random() {
+    let mut rng = Rng::new(10);
+    for round in 0..500 {
+        let upload = rng.upload();
+        let bytes = encode_upload(&upload).unwrap_or_else(|e| panic!("{round}: {e}"));
+        let body = encode_body(&upload.parts).unwrap();
+        let flags = u16::from(upload.restated);
+        let lane = upload.lane.as_bytes();
+        assert_eq!(
+            bytes,
+            raw_upload(flags, upload.id, upload.filed_n, lane, &body)
+        );
+        assert_eq!(decode_upload(&bytes).unwrap(), upload);
+        for cut in 0..bytes.len() {
+            assert!(decode_upload(&bytes[..cut]).is_err(), "a prefix of {cut}");
+        }
+    }
+}
+
+#[test]
+fn encode_upload_refuses_what_a_server_would() {
+    type Breaker = Box<dyn Fn(&mut Upload)>;
+    let cases: Vec<(&str, Breaker)> = vec![
+        ("upload-id-zero", Box::new(|u: &mut Upload| u.id = 0)),
+        (
+            "lane-name-len",
+            Box::new(|u: &mut Upload| u.lane = String::new()),
+        ),
+        (
+            "lane-name-len",
+            Box::new(|u: &mut Upload| u.lane = "l".repeat(64)),
+        ),
+        (
+            "name-nul",
+            Box::new(|u: &mut Upload| u.lane = "sa\0les".into()),
+        ),
+        (
+            "upload-part-flags",
+            Box::new(|u: &mut Upload| u.parts[0].writes = Some("sales".into())),
+        ),
+        (
+            "upload-part-flags",
+            Box::new(|u: &mut Upload| u.parts[0].sweep.start = true),
+        ),
+        (
+            "upload-rows-max",
+            Box::new(|u: &mut Upload| u.parts = vec![sales_part(0, 600), sales_part(600, 401)]),
+        ),
+        (
+            "upload-too-large",
+            Box::new(|u: &mut Upload| u.parts = vec![blob_part(UPLOAD_BYTES_MAX)]),
+        ),
+        (
+            "no-key",
+            Box::new(|u: &mut Upload| u.parts[0].columns[0].key_part = 0),
+        ),
+    ];
+    for (rule, break_it) in cases {
+        let mut upload = golden_upload();
+        break_it(&mut upload);
+        match encode_upload(&upload) {
+            Err(EncodeError::Invalid { rule: got, detail }) => assert_eq!(got, rule, "{detail}"),
+            other => panic!("expected {rule}, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn uploads_at_their_limits_are_taken_and_past_them_refused() {
+    // The replica packs up to exactly the limits; one row or one byte more is refused, the
+    // rows before a single one of them is read (so a hostile count allocates nothing).
+    let upload = |parts| Upload {
+        parts,
+        ..golden_upload()
+    };
+    let full = upload(vec![sales_part(0, 600), sales_part(600, 400)]);
+    let bytes = encode_upload(&full).unwrap();
+    assert_eq!(decode_upload(&bytes).unwrap(), full);
+    let over = encode_body(&[sales_part(0, 600), sales_part(600, 401)]).unwrap();
+    let refused = decode_upload(&raw_upload(0, 1, 0, b"sales", &over)).unwrap_err();
+    assert_eq!(refused.kind(), "upload-rows-max", "{refused}");
+    assert!(refused.to_string().contains("1001 rows"), "{refused}");
+
+    let size = |blob: usize| encode_upload(&upload(vec![blob_part(blob)])).map(|b| b.len());
+    let probe = UPLOAD_BYTES_MAX - 1000;
+    let exact = probe + (UPLOAD_BYTES_MAX - size(probe).unwrap());
+    let bytes = encode_upload(&upload(vec![blob_part(exact)])).unwrap();
+    assert_eq!(bytes.len(), UPLOAD_BYTES_MAX);
+    assert_eq!(decode_upload(&bytes).unwrap().parts[0], blob_part(exact));
+    assert!(size(exact + 1).is_err());
+    let mut longer = bytes;
+    longer.push(0);
+    assert_eq!(
+        decode_upload(&longer).unwrap_err().kind(),
+        "upload-too-large"
+    );
+}
+
+#[test]
+fn uploads_refuse_parts_that_are_not_rows() {
+    // An upload carries rows a replica wrote: a sweep or a table to create in it is a
+    // replica bug the server refuses whole, naming the byte.
+    let body = encode_body(&[written("sales", "main")]).unwrap();
+    let refused = decode_upload(&raw_upload(0, 1, 0, b"sales", &body)).unwrap_err();
+    assert_eq!(refused.kind(), "upload-part-flags", "{refused}");
+    // Fixed fields (24) and lane (6), then the part count (1) and name (6).
+    assert!(
+        refused.to_string().contains("part flags at byte 37"),
+        "{refused}"
+    );
+}
+
+#[test]
+fn filed_roundtrips_at_random() {
+    let key = seal_key(TOKEN);
+    let mut rng = Rng::new(11);
+    for _ in 0..500 {
+        let filed = rng.filed();
+        let bytes = encode_filed(&filed, &key, &REPLICA);
+        assert_eq!(bytes, reference_filed(&filed, &REPLICA, TOKEN));
+        assert_eq!(open_filed(&bytes, &key, &REPLICA).unwrap(), filed);
+        for cut in 0..bytes.len() {
+            assert!(open_filed(&bytes[..cut], &key, &REPLICA).is_err());
+        }
+    }
+}
+
+#[test]
+fn filed_reasons_are_cut_at_a_character_boundary() {
+    // The server's database gives reasons of any length; one too long must not make the
+    // replica refuse the answer, and so send the same upload forever.
+    let key = seal_key(TOKEN);
+    for (reason, kept) in [
+        ("é".repeat(600), "é".repeat(512)),
+        (
+            format!("ab{}", "€".repeat(400)),
+            format!("ab{}", "€".repeat(340)),
+        ),
+        ("r".repeat(REASON_BYTES_MAX), "r".repeat(REASON_BYTES_MAX)),
+    ] {
+        let mut filed = golden_filed();
+        filed.refused[0].reason = reason;
+        let opened = open_filed(&encode_filed(&filed, &key, &REPLICA), &key, &REPLICA).unwrap();
+        assert_eq!(opened.refused[0].reason, kept);
+    }
+}
+
+#[test]
+fn a_filed_opens_only_for_its_replica_and_token() {
+    // A Filed makes a replica forget what it sent: one sealed for another replica (even
+    // under the same token) or another token must not.
+    let key = seal_key(TOKEN);
+    let bytes = encode_filed(&golden_filed(), &key, &REPLICA);
+    assert_eq!(open_filed(&bytes, &key, &REPLICA).unwrap(), golden_filed());
+    assert_eq!(
+        open_filed(&bytes, &key, &OTHER_REPLICA),
+        Err(Refused::BadFiledSeal)
+    );
+    assert_eq!(
+        open_filed(&bytes, &seal_key(OTHER_TOKEN), &REPLICA),
+        Err(Refused::BadFiledSeal)
+    );
+    assert!(Refused::BadFiledSeal.to_string().contains("token"));
+    assert_eq!(Refused::BadFiledSeal.kind(), "bad-filed-seal");
+}
+
+#[test]
+fn every_flipped_byte_of_a_filed_is_refused() {
+    // The seal covers every byte before it; only the fixed fields checked before the seal
+    // (magic, protocol, flags) may be refused by another name.
+    let key = seal_key(TOKEN);
+    let lines = golden_lines("filed.txt");
+    let bytes = &lines[0].2;
+    assert_eq!(open_filed(bytes, &key, &REPLICA).unwrap(), golden_filed());
+    for at in 0..bytes.len() {
+        for mask in [0x01u8, 0x80, 0xff] {
+            let mut flipped = bytes.clone();
+            flipped[at] ^= mask;
+            let refused = open_filed(&flipped, &key, &REPLICA)
+                .err()
+                .unwrap_or_else(|| panic!("byte {at} ^ {mask:#x} was taken"));
+            let expected: &[&str] = match at {
+                0..4 => &["magic"],
+                4..6 => &["later-protocol", "protocol-zero"],
+                6..8 => &["flags"],
+                _ => &["bad-filed-seal"],
+            };
+            assert!(expected.contains(&refused.kind()), "byte {at}: {refused}");
+        }
+    }
+}
+
+#[test]
+fn filed_over_its_limit_is_refused() {
+    let mut bytes = encode_filed(&golden_filed(), &seal_key(TOKEN), &REPLICA);
+    bytes.resize(FILED_BYTES_MAX + 1, 0);
+    let refused = open_filed(&bytes, &seal_key(TOKEN), &REPLICA).unwrap_err();
+    assert_eq!(refused.kind(), "filed-too-large");
+    // The largest Filed the server can build fits: every row of a full upload refused,
+    // each with the longest reason.
+    let full = Filed {
+        refused: (0..FILED_REFUSED_MAX)
+            .map(|i| RefusedRow {
+                table: "t".repeat(63),
+                key: vec![Value::Blob(vec![0; UPLOAD_BYTES_MAX / FILED_REFUSED_MAX])],
+                reason: format!("{i}").repeat(REASON_BYTES_MAX),
+            })
+            .collect(),
+        ..golden_filed()
+    };
+    let bytes = encode_filed(&full, &seal_key(TOKEN), &REPLICA);
+    assert!(bytes.len() <= FILED_BYTES_MAX);
+    assert_eq!(
+        open_filed(&bytes, &seal_key(TOKEN), &REPLICA)
+            .unwrap()
+            .refused
+            .len(),
+        FILED_REFUSED_MAX
+    );
+}
+
+#[test]
+#[should_panic(expected = "a Filed a replica refuses")]
+fn encode_filed_refuses_an_id_of_zero() {
+    let filed = Filed {
+        id: 0,
+        ..golden_filed()
+    };
+    encode_filed(&filed, &seal_key(TOKEN), &REPLICA);
+}
+
+#[test]
+#[should_panic(expected = "refused-rows-max")]
+fn encode_filed_refuses_more_refusals_than_an_upload_has_rows() {
+    let row = golden_filed().refused[0].clone();
+    let filed = Filed {
+        refused: vec![row; FILED_REFUSED_MAX + 1],
+        ..golden_filed()
+    };
+    encode_filed(&filed, &seal_key(TOKEN), &REPLICA);
+}
+
+// ---------------------------------------------------------------------------------------
 // Golden vectors
 
 /// A message of `tests/golden/down.txt`, built here from fixed keys and nonces.
@@ -661,6 +1061,7 @@ fn golden_downs() -> Vec<GoldenDown> {
         sweep,
         deletes: vec![],
         upserts,
+        writes: None,
     };
     let orders = |sweep, deletes, upserts| TablePart {
         table: "orders".into(),
@@ -673,6 +1074,7 @@ fn golden_downs() -> Vec<GoldenDown> {
         sweep,
         deletes,
         upserts,
+        writes: None,
     };
     let lines = TablePart {
         table: "order_lines".into(),
@@ -680,6 +1082,7 @@ fn golden_downs() -> Vec<GoldenDown> {
         sweep: Sweep::default(),
         deletes: vec![vec![Value::Int(10), Value::Int(1)]],
         upserts: vec![vec![Value::Int(2), Value::Int(12), Value::Int(3)]],
+        writes: None,
     };
     let whole = Sweep {
         start: true,
@@ -785,6 +1188,7 @@ fn golden_parts_many(rows: i64) -> Vec<TablePart> {
                 ]
             })
             .collect(),
+        writes: None,
     }]
 }
 
@@ -816,6 +1220,95 @@ fn golden_ups() -> Vec<(&'static str, Up)> {
             },
         ),
     ]
+}
+
+/// The upload of `tests/golden/upload.txt`: one lane's rows of a `record` table, one
+/// written and one deleted since the last turn.
+fn golden_upload() -> Upload {
+    Upload {
+        restated: false,
+        id: 0x5eed_0000_0000_0001,
+        filed_n: 41,
+        lane: "sales".into(),
+        parts: vec![TablePart {
+            table: "sales".into(),
+            columns: sales_columns(),
+            sweep: Sweep::default(),
+            deletes: vec![vec![Value::Int(7)]],
+            upserts: vec![vec![
+                Value::Int(8),
+                text("3f2a9c1e-7b4d-4e8a-9f00-112233445566"),
+                Value::Real(19.5),
+            ]],
+            writes: None,
+        }],
+    }
+}
+
+/// The `Filed` of `tests/golden/filed.txt`: the answer to [`golden_upload`] from a server
+/// that had filed 17 uploads of this replica when the upload said 41, so it lost filings.
+fn golden_filed() -> Filed {
+    Filed {
+        id: 0x5eed_0000_0000_0001,
+        filed_n: 42,
+        refile_after: 17,
+        refused: vec![RefusedRow {
+            table: "sales".into(),
+            key: vec![Value::Int(8)],
+            reason: "store_id names another replica".into(),
+        }],
+    }
+}
+
+/// The lines of `tests/golden/filed.txt`: a name, what `open_filed` for `REPLICA` gives,
+/// and the replica it is sealed for.
+fn golden_fileds() -> [(&'static str, &'static str, [u8; 16]); 2] {
+    [
+        ("filed", "ok", REPLICA),
+        ("other-replica", "bad-filed-seal", OTHER_REPLICA),
+    ]
+}
+
+#[test]
+fn golden_upload_and_filed_vectors_are_reproduced_and_read() {
+    let lines = golden_lines("upload.txt");
+    assert_eq!(lines.len(), 1, "upload.txt has one line");
+    let (name, outcome, bytes) = &lines[0];
+    assert_eq!((name.as_str(), outcome.as_str()), ("sales", "ok"));
+    let upload = golden_upload();
+    assert_eq!(
+        encode_upload(&upload).unwrap(),
+        *bytes,
+        "the encoding of an upload changed"
+    );
+    let body = encode_body(&upload.parts).unwrap();
+    assert_eq!(
+        *bytes,
+        raw_upload(0, upload.id, upload.filed_n, b"sales", &body)
+    );
+    assert_eq!(decode_upload(bytes).unwrap(), upload);
+
+    let key = seal_key(TOKEN);
+    let lines = golden_lines("filed.txt");
+    assert_eq!(lines.len(), golden_fileds().len());
+    for ((name, outcome, bytes), (expected_name, expected, sealed_for)) in
+        lines.iter().zip(golden_fileds())
+    {
+        assert_eq!((name.as_str(), outcome.as_str()), (expected_name, expected));
+        assert_eq!(
+            encode_filed(&golden_filed(), &key, &sealed_for),
+            *bytes,
+            "{name}: the encoding of a Filed changed"
+        );
+        assert_eq!(*bytes, reference_filed(&golden_filed(), &sealed_for, TOKEN));
+        match open_filed(bytes, &key, &REPLICA) {
+            Ok(filed) => {
+                assert_eq!(*outcome, "ok", "{name}");
+                assert_eq!(filed, golden_filed(), "{name}");
+            }
+            Err(refused) => assert_eq!(refused.kind(), outcome, "{name}: {refused}"),
+        }
+    }
 }
 
 #[test]
@@ -897,10 +1390,14 @@ fn malformed_corpus_is_refused_rule_by_rule() {
     for (name, kind, bytes) in golden_lines("malformed.txt") {
         let refused = if name.starts_with("down-") {
             open(&bytes, &key, &corpus_limits()).err()
+        } else if name.starts_with("upload-") {
+            decode_upload(&bytes).err()
+        } else if name.starts_with("filed-") {
+            open_filed(&bytes, &key, &REPLICA).err()
         } else {
             assert!(
                 name.starts_with("up-"),
-                "{name}: a name starts with down- or up-"
+                "{name}: a name starts with down-, up-, upload- or filed-"
             );
             decode_up(&bytes, &corpus_limits()).err()
         };
@@ -916,9 +1413,12 @@ fn malformed_corpus_covers_every_rule() {
         .map(|(_, kind, _)| kind)
         .collect();
     let mut expected: Vec<&str> = Rule::ALL.iter().map(|rule| rule.name()).collect();
-    // A report over 4 MiB would be an 8 MiB line: reports_over_their_limit_are_refused.
-    expected.retain(|kind| *kind != "up-too-large");
-    expected.extend(["later-protocol", "bad-seal", "bad-body"]);
+    // A report over 4 MiB would be an 8 MiB line: reports_over_their_limit_are_refused;
+    // likewise uploads_at_their_limits_are_taken_and_past_them_refused and
+    // filed_over_its_limit_is_refused.
+    let too_large = ["up-too-large", "upload-too-large", "filed-too-large"];
+    expected.retain(|kind| !too_large.contains(kind));
+    expected.extend(["later-protocol", "bad-seal", "bad-body", "bad-filed-seal"]);
     for kind in expected {
         assert!(
             kinds.iter().any(|k| k == kind),
@@ -953,18 +1453,41 @@ fn regenerate_golden() {
     for (name, report) in golden_ups() {
         writeln!(up, "{name} ok {}", hex(&encode_up(&report))).unwrap();
     }
+    let mut upload = String::from(
+        "# ferry-sync protocol v1, uploads: name, what decode_upload() gives, the upload in\n\
+         # hex. Built by golden_upload() in tests/wire.rs.\n",
+    );
+    writeln!(
+        upload,
+        "sales ok {}",
+        hex(&encode_upload(&golden_upload()).unwrap())
+    )
+    .unwrap();
+    let mut filed = String::from(
+        "# ferry-sync protocol v1, Filed answers: name, what open_filed() with\n\
+         # seal_key(b\"token-1\") and replica 0x11 x 16 gives, the Filed in hex. Built by\n\
+         # golden_filed() and golden_fileds() in tests/wire.rs.\n",
+    );
+    for (name, outcome, sealed_for) in golden_fileds() {
+        let bytes = encode_filed(&golden_filed(), &seal_key(TOKEN), &sealed_for);
+        writeln!(filed, "{name} {outcome} {}", hex(&bytes)).unwrap();
+    }
     let mut malformed = String::from(
         "# ferry-sync protocol v1, malformed messages: name (down- for open(), up- for\n\
-         # decode_up()), the refusal kind (Refused::kind), the bytes in hex. Opened with\n\
+         # decode_up(), upload- for decode_upload(), filed- for open_filed() with replica\n\
+         # 0x11 x 16), the refusal kind (Refused::kind), the bytes in hex. Opened with\n\
          # seal_key(b\"token-1\") and frame_max 1024, body_max 4096; sealed and stamped like\n\
          # down.txt, so each reaches the check it breaks. Built by malformed_cases() in\n\
-         # tests/wire.rs. up-too-large (a 4 MiB line) is tested in code instead.\n",
+         # tests/wire.rs. up-, upload- and filed-too-large (lines of megabytes) are tested\n\
+         # in code instead.\n",
     );
     for (name, kind, bytes) in malformed_cases() {
         writeln!(malformed, "{name} {kind} {}", hex(&bytes)).unwrap();
     }
     std::fs::write(golden_path("down.txt"), down).unwrap();
     std::fs::write(golden_path("up.txt"), up).unwrap();
+    std::fs::write(golden_path("upload.txt"), upload).unwrap();
+    std::fs::write(golden_path("filed.txt"), filed).unwrap();
     std::fs::write(golden_path("malformed.txt"), malformed).unwrap();
 }
 
@@ -1083,7 +1606,19 @@ fn malformed_cases() -> Vec<(String, &'static str, Vec<u8>)> {
     part("real-nan", "real-nan", &|b| {
         b.upsert_raw = Some(unhex("0102027ff8000000000000"))
     });
-    part("sweep-flags", "sweep-flags", &|b| b.flags = 4);
+    part("sweep-flags", "sweep-flags", &|b| b.flags = 8);
+    part("writes-with-rows", "replica-written-part", &|b| {
+        b.flags = 4;
+        b.lane = Some("main");
+    });
+    part("writes-with-sweep", "replica-written-part", &|b| {
+        b.flags = 5;
+        b.lane = Some("main");
+    });
+    part("lane-name-empty", "lane-name-len", &|b| {
+        b.flags = 4;
+        b.lane = Some("");
+    });
     part("table-name-empty", "table-name-len", &|b| b.table = vec![]);
     part("table-name-64", "table-name-len", &|b| {
         b.table = vec![b't'; 64]
@@ -1224,7 +1759,141 @@ fn malformed_cases() -> Vec<(String, &'static str, Vec<u8>)> {
         "table-name-reserved",
         tail(&digest.0),
     );
+    malformed_uploads(&mut cases);
+    malformed_fileds(&mut cases);
     cases
+}
+
+/// The bytes of `good` with `patch` written at `at`.
+fn patched(good: &[u8], at: usize, patch: &[u8]) -> Vec<u8> {
+    let mut changed = good.to_vec();
+    changed[at..at + patch.len()].copy_from_slice(patch);
+    changed
+}
+
+/// One malformed upload per rule `decode_upload` adds to the body's.
+fn malformed_uploads(cases: &mut Vec<(String, &'static str, Vec<u8>)>) {
+    let good = encode_upload(&golden_upload()).unwrap();
+    let body = encode_body(&golden_upload().parts).unwrap();
+    let mut upload = |name: &str, kind: &'static str, bytes: Vec<u8>| {
+        cases.push((format!("upload-{name}"), kind, bytes));
+    };
+    upload("magic", "magic", patched(&good, 0, b"FSU1"));
+    upload(
+        "later-protocol",
+        "later-protocol",
+        patched(&good, 4, &[0, 2]),
+    );
+    upload("protocol-zero", "protocol-zero", patched(&good, 4, &[0, 0]));
+    upload("flags", "flags", patched(&good, 6, &[0, 2]));
+    upload("flags-high", "flags", patched(&good, 6, &[0x80, 0]));
+    upload("id-zero", "upload-id-zero", patched(&good, 8, &[0; 8]));
+    let with_lane = |lane: &[u8]| raw_upload(0, 1, 0, lane, &body);
+    upload("lane-empty", "lane-name-len", with_lane(b""));
+    upload("lane-64", "lane-name-len", with_lane(&[b'l'; 64]));
+    upload("lane-nul", "name-nul", with_lane(b"sa\0les"));
+    upload("lane-not-utf8", "not-utf8", with_lane(&[0xff]));
+    let with_body = |body: &[u8]| raw_upload(0, 1, 0, b"sales", body);
+    upload(
+        "part-sweep",
+        "upload-part-flags",
+        with_body(&base_body(|b| b.flags = 1)),
+    );
+    let written_body = encode_body(&[written("sales", "main")]).unwrap();
+    upload("part-writes", "upload-part-flags", with_body(&written_body));
+    // One delete and 1000 upserts, refused at the upsert count, before any is read.
+    upload(
+        "rows-max",
+        "upload-rows-max",
+        with_body(&base_body(|b| b.upsert_count = Some(1000))),
+    );
+    upload(
+        "part-no-key",
+        "no-key",
+        with_body(&base_body(|b| b.columns[0].3 = 0)),
+    );
+    upload("truncated", "truncated", good[..good.len() - 1].to_vec());
+    upload("lane-cut", "truncated", good[..26].to_vec());
+    upload(
+        "trailing-bytes",
+        "trailing-bytes",
+        [&good[..], &[0]].concat(),
+    );
+}
+
+/// One malformed `Filed` per rule `open_filed` enforces; those past the seal are sealed
+/// for `REPLICA` under `TOKEN`, so each reaches the check it breaks.
+fn malformed_fileds(cases: &mut Vec<(String, &'static str, Vec<u8>)>) {
+    let good = encode_filed(&golden_filed(), &seal_key(TOKEN), &REPLICA);
+    let mut filed = |name: &str, kind: &'static str, bytes: Vec<u8>| {
+        cases.push((format!("filed-{name}"), kind, bytes));
+    };
+    filed("magic", "magic", patched(&good, 0, b"FSW1"));
+    filed(
+        "later-protocol",
+        "later-protocol",
+        patched(&good, 4, &[0, 2]),
+    );
+    filed("protocol-zero", "protocol-zero", patched(&good, 4, &[0, 0]));
+    filed("flags", "flags", patched(&good, 6, &[0, 1]));
+    filed("short", "truncated", good[..40].to_vec());
+    filed("head-cut", "truncated", good[..6].to_vec());
+    let mut bad_seal = good.clone();
+    *bad_seal.last_mut().unwrap() ^= 1;
+    filed("bad-seal", "bad-filed-seal", bad_seal);
+    filed("count-changed", "bad-filed-seal", patched(&good, 32, &[2]));
+    filed(
+        "other-replica",
+        "bad-filed-seal",
+        encode_filed(&golden_filed(), &seal_key(TOKEN), &OTHER_REPLICA),
+    );
+    let sealed =
+        |id: u64, rest: &[u8]| raw_filed(&raw_filed_fields(id, 42, 17, rest), &REPLICA, TOKEN);
+    let row = |table: &str, key: &[u8], reason_len: usize| {
+        let mut raw = Raw::default();
+        raw.varint(1);
+        raw.str(table);
+        raw.bytes(key);
+        raw.str(&"r".repeat(reason_len));
+        raw.0
+    };
+    filed("id-zero", "upload-id-zero", sealed(0, &[0]));
+    filed(
+        "refused-rows-max",
+        "refused-rows-max",
+        sealed(1, &[0xe9, 0x07]),
+    ); // 1001
+    filed(
+        "refused-beyond-bytes",
+        "count-exceeds-bytes",
+        sealed(1, &[0x64]),
+    );
+    filed(
+        "count-overlong",
+        "varint-overlong",
+        sealed(1, &[0x80, 0x00]),
+    );
+    filed(
+        "reason-len",
+        "reason-len",
+        sealed(1, &row("sales", &[1, 1, 2], 1025)),
+    );
+    filed(
+        "key-empty",
+        "rejection-key-len",
+        sealed(1, &row("sales", &[0], 3)),
+    );
+    filed(
+        "key-nan",
+        "real-nan",
+        sealed(1, &row("sales", &unhex("01027ff8000000000000"), 3)),
+    );
+    filed(
+        "table-reserved",
+        "table-name-reserved",
+        sealed(1, &row("_ferry_sync_up", &[1, 1, 2], 3)),
+    );
+    filed("trailing-bytes", "trailing-bytes", sealed(1, &[0, 0]));
 }
 
 const LONG_NAME: &str = "cccccccccccccccccccccccccccccccccccccccccccccccccccccccccccccccc";
@@ -1234,6 +1903,8 @@ const LONG_NAME: &str = "ccccccccccccccccccccccccccccccccccccccccccccccccccccccc
 struct BasePart {
     table: Vec<u8>,
     flags: u8,
+    /// Written after the columns when set, as a replica-written part's lane.
+    lane: Option<&'static str>,
     column_count: Option<u64>,
     /// Name, affinity, not_null, key_part.
     columns: Vec<(&'static str, u8, u8, u8)>,
@@ -1247,6 +1918,7 @@ fn base_body(edit: impl FnOnce(&mut BasePart)) -> Vec<u8> {
     let mut part = BasePart {
         table: b"orders".to_vec(),
         flags: 0,
+        lane: None,
         column_count: None,
         columns: vec![("id", 1, 1, 1), ("note", 3, 0, 0)],
         text_value: "paid".into(),
@@ -1264,6 +1936,9 @@ fn base_body(edit: impl FnOnce(&mut BasePart)) -> Vec<u8> {
     for (name, affinity, not_null, key_part) in &part.columns {
         raw.str(name);
         raw.bytes(&[*affinity, *not_null, *key_part]);
+    }
+    if let Some(lane) = part.lane {
+        raw.str(lane);
     }
     raw.varint(1);
     raw.bytes(
@@ -1384,6 +2059,63 @@ fn raw_frame(head: &RawHead, carried: &[u8], token: &[u8]) -> Vec<u8> {
     frame.extend_from_slice(&seal_mac.finalize().into_bytes()[..16]);
     frame.extend_from_slice(carried);
     frame
+}
+
+/// A replica's seal key, from the hmac crate as docs/sync.md states it.
+fn raw_seal_key(token: &[u8]) -> [u8; 32] {
+    let mut mac = <Hmac<Sha256> as KeyInit>::new_from_slice(token).unwrap();
+    mac.update(b"ferry-sync seal v1");
+    mac.finalize().into_bytes().into()
+}
+
+/// An upload's fixed fields and lane, straight from the layout, then `body`.
+fn raw_upload(flags: u16, id: u64, filed_n: u64, lane: &[u8], body: &[u8]) -> Vec<u8> {
+    let mut raw = Raw::default();
+    raw.bytes(b"FSW1");
+    raw.bytes(&1u16.to_be_bytes());
+    raw.bytes(&flags.to_be_bytes());
+    raw.u64(id);
+    raw.u64(filed_n);
+    raw.varint(lane.len() as u64);
+    raw.bytes(lane);
+    raw.bytes(body);
+    raw.0
+}
+
+/// A `Filed`'s fixed fields, straight from the layout, then `rest` (count and rows).
+fn raw_filed_fields(id: u64, filed_n: u64, refile_after: u64, rest: &[u8]) -> Vec<u8> {
+    let mut raw = Raw::default();
+    raw.bytes(b"FSF1");
+    raw.bytes(&1u16.to_be_bytes());
+    raw.bytes(&0u16.to_be_bytes());
+    raw.u64(id);
+    raw.u64(filed_n);
+    raw.u64(refile_after);
+    raw.bytes(rest);
+    raw.0
+}
+
+/// `fields` and their seal for `replica` under `token`'s seal key, computed here.
+fn raw_filed(fields: &[u8], replica: &[u8; 16], token: &[u8]) -> Vec<u8> {
+    let mut mac = <Hmac<Sha256> as KeyInit>::new_from_slice(&raw_seal_key(token)).unwrap();
+    mac.update(b"ferry-sync filed");
+    mac.update(replica);
+    mac.update(fields);
+    [fields, &mac.finalize().into_bytes()[..16]].concat()
+}
+
+/// A `Filed` (reasons within the limit) as the layout states it, sealed here.
+fn reference_filed(filed: &Filed, replica: &[u8; 16], token: &[u8]) -> Vec<u8> {
+    let mut rows = Raw::default();
+    rows.varint(filed.refused.len() as u64);
+    for row in &filed.refused {
+        rows.str(&row.table);
+        rows.varint(row.key.len() as u64);
+        row.key.iter().for_each(|v| rows.bytes(&reference_value(v)));
+        rows.str(&row.reason);
+    }
+    let fields = raw_filed_fields(filed.id, filed.filed_n, filed.refile_after, &rows.0);
+    raw_filed(&fields, replica, token)
 }
 
 #[derive(Default)]
@@ -1508,6 +2240,55 @@ fn with_affinity(column: Column, affinity: Affinity) -> Column {
 
 fn text(text: &str) -> Value {
     Value::Text(text.into())
+}
+
+/// A part that says the replica writes `table`, in `lane`: columns, no rows.
+fn written(table: &str, lane: &str) -> TablePart {
+    TablePart {
+        table: table.into(),
+        columns: vec![column("id", 1), column("note", 0)],
+        sweep: Sweep::default(),
+        deletes: vec![],
+        upserts: vec![],
+        writes: Some(lane.into()),
+    }
+}
+
+fn sales_columns() -> Vec<Column> {
+    vec![
+        column("id", 1),
+        not_null(column("store_id", 0)),
+        with_affinity(column("total", 0), Affinity::Real),
+    ]
+}
+
+/// A part of an upload of `sales` with `rows` upserts, ids from `first`.
+fn sales_part(first: i64, rows: i64) -> TablePart {
+    TablePart {
+        table: "sales".into(),
+        columns: sales_columns(),
+        sweep: Sweep::default(),
+        deletes: vec![],
+        upserts: (first..first + rows)
+            .map(|id| vec![Value::Int(id), text("store-1"), Value::Real(1.0)])
+            .collect(),
+        writes: None,
+    }
+}
+
+/// A part of an upload holding one row with a blob of `len` bytes.
+fn blob_part(len: usize) -> TablePart {
+    TablePart {
+        table: "photos".into(),
+        columns: vec![
+            column("id", 1),
+            with_affinity(column("data", 0), Affinity::Blob),
+        ],
+        sweep: Sweep::default(),
+        deletes: vec![],
+        upserts: vec![vec![Value::Int(1), Value::Blob(vec![0; len])]],
+        writes: None,
+    }
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -1646,7 +2427,7 @@ impl Rng {
             .map(|_| row(self, &mut columns.iter()))
             .collect();
         let names = ["t", "orders", "Line_items", "ε", "sqlite", "x_ferry_sync"];
-        TablePart {
+        let part = TablePart {
             table: format!(
                 "{}{}",
                 names[self.below(names.len() as u64) as usize],
@@ -1659,6 +2440,61 @@ impl Rng {
             columns,
             deletes,
             upserts,
+            writes: None,
+        };
+        if self.below(6) == 0 {
+            // A table the replica writes: only its columns and lane travel down.
+            return TablePart {
+                sweep: Sweep::default(),
+                deletes: vec![],
+                upserts: vec![],
+                writes: Some(self.lane()),
+                ..part
+            };
+        }
+        part
+    }
+
+    fn lane(&mut self) -> String {
+        match self.below(4) {
+            0 => "main".into(),
+            1 => "x".repeat(63),
+            2 => "sqlite_lanes_are_not_tables".into(),
+            // At most 12 characters of at most 4 bytes, and one more: within 63 bytes.
+            _ => self.text(12).replace('\0', "") + "l",
+        }
+    }
+
+    /// An upload of up to three parts of the kind a replica sends: no flags, no writes.
+    fn upload(&mut self) -> Upload {
+        let parts = (0..self.below(4))
+            .map(|_| TablePart {
+                sweep: Sweep::default(),
+                writes: None,
+                ..self.part()
+            })
+            .collect();
+        Upload {
+            restated: self.below(2) == 0,
+            id: 1 + self.below(u64::MAX),
+            filed_n: if self.below(3) == 0 { 0 } else { self.next() },
+            lane: self.lane(),
+            parts,
+        }
+    }
+
+    fn filed(&mut self) -> Filed {
+        Filed {
+            id: 1 + self.below(u64::MAX),
+            filed_n: self.next(),
+            refile_after: if self.below(2) == 0 { 0 } else { self.next() },
+            refused: (0..self.below(4))
+                .map(|_| RefusedRow {
+                    table: format!("t{}", self.below(9)),
+                    key: (0..1 + self.below(3)).map(|_| self.value()).collect(),
+                    reason: self.text(40),
+                })
+                .collect(),
         }
     }
 

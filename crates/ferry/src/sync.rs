@@ -1,5 +1,5 @@
-//! `ferry sync check|install|enroll|serve|status|replica`: partial replicas of Postgres
-//! tables on SQLite (docs/sync.md).
+//! `ferry sync check|install|enroll|serve|status|replica|refile`: partial replicas of
+//! Postgres tables on SQLite (docs/sync.md), and what replicas write back (docs/sync-up.md).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -37,6 +37,23 @@ pub enum SyncSub {
     /// (with --metrics-listen, serving its own /metrics and /status: synced, catching up,
     /// offline); or, with `status`, say where the replica's file stands.
     Replica(ReplicaArgs),
+    /// File the inbox again now: the rows replicas uploaded that the database refused
+    /// (docs/sync-up.md §5.2). The relay does this at start and every --retry-every-ms.
+    Refile(RefileArgs),
+}
+
+#[derive(Args)]
+pub struct RefileArgs {
+    #[arg(long)]
+    pub rules: PathBuf,
+    #[arg(long)]
+    pub db: String,
+    /// File as this Postgres role, as `serve --file-role` does.
+    #[arg(long)]
+    pub file_role: Option<String>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args)]
@@ -96,6 +113,11 @@ pub struct ServeArgs {
     /// Retry parked notes and quarantined rows this often.
     #[arg(long, default_value_t = 3_600_000)]
     pub retry_every_ms: u64,
+    /// File replicas' uploads as this Postgres role (`SET LOCAL ROLE`), so grants and
+    /// row-level security decide what each may write; `ferry_sync.replica` holds the
+    /// sender's id for policies to read. Default: the connection's own role.
+    #[arg(long)]
+    pub file_role: Option<String>,
     /// Serve replicas only; never take the relay lock.
     #[arg(long)]
     pub no_relay: bool,
@@ -182,6 +204,7 @@ pub fn run(sub: SyncSub) -> anyhow::Result<()> {
             SyncSub::Enroll(a) => enroll(a).await,
             SyncSub::Serve(a) => serve(a).await,
             SyncSub::Status(a) => status(a).await,
+            SyncSub::Refile(a) => refile(a).await,
             SyncSub::Replica(_) => unreachable!("handled above"),
         }
     })
@@ -275,6 +298,27 @@ async fn spec(pool: &PgPool, rules: &Rules) -> anyhow::Result<Spec> {
     Spec::build(rules, &catalog).map_err(|e| anyhow!("{e}"))
 }
 
+async fn refile(a: RefileArgs) -> anyhow::Result<()> {
+    let rules = load_rules(&a.rules)?;
+    let pool = connect(&a.db).await?;
+    let spec = spec(&pool, &rules).await?;
+    let mut conn = pool.acquire().await?;
+    let shape = ferry_sync::file::Shape { role: a.file_role };
+    let done = ferry_sync::file::refile(&mut conn, &spec.records, &shape).await?;
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({"filed": done.filed, "still_refused": done.still_refused})
+        );
+    } else {
+        println!(
+            "filed {} rows from the inbox; {} still refused (`ferry sync status` shows why)",
+            done.filed, done.still_refused
+        );
+    }
+    Ok(())
+}
+
 async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let settings = RelaySettings {
         batch: a.batch,
@@ -282,6 +326,9 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         idle: Duration::from_millis(a.idle_ms),
         pace_per_message: Duration::from_micros(a.pace_us_per_message),
         pace_max: Duration::from_millis(a.pace_max_ms),
+        file_shape: ferry_sync::file::Shape {
+            role: a.file_role.clone(),
+        },
         retry_every: Duration::from_millis(a.retry_every_ms),
         ..RelaySettings::default()
     };
@@ -303,6 +350,7 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot listen on --listen {}", a.listen))?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stats = Arc::new(RelayStats::default());
+    let records = spec.records.clone();
     let relay_task = if a.no_relay {
         None
     } else {
@@ -314,7 +362,13 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     };
     let serve = ferry_sync::serve::Serve::new(pool.clone(), stats)
         .await?
-        .stop_on(stop_rx.clone());
+        .stop_on(stop_rx.clone())
+        .file_into(
+            records,
+            ferry_sync::file::Shape {
+                role: a.file_role.clone(),
+            },
+        );
     tracing::info!(listen = %a.listen, db = %redact(&a.db), relay = !a.no_relay, "ferry sync serve: serving replicas");
     let mut stop_http = stop_rx.clone();
     let http = tokio::spawn(async move {
@@ -497,8 +551,30 @@ fn replica(a: ReplicaArgs) -> anyhow::Result<()> {
         rt.block_on(crate::terminated());
         flag.store(true, std::sync::atomic::Ordering::SeqCst);
     });
+    // The way up runs beside the loop, on its own connection and link, so a write is
+    // uploaded while the loop waits in its long poll (docs/sync-up.md §3.2).
+    let mut uploader =
+        ferry_sync::replica::Uploader::open(&db, ferry_sync::wire::seal_key(token.as_bytes()), id)
+            .with_context(|| format!("cannot open --db {}", db.display()))?;
+    let mut uplink =
+        ferry_sync::client::HttpLink::new(&server, id, &token).map_err(|e| anyhow!("{e}"))?;
+    let up_stop = stop.clone();
+    let up = std::thread::spawn(move || {
+        let end = uploader.run(
+            &mut uplink,
+            &up_stop,
+            &ferry_sync::replica::UpSettings::default(),
+        );
+        // A permanent failure of the way up stops the whole replica, with its error.
+        up_stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        end
+    });
     tracing::info!(%server, db = %db.display(), %id, "ferry sync replica: following");
-    let end = replica.run_live(&mut link, &stop, &settings, &live)?;
+    let end = replica.run_live(&mut link, &stop, &settings, &live);
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let up_end = up.join().map_err(|_| anyhow!("the uploader panicked"))?;
+    let end = end?;
+    up_end?;
     tracing::info!(?end, "ferry sync replica: stopped");
     Ok(())
 }

@@ -268,3 +268,153 @@ fn replica_help_names_the_metrics_address_and_its_variable() {
         assert!(out.contains(needle), "{needle} missing from:\n{out}");
     }
 }
+
+/// The way up through real processes (docs/sync-up.md): the store's app writes a sale into
+/// the replica's file while `ferry sync replica` runs; the uploader beside its loop sends
+/// it, and the `ferry sync serve` answering files it into Postgres under the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sale_written_on_the_store_is_filed_on_the_server() {
+    use common::up::{RECORDS_RULES, RECORDS_SCHEMA};
+    let scratch = Scratch::new("sync-replica-records");
+    let db = TestDb::new("replica_records").await;
+    db.exec(&format!("{SHOP_SCHEMA}{RECORDS_SCHEMA}")).await;
+    let rules_text = format!("{SHOP_RULES}{RECORDS_RULES}");
+    let rules_file = scratch.path().join("rules.toml");
+    std::fs::write(&rules_file, &rules_text).unwrap();
+    let rules = Rules::parse(&rules_text, &rules_file).unwrap();
+    ferry_sync::schema::install(&db.pool, &rules).await.unwrap();
+    let store = Uuid::new_v4();
+    db.exec(&format!(
+        "INSERT INTO stores (id, region) VALUES ('{store}', 'north')"
+    ))
+    .await;
+    let token = enroll::new_token();
+    let mut conn = db.pool.acquire().await.unwrap();
+    enroll::enroll(&mut conn, store, &token).await.unwrap();
+    drop(conn);
+    let token_file = scratch.path().join("token");
+    std::fs::write(&token_file, &token).unwrap();
+    let serve_port = free_port();
+    let serve = Proc::spawn(
+        "serve",
+        ferry(),
+        &[
+            "sync",
+            "serve",
+            "--rules",
+            rules_file.to_str().unwrap(),
+            "--db",
+            &db.url,
+            "--listen",
+            &format!("127.0.0.1:{serve_port}"),
+        ],
+        &[("FERRY_LOG", "info")],
+        &scratch.path().join("serve.log"),
+    );
+    let replica_db = scratch.path().join("store.db");
+    let replica = Proc::spawn(
+        "replica",
+        ferry(),
+        &[
+            "sync",
+            "replica",
+            "--server",
+            &format!("http://127.0.0.1:{serve_port}"),
+            "--db",
+            replica_db.to_str().unwrap(),
+            "--id",
+            &store.to_string(),
+            "--token-file",
+            token_file.to_str().unwrap(),
+        ],
+        &[("FERRY_LOG", "info")],
+        &scratch.path().join("replica.log"),
+    );
+    let logs = || {
+        format!(
+            "serve:\n{}\nreplica:\n{}",
+            serve.log_text(),
+            replica.log_text()
+        )
+    };
+    // The snapshot creates `sales` on the store.
+    let has_sales = || {
+        rusqlite::Connection::open(&replica_db)
+            .and_then(|c| {
+                c.query_row(
+                    "SELECT count(*) FROM sqlite_schema WHERE name = 'sales'",
+                    [],
+                    |r| r.get::<_, i64>(0),
+                )
+            })
+            .is_ok_and(|n| n == 1)
+    };
+    assert!(
+        wait_until(Duration::from_secs(60), has_sales),
+        "the store never got its sales table\n{}",
+        logs()
+    );
+    let sale = Uuid::new_v4();
+    let app = rusqlite::Connection::open(&replica_db).unwrap();
+    app.busy_timeout(Duration::from_secs(5)).unwrap();
+    app.execute(
+        "INSERT INTO sales (id, store_id, amount, note) VALUES (?1, ?2, 1250, 'till 3')",
+        rusqlite::params![sale.to_string(), store.to_string()],
+    )
+    .unwrap();
+    let filed = || async {
+        sqlx::query_as::<_, (String, i64, String)>(
+            "SELECT store_id::text, amount, note FROM sales WHERE id = $1",
+        )
+        .bind(sale)
+        .fetch_optional(&db.pool)
+        .await
+        .unwrap()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while filed().await.is_none() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the sale was never filed\n{}",
+            logs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        filed().await,
+        Some((store.to_string(), 1250, "till 3".to_string()))
+    );
+    // Once the Filed came back, the store says nothing is left to file.
+    let unfiled = || {
+        let (code, out, _) = ferry_testkit::proc::run(
+            ferry(),
+            &[
+                "sync",
+                "replica",
+                "status",
+                "--db",
+                replica_db.to_str().unwrap(),
+                "--json",
+            ],
+            &[],
+        );
+        (code == 0)
+            .then(|| serde_json::from_str::<serde_json::Value>(&out).ok())
+            .flatten()
+            .and_then(|s| s["unfiled"].as_u64())
+    };
+    assert!(
+        wait_until(Duration::from_secs(60), || unfiled() == Some(0)),
+        "the store still has rows to file: {:?}\n{}",
+        unfiled(),
+        logs()
+    );
+    let replica_log = replica.log_text();
+    assert_eq!(
+        replica.term(Duration::from_secs(30)),
+        Some(0),
+        "the replica stops cleanly on SIGTERM:\n{replica_log}"
+    );
+    assert_eq!(serve.term(Duration::from_secs(30)), Some(0));
+    db.drop_db().await;
+}

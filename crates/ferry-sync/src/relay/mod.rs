@@ -79,6 +79,9 @@ pub struct RelaySettings {
     /// row the replica should hold.
     pub digest_every: Duration,
     pub outbox_bytes_max: i64,
+    /// How the inbox's rows are filed again when parked items are retried (at start and
+    /// every `retry_every`): as serve files uploads.
+    pub file_shape: crate::file::Shape,
 }
 
 impl Default for RelaySettings {
@@ -93,6 +96,7 @@ impl Default for RelaySettings {
             outbox_messages_max: 10_000,
             digest_every: Duration::from_secs(600),
             outbox_bytes_max: 256 << 20,
+            file_shape: crate::file::Shape::default(),
             budget: pack::Budget {
                 bytes: crate::wire::BODY_TARGET_BYTES,
                 rows: crate::wire::ROWS_PER_MESSAGE_MAX,
@@ -173,6 +177,8 @@ pub struct Relay {
     vacuumed_at: Option<Instant>,
     /// Vacuuming was refused (the relay's role does not own the tables): not tried again.
     vacuum_refused: bool,
+    /// Parked items were retried in the last pass: the inbox is filed again after it.
+    refile_due: bool,
     /// Replicas whose outbox a committed pass dropped: the next pass catches them up.
     catch_up: Vec<(Uuid, i64)>,
     /// What the pass in progress dropped; becomes `catch_up` only if it commits.
@@ -193,6 +199,7 @@ impl Relay {
             swept_at: None,
             vacuumed_at: None,
             vacuum_refused: false,
+            refile_due: false,
             catch_up: Vec::new(),
             dropped_now: Vec::new(),
         }
@@ -283,6 +290,7 @@ impl Relay {
                 Ok(Step::Passed(report)) => {
                     pace = self.pace(report.messages);
                     self.vacuum(conn).await;
+                    self.refile(conn).await;
                     failures = 0;
                     if report.more {
                         continue;
@@ -330,6 +338,28 @@ impl Relay {
                 }
                 _ = tokio::time::sleep(self.settings.idle) => {}
                 _ = stop.changed() => {}
+            }
+        }
+    }
+
+    /// Files the inbox again when the last pass retried what was set aside
+    /// (docs/sync-up.md §5.2), outside any pass's transaction. A failure is logged; the
+    /// next retry tries again.
+    async fn refile(&mut self, conn: &mut PgConnection) {
+        if !std::mem::take(&mut self.refile_due) || self.spec.records.is_empty() {
+            return;
+        }
+        match crate::file::refile(conn, &self.spec.records, &self.settings.file_shape).await {
+            Ok(done) if done.filed + done.still_refused > 0 => {
+                tracing::info!(
+                    filed = done.filed,
+                    still_refused = done.still_refused,
+                    "relay: filed the inbox again"
+                );
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "relay: filing the inbox again failed; it is tried again later")
             }
         }
     }
@@ -439,6 +469,7 @@ impl Relay {
         {
             retry_set_aside(conn).await?;
             self.retried_at = Some(Instant::now());
+            self.refile_due = true;
         }
         let mut epoch = load_epoch(conn).await?;
         let pass: i64 = sqlx::query_scalar("SELECT nextval('ferry_sync.passes')")

@@ -40,7 +40,16 @@ pub fn row_len(row: &[Value]) -> usize {
 /// Splits `out` into message bodies (as table parts), in order.
 pub fn pack(spec: &Spec, out: &ReplicaOut, budget: Budget) -> Vec<Vec<TablePart>> {
     let mut messages: Vec<Vec<TablePart>> = Vec::new();
-    let mut current: Vec<TablePart> = Vec::new();
+    // A chain starts with the tables the replica writes, so a replica provisioned or
+    // caught up has them and their triggers (docs/sync-up.md §4.1): empty parts.
+    let mut current: Vec<TablePart> = if out.chain_start {
+        spec.records
+            .iter()
+            .map(crate::file::RecordSpec::announce)
+            .collect()
+    } else {
+        Vec::new()
+    };
     let mut bytes = 0usize;
     let mut rows = 0usize;
     for (&t, table_out) in &out.tables {
@@ -56,6 +65,7 @@ pub fn pack(spec: &Spec, out: &ReplicaOut, budget: Budget) -> Vec<Vec<TablePart>
             sweep: Sweep { start, end: false },
             deletes: Vec::new(),
             upserts: Vec::new(),
+            writes: None,
         };
         let items = table_out
             .deletes

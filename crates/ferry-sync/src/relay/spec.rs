@@ -135,6 +135,9 @@ impl TableSpec {
 pub struct Spec {
     pub replicas: ReplicaSetSpec,
     pub tables: Vec<TableSpec>,
+    /// The tables the replicas write, which serve files (docs/sync-up.md §5) and every
+    /// snapshot announces (§4.1).
+    pub records: Vec<crate::file::RecordSpec>,
 }
 
 impl Spec {
@@ -337,7 +340,57 @@ impl Spec {
                 }
             }
         }
-        Ok(Spec { replicas, tables })
+        let records = rules
+            .records
+            .iter()
+            .zip(&catalog.records)
+            .map(|(r, ct)| record_spec(r, ct))
+            .collect();
+        Ok(Spec {
+            replicas,
+            tables,
+            records,
+        })
+    }
+}
+
+fn record_spec(
+    rules: &crate::rules::RecordTable,
+    catalog: &crate::catalog::CatalogTable,
+) -> crate::file::RecordSpec {
+    let columns: Vec<crate::file::FileColumn> = catalog
+        .columns
+        .iter()
+        .map(|c| crate::file::FileColumn {
+            name: c.name.clone(),
+            pg_type: c.pg_type.clone(),
+            mapping: c.mapping,
+            not_null: c.not_null,
+            key_part: c.key_part,
+        })
+        .collect();
+    let at = |name: &Option<String>| {
+        name.as_ref()
+            .and_then(|n| columns.iter().position(|c| &c.name == n))
+    };
+    crate::file::RecordSpec {
+        relation: rules.relation.to_string(),
+        quoted: rules.relation.quoted(),
+        name: rules.replica_name.clone(),
+        key: catalog
+            .key
+            .iter()
+            .map(|k| {
+                columns
+                    .iter()
+                    .position(|c| &c.name == k)
+                    .expect("the catalog keeps every key column")
+            })
+            .collect(),
+        replica: at(&rules.replica),
+        version: at(&rules.version),
+        lane: rules.lane.clone(),
+        columns,
     }
 }
 

@@ -120,8 +120,13 @@ fn attempt_in<'a>(
             .map_err(s)?;
     }
     for part in &down.parts {
-        tables::ensure(conn, part)
-            .map_err(|e| ReplicaError::storage("creating or widening a table", e))?;
+        match &part.writes {
+            // A table the replica writes: created with the triggers that note the app's
+            // writes (docs/sync-up.md §4.1); such a part carries no rows.
+            Some(lane) => super::up::announce(conn, part, lane),
+            None => tables::ensure(conn, part),
+        }
+        .map_err(|e| ReplicaError::storage("creating or widening a table", e))?;
     }
     for part in down.parts.iter().filter(|p| p.sweep.start) {
         conn.execute(

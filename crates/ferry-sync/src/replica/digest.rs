@@ -128,10 +128,22 @@ fn cut(mut text: String, max: usize) -> String {
 }
 
 /// Digests of the synced tables, the first `DIGESTS_MAX` in the order they came (the
-/// server compares those it gets).
+/// server compares those it gets). Tables the replica writes are the replica's, not
+/// the server's copy: left out.
 fn digests(conn: &Connection) -> Result<Vec<Digest>, ReplicaError> {
+    let written: HashSet<String> = {
+        let mut stmt = conn
+            .prepare_cached("SELECT tbl FROM _ferry_sync_writes")
+            .map_err(|e| ReplicaError::storage("reading the tables written", e))?;
+        stmt.query_map([], |r| r.get(0))
+            .and_then(|rows| rows.collect::<rusqlite::Result<_>>())
+            .map_err(|e| ReplicaError::storage("reading the tables written", e))?
+    };
     let mut out = Vec::new();
-    for (table, columns) in tables::recorded(conn)?.into_iter().take(DIGESTS_MAX) {
+    let synced = tables::recorded(conn)?
+        .into_iter()
+        .filter(|(table, _)| !written.contains(table));
+    for (table, columns) in synced.take(DIGESTS_MAX) {
         let (rows, fingerprint) = fingerprint(conn, &table, &columns)?;
         out.push(Digest {
             table,

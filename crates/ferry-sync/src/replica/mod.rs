@@ -41,11 +41,13 @@ mod run;
 mod state;
 mod status;
 mod tables;
+mod up;
 
 pub use live::{Live, LiveStatus, LiveTotals};
 pub use run::{Downlink, Position, RunEnd, RunError, RunSettings, TransportError};
 pub use state::{SCHEMA_VERSION, install};
 pub use status::{ReplicaStatus, Standing, TableRows, read_status};
+pub use up::{UPLOAD_ROWS, UpError, UpSettings, UpStatus, UpTurn, Uplink, Uploader, up_status};
 
 use crate::wire::{Down, Limits, Refused, Up};
 use ferry_core::{Class, Classify};

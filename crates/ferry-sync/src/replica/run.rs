@@ -429,7 +429,7 @@ fn until_report(turn: &Turn<'_>, settings: &RunSettings) -> Duration {
 }
 
 /// Sleeps `d`, waking early when `stop` is set (checked every 50 ms).
-fn pause(stop: &AtomicBool, d: Duration) {
+pub(crate) fn pause(stop: &AtomicBool, d: Duration) {
     let end = Instant::now() + d;
     while !stop.load(Ordering::SeqCst) {
         let left = end.saturating_duration_since(Instant::now());

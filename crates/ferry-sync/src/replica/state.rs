@@ -95,7 +95,8 @@ fn install_in_tx(conn: &Connection) -> Result<(), ReplicaError> {
             });
         }
     }
-    conn.execute_batch(TABLES_V1).map_err(e)
+    conn.execute_batch(TABLES_V1).map_err(e)?;
+    conn.execute_batch(super::up::TABLES).map_err(e)
 }
 
 /// The replica's place in its chain, as `_ferry_sync_state` holds it.

@@ -25,6 +25,10 @@ pub struct ReplicaStatus {
     pub rejections: u64,
     /// Rows the server deleted that the replica's own rows still reference.
     pub retired: u64,
+    /// The way up (docs/sync-up.md): rows written and not yet filed, and rows set aside
+    /// (refused for good; tried again by a new build).
+    pub unfiled: u64,
+    pub set_aside: u64,
     /// What the file alone says about the standing: `awaiting_fix` (a gap, or
     /// rejections outstanding) or `not_provisioned` (no chain started);
     /// `None` when it takes the transport to tell (see [`ReplicaStatus::standing`]).
@@ -183,6 +187,8 @@ pub(crate) fn status(conn: &Connection) -> Result<ReplicaStatus, ReplicaError> {
         tables: rows,
         rejections,
         retired: count("SELECT COUNT(*) FROM _ferry_sync_retired")? as u64,
+        unfiled: count("SELECT COUNT(*) FROM _ferry_sync_up WHERE aside IS NULL")? as u64,
+        set_aside: count("SELECT COUNT(*) FROM _ferry_sync_up WHERE aside IS NOT NULL")? as u64,
         standing,
     })
 }
@@ -201,6 +207,8 @@ mod tests {
             tables: vec![],
             rejections: 0,
             retired: 0,
+            unfiled: 0,
+            set_aside: 0,
             standing,
         }
     }

@@ -320,6 +320,7 @@ mod tests {
             sweep: Sweep::default(),
             deletes: vec![],
             upserts: vec![],
+            writes: None,
         }
     }
 

@@ -4,31 +4,43 @@
 //! 1. A varint count of parts; then each part:
 //! 2. The table name: varint length, then 1..=[`NAME_BYTES_MAX`] bytes of UTF-8 without
 //!    NUL, not starting (ignoring ASCII case) with `sqlite_` or `_ferry_sync`.
-//! 3. One byte of sweep flags: bit 0 start, bit 1 end; the other bits 0.
+//! 3. One byte of part flags: bit 0 sweep start, bit 1 sweep end, bit 2 the replica
+//!    writes the table (docs/sync-up.md §4.1); the other bits 0. A part with bit 2 has
+//!    neither sweep flag.
 //! 4. A varint count of columns, 1..=[`COLUMNS_MAX`]; then each column: its name (as a
 //!    table name, 1..=63 bytes, unique in the part ignoring ASCII case), an affinity byte
 //!    (1 Integer, 2 Real, 3 Text, 4 Blob), a not_null byte (0 or 1) and a key_part byte
 //!    (0, or the column's place in the key). The key parts present are exactly 1..=k for
 //!    some k >= 1, each once.
-//! 5. A varint count of deletes; each is k values, the key's, in key order (no count).
-//! 6. A varint count of upserts; each is one value per column, in column order (no count).
-//! 7. After the last part, nothing.
+//! 5. Only when bit 2 is set: the lane the replica uploads the table's writes in, written
+//!    as a table name (varint length, 1..=[`NAME_BYTES_MAX`] bytes of UTF-8 without NUL).
+//! 6. A varint count of deletes; each is k values, the key's, in key order (no count).
+//! 7. A varint count of upserts; each is one value per column, in column order (no count).
+//!    A part with bit 2 has no deletes and no upserts: the replica's rows of that table
+//!    are its own, and travel up (wire/upload.rs), never down.
+//! 8. After the last part, nothing.
 //!
 //! A value's type need not match its column's affinity (SQLite is dynamically typed), but
 //! a Null in a not_null column is refused, in deletes and upserts alike. [`encode_body`]
 //! refuses what [`decode_body`] would, so the server never sends a body a replica refuses.
+//!
+//! The same body carries an upload's rows up ([`read_body`] with [`Carrier::Upload`]):
+//! there no part has flags, and the rows of all parts together are at most
+//! [`UPLOAD_ROWS_MAX`].
 
 use std::collections::HashSet;
 
 use super::reader::Reader;
 use super::{
     COLUMNS_MAX, Column, Fault, NAME_BYTES_MAX, RESERVED_TABLE_PREFIXES, Refused, Rule, Sweep,
-    TablePart,
+    TablePart, UPLOAD_ROWS_MAX,
 };
 use crate::value::{self, Affinity, EncodeError, Value};
 
 const SWEEP_START: u8 = 1;
 const SWEEP_END: u8 = 2;
+/// Part flag bit 2: the replica writes the table, and the lane's name follows the columns.
+const WRITES: u8 = 4;
 
 /// Smallest encodings, for bounding counts by the bytes that remain: a column is a name
 /// (2 bytes at least) and three bytes; a value is a tag at least.
@@ -36,6 +48,15 @@ const COLUMN_BYTES_MIN: usize = 5;
 const VALUE_BYTES_MIN: usize = 1;
 /// A part is a name (2), flags (1), a column count (1), one column (5), two counts (2).
 const PART_BYTES_MIN: usize = 11;
+
+/// What a body travels in, which decides what its parts may say.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Carrier {
+    /// A message down: any defined part flags, rows bounded by the frame's limits alone.
+    Down,
+    /// An upload: parts without flags, and at most [`UPLOAD_ROWS_MAX`] rows in all.
+    Upload,
+}
 
 /// Encodes the parts of a message into a body; refuses (naming the part, row and column)
 /// a part the decoder would refuse, or a row of the wrong width.
@@ -45,6 +66,7 @@ pub fn encode_body(parts: &[TablePart]) -> Result<Vec<u8>, EncodeError> {
     for (index, part) in parts.iter().enumerate() {
         let place = format!("table part {} ({:?})", index + 1, part.table);
         let key = check_header(&part.table, &part.columns).map_err(|f| f.within(&place))?;
+        check_writes(part).map_err(|f| f.within(&place))?;
         write_header(part, &mut out);
         value::encode_varint(part.deletes.len() as u64, &mut out);
         for (row, delete) in part.deletes.iter().enumerate() {
@@ -65,16 +87,33 @@ pub fn encode_body(parts: &[TablePart]) -> Result<Vec<u8>, EncodeError> {
 /// Decodes and checks a body (decompressed); see the module doc for what is refused.
 pub fn decode_body(body: &[u8]) -> Result<Vec<TablePart>, Refused> {
     let mut reader = Reader::new(body, "body");
-    let count = reader.count("the part count", PART_BYTES_MIN)?;
-    let mut parts = Vec::with_capacity(count);
-    for index in 1..=count {
-        parts.push(read_part(&mut reader, index)?);
-    }
+    let parts = read_body(&mut reader, Carrier::Down)?;
     reader.finish()?;
     Ok(parts)
 }
 
-fn read_part(reader: &mut Reader<'_>, index: usize) -> Result<TablePart, Fault> {
+/// Reads a body's parts from `reader`, leaving it after the last part: the caller says
+/// what may follow (nothing, for both carriers).
+pub(super) fn read_body(
+    reader: &mut Reader<'_>,
+    carrier: Carrier,
+) -> Result<Vec<TablePart>, Fault> {
+    let count = reader.count("the part count", PART_BYTES_MIN)?;
+    let mut parts = Vec::with_capacity(count);
+    let mut rows = 0;
+    for index in 1..=count {
+        parts.push(read_part(reader, index, carrier, &mut rows)?);
+    }
+    Ok(parts)
+}
+
+/// Reads part `index`; `rows` counts the deletes and upserts of the body so far.
+fn read_part(
+    reader: &mut Reader<'_>,
+    index: usize,
+    carrier: Carrier,
+    rows: &mut u64,
+) -> Result<TablePart, Fault> {
     let table = reader
         .str("the table name")
         .map_err(|f| f.within(format_args!("table part {index}")))?;
@@ -82,29 +121,44 @@ fn read_part(reader: &mut Reader<'_>, index: usize) -> Result<TablePart, Fault> 
     let within = |f: Fault| f.within(&place);
     check_table_name(table).map_err(within)?;
     let flags_at = reader.at();
-    let flags = reader.u8("the sweep flags").map_err(within)?;
-    if flags & !(SWEEP_START | SWEEP_END) != 0 {
-        return Err(within(Fault::new(
-            Rule::SweepFlags,
-            format!(
-                "the sweep flags at byte {flags_at} are {flags:#04x}; only bits 0 and 1 are defined"
-            ),
-        )));
-    }
+    let flags = reader.u8("the part flags").map_err(within)?;
+    check_flags(flags, flags_at, carrier).map_err(within)?;
     let columns = read_columns(reader).map_err(within)?;
     let key = check_header(table, &columns).map_err(within)?;
-    let deletes_count = reader
-        .count("the delete count", key.len() * VALUE_BYTES_MIN)
-        .map_err(within)?;
+    let writes = if flags & WRITES == 0 {
+        None
+    } else {
+        let lane = reader.str("the lane name").map_err(within)?;
+        check_lane_name(lane).map_err(within)?;
+        Some(lane.to_string())
+    };
+    let writes_at = writes.is_some().then_some(flags_at);
+    let key_bytes = key.len() * VALUE_BYTES_MIN;
+    let deletes_count = read_row_count(
+        reader,
+        "the delete count",
+        key_bytes,
+        writes_at,
+        carrier,
+        rows,
+    )
+    .map_err(within)?;
     let mut deletes = Vec::with_capacity(deletes_count);
     for row in 1..=deletes_count {
         let what = format!("delete {row}");
         let key_columns = key.iter().map(|&c| &columns[c]);
         deletes.push(read_row(reader, key_columns, &what).map_err(within)?);
     }
-    let upserts_count = reader
-        .count("the upsert count", columns.len() * VALUE_BYTES_MIN)
-        .map_err(within)?;
+    let row_bytes = columns.len() * VALUE_BYTES_MIN;
+    let upserts_count = read_row_count(
+        reader,
+        "the upsert count",
+        row_bytes,
+        writes_at,
+        carrier,
+        rows,
+    )
+    .map_err(within)?;
     let mut upserts = Vec::with_capacity(upserts_count);
     for row in 1..=upserts_count {
         let what = format!("upsert {row}");
@@ -119,7 +173,81 @@ fn read_part(reader: &mut Reader<'_>, index: usize) -> Result<TablePart, Fault> 
         },
         deletes,
         upserts,
+        writes,
     })
+}
+
+/// Refuses part flags protocol v1 does not define; in an upload, any flag; and a part
+/// that says the replica writes its table (bit 2) and asks for a sweep too.
+fn check_flags(flags: u8, at: usize, carrier: Carrier) -> Result<(), Fault> {
+    if flags & !(SWEEP_START | SWEEP_END | WRITES) != 0 {
+        return Err(Fault::new(
+            Rule::SweepFlags,
+            format!(
+                "the part flags at byte {at} are {flags:#04x}; only bits 0 (sweep start), 1 \
+                 (sweep end) and 2 (the replica writes the table) are defined"
+            ),
+        ));
+    }
+    if carrier == Carrier::Upload && flags != 0 {
+        return Err(Fault::new(
+            Rule::UploadPartFlags,
+            format!(
+                "the part flags at byte {at} are {flags:#04x}; a part of an upload has none: \
+                 it carries rows a replica wrote, never a sweep or a table to create"
+            ),
+        ));
+    }
+    if flags & WRITES != 0 && flags & (SWEEP_START | SWEEP_END) != 0 {
+        return Err(Fault::new(
+            Rule::ReplicaWrittenPart,
+            format!(
+                "the part flags at byte {at} are {flags:#04x}: bit 2 says the replica writes \
+                 the table, which it never sweeps, so bits 0 and 1 must be 0"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Reads a count of deletes or upserts of `bytes_each` bytes at least apiece, and adds it
+/// to `rows`, the body's so far. Refuses any when the part flags (at `writes_at`) say the
+/// replica writes the table; in an upload, a count that takes the body past
+/// [`UPLOAD_ROWS_MAX`], before anything is allocated for it; and a count the bytes that
+/// remain cannot hold.
+fn read_row_count(
+    reader: &mut Reader<'_>,
+    what: &str,
+    bytes_each: usize,
+    writes_at: Option<usize>,
+    carrier: Carrier,
+    rows: &mut u64,
+) -> Result<usize, Fault> {
+    let at = reader.at();
+    let count = reader.varint(what)?;
+    if let Some(flags_at) = writes_at
+        && count != 0
+    {
+        return Err(Fault::new(
+            Rule::ReplicaWrittenPart,
+            format!(
+                "{what} at byte {at} is {count}, but the part flags at byte {flags_at} say the \
+                 replica writes the table: such a part carries no rows (the replica's own go up)"
+            ),
+        ));
+    }
+    *rows = rows.saturating_add(count);
+    if carrier == Carrier::Upload && *rows > UPLOAD_ROWS_MAX as u64 {
+        return Err(Fault::new(
+            Rule::UploadRowsMax,
+            format!(
+                "{what} at byte {at} is {count}, which brings the upload to {} rows, over \
+                 {UPLOAD_ROWS_MAX}: the replica sends the rest in another upload",
+                *rows
+            ),
+        ));
+    }
+    reader.count_checked(count, what, bytes_each, at)
 }
 
 fn read_columns(reader: &mut Reader<'_>) -> Result<Vec<Column>, Fault> {
@@ -300,6 +428,59 @@ pub(super) fn check_table_name(table: &str) -> Result<(), Fault> {
     Ok(())
 }
 
+/// Refuses an empty, long or NUL-holding lane name, as a table name is refused: a lane is
+/// named in the rules as a table is, and a NUL would be cut by a C string or refused by
+/// Postgres text. The reserved prefixes do not apply: a lane names no table.
+pub(super) fn check_lane_name(lane: &str) -> Result<(), Fault> {
+    if lane.is_empty() || lane.len() > NAME_BYTES_MAX {
+        return Err(Fault::new(
+            Rule::LaneNameLen,
+            format!(
+                "the lane name is {} bytes; a name is 1..={NAME_BYTES_MAX} bytes",
+                lane.len()
+            ),
+        ));
+    }
+    if let Some(at) = lane.find('\0') {
+        return Err(Fault::new(
+            Rule::NameNul,
+            format!("the lane name {lane:?} holds a NUL at byte {at}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses a part that says the replica writes its table (`writes` is its lane) and yet
+/// asks for a sweep or carries rows, or whose lane a replica would refuse.
+fn check_writes(part: &TablePart) -> Result<(), Fault> {
+    let Some(lane) = &part.writes else {
+        return Ok(());
+    };
+    check_lane_name(lane)?;
+    if part.sweep != Sweep::default() {
+        return Err(Fault::new(
+            Rule::ReplicaWrittenPart,
+            format!(
+                "it says the replica writes the table (lane {lane:?}) and asks for a sweep \
+                 ({:?}); a replica never sweeps a table it writes",
+                part.sweep
+            ),
+        ));
+    }
+    if !part.deletes.is_empty() || !part.upserts.is_empty() {
+        return Err(Fault::new(
+            Rule::ReplicaWrittenPart,
+            format!(
+                "it says the replica writes the table (lane {lane:?}) and carries {} deletes \
+                 and {} upserts; such a part carries no rows (the replica's own go up)",
+                part.deletes.len(),
+                part.upserts.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 fn check_column_name(number: usize, name: &str) -> Result<(), Fault> {
     if name.is_empty() || name.len() > NAME_BYTES_MAX {
         return Err(Fault::new(
@@ -319,17 +500,23 @@ fn check_column_name(number: usize, name: &str) -> Result<(), Fault> {
     Ok(())
 }
 
+/// Writes a part up to its row counts: name, flags, columns and, if the replica writes
+/// the table, the lane.
 fn write_header(part: &TablePart, out: &mut Vec<u8>) {
     write_str(&part.table, out);
     let start = if part.sweep.start { SWEEP_START } else { 0 };
     let end = if part.sweep.end { SWEEP_END } else { 0 };
-    out.push(start | end);
+    let writes = if part.writes.is_some() { WRITES } else { 0 };
+    out.push(start | end | writes);
     value::encode_varint(part.columns.len() as u64, out);
     for column in &part.columns {
         write_str(&column.name, out);
         out.push(column.affinity as u8);
         out.push(u8::from(column.not_null));
         out.push(column.key_part);
+    }
+    if let Some(lane) = &part.writes {
+        write_str(lane, out);
     }
 }
 

@@ -3,6 +3,8 @@
 //! that moves frames down and reports up the way the HTTP transport does, in-process.
 #![allow(dead_code)]
 
+pub mod up;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -1,0 +1,755 @@
+//! The way up, replica side (docs/sync-up.md §3): the app's writes to the tables the
+//! replica writes are noted by triggers, uploaded as the rows are at upload time, and
+//! forgotten on the `Filed` that names their latest send; what was filed stays in a
+//! bounded journal, uploaded again when the server says it lost filings.
+//!
+//! An upload, per lane, in these steps:
+//!
+//! 1. In one write transaction: read up to [`UPLOAD_ROWS`] notes of the lane (journal
+//!    entries to restate first), read each noted row as it is now, and record on each
+//!    note the upload's fresh id and the `noted` count it was read at (`sent`).
+//! 2. Send it ([`Uplink::upload`]); the answer is a sealed `Filed`.
+//! 3. In one write transaction: forget the notes not written again since (`noted =
+//!    sent`) and journal their rows under the `Filed`'s count; set aside the rows it
+//!    refused; store the count; if it asks, note the journal's entries after its
+//!    "refile after" again.
+//!
+//! What a crash leaves: before step 1's commit, notes as they were; after it, notes
+//! carrying an upload id, sent again by the next turn under a new id (read afresh);
+//! after the server filed but before step 3's commit, the same, and filing them again
+//! changes nothing. Notes are forgotten only in step 3, after a sealed `Filed`.
+//!
+//! Tables (created with the engine's others, `state::install`):
+//! - `_ferry_sync_writes`: the tables this replica writes, with their lane;
+//! - `_ferry_sync_up`: one note per (table, key): the key as a JSON array, `noted`,
+//!   the last send (`upload`, `sent`), whether to send the journal's copy, and why the
+//!   row is set aside;
+//! - `_ferry_sync_journal`: what was filed, newest per row, under its filing count;
+//! - `_ferry_sync_filed`: the last filing count the server told, and the build that set
+//!   rows aside (a new build tries them again).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use rusqlite::{Connection, OptionalExtension, params};
+
+use super::codec;
+use super::run::TransportError;
+use super::{ReplicaError, tables};
+use crate::value::Value;
+use crate::wire::{self, Column, TablePart};
+use ferry_core::backoff::Backoff;
+use ferry_core::seams::{SplitMix64, random_nonzero_u64};
+use ferry_core::{Class, Classify};
+
+/// Rows per upload: the server's limit ([`wire::UPLOAD_ROWS_MAX`]), so one upload is
+/// one filing transaction of at most that many rows.
+pub const UPLOAD_ROWS: usize = wire::UPLOAD_ROWS_MAX;
+
+/// The transport, replica side, for the way up.
+pub trait Uplink {
+    /// Sends an encoded upload ([`wire::encode_upload`]); the answer is the server's
+    /// encoded, sealed `Filed`.
+    fn upload(&mut self, upload: &[u8]) -> Result<Vec<u8>, TransportError>;
+}
+
+/// The uploader's settings.
+#[derive(Clone, Debug)]
+pub struct UpSettings {
+    /// How often the uploader looks for the app's writes (`PRAGMA data_version`, which
+    /// changes when another connection commits: a look costs no table read).
+    pub poll: Duration,
+    /// With nothing to send, an empty upload this often, while the journal holds
+    /// anything: it carries the filing count, so a server restored from an older copy
+    /// is found even when the replica writes nothing.
+    pub keepalive: Duration,
+    /// Journal rows kept (docs/sync-up.md §3.3).
+    pub journal_rows: u64,
+    pub backoff: Backoff,
+}
+
+impl Default for UpSettings {
+    fn default() -> UpSettings {
+        UpSettings {
+            poll: Duration::from_millis(10),
+            keepalive: Duration::from_secs(60),
+            journal_rows: 100_000,
+            backoff: Backoff::new(
+                Duration::from_millis(200),
+                Duration::from_secs(30),
+                Duration::from_millis(50),
+            ),
+        }
+    }
+}
+
+/// The build that last set rows aside: a new one tries them again.
+const BUILD: &str = env!("CARGO_PKG_VERSION");
+
+pub(crate) const TABLES: &str = "
+CREATE TABLE IF NOT EXISTS _ferry_sync_writes(
+    tbl TEXT PRIMARY KEY,
+    lane TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS _ferry_sync_up(
+    tbl TEXT NOT NULL,
+    key TEXT NOT NULL,
+    lane TEXT NOT NULL,
+    noted INTEGER NOT NULL DEFAULT 1,
+    upload INTEGER,
+    sent INTEGER,
+    from_journal INTEGER NOT NULL DEFAULT 0,
+    aside TEXT,
+    UNIQUE(tbl, key));
+CREATE TABLE IF NOT EXISTS _ferry_sync_journal(
+    tbl TEXT NOT NULL,
+    key TEXT NOT NULL,
+    n INTEGER NOT NULL,
+    row BLOB,
+    PRIMARY KEY(tbl, key)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS _ferry_sync_journal_n ON _ferry_sync_journal(n);
+CREATE TABLE IF NOT EXISTS _ferry_sync_filed(
+    one INTEGER PRIMARY KEY CHECK(one = 1),
+    n INTEGER NOT NULL DEFAULT 0,
+    build TEXT);
+INSERT OR IGNORE INTO _ferry_sync_filed(one) VALUES (1);
+";
+
+/// Creates table `part` (the replica writes it) if missing, records its lane, and
+/// (re)creates the triggers that note the app's writes to it. Inside the apply
+/// transaction.
+pub(crate) fn announce(conn: &Connection, part: &TablePart, lane: &str) -> rusqlite::Result<()> {
+    tables::ensure(conn, part)?;
+    conn.execute(
+        "INSERT INTO _ferry_sync_writes(tbl, lane) VALUES (?1, ?2)
+         ON CONFLICT(tbl) DO UPDATE SET lane = excluded.lane",
+        params![part.table, lane],
+    )?;
+    let t = tables::quote(&part.table);
+    let keys = |row: &str| -> String {
+        tables::key_columns(&part.columns)
+            .map(|c| format!("{row}.{}", tables::quote(&c.name)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let note = |row: &str| {
+        format!(
+            "INSERT INTO _ferry_sync_up(tbl, key, lane) VALUES ({}, json_array({}), {})
+             ON CONFLICT(tbl, key) DO UPDATE SET noted = noted + 1, lane = excluded.lane,
+             from_journal = 0, aside = NULL;",
+            sql_text(&part.table),
+            keys(row),
+            sql_text(lane)
+        )
+    };
+    for (event, body) in [
+        ("insert", note("NEW")),
+        // A key change notes the old key too: it reads as gone, and goes up as a delete.
+        ("update", format!("{} {}", note("NEW"), note("OLD"))),
+        ("delete", note("OLD")),
+    ] {
+        let name = tables::quote(&format!("_ferry_sync_up_{event}_{}", part.table));
+        conn.execute_batch(&format!(
+            "DROP TRIGGER IF EXISTS {name};
+             CREATE TRIGGER {name} AFTER {} ON {t} BEGIN {body} END;",
+            event.to_uppercase()
+        ))?;
+    }
+    Ok(())
+}
+
+fn sql_text(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}
+
+/// Why the uploader stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum UpError {
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    #[error(transparent)]
+    Replica(#[from] ReplicaError),
+}
+
+impl Classify for UpError {
+    fn class(&self) -> Class {
+        match self {
+            UpError::Transport(e) => e.class(),
+            UpError::Replica(e) => e.class(),
+        }
+    }
+}
+
+/// What the way up stands at, for status.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UpStatus {
+    /// Rows written and not yet filed.
+    pub unfiled: u64,
+    /// Rows set aside: refused for good by the server or the transport.
+    pub set_aside: u64,
+    /// Rows in the journal.
+    pub journal: u64,
+    /// The last filing count the server told.
+    pub filed_n: u64,
+}
+
+/// The uploader: its own connection to the replica's file, beside the apply loop's.
+pub struct Uploader {
+    conn: Connection,
+    seal_key: [u8; 32],
+    replica: [u8; 16],
+    /// Per lane, the rows the next upload may take: halved after a permanent refusal
+    /// until one row is isolated (docs/sync-up.md §3.2).
+    limit: BTreeMap<String, usize>,
+    /// The transport took something since the last permanent refusal: a refusal of one
+    /// row then means that row, not a dead transport.
+    took_since_refusal: bool,
+    last_sent: Option<Instant>,
+}
+
+/// What one turn did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UpTurn {
+    /// Rows the server filed (or refused for good) in this turn.
+    pub filed: usize,
+    /// Lanes with notes still waiting after this turn.
+    pub more: bool,
+}
+
+impl Uploader {
+    /// Opens the replica's file (the engine's tables installed, as [`super::Replica::open`]
+    /// does) for replica `replica` with its seal key.
+    pub fn open(
+        path: &std::path::Path,
+        seal_key: [u8; 32],
+        replica: uuid::Uuid,
+    ) -> Result<Uploader, ReplicaError> {
+        let conn = Connection::open(path).map_err(|e| ReplicaError::storage("opening", e))?;
+        conn.busy_timeout(super::BUSY_TIMEOUT)
+            .map_err(|e| ReplicaError::storage("setting the busy timeout", e))?;
+        conn.execute_batch("PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;")
+            .map_err(|e| ReplicaError::storage("setting WAL mode", e))?;
+        super::install(&conn)?;
+        let s = |e| ReplicaError::storage("reading the way up's state", e);
+        let build: Option<String> = conn
+            .query_row("SELECT build FROM _ferry_sync_filed", [], |r| r.get(0))
+            .map_err(s)?;
+        if build.as_deref().is_some_and(|b| b != BUILD) {
+            // A new build may file what the last one could not (docs/sync-up.md §1, 4).
+            conn.execute_batch(
+                "UPDATE _ferry_sync_up SET aside = NULL WHERE aside IS NOT NULL;
+                 UPDATE _ferry_sync_filed SET build = NULL;",
+            )
+            .map_err(s)?;
+        }
+        Ok(Uploader {
+            conn,
+            seal_key,
+            replica: *replica.as_bytes(),
+            limit: BTreeMap::new(),
+            took_since_refusal: true,
+            last_sent: None,
+        })
+    }
+
+    /// Uploads until `stop` is set: a turn whenever another connection committed (the
+    /// app wrote, or the apply loop applied), at least every `keepalive` while the journal
+    /// holds anything, and after a failure a backoff. Permanent failures end it.
+    pub fn run(
+        &mut self,
+        link: &mut dyn Uplink,
+        stop: &AtomicBool,
+        settings: &UpSettings,
+    ) -> Result<(), UpError> {
+        let mut rng = SplitMix64::from_entropy();
+        let mut seen: Option<i64> = None;
+        let mut failures = 0u32;
+        while !stop.load(Ordering::SeqCst) {
+            let version = self.data_version()?;
+            let keepalive_due = self
+                .last_sent
+                .is_none_or(|t| t.elapsed() >= settings.keepalive);
+            if seen == Some(version) && failures == 0 && !keepalive_due {
+                std::thread::sleep(settings.poll);
+                continue;
+            }
+            seen = Some(version);
+            match self.turn(link, settings) {
+                Ok(turn) => {
+                    failures = 0;
+                    if turn.more {
+                        seen = None; // go on at once
+                    } else if keepalive_due && turn.filed == 0 {
+                        self.check_server(link)?;
+                    }
+                }
+                Err(e) if e.is_transient() => {
+                    failures = failures.saturating_add(1);
+                    let wait = settings.backoff.delay(failures, &mut rng);
+                    tracing::warn!(error = %e, ?wait, "uploading failed; trying again after a backoff");
+                    super::run::pause(stop, wait);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    fn data_version(&self) -> Result<i64, ReplicaError> {
+        self.conn
+            .query_row("PRAGMA data_version", [], |r| r.get(0))
+            .map_err(|e| ReplicaError::storage("reading data_version", e))
+    }
+
+    /// One upload per lane with notes waiting (docs/sync-up.md §3.2).
+    pub fn turn(
+        &mut self,
+        link: &mut dyn Uplink,
+        settings: &UpSettings,
+    ) -> Result<UpTurn, UpError> {
+        let lanes: Vec<String> = {
+            let mut stmt = self
+                .conn
+                .prepare_cached(
+                    "SELECT DISTINCT lane FROM _ferry_sync_up WHERE aside IS NULL ORDER BY lane",
+                )
+                .map_err(|e| ReplicaError::storage("reading lanes", e))?;
+            stmt.query_map([], |r| r.get(0))
+                .and_then(|rows| rows.collect::<rusqlite::Result<_>>())
+                .map_err(|e| ReplicaError::storage("reading lanes", e))?
+        };
+        let mut out = UpTurn::default();
+        for lane in lanes {
+            let limit = *self.limit.get(&lane).unwrap_or(&UPLOAD_ROWS);
+            let Some(batch) = self.read_batch(&lane, limit)? else {
+                continue;
+            };
+            let n = batch.notes.len();
+            match self.send(link, &batch) {
+                Ok(filed) => {
+                    self.took_since_refusal = true;
+                    self.limit.remove(&lane);
+                    self.settle(&batch, &filed, settings)?;
+                    out.filed += n;
+                    out.more |= n == limit;
+                }
+                Err(TransportError::Refused(reason)) if n > 1 => {
+                    // Halve until the row the transport refuses is alone.
+                    self.took_since_refusal = false;
+                    self.limit.insert(lane.clone(), n / 2);
+                    tracing::warn!(lane, rows = n, %reason, "an upload was refused; halving it to find the row");
+                    out.more = true;
+                }
+                Err(TransportError::Refused(reason)) if self.took_since_refusal => {
+                    self.took_since_refusal = false;
+                    self.set_aside(&batch, &reason)?;
+                    self.limit.remove(&lane);
+                    out.more = true;
+                }
+                // One row refused while the transport took nothing else: the transport
+                // may be what is broken, so nothing is set aside.
+                Err(TransportError::Refused(reason)) => {
+                    return Err(TransportError::Unavailable(format!(
+                        "the server refused an upload of one row and nothing else got through since: {reason}"
+                    ))
+                    .into());
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(out)
+    }
+
+    /// An empty upload, while the journal holds anything: the filing count alone, so a
+    /// server that lost filings (restored from an older copy) is found and answered with
+    /// the journal after its count. `run` does this every `keepalive`.
+    pub fn check_server(&mut self, link: &mut dyn Uplink) -> Result<(), UpError> {
+        let journal: i64 = self
+            .conn
+            .query_row("SELECT count(*) FROM _ferry_sync_journal", [], |r| r.get(0))
+            .map_err(|e| ReplicaError::storage("reading the journal", e))?;
+        if journal == 0 {
+            self.last_sent = Some(Instant::now());
+            return Ok(());
+        }
+        let batch = Batch {
+            id: random_nonzero_u64(),
+            lane: crate::rules::LANE_DEFAULT.to_string(),
+            restated: false,
+            notes: Vec::new(),
+            parts: Vec::new(),
+        };
+        let filed = self.send(link, &batch)?;
+        self.settle(&batch, &filed, &UpSettings::default())?;
+        Ok(())
+    }
+
+    /// Step 1.
+    fn read_batch(&mut self, lane: &str, limit: usize) -> Result<Option<Batch>, ReplicaError> {
+        let s = |e| ReplicaError::storage("reading what to upload", e);
+        self.conn.execute_batch("BEGIN IMMEDIATE").map_err(s)?;
+        let result = self.read_batch_in_tx(lane, limit);
+        let end = if matches!(result, Ok(Some(_))) {
+            "COMMIT"
+        } else {
+            "ROLLBACK"
+        };
+        let ended = self.conn.execute_batch(end).map_err(s);
+        let batch = result?;
+        ended?;
+        Ok(batch)
+    }
+
+    fn read_batch_in_tx(
+        &mut self,
+        lane: &str,
+        limit: usize,
+    ) -> Result<Option<Batch>, ReplicaError> {
+        let s = |e| ReplicaError::storage("reading what to upload", e);
+        // Journal entries to restate go first, in uploads of their own (flagged restated).
+        let restated: bool = self
+            .conn
+            .query_row(
+                "SELECT EXISTS(SELECT 1 FROM _ferry_sync_up WHERE lane = ?1 AND aside IS NULL AND from_journal = 1)",
+                [lane],
+                |r| r.get(0),
+            )
+            .map_err(s)?;
+        let notes: Vec<Note> = {
+            let mut stmt = self
+                .conn
+                .prepare_cached(
+                    "SELECT rowid, tbl, key, noted FROM _ferry_sync_up
+                     WHERE lane = ?1 AND aside IS NULL AND from_journal = ?2 ORDER BY rowid LIMIT ?3",
+                )
+                .map_err(s)?;
+            stmt.query_map(params![lane, restated, limit as i64], |r| {
+                Ok(Note {
+                    rowid: r.get(0)?,
+                    table: r.get(1)?,
+                    key: r.get(2)?,
+                    noted: r.get(3)?,
+                })
+            })
+            .and_then(|rows| rows.collect::<rusqlite::Result<_>>())
+            .map_err(s)?
+        };
+        if notes.is_empty() {
+            return Ok(None);
+        }
+        let recorded: BTreeMap<String, Vec<Column>> =
+            tables::recorded(&self.conn)?.into_iter().collect();
+        let mut parts: BTreeMap<String, TablePart> = BTreeMap::new();
+        for note in &notes {
+            let Some(columns) = recorded.get(&note.table) else {
+                continue; // a table the server no longer announces: the note waits
+            };
+            let part = parts
+                .entry(note.table.clone())
+                .or_insert_with(|| TablePart {
+                    table: note.table.clone(),
+                    columns: columns.clone(),
+                    sweep: wire::Sweep::default(),
+                    deletes: Vec::new(),
+                    upserts: Vec::new(),
+                    writes: None,
+                });
+            let row = if restated {
+                self.journal_row(note)?
+            } else {
+                self.live_row(note, columns)?
+            };
+            match row {
+                Some(row) => part.upserts.push(row),
+                None => part.deletes.push(key_values(&note.key)),
+            }
+        }
+        let id = random_nonzero_u64();
+        let mut mark = self
+            .conn
+            .prepare_cached("UPDATE _ferry_sync_up SET upload = ?2, sent = ?3 WHERE rowid = ?1")
+            .map_err(s)?;
+        for note in &notes {
+            mark.execute(params![note.rowid, id as i64, note.noted])
+                .map_err(s)?;
+        }
+        Ok(Some(Batch {
+            id,
+            lane: lane.to_string(),
+            restated,
+            notes,
+            parts: parts.into_values().collect(),
+        }))
+    }
+
+    /// The row as it is now, or `None` when it is gone.
+    fn live_row(
+        &self,
+        note: &Note,
+        columns: &[Column],
+    ) -> Result<Option<Vec<Value>>, ReplicaError> {
+        let keys: Vec<&Column> = tables::key_columns(columns).collect();
+        let all: Vec<&Column> = columns.iter().collect();
+        let matches: Vec<String> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("{} IS json_extract(?1, '$[{i}]')", tables::quote(&c.name)))
+            .collect();
+        let sql = format!(
+            "{} WHERE {}",
+            tables::select_sql(&note.table, &all),
+            matches.join(" AND ")
+        );
+        let mut stmt = self
+            .conn
+            .prepare_cached(&sql)
+            .map_err(|e| ReplicaError::storage("reading a row to upload", e))?;
+        stmt.query_row([&note.key], |r| {
+            (0..columns.len())
+                .map(|i| r.get_ref(i).map(codec::from_sql))
+                .collect::<rusqlite::Result<Vec<Value>>>()
+        })
+        .optional()
+        .map_err(|e| ReplicaError::storage("reading a row to upload", e))
+    }
+
+    /// The journal's copy of the row (`None`: the journal holds a delete).
+    fn journal_row(&self, note: &Note) -> Result<Option<Vec<Value>>, ReplicaError> {
+        let row: Option<Option<Vec<u8>>> = self
+            .conn
+            .query_row(
+                "SELECT row FROM _ferry_sync_journal WHERE tbl = ?1 AND key = ?2",
+                params![note.table, note.key],
+                |r| r.get(0),
+            )
+            .optional()
+            .map_err(|e| ReplicaError::storage("reading the journal", e))?;
+        Ok(row.flatten().and_then(|bytes| codec::decode(&bytes)))
+    }
+
+    /// Step 2.
+    fn send(
+        &mut self,
+        link: &mut dyn Uplink,
+        batch: &Batch,
+    ) -> Result<wire::Filed, TransportError> {
+        let filed_n: i64 = self
+            .conn
+            .query_row("SELECT n FROM _ferry_sync_filed", [], |r| r.get(0))
+            .map_err(|e| TransportError::Unavailable(format!("reading the filing count: {e}")))?;
+        let upload = wire::Upload {
+            restated: batch.restated,
+            id: batch.id,
+            filed_n: filed_n as u64,
+            lane: batch.lane.clone(),
+            parts: batch.parts.clone(),
+        };
+        let bytes = wire::encode_upload(&upload)
+            .map_err(|e| TransportError::Refused(format!("the upload does not encode: {e}")))?;
+        self.last_sent = Some(Instant::now());
+        let answer = link.upload(&bytes)?;
+        let filed = wire::open_filed(&answer, &self.seal_key, &self.replica).map_err(|e| {
+            TransportError::Unavailable(format!(
+                "the answer to an upload is not a Filed this replica can trust: {e}"
+            ))
+        })?;
+        if filed.id != batch.id {
+            return Err(TransportError::Unavailable(format!(
+                "the server answered upload {} with a Filed for {}",
+                batch.id, filed.id
+            )));
+        }
+        Ok(filed)
+    }
+
+    /// Step 3.
+    fn settle(
+        &mut self,
+        batch: &Batch,
+        filed: &wire::Filed,
+        settings: &UpSettings,
+    ) -> Result<(), ReplicaError> {
+        let s = |e| ReplicaError::storage("recording a Filed", e);
+        self.conn.execute_batch("BEGIN IMMEDIATE").map_err(s)?;
+        let result = self.settle_in_tx(batch, filed, settings);
+        let end = if result.is_ok() { "COMMIT" } else { "ROLLBACK" };
+        let ended = self.conn.execute_batch(end).map_err(s);
+        result.and(ended)
+    }
+
+    fn settle_in_tx(
+        &mut self,
+        batch: &Batch,
+        filed: &wire::Filed,
+        settings: &UpSettings,
+    ) -> Result<(), ReplicaError> {
+        let s = |e| ReplicaError::storage("recording a Filed", e);
+        let c = &self.conn;
+        for refused in &filed.refused {
+            let key: String = c
+                .query_row(
+                    &format!(
+                        "SELECT json_array({})",
+                        vec!["?"; refused.key.len()].join(", ")
+                    ),
+                    rusqlite::params_from_iter(refused.key.iter().map(codec::to_sql)),
+                    |r| r.get(0),
+                )
+                .map_err(s)?;
+            c.execute(
+                "UPDATE _ferry_sync_up SET aside = ?3 WHERE tbl = ?1 AND key = ?2",
+                params![refused.table, key, refused.reason],
+            )
+            .map_err(s)?;
+            c.execute("UPDATE _ferry_sync_filed SET build = ?1", [BUILD])
+                .map_err(s)?;
+        }
+        // The rows as sent, by (table, key), for the journal.
+        let mut sent: BTreeMap<(String, String), Option<Vec<u8>>> = BTreeMap::new();
+        for part in &batch.parts {
+            let keys = tables::key_positions(&part.columns);
+            for row in &part.upserts {
+                let key: Vec<Value> = keys.iter().map(|&k| row[k].clone()).collect();
+                sent.insert(
+                    (part.table.clone(), json_key(c, &key)?),
+                    Some(codec::encode(row)),
+                );
+            }
+            for key in &part.deletes {
+                sent.insert((part.table.clone(), json_key(c, key)?), None);
+            }
+        }
+        let n = filed.filed_n as i64;
+        for note in &batch.notes {
+            let forgotten = c
+                .execute(
+                    "DELETE FROM _ferry_sync_up WHERE rowid = ?1 AND upload = ?2 AND sent = noted AND aside IS NULL",
+                    params![note.rowid, batch.id as i64],
+                )
+                .map_err(s)?;
+            if forgotten == 1
+                && let Some(row) = sent.get(&(note.table.clone(), note.key.clone()))
+            {
+                c.execute(
+                    "INSERT INTO _ferry_sync_journal(tbl, key, n, row) VALUES (?1, ?2, ?3, ?4)
+                     ON CONFLICT(tbl, key) DO UPDATE SET n = excluded.n, row = excluded.row",
+                    params![note.table, note.key, n, row],
+                )
+                .map_err(s)?;
+            }
+        }
+        c.execute("UPDATE _ferry_sync_filed SET n = ?1", [n])
+            .map_err(s)?;
+        if filed.refile_after > 0 {
+            let again = c
+                .execute(
+                    "INSERT INTO _ferry_sync_up(tbl, key, lane, from_journal)
+                     SELECT j.tbl, j.key, coalesce(w.lane, 'main'), 1 FROM _ferry_sync_journal j
+                     LEFT JOIN _ferry_sync_writes w ON w.tbl = j.tbl
+                     WHERE j.n > ?1
+                     ON CONFLICT(tbl, key) DO NOTHING",
+                    [filed.refile_after as i64],
+                )
+                .map_err(s)?;
+            tracing::warn!(
+                refile_after = filed.refile_after,
+                rows = again,
+                "the server lost filings (restored from an older copy?): sending the journal after its count again"
+            );
+        }
+        c.execute(
+            "DELETE FROM _ferry_sync_journal WHERE n < (SELECT n FROM _ferry_sync_journal ORDER BY n DESC LIMIT 1 OFFSET ?1)",
+            [settings.journal_rows as i64],
+        )
+        .map_err(s)?;
+        Ok(())
+    }
+
+    /// A one-row upload the transport refused for good: set aside, with the reason.
+    fn set_aside(&mut self, batch: &Batch, reason: &str) -> Result<(), ReplicaError> {
+        let s = |e| ReplicaError::storage("setting a row aside", e);
+        for note in &batch.notes {
+            tracing::warn!(
+                table = note.table,
+                key = note.key,
+                reason,
+                "a row was set aside: the transport refuses it"
+            );
+            self.conn
+                .execute(
+                    "UPDATE _ferry_sync_up SET aside = ?2 WHERE rowid = ?1",
+                    params![note.rowid, reason],
+                )
+                .map_err(s)?;
+        }
+        self.conn
+            .execute("UPDATE _ferry_sync_filed SET build = ?1", [BUILD])
+            .map_err(s)?;
+        Ok(())
+    }
+}
+
+/// Where the way up stands in the replica's file.
+pub fn up_status(conn: &Connection) -> Result<UpStatus, ReplicaError> {
+    conn.query_row(
+        "SELECT (SELECT count(*) FROM _ferry_sync_up WHERE aside IS NULL),
+                (SELECT count(*) FROM _ferry_sync_up WHERE aside IS NOT NULL),
+                (SELECT count(*) FROM _ferry_sync_journal),
+                (SELECT n FROM _ferry_sync_filed)",
+        [],
+        |r| {
+            Ok(UpStatus {
+                unfiled: r.get::<_, i64>(0)? as u64,
+                set_aside: r.get::<_, i64>(1)? as u64,
+                journal: r.get::<_, i64>(2)? as u64,
+                filed_n: r.get::<_, i64>(3)? as u64,
+            })
+        },
+    )
+    .map_err(|e| ReplicaError::storage("reading the way up's state", e))
+}
+
+struct Note {
+    rowid: i64,
+    table: String,
+    /// The key as the trigger wrote it: a JSON array of the key's values.
+    key: String,
+    noted: i64,
+}
+
+struct Batch {
+    id: u64,
+    lane: String,
+    restated: bool,
+    notes: Vec<Note>,
+    parts: Vec<TablePart>,
+}
+
+/// The key values of a JSON key array (uuids and text as text, integers as integers).
+fn key_values(json: &str) -> Vec<Value> {
+    match serde_json::from_str::<Vec<serde_json::Value>>(json) {
+        Ok(parts) => parts
+            .into_iter()
+            .map(|v| match v {
+                serde_json::Value::Number(n) => n
+                    .as_i64()
+                    .map(Value::Int)
+                    .unwrap_or_else(|| Value::Real(n.as_f64().unwrap_or(0.0))),
+                serde_json::Value::String(s) => Value::Text(s),
+                serde_json::Value::Null => Value::Null,
+                other => Value::Text(other.to_string()),
+            })
+            .collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+/// The key's JSON text as the triggers write it (SQLite's own `json_array`).
+fn json_key(conn: &Connection, key: &[Value]) -> Result<String, ReplicaError> {
+    conn.query_row(
+        &format!("SELECT json_array({})", vec!["?"; key.len()].join(", ")),
+        rusqlite::params_from_iter(key.iter().map(codec::to_sql)),
+        |r| r.get(0),
+    )
+    .map_err(|e| ReplicaError::storage("writing a key", e))
+}

@@ -1,0 +1,104 @@
+//! What the way-up tests share: record tables for the shop, a transport over the
+//! server's own filing that loses and repeats, and reads of what the server filed.
+
+use std::collections::BTreeMap;
+
+use ferry_core::seams::{Rng, SplitMix64};
+use ferry_sync::file::{self, Outcome, RecordSpec, Shape};
+use ferry_sync::replica::{TransportError, UpSettings, Uplink, Uploader, up_status};
+use ferry_sync::wire;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+pub const RECORDS_SCHEMA: &str = "
+CREATE TABLE sales (id uuid PRIMARY KEY, store_id uuid, amount int8 NOT NULL, note text);
+CREATE TABLE counters (name text PRIMARY KEY, rev int8 NOT NULL, total numeric(12,2));
+";
+
+pub const RECORDS_RULES: &str = r#"
+[tables.sales]
+mirror = "record"
+replica = "store_id"
+lane = "sales"
+
+[tables.counters]
+mirror = "record"
+version = "rev"
+"#;
+
+/// A transport over the server's own filing (no HTTP): it fails before filing, files
+/// twice, or files and loses the answer, each with probability `fault` (of 1,000).
+pub struct Lossy {
+    pub pool: PgPool,
+    pub records: Vec<RecordSpec>,
+    pub sender: Uuid,
+    pub seal_key: [u8; 32],
+    pub rng: SplitMix64,
+    pub fault: u64,
+    pub rt: tokio::runtime::Handle,
+    /// Filings that reached the database, answered or not.
+    pub filings: u64,
+}
+
+impl Uplink for Lossy {
+    fn upload(&mut self, bytes: &[u8]) -> Result<Vec<u8>, TransportError> {
+        let roll = self.rng.next_u64() % 1_000;
+        let odds = self.fault;
+        let fault = |n: u64| roll < odds * n / 3;
+        if fault(1) {
+            return Err(TransportError::Unavailable("lost on the way there".into()));
+        }
+        let upload = wire::decode_upload(bytes).expect("the replica's upload decodes");
+        let times = if fault(2) { 2 } else { 1 };
+        let mut answer = None;
+        for _ in 0..times {
+            let outcome = self
+                .rt
+                .block_on(file::file(
+                    &self.pool,
+                    &self.records,
+                    &Shape::default(),
+                    self.sender,
+                    &upload,
+                ))
+                .expect("filing");
+            self.filings += 1;
+            answer = Some(match outcome {
+                Outcome::Filed(filed) => filed,
+                Outcome::Malformed(m) => panic!("malformed: {m}"),
+            });
+        }
+        if fault(3) {
+            return Err(TransportError::Unavailable("the answer was lost".into()));
+        }
+        Ok(wire::encode_filed(
+            &answer.expect("filed at least once"),
+            &self.seal_key,
+            self.sender.as_bytes(),
+        ))
+    }
+}
+
+/// Turns until nothing is left unfiled (failures are the transport's: turn again).
+pub fn upload_all(uploader: &mut Uploader, link: &mut Lossy, db: &std::path::Path) {
+    let conn = rusqlite::Connection::open(db).unwrap();
+    for _ in 0..2_000 {
+        let _ = uploader.turn(link, &UpSettings::default());
+        if up_status(&conn).unwrap().unfiled == 0 {
+            return;
+        }
+    }
+    panic!("notes never ran out: {:?}", up_status(&conn).unwrap());
+}
+
+pub async fn server_sales(pool: &PgPool) -> BTreeMap<String, (String, i64, Option<String>)> {
+    sqlx::query_as::<_, (String, String, i64, Option<String>)>(
+        "SELECT id::text, coalesce(store_id::text, 'NULL'), amount, note FROM sales",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|(id, store, amount, note)| (id, (store, amount, note)))
+    .collect()
+}

@@ -1,0 +1,237 @@
+//! The way up for record tables (docs/sync-up.md): a store's writes to a table it
+//! writes reach the server's table once, through a transport that fails before filing,
+//! repeats a filing and loses answers; edits follow the table's rule (first wins, or
+//! newer version wins); deletes of the store's own rows are filed; a row naming another
+//! store is set aside; and a server that lost filings gets them again from the journal.
+//!
+//! Guards against: a note forgotten without a Filed (a row lost), a row filed twice or
+//! under the wrong store, a stale edit overwriting a newer one, and filings lost to a
+//! restore.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use common::up::{Lossy, RECORDS_RULES, RECORDS_SCHEMA, server_sales, upload_all};
+use common::{SHOP_RULES, SHOP_SCHEMA, Shop};
+use ferry_core::seams::SplitMix64;
+use ferry_sync::replica::{Uploader, up_status};
+use uuid::Uuid;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_write_is_filed_once_through_lost_and_repeated_answers_and_a_lost_filing_comes_back()
+{
+    let mut shop = Shop::new_with(
+        "records",
+        &format!("{SHOP_SCHEMA}{RECORDS_SCHEMA}"),
+        &format!("{SHOP_RULES}{RECORDS_RULES}"),
+    )
+    .await;
+    let store = shop.store("north").await;
+    shop.settle().await;
+    let db = shop.dir.join(format!("{store}.db"));
+    // The snapshot created the tables the store writes, with their triggers.
+    let app = rusqlite::Connection::open(&db).unwrap();
+    app.busy_timeout(std::time::Duration::from_secs(5)).unwrap();
+    let triggers: i64 = app
+        .query_row(
+            "SELECT count(*) FROM sqlite_schema WHERE type = 'trigger' AND tbl_name IN ('sales', 'counters')",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(triggers, 6, "three triggers per table the store writes");
+
+    let records = shop.spec.records.clone();
+    let mut link = Lossy {
+        pool: shop.db.pool.clone(),
+        records,
+        sender: store,
+        seal_key: shop.seal_keys[&store],
+        rng: SplitMix64::seeded(27),
+        fault: 300,
+        rt: tokio::runtime::Handle::current(),
+        filings: 0,
+    };
+    let mut uploader = Uploader::open(&db, shop.seal_keys[&store], store).unwrap();
+
+    // 200 sales in 20 transactions, each row written twice before it goes up; an upload
+    // after each transaction, so the transport's faults hit many uploads.
+    let mut expected = BTreeMap::new();
+    for batch in 0..20 {
+        app.execute_batch("BEGIN").unwrap();
+        for i in 0..10 {
+            let id = Uuid::new_v4().to_string();
+            let amount = batch * 10 + i;
+            app.execute(
+                "INSERT INTO sales (id, store_id, amount, note) VALUES (?1, ?2, ?3, 'first')",
+                rusqlite::params![id, store.to_string(), amount],
+            )
+            .unwrap();
+            app.execute("UPDATE sales SET note = 'kept' WHERE id = ?1", [&id])
+                .unwrap();
+            expected.insert(id, (store.to_string(), amount, Some("kept".to_string())));
+        }
+        app.execute_batch("COMMIT").unwrap();
+        let db = db.clone();
+        (uploader, link) = tokio::task::spawn_blocking(move || {
+            upload_all(&mut uploader, &mut link, &db);
+            (uploader, link)
+        })
+        .await
+        .unwrap();
+    }
+    assert_eq!(
+        server_sales(&shop.db.pool).await,
+        expected,
+        "each sale filed once, as written"
+    );
+    assert!(
+        link.filings > 20,
+        "some uploads were filed twice: {}",
+        link.filings
+    );
+
+    // A sale without a version is history: an edit after filing changes nothing; a
+    // delete of the store's own row is filed.
+    let (edited, deleted) = {
+        let mut keys = expected.keys();
+        (keys.next().unwrap().clone(), keys.next().unwrap().clone())
+    };
+    app.execute("UPDATE sales SET amount = -1 WHERE id = ?1", [&edited])
+        .unwrap();
+    app.execute("DELETE FROM sales WHERE id = ?1", [&deleted])
+        .unwrap();
+    expected.remove(&deleted);
+    // Counters carry a version: the newer wins, whatever order the uploads file in.
+    app.execute_batch(
+        "INSERT INTO counters VALUES ('tills', 1, '10.50'); UPDATE counters SET rev = 2, total = '11.00';",
+    )
+    .unwrap();
+    let (mut uploader, mut link) = tokio::task::spawn_blocking(move || {
+        upload_all(&mut uploader, &mut link, &db);
+        (uploader, link)
+    })
+    .await
+    .unwrap();
+    let db = shop.dir.join(format!("{store}.db"));
+    assert_eq!(
+        server_sales(&shop.db.pool).await,
+        expected,
+        "the edit ignored, the delete filed"
+    );
+    let counter: (i64, String) = sqlx::query_as("SELECT rev, total::text FROM counters")
+        .fetch_one(&shop.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(counter, (2, "11.00".to_string()));
+
+    // The server loses filings (what a restore from an older copy does to these
+    // tables): the rows filed after count k, and its count falls back to k.
+    let k: i64 = sqlx::query_scalar("SELECT n FROM ferry_sync.filings WHERE replica = $1")
+        .bind(store)
+        .fetch_one(&shop.db.pool)
+        .await
+        .unwrap();
+    let mut later = BTreeMap::new();
+    app.execute_batch("BEGIN").unwrap();
+    for i in 0..30 {
+        let id = Uuid::new_v4().to_string();
+        app.execute(
+            "INSERT INTO sales (id, store_id, amount) VALUES (?1, ?2, ?3)",
+            rusqlite::params![id, store.to_string(), 1_000 + i],
+        )
+        .unwrap();
+        later.insert(id.clone(), (store.to_string(), 1_000 + i, None));
+    }
+    app.execute_batch("COMMIT").unwrap();
+    expected.extend(later.clone());
+    link.fault = 0;
+    let (mut uploader, mut link) = tokio::task::spawn_blocking(move || {
+        upload_all(&mut uploader, &mut link, &db);
+        (uploader, link)
+    })
+    .await
+    .unwrap();
+    assert_eq!(server_sales(&shop.db.pool).await, expected);
+    let ids: Vec<Uuid> = later.keys().map(|k| k.parse().unwrap()).collect();
+    sqlx::query("DELETE FROM sales WHERE id = ANY($1)")
+        .bind(&ids)
+        .execute(&shop.db.pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE ferry_sync.filings SET n = $2 WHERE replica = $1")
+        .bind(store)
+        .bind(k)
+        .execute(&shop.db.pool)
+        .await
+        .unwrap();
+    let db = shop.dir.join(format!("{store}.db"));
+    let (_, _) = tokio::task::spawn_blocking(move || {
+        // With nothing to send, the check (an empty upload) finds the server behind, and
+        // the journal after its count goes up again.
+        uploader.check_server(&mut link).unwrap();
+        upload_all(&mut uploader, &mut link, &db);
+        (uploader, link)
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        server_sales(&shop.db.pool).await,
+        expected,
+        "the filings the server lost came back from the store's journal"
+    );
+    shop.finish().await;
+}
+
+/// docs/sync-up.md §1, guarantee 2: a row naming another store is refused for good and
+/// set aside on the replica, while the rest of its upload is filed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_naming_another_store_is_set_aside_and_the_rest_filed() {
+    let mut shop = Shop::new_with(
+        "records_aside",
+        &format!("{SHOP_SCHEMA}{RECORDS_SCHEMA}"),
+        &format!("{SHOP_RULES}{RECORDS_RULES}"),
+    )
+    .await;
+    let store = shop.store("north").await;
+    shop.settle().await;
+    let db = shop.dir.join(format!("{store}.db"));
+    let app = rusqlite::Connection::open(&db).unwrap();
+    let other = Uuid::new_v4();
+    let (mine, theirs) = (Uuid::new_v4(), Uuid::new_v4());
+    app.execute(
+        "INSERT INTO sales (id, store_id, amount) VALUES (?1, ?2, 1), (?3, ?4, 2)",
+        rusqlite::params![
+            mine.to_string(),
+            store.to_string(),
+            theirs.to_string(),
+            other.to_string()
+        ],
+    )
+    .unwrap();
+    let mut link = Lossy {
+        pool: shop.db.pool.clone(),
+        records: shop.spec.records.clone(),
+        sender: store,
+        seal_key: shop.seal_keys[&store],
+        rng: SplitMix64::seeded(1),
+        fault: 0,
+        rt: tokio::runtime::Handle::current(),
+        filings: 0,
+    };
+    let mut uploader = Uploader::open(&db, shop.seal_keys[&store], store).unwrap();
+    let status = tokio::task::spawn_blocking(move || {
+        upload_all(&mut uploader, &mut link, &db);
+        up_status(&app).unwrap()
+    })
+    .await
+    .unwrap();
+    assert_eq!((status.unfiled, status.set_aside), (0, 1), "{status:?}");
+    let filed = server_sales(&shop.db.pool).await;
+    assert_eq!(
+        filed.keys().cloned().collect::<Vec<_>>(),
+        vec![mine.to_string()]
+    );
+    shop.finish().await;
+}
