@@ -282,3 +282,143 @@ async fn a_stopping_serve_ends_its_long_polls_at_once() {
     assert_eq!(answer.status, 204, "{}", answer.body);
     assert!(asked.elapsed() < Duration::from_secs(2));
 }
+
+/// docs/sync-up.md §4.4: an upload without the store's own token, over the limit, that
+/// does not decode, or naming a table nobody files is refused, says what to do, and files
+/// nothing; a good one is answered with a `Filed` only that store can open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uploads_are_filed_only_for_their_own_store_and_refusals_file_nothing() {
+    use common::up::{RECORDS_RULES, RECORDS_SCHEMA};
+    let mut shop = Shop::new_with(
+        "http_up",
+        &format!("{}{RECORDS_SCHEMA}", common::SHOP_SCHEMA),
+        &format!("{}{RECORDS_RULES}", common::SHOP_RULES),
+    )
+    .await;
+    let north = shop.store("north").await;
+    let south = shop.store("south").await;
+    let north_token = token_for(&shop, north).await;
+    let south_token = token_for(&shop, south).await;
+    let pool = sqlx::PgPool::connect(&shop.db.url).await.unwrap();
+    let serve = Serve::new(pool, Arc::new(RelayStats::default()))
+        .await
+        .unwrap()
+        .file_into(shop.spec.records.clone(), Default::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, serve.router()).await });
+    let uploads = |id: Uuid| format!("{url}/v1/replicas/{id}/uploads");
+    let sale = Uuid::new_v4();
+    let part = |table: &str| wire::TablePart {
+        table: table.into(),
+        columns: shop
+            .spec
+            .records
+            .iter()
+            .find(|r| r.name == "sales")
+            .unwrap()
+            .wire_columns(),
+        sweep: wire::Sweep::default(),
+        deletes: vec![],
+        upserts: vec![vec![
+            ferry_sync::value::Value::Text(sale.to_string()),
+            ferry_sync::value::Value::Null,
+            ferry_sync::value::Value::Int(5),
+            ferry_sync::value::Value::Null,
+        ]],
+        writes: None,
+    };
+    let upload = |table: &str| {
+        wire::encode_upload(&wire::Upload {
+            restated: false,
+            id: 7,
+            filed_n: 0,
+            lane: "sales".into(),
+            parts: vec![part(table)],
+        })
+        .unwrap()
+    };
+    let filed = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM sales")
+            .fetch_one(&shop.db.pool)
+            .await
+            .unwrap()
+    };
+    for token in [None, Some(enroll::new_token()), Some(south_token.clone())] {
+        let refused = call("POST", uploads(north), token, upload("sales")).await;
+        assert_eq!(refused.status, 401, "{}", refused.body);
+    }
+    let huge = call(
+        "POST",
+        uploads(north),
+        Some(north_token.clone()),
+        vec![0; wire::UPLOAD_BYTES_MAX + 1],
+    )
+    .await;
+    assert_eq!(huge.status, 413, "{}", huge.body);
+    assert!(huge.error().contains("nothing was filed"), "{}", huge.body);
+    let garbage = call(
+        "POST",
+        uploads(north),
+        Some(north_token.clone()),
+        b"FSW1 no".to_vec(),
+    )
+    .await;
+    assert_eq!(garbage.status, 400, "{}", garbage.body);
+    assert!(garbage.error().contains("same ferry"), "{}", garbage.body);
+    let unknown = call(
+        "POST",
+        uploads(north),
+        Some(north_token.clone()),
+        upload("products"),
+    )
+    .await;
+    assert_eq!(unknown.status, 400, "{}", unknown.body);
+    assert!(unknown.error().contains("same rules"), "{}", unknown.body);
+    assert_eq!(filed().await, 0, "no refusal filed anything");
+
+    let ok = tokio::task::spawn_blocking({
+        let (url, token, body) = (uploads(north), north_token.clone(), upload("sales"));
+        move || {
+            let agent = ureq::Agent::config_builder()
+                .http_status_as_error(false)
+                .build()
+                .new_agent();
+            let mut resp = agent
+                .post(&url)
+                .header("authorization", &format!("Bearer {token}"))
+                .send(&body[..])
+                .unwrap();
+            (
+                resp.status().as_u16(),
+                resp.body_mut().read_to_vec().unwrap(),
+            )
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(ok.0, 200);
+    let north_key = wire::seal_key(north_token.as_bytes());
+    let answer =
+        wire::open_filed(&ok.1, &north_key, north.as_bytes()).expect("north opens its Filed");
+    assert_eq!((answer.id, answer.filed_n, answer.refile_after), (7, 1, 0));
+    assert!(
+        wire::open_filed(
+            &ok.1,
+            &wire::seal_key(south_token.as_bytes()),
+            south.as_bytes()
+        )
+        .is_err(),
+        "south cannot take north's Filed for its own"
+    );
+    let store: String = sqlx::query_scalar("SELECT store_id::text FROM sales")
+        .fetch_one(&shop.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        store,
+        north.to_string(),
+        "filed under the store the token named"
+    );
+    shop.finish().await;
+}
