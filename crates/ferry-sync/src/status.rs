@@ -67,6 +67,10 @@ pub struct ReplicaStanding {
     pub quarantined: i64,
     /// Outboxes dropped past their bound (an alarm).
     pub dropped: i32,
+    /// The way up (docs/sync-up.md): uploads filed for it, and its rows the database
+    /// refused, waiting in the inbox to be filed again (`ferry sync refile`).
+    pub filings: i64,
+    pub inbox: i64,
     /// The broadcast mark: every broadcast row of its partition recorded up to this pass
     /// is in a message it confirmed.
     pub confirmed_pass: i64,
@@ -122,7 +126,9 @@ pub async fn read(pool: &PgPool, partition: Option<&str>) -> Result<Status, sqlx
            (SELECT (extract(epoch FROM now() - min(recorded_at)) * 1000)::int8 FROM ferry_sync.outbox o WHERE o.replica = c.id),
            (SELECT (extract(epoch FROM now() - received_at) * 1000)::int8 FROM ferry_sync.reports r WHERE r.replica = c.id),
            (SELECT count(*) FROM ferry_sync.quarantine q WHERE q.replica = c.id),
-           c.confirmed_pass
+           c.confirmed_pass,
+           (SELECT coalesce(max(n), 0) FROM ferry_sync.filings f WHERE f.replica = c.id),
+           (SELECT count(*) FROM ferry_sync.inbox i WHERE i.replica = c.id)
          FROM ferry_sync.replicas c WHERE $1::text IS NULL OR c.partition = $1 ORDER BY c.id",
     )
     .bind(partition)
@@ -158,6 +164,8 @@ pub async fn read(pool: &PgPool, partition: Option<&str>) -> Result<Status, sqlx
                 oldest_unconfirmed_ms: r.get(9),
                 heard_ago_ms: heard,
                 quarantined: r.get(11),
+                filings: r.get(13),
+                inbox: r.get(14),
                 confirmed_pass,
                 tables,
                 id,

@@ -15,6 +15,7 @@ use std::collections::BTreeMap;
 use common::up::{Lossy, RECORDS_RULES, RECORDS_SCHEMA, server_sales, upload_all};
 use common::{SHOP_RULES, SHOP_SCHEMA, Shop};
 use ferry_core::seams::SplitMix64;
+use ferry_sync::file::{self, Shape};
 use ferry_sync::replica::{Uploader, up_status};
 use uuid::Uuid;
 
@@ -233,5 +234,89 @@ async fn a_row_naming_another_store_is_set_aside_and_the_rest_filed() {
         filed.keys().cloned().collect::<Vec<_>>(),
         vec![mine.to_string()]
     );
+    shop.finish().await;
+}
+
+/// docs/sync-up.md §5.2: a row the server's database refuses (here a CHECK a deploy will
+/// drop) waits in the inbox, answered, while the rest of its upload is filed; after the
+/// fix, refiling files it and empties the inbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_the_database_refuses_waits_in_the_inbox_and_is_filed_after_the_fix() {
+    let mut shop = Shop::new_with(
+        "records_inbox",
+        &format!("{SHOP_SCHEMA}{RECORDS_SCHEMA}"),
+        &format!("{SHOP_RULES}{RECORDS_RULES}"),
+    )
+    .await;
+    let store = shop.store("north").await;
+    shop.settle().await;
+    shop.db
+        .exec("ALTER TABLE sales ADD CONSTRAINT no_refunds CHECK (amount >= 0)")
+        .await;
+    let db = shop.dir.join(format!("{store}.db"));
+    let app = rusqlite::Connection::open(&db).unwrap();
+    let (good, refund) = (Uuid::new_v4(), Uuid::new_v4());
+    app.execute(
+        "INSERT INTO sales (id, store_id, amount) VALUES (?1, ?3, 10), (?2, ?3, -5)",
+        rusqlite::params![good.to_string(), refund.to_string(), store.to_string()],
+    )
+    .unwrap();
+    let mut link = Lossy {
+        pool: shop.db.pool.clone(),
+        records: shop.spec.records.clone(),
+        sender: store,
+        seal_key: shop.seal_keys[&store],
+        rng: SplitMix64::seeded(2),
+        fault: 0,
+        rt: tokio::runtime::Handle::current(),
+        filings: 0,
+    };
+    let mut uploader = Uploader::open(&db, shop.seal_keys[&store], store).unwrap();
+    let status = tokio::task::spawn_blocking(move || {
+        upload_all(&mut uploader, &mut link, &db);
+        up_status(&app).unwrap()
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        (status.unfiled, status.set_aside),
+        (0, 0),
+        "answered: {status:?}"
+    );
+    let filed = server_sales(&shop.db.pool).await;
+    assert_eq!(
+        filed.keys().cloned().collect::<Vec<_>>(),
+        vec![good.to_string()]
+    );
+    let (key, reason): (String, String) =
+        sqlx::query_as("SELECT key, reason FROM ferry_sync.inbox WHERE replica = $1")
+            .bind(store)
+            .fetch_one(&shop.db.pool)
+            .await
+            .unwrap();
+    assert_eq!(key, refund.to_string());
+    assert!(reason.contains("no_refunds"), "{reason}");
+
+    // Refiling before the fix keeps it, with a try counted; after it, files it.
+    let mut conn = shop.db.pool.acquire().await.unwrap();
+    let records = shop.spec.records.clone();
+    let before = file::refile(&mut conn, &records, &Shape::default())
+        .await
+        .unwrap();
+    assert_eq!((before.filed, before.still_refused), (0, 1));
+    shop.db
+        .exec("ALTER TABLE sales DROP CONSTRAINT no_refunds")
+        .await;
+    let after = file::refile(&mut conn, &records, &Shape::default())
+        .await
+        .unwrap();
+    assert_eq!((after.filed, after.still_refused), (1, 0));
+    drop(conn);
+    assert_eq!(server_sales(&shop.db.pool).await.len(), 2);
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry_sync.inbox")
+        .fetch_one(&shop.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(left, 0);
     shop.finish().await;
 }

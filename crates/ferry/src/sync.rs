@@ -415,6 +415,8 @@ async fn status(a: StatusArgs) -> anyhow::Result<()> {
                 r.outbox_messages.to_string(),
                 r.held_rows.to_string(),
                 r.quarantined.to_string(),
+                r.filings.to_string(),
+                r.inbox.to_string(),
                 r.heard_ago_ms
                     .map_or("never".into(), |ms| format!("{ms} ms")),
             ]
@@ -431,6 +433,8 @@ async fn status(a: StatusArgs) -> anyhow::Result<()> {
                 "outbox",
                 "held",
                 "quarantined",
+                "filings",
+                "inbox",
                 "heard"
             ],
             &rows
