@@ -156,7 +156,8 @@ CREATE INDEX rows_key ON ferry_sync.rows (relation, key);
 -- upload that says more shows this database lost filings (a restore).
 CREATE TABLE ferry_sync.filings (
     replica  uuid PRIMARY KEY REFERENCES ferry_sync.replicas ON DELETE CASCADE,
-    n        bigint NOT NULL DEFAULT 0
+    n        bigint NOT NULL DEFAULT 0,
+    before   bigint NOT NULL DEFAULT 0   -- `n` before the latest filing: the restore check's
 );
 
 -- Rows the database refused to file for a reason a deploy may fix, newest per row;

@@ -136,40 +136,108 @@ pub async fn file(
             Err(message) => return Ok(Outcome::Malformed(message)),
         }
     }
+    // The quick way first: each part one statement, no savepoints. A part the database
+    // refuses aborts that transaction; the careful way then files the upload again from
+    // the start, a savepoint per part and, in a part refused, per row.
+    match attempt(pool, shape, sender, upload, &plans, false).await {
+        Err(Failed::Refused) => match attempt(pool, shape, sender, upload, &plans, true).await {
+            Err(Failed::Refused) => unreachable!("the careful way takes refusals row by row"),
+            Err(Failed::File(e)) => Err(e),
+            Ok(outcome) => Ok(outcome),
+        },
+        Err(Failed::File(e)) => Err(e),
+        Ok(outcome) => Ok(outcome),
+    }
+}
+
+/// Why one attempt at filing ended without a commit.
+enum Failed {
+    /// The quick way met a refusal: file carefully.
+    Refused,
+    File(FileError),
+}
+
+impl From<sqlx::Error> for Failed {
+    fn from(e: sqlx::Error) -> Failed {
+        Failed::File(FileError::Db(e))
+    }
+}
+
+/// Steps 1 to 4 once; `careful`: savepoints, and rows the database refuses to the inbox.
+async fn attempt(
+    pool: &PgPool,
+    shape: &Shape,
+    sender: Uuid,
+    upload: &Upload,
+    plans: &[Plan<'_>],
+    careful: bool,
+) -> Result<Outcome, Failed> {
     let mut tx = pool.begin().await?;
-    sqlx::query("INSERT INTO ferry_sync.filings (replica) VALUES ($1) ON CONFLICT DO NOTHING")
-        .bind(sender)
-        .execute(&mut *tx)
-        .await?;
+    // Step 1 in one statement: lock the sender's count and take this filing's number
+    // (`before` keeps the count it had, for the restore check), count its inbox, and set
+    // what row-level security reads.
+    let told = i64::try_from(upload.filed_n).unwrap_or(i64::MAX);
+    let step = i64::from(!upload.parts.is_empty());
     let row = sqlx::query(
-        "SELECT f.n, (SELECT count(*) FROM ferry_sync.inbox i WHERE i.replica = f.replica)
-         FROM ferry_sync.filings f WHERE f.replica = $1 FOR UPDATE",
+        "WITH f AS (
+            INSERT INTO ferry_sync.filings AS f (replica, n, before) VALUES ($1, greatest(0, $2) + $3, 0)
+            ON CONFLICT (replica) DO UPDATE SET before = f.n, n = greatest(f.n, $2) + $3
+            RETURNING before, n)
+         SELECT f.before, f.n, (SELECT count(*) FROM ferry_sync.inbox i WHERE i.replica = $1),
+                set_config('ferry_sync.replica', $1::text, true)
+         FROM f",
     )
     .bind(sender)
+    .bind(told)
+    .bind(step)
     .fetch_one(&mut *tx)
     .await?;
-    let (known, inbox): (i64, i64) = (row.get(0), row.get(1));
+    let (known, filed_n, inbox): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
     if inbox >= INBOX_ROWS_MAX {
-        return Err(FileError::InboxFull(inbox));
+        return Err(Failed::File(FileError::InboxFull(inbox)));
     }
-    let told = i64::try_from(upload.filed_n).unwrap_or(i64::MAX);
     let refile_after = if told > known { known } else { 0 };
-    let base = known.max(told);
-    shape_transaction(&mut tx, shape, sender).await?;
+    if let Some(role) = &shape.role {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "SET LOCAL ROLE {}",
+            quote_ident(role)
+        )))
+        .execute(&mut *tx)
+        .await?;
+    }
     let mut refused = Vec::new();
     let mut refused_by_db = Vec::new();
-    for (part, plan) in upload.parts.iter().zip(&plans) {
+    for (part, plan) in upload.parts.iter().zip(plans) {
         let (rows, mut wrong) = sort_rows(plan, part, sender);
         refused.append(&mut wrong);
-        file_part(
-            &mut tx,
-            plan,
-            sender,
-            &rows,
-            &part.deletes,
-            &mut refused_by_db,
-        )
-        .await?;
+        if careful {
+            file_part(
+                &mut tx,
+                plan,
+                sender,
+                &rows,
+                &part.deletes,
+                &mut refused_by_db,
+            )
+            .await?;
+            continue;
+        }
+        let done = if rows.is_empty() {
+            Ok(())
+        } else {
+            upsert(&mut tx, plan, sender, &rows).await
+        };
+        let done = match (done, plan.spec.replica) {
+            (Ok(()), Some(r)) if !part.deletes.is_empty() => {
+                delete(&mut tx, plan.spec, r, sender, &part.deletes).await
+            }
+            (done, _) => done,
+        };
+        match done {
+            Ok(()) => {}
+            Err(e) if refused_by_data(&e) => return Err(Failed::Refused),
+            Err(e) => return Err(e.into()),
+        }
     }
     if shape.role.is_some() {
         sqlx::query("RESET ROLE").execute(&mut *tx).await?;
@@ -177,18 +245,8 @@ pub async fn file(
     for (plan, row, reason) in &refused_by_db {
         to_inbox(&mut tx, sender, plan, row, reason).await?;
     }
-    let filed_n = if upload.parts.is_empty() {
-        base
-    } else {
-        base + 1
-    };
-    sqlx::query("UPDATE ferry_sync.filings SET n = $2 WHERE replica = $1")
-        .bind(sender)
-        .bind(filed_n)
-        .execute(&mut *tx)
-        .await?;
     if inbox > 0 {
-        clear_inbox(&mut tx, sender, upload, &plans).await?;
+        clear_inbox(&mut tx, sender, upload, plans).await?;
     }
     tx.commit().await?;
     Ok(Outcome::Filed(Filed {

@@ -5,25 +5,26 @@
 //!
 //! An upload, per lane, in these steps:
 //!
-//! 1. In one write transaction: read up to [`UPLOAD_ROWS`] notes of the lane (journal
-//!    entries to restate first), read each noted row as it is now, and record on each
-//!    note the upload's fresh id and the `noted` count it was read at (`sent`).
-//! 2. Send it ([`Uplink::upload`]); the answer is a sealed `Filed`.
-//! 3. In one write transaction: forget the notes not written again since (`noted =
-//!    sent`) and journal their rows under the `Filed`'s count; set aside the rows it
-//!    refused; store the count; if it asks, note the journal's entries after its
-//!    "refile after" again.
+//! 1. In one read transaction: read up to [`UPLOAD_ROWS`] notes of the lane (journal
+//!    entries to restate first) with the `noted` count of each, and each noted row as
+//!    it is now; give the upload a fresh random id.
+//! 2. Send it ([`Uplink::upload`]); the answer is a sealed `Filed` naming the id.
+//! 3. In one write transaction: forget the notes whose `noted` is still what step 1
+//!    read (one written again since stays, and goes up again) and journal their rows
+//!    under the `Filed`'s count; set aside the rows it refused; store the count; if it
+//!    asks, note the journal's entries after its "refile after" again.
 //!
-//! What a crash leaves: before step 1's commit, notes as they were; after it, notes
-//! carrying an upload id, sent again by the next turn under a new id (read afresh);
-//! after the server filed but before step 3's commit, the same, and filing them again
-//! changes nothing. Notes are forgotten only in step 3, after a sealed `Filed`.
+//! Nothing is written before the send, so what a crash leaves is the notes, before or
+//! after the server filed them: the next turn sends them again under a new id, read
+//! afresh, and filing them again changes nothing. Notes are forgotten only in step 3,
+//! after a sealed `Filed`. The uploader's commits are not fsynced each
+//! (`synchronous=NORMAL`): losing the last of them to a power cut is the same case.
 //!
 //! Tables (created with the engine's others, `state::install`):
 //! - `_ferry_sync_writes`: the tables this replica writes, with their lane;
-//! - `_ferry_sync_up`: one note per (table, key): the key as a JSON array, `noted`,
-//!   the last send (`upload`, `sent`), whether to send the journal's copy, and why the
-//!   row is set aside;
+//! - `_ferry_sync_up`: one note per (table, key): the key as a JSON array, its lane,
+//!   `noted` (a count each write raises), whether to send the journal's copy, and why
+//!   the row is set aside;
 //! - `_ferry_sync_journal`: what was filed, newest per row, under its filing count;
 //! - `_ferry_sync_filed`: the last filing count the server told, and the build that set
 //!   rows aside (a new build tries them again).
@@ -96,8 +97,6 @@ CREATE TABLE IF NOT EXISTS _ferry_sync_up(
     key TEXT NOT NULL,
     lane TEXT NOT NULL,
     noted INTEGER NOT NULL DEFAULT 1,
-    upload INTEGER,
-    sent INTEGER,
     from_journal INTEGER NOT NULL DEFAULT 0,
     aside TEXT,
     UNIQUE(tbl, key));
@@ -227,7 +226,11 @@ impl Uploader {
         let conn = Connection::open(path).map_err(|e| ReplicaError::storage("opening", e))?;
         conn.busy_timeout(super::BUSY_TIMEOUT)
             .map_err(|e| ReplicaError::storage("setting the busy timeout", e))?;
-        conn.execute_batch("PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;")
+        // NORMAL: this connection's commits (forgetting notes, the journal) are not
+        // fsynced each. A power loss may undo the last of them, which brings the notes
+        // back and sends them again, and filing them again changes nothing; what the app
+        // wrote is its own connection's commit, as durable as the app made it.
+        conn.execute_batch("PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;")
             .map_err(|e| ReplicaError::storage("setting WAL mode", e))?;
         super::install(&conn)?;
         let s = |e| ReplicaError::storage("reading the way up's state", e);
@@ -387,14 +390,11 @@ impl Uploader {
     /// Step 1.
     fn read_batch(&mut self, lane: &str, limit: usize) -> Result<Option<Batch>, ReplicaError> {
         let s = |e| ReplicaError::storage("reading what to upload", e);
-        self.conn.execute_batch("BEGIN IMMEDIATE").map_err(s)?;
+        // One read transaction: the `noted` counts and the rows are one snapshot, so a
+        // note whose count is unchanged at the Filed was sent as it stands.
+        self.conn.execute_batch("BEGIN").map_err(s)?;
         let result = self.read_batch_in_tx(lane, limit);
-        let end = if matches!(result, Ok(Some(_))) {
-            "COMMIT"
-        } else {
-            "ROLLBACK"
-        };
-        let ended = self.conn.execute_batch(end).map_err(s);
+        let ended = self.conn.execute_batch("COMMIT").map_err(s);
         let batch = result?;
         ended?;
         Ok(batch)
@@ -464,17 +464,8 @@ impl Uploader {
                 None => part.deletes.push(key_values(&note.key)),
             }
         }
-        let id = random_nonzero_u64();
-        let mut mark = self
-            .conn
-            .prepare_cached("UPDATE _ferry_sync_up SET upload = ?2, sent = ?3 WHERE rowid = ?1")
-            .map_err(s)?;
-        for note in &notes {
-            mark.execute(params![note.rowid, id as i64, note.noted])
-                .map_err(s)?;
-        }
         Ok(Some(Batch {
-            id,
+            id: random_nonzero_u64(),
             lane: lane.to_string(),
             restated,
             notes,
@@ -623,8 +614,8 @@ impl Uploader {
         for note in &batch.notes {
             let forgotten = c
                 .execute(
-                    "DELETE FROM _ferry_sync_up WHERE rowid = ?1 AND upload = ?2 AND sent = noted AND aside IS NULL",
-                    params![note.rowid, batch.id as i64],
+                    "DELETE FROM _ferry_sync_up WHERE rowid = ?1 AND noted = ?2 AND aside IS NULL",
+                    params![note.rowid, note.noted],
                 )
                 .map_err(s)?;
             if forgotten == 1
