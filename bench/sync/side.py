@@ -53,6 +53,12 @@ SCHEMA = """
 CREATE TABLE stores (id uuid PRIMARY KEY, live boolean NOT NULL DEFAULT false);
 CREATE TABLE products (id int8 PRIMARY KEY, name text NOT NULL, price_cents int8 NOT NULL, at_ns int8 NOT NULL DEFAULT 0);
 CREATE TABLE orders (id int8 PRIMARY KEY, store uuid NOT NULL, qty int8 NOT NULL, at_ns int8 NOT NULL DEFAULT 0);
+CREATE TABLE sales (id uuid PRIMARY KEY, store uuid NOT NULL, amount int8 NOT NULL, at_ns int8 NOT NULL);
+CREATE TABLE sales_filed (id uuid PRIMARY KEY, at_ns int8 NOT NULL, filed_ns int8 NOT NULL);
+CREATE FUNCTION sales_filed() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+  INSERT INTO sales_filed VALUES (NEW.id, NEW.at_ns, (extract(epoch from clock_timestamp()) * 1e9)::int8) ON CONFLICT (id) DO NOTHING;
+  RETURN NEW; END $$;
+CREATE TRIGGER sales_filed AFTER INSERT ON sales FOR EACH ROW EXECUTE FUNCTION sales_filed();
 """
 RULES = """
 [replicas]
@@ -64,6 +70,10 @@ sync = "broadcast"
 
 [tables.orders]
 sync = { assigned = "store" }
+
+[tables.sales]
+mirror = "record"
+replica = "store"
 """
 NOW_NS = "(extract(epoch from clock_timestamp()) * 1e9)::int8"
 
@@ -208,7 +218,7 @@ def wal(db):
     return int(scalar(db, "SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::int8"))
 
 
-def point(engine, products, replicas, streams=(), seconds=8, heal=False):
+def point(engine, products, replicas, streams=(), seconds=8, heal=False, writes=()):
     """One run of one point: provisioning, then each (mode, rate) stream in turn on the
     same server and replicas; returns one dict of figures per stream (or one for the
     provisioning alone)."""
@@ -244,6 +254,10 @@ def point(engine, products, replicas, streams=(), seconds=8, heal=False):
         for mode, rate in streams:
             r = {**out, "mode": mode, "rate": rate}
             r.update(stream(engine, db, server, host, rate, mode, seconds, replicas))
+            records.append(r)
+        for rate, secs in writes:
+            r = {**out, "mode": "up", "rate": rate, "seconds": secs}
+            r.update(write_stream(db, server, host, rate, secs, replicas))
             records.append(r)
         schema = sync_schema_bytes(db)
         done = host.done()
@@ -307,6 +321,53 @@ def stream(engine, db, server, host, rate, mode, seconds, replicas):
     }
 
 
+def write_stream(db, server, host, rate, secs, replicas):
+    """The way up: every replica's app writes `rate` sales a second for `secs` seconds
+    (one per transaction, `at_ns` its wall clock at the commit); the engine uploads and
+    files them. Lag: `filed_ns - at_ns`, `filed_ns` the clock at the server's insert (a
+    trigger on `sales` the engines do not know of). Exactly once: every sale in `sales`
+    once, none missing. CPU from the first write until the last is filed."""
+    expected = rate * secs * replicas
+    cpu0, pg0 = cpu_ticks([server.pid]), postgres_ticks()
+    t0 = time.time()
+    host.say(f"write {rate} {secs}")
+    host.read("written", secs + 120)
+    filed = 0
+    while time.time() - t0 < secs + 120:
+        filed = int(scalar(db, "SELECT count(*) FROM sales_filed"))
+        if filed >= expected:
+            break
+        time.sleep(0.05)
+    took = time.time() - t0
+    cpu1, pg1 = cpu_ticks([server.pid]), postgres_ticks()
+    engine_s = (cpu1 - cpu0) / os.sysconf("SC_CLK_TCK")
+    pg_s = sum(t - pg0.get(pid, 0) for pid, t in pg1.items()) / os.sysconf("SC_CLK_TCK")
+    rows, distinct = (int(v) for v in scalar(db, "SELECT count(*) || ' ' || count(DISTINCT id) FROM sales").split())
+    lags = sorted(float(v) for v in psql(db, "SELECT (filed_ns - at_ns) / 1e6 FROM sales_filed", "-At").split())
+
+    def pct(p):
+        return lags[round((len(lags) - 1) * p)] if lags else float("nan")
+
+    third = len(lags) // 3
+    by_time = [float(v) for v in psql(db, "SELECT (filed_ns - at_ns) / 1e6 FROM sales_filed ORDER BY at_ns", "-At").split()]
+    med = lambda xs: statistics.median(xs) if xs else float("nan")
+    return {
+        "changes": expected,
+        "expected_samples": expected,
+        "samples": len(lags),
+        "filed": filed,
+        "filed_rows": rows,
+        "filed_distinct": distinct,
+        "exactly_once": rows == expected and distinct == expected,
+        "filed_in_s": took,
+        "p50_ms": pct(0.5), "p95_ms": pct(0.95), "p99_ms": pct(0.99), "max_ms": pct(1.0),
+        "first_third_p50_ms": med(by_time[:third]), "last_third_p50_ms": med(by_time[-third:] if third else []),
+        "server_cpu_ms_per_1000": (engine_s + pg_s) * 1e6 / max(expected, 1),
+        "engine_cpu_ms_per_1000": engine_s * 1e6 / max(expected, 1),
+        "postgres_cpu_ms_per_1000": pg_s * 1e6 / max(expected, 1),
+    }
+
+
 def heal_one(engine, db, host, port):
     """Two changes a second apart, delivered normally; then two more where the transport
     loses the first one's message. The second change is what reveals a loss to an
@@ -362,6 +423,9 @@ def plan(quick):
     pts = [dict(products=100_000, replicas=r) for r in [1, 10]]
     pts += [dict(products=10_000, replicas=r, streams=streams, seconds=4 if quick else 8) for r in [1, 10, 100]]
     pts.append(dict(products=10_000, replicas=1, heal=True))
+    # The way up: R replicas writing W sales a second each.
+    up_secs = 5 if quick else 10
+    pts += [dict(products=1_000, replicas=r, writes=[(w, up_secs)]) for r, w in [(1, 100), (10, 10), (100, 1)]]
     return pts
 
 

@@ -10,7 +10,9 @@
 //! sample `now - at_ns`. `FILE` has `uuid token` per line. Prints one JSON object per
 //! line: `provisioned` once every replica holds N products and its K orders; on stdin
 //! `mark`, the totals so far; `stats`, the lag of the samples since the last `stats`; `lose-next` makes the next fetched batch vanish (the
-//! replica asks again from its position); SIGTERM or stdin's end prints `done`.
+//! replica asks again from its position); `write W S`, each replica's app writes W sales
+//! a second for S seconds (the way up; `written` when done); SIGTERM or stdin's end
+//! prints `done`. Each replica runs ferry's uploader beside its loop.
 
 use std::collections::HashMap;
 use std::io::BufRead;
@@ -20,7 +22,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ferry_sync::client::HttpLink;
-use ferry_sync::replica::{Downlink, Position, Replica, RunSettings, TransportError};
+use ferry_sync::replica::{
+    Downlink, Position, Replica, RunSettings, TransportError, UpSettings, Uploader,
+};
 use uuid::Uuid;
 
 use crate::wall_ns;
@@ -193,9 +197,21 @@ fn follow(
         wait: Duration::from_secs(1),
         ..RunSettings::default()
     };
+    // The way up beside the loop, as `ferry sync replica` runs it: its own connection
+    // and link, default settings.
+    let mut uploader = Uploader::open(&file, ferry_sync::wire::seal_key(token.as_bytes()), id)
+        .expect("the uploader opens the replica's file");
+    let mut uplink = HttpLink::new(&base, id, &token).expect("a link");
+    let up_stop = stop.clone();
+    let up = std::thread::spawn(move || {
+        if let Err(e) = uploader.run(&mut uplink, &up_stop, &UpSettings::default()) {
+            eprintln!("replica {id}'s uploader stopped: {e}");
+        }
+    });
     if let Err(e) = replica.run(&mut link, &stop, &settings) {
         eprintln!("replica {id} stopped: {e}");
     }
+    let _ = up.join();
     // A gap left standing at the end (the replica's file records the last one).
     replica.status().map_or(0, |s| u64::from(s.gap != 0))
 }
@@ -214,10 +230,12 @@ pub async fn main() {
     let stop = Arc::new(AtomicBool::new(false));
     let started = Instant::now();
     let mut threads = Vec::new();
+    let mut files = Vec::new();
     for line in list.lines().filter(|l| !l.trim().is_empty()) {
         let mut f = line.split_whitespace();
         let id: Uuid = f.next().unwrap().parse().expect("a uuid");
         let token = f.next().expect("a token after the uuid").to_string();
+        files.push((id, dir.join(format!("{id}.db"))));
         let (base, dir, totals, stop) = (base.clone(), dir.clone(), totals.clone(), stop.clone());
         threads.push(std::thread::spawn(move || {
             follow(base, id, token, &dir, (products, orders), totals, stop)
@@ -265,6 +283,11 @@ pub async fn main() {
                     println!("{stats}");
                 }
                 Some("lose-next") => totals.lose_next.store(true, Ordering::SeqCst),
+                Some(cmd) if cmd.starts_with("write ") => {
+                    let mut f = cmd.split_whitespace().skip(1).map(|v| v.parse::<u64>().unwrap_or(0));
+                    let (rate, seconds) = (f.next().unwrap_or(0), f.next().unwrap_or(0));
+                    write_sales(&files, rate, seconds);
+                }
                 Some("eof") | None => break,
                 Some(other) => eprintln!("unknown command {other:?} (mark, stats, lose-next)"),
             },
@@ -279,4 +302,51 @@ pub async fn main() {
     done["gaps"] = gaps.into();
     done["malformed"] = 0.into();
     println!("{done}");
+}
+
+/// `write W S`: each replica's app writes W sales a second for S seconds into its file
+/// (open loop: replica i's k-th at start + (k + i/R)/W s), one row per transaction, `at_ns` the wall clock
+/// right before the commit; then prints `written` with the rows written in all. The
+/// uploaders beside the replica loops send them; the driver reads what was filed when.
+fn write_sales(files: &[(Uuid, PathBuf)], rate: u64, seconds: u64) {
+    let files = files.to_vec();
+    let replicas = files.len().max(1);
+    std::thread::spawn(move || {
+        let start = Instant::now();
+        let writers: Vec<_> = files
+            .into_iter()
+            .enumerate()
+            .map(|(i, (id, file))| {
+                // Stores do not write in step: replica i's writes are offset by i/R of
+                // the interval.
+                let offset = i as f64 / replicas as f64;
+                std::thread::spawn(move || {
+                    let app = rusqlite::Connection::open(&file).expect("the app opens the file");
+                    app.busy_timeout(Duration::from_secs(30)).unwrap();
+                    app.execute_batch("PRAGMA synchronous=FULL").unwrap();
+                    let n = rate * seconds;
+                    for k in 0..n {
+                        let due = start
+                            + Duration::from_secs_f64((k as f64 + offset) / rate.max(1) as f64);
+                        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                            std::thread::sleep(wait);
+                        }
+                        app.execute(
+                            "INSERT INTO sales (id, store, amount, at_ns) VALUES (?1, ?2, ?3, ?4)",
+                            rusqlite::params![
+                                Uuid::new_v4().to_string(),
+                                id.to_string(),
+                                k as i64,
+                                wall_ns()
+                            ],
+                        )
+                        .expect("the app writes a sale");
+                    }
+                    n
+                })
+            })
+            .collect();
+        let rows: u64 = writers.into_iter().map(|w| w.join().unwrap_or(0)).sum();
+        println!("{}", serde_json::json!({"event": "written", "rows": rows}));
+    });
 }

@@ -8,8 +8,8 @@
 //!
 //! Per store (one uuid per line of FILE; more fields after it are ignored):
 //!
-//! 1. `D/<uuid>.db` is created with the two tables, in WAL with `synchronous=FULL`, and
-//!    magic_sync's replica schema and triggers are installed (`replica::install`).
+//! 1. `D/<uuid>.db` is created with the three tables, in WAL with `synchronous=FULL`,
+//!    and magic_sync's replica schema and triggers are installed (`replica::install`).
 //! 2. A magic_sync `Replica` runs in a task: it sends up, through `POST /up/{uuid}`, what
 //!    the server must hear — above all which message it last applied, since the server
 //!    counts nothing as held until then.
@@ -19,10 +19,15 @@
 //!    error leaves K where it was, so the message comes again.
 //! 4. After a `receive` that applied rows, the rows it applied are read back: each whose
 //!    `at_ns` is new is a lag sample `now - at_ns` (wall clock, ns since the epoch).
+//! 5. A writer task, idle until the stdin command `write W S`, then inserts W sales a
+//!    second for S seconds into the store's `sales`, one row a transaction, through a
+//!    SQLite connection of its own (as an app would). magic_sync's triggers note each
+//!    row, and the replica's run loop (2) sends it up when it next looks.
 //!
 //! Stdout, one JSON object a line: `provisioned` once every store holds N products and
-//! its K orders; `mark` on the stdin command `mark`; `done` on SIGTERM, SIGINT or
-//! stdin's end, after which the process exits 0.
+//! its K orders; `mark` on the stdin command `mark`; `written` once every store wrote
+//! what a `write` asked; `done` on SIGTERM, SIGINT or stdin's end, after which the
+//! process exits 0.
 
 #[path = "../../shop.rs"]
 mod shop;
@@ -39,8 +44,9 @@ use magic_sync::row::KeyPart;
 use magic_sync::run::replica::{Replica, Settings, Uplink};
 use sqlx::SqlitePool;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::{Connection, SqliteConnection};
 use tokio::io::AsyncBufReadExt;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, oneshot, watch};
 use uuid::Uuid;
 
 /// How long one fetch waits on the server for a message (the contract's `wait_ms`).
@@ -58,13 +64,19 @@ const RETRY_PAUSE: Duration = Duration::from_millis(200);
 const SQLITE_CONNECTIONS: u32 = 3;
 
 /// The driver's tables, on the replica, as magic_sync's check wants them: every column
-/// of the row, its nullability and a type its field decodes (a uuid is a BLOB).
+/// of the row, its nullability and a type its field decodes (a uuid is a BLOB, 16 bytes
+/// as sqlx binds a `Uuid` — magic_sync's note trigger refuses a key in any other form).
 const TABLES: &str = "
 CREATE TABLE IF NOT EXISTS products (id INTEGER PRIMARY KEY NOT NULL, name TEXT NOT NULL,
     price_cents INTEGER NOT NULL, at_ns INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY NOT NULL, store BLOB NOT NULL,
     qty INTEGER NOT NULL, at_ns INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS sales (id BLOB PRIMARY KEY NOT NULL, store BLOB NOT NULL,
+    amount INTEGER NOT NULL, at_ns INTEGER NOT NULL);
 ";
+
+/// A sale, as the writer inserts it: one row, in a transaction of its own.
+const INSERT_SALE: &str = "INSERT INTO sales (id, store, amount, at_ns) VALUES (?1, ?2, ?3, ?4)";
 
 /// The two tables lag is measured on, as a `receive` names them, with the query that
 /// reads back the `at_ns` of the rows it applied (their ids as a JSON array): the
@@ -104,6 +116,18 @@ struct Run {
     started: Instant,
     client: reqwest::Client,
     totals: Totals,
+    /// Each store's writer, once its database is set up: where a `write` goes.
+    writers: Mutex<Vec<mpsc::UnboundedSender<Write>>>,
+}
+
+/// What a `write W S` asks of one store's writer: `count` rows, the k-th (from 0) due
+/// at `start + k / per_second` seconds (each store's `start` offset by i/n of an
+/// interval); `done` is answered with how many it wrote.
+struct Write {
+    per_second: u64,
+    count: u64,
+    start: tokio::time::Instant,
+    done: oneshot::Sender<u64>,
 }
 
 fn main() {
@@ -150,6 +174,7 @@ async fn host(args: &[String]) -> Result<(), String> {
         started,
         client,
         totals: Totals::default(),
+        writers: Mutex::new(Vec::new()),
     });
     let (stop, stopped) = watch::channel(false);
     for store in stores {
@@ -171,7 +196,8 @@ async fn host(args: &[String]) -> Result<(), String> {
 /// One store: its database set up, its replica run, and its messages fetched and
 /// applied until the host stops.
 async fn follow(run: Arc<Run>, store: Uuid, stopped: watch::Receiver<bool>) -> Result<(), String> {
-    let pool = open(&run.dir.join(format!("{store}.db"))).await?;
+    let path = run.dir.join(format!("{store}.db"));
+    let pool = open(&path).await?;
     let uplink = HttpUp {
         url: format!("{}/up/{store}", run.base),
         run: run.clone(),
@@ -191,26 +217,37 @@ async fn follow(run: Arc<Run>, store: Uuid, stopped: watch::Receiver<bool>) -> R
         let stopped = stopped.clone();
         async move { replica.run(until(stopped)).await }
     });
+    let (writes, asked) = mpsc::unbounded_channel();
+    tokio::spawn(writer(store, path, asked));
+    run.writers
+        .lock()
+        .expect("no thread panics holding the writers")
+        .push(writes);
     let mut held = Held::new(pool);
     held.check_provisioned(&run).await;
     fetch_loop(&run, store, &replica, &mut held, stopped).await;
     Ok(())
 }
 
-/// `path` opened as magic_sync's check requires — `synchronous=FULL` (ferry's replicas
-/// use FULL too), WAL, `recursive_triggers` on — with the tables and magic_sync's
-/// replica schema installed.
-async fn open(path: &Path) -> Result<SqlitePool, String> {
-    let options = SqliteConnectOptions::new()
+/// How a store's database is opened, by the pool and by the writer alike: as
+/// magic_sync's check requires — `synchronous=FULL` (ferry's replicas use FULL too),
+/// WAL, `recursive_triggers` on — with a 30 s busy timeout.
+fn options(path: &Path) -> SqliteConnectOptions {
+    SqliteConnectOptions::new()
         .filename(path)
         .create_if_missing(true)
         .journal_mode(SqliteJournalMode::Wal)
         .synchronous(SqliteSynchronous::Full)
         .pragma("recursive_triggers", "ON")
-        .busy_timeout(Duration::from_secs(30));
+        .busy_timeout(Duration::from_secs(30))
+}
+
+/// `path` opened ([`options`]) with the tables and magic_sync's replica schema
+/// installed.
+async fn open(path: &Path) -> Result<SqlitePool, String> {
     let pool = SqlitePoolOptions::new()
         .max_connections(SQLITE_CONNECTIONS)
-        .connect_with(options)
+        .connect_with(options(path))
         .await
         .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
     sqlx::raw_sql(TABLES)
@@ -230,6 +267,129 @@ async fn open(path: &Path) -> Result<SqlitePool, String> {
             )
         })?;
     Ok(pool)
+}
+
+/// One store's writer: for each `write`, its rows at their times, open loop — a row late
+/// (the one before it took longer than the interval) goes at once, and the schedule
+/// stays where it was. Each row is one transaction on the writer's own connection,
+/// opened at the first `write` (a run that never writes holds no more threads than
+/// before): `BEGIN IMMEDIATE` (the write lock, which the replica's run loop and
+/// `receive` take too), then `at_ns` read off the wall clock, the insert, the commit. So
+/// `at_ns` is taken just before the commit, after any wait for the lock; magic_sync's
+/// note trigger runs inside it.
+async fn writer(store: Uuid, path: PathBuf, mut asked: mpsc::UnboundedReceiver<Write>) {
+    let mut conn: Option<SqliteConnection> = None;
+    while let Some(job) = asked.recv().await {
+        if conn.is_none() {
+            match SqliteConnection::connect_with(&options(&path)).await {
+                Ok(c) => conn = Some(c),
+                Err(e) => {
+                    tracing::error!(%store, "the writer cannot open {}: {e}", path.display());
+                    let _ = job.done.send(0);
+                    continue;
+                }
+            }
+        }
+        let c = conn.as_mut().expect("opened above");
+        let mut written = 0u64;
+        for k in 0..job.count {
+            let due = job.start
+                + Duration::from_nanos(
+                    (u128::from(k) * 1_000_000_000 / u128::from(job.per_second)) as u64,
+                );
+            tokio::time::sleep_until(due).await;
+            match sale(c, store, k).await {
+                Ok(()) => written += 1,
+                Err(e) => tracing::error!(%store, k, "a sale was not written: {e}"),
+            }
+        }
+        let _ = job.done.send(written);
+    }
+}
+
+/// The k-th sale of `store`, in a transaction of its own.
+async fn sale(conn: &mut SqliteConnection, store: Uuid, k: u64) -> Result<(), sqlx::Error> {
+    let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
+    let at_ns = wall_ns();
+    sqlx::query(INSERT_SALE)
+        .bind(Uuid::new_v4())
+        .bind(store)
+        .bind(k as i64)
+        .bind(at_ns)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await
+}
+
+/// `write W S`: every store's writer told to write W rows a second for S seconds from
+/// now; once all answered, `{"event":"written","rows":N}` with the rows they wrote.
+async fn write_all(run: Arc<Run>, per_second: u64, seconds: u64) {
+    let count = per_second * seconds;
+    let start = tokio::time::Instant::now();
+    let writers = run
+        .writers
+        .lock()
+        .expect("no thread panics holding the writers")
+        .clone();
+    if (writers.len() as u64) < run.stores {
+        tracing::warn!(
+            ready = writers.len(),
+            stores = run.stores,
+            "`write` reaches only the stores whose database is set up"
+        );
+    }
+    let mut answers = Vec::new();
+    if count > 0 {
+        // Stores do not write in step: writer i starts i/n of an interval late, as ferry's
+        // host does (bench/sync/harness/src/replicas.rs).
+        let n = writers.len().max(1) as u128;
+        for (i, w) in writers.iter().enumerate() {
+            let (done, answer) = oneshot::channel();
+            let offset = i as u128 * 1_000_000_000 / (n * u128::from(per_second.max(1)));
+            let job = Write {
+                per_second,
+                count,
+                start: start + Duration::from_nanos(offset as u64),
+                done,
+            };
+            if w.send(job).is_ok() {
+                answers.push(answer);
+            }
+        }
+    }
+    let mut rows = 0u64;
+    for answer in answers {
+        rows += answer.await.unwrap_or(0);
+    }
+    say(&serde_json::json!({"event": "written", "rows": rows}));
+}
+
+/// The numbers of `write W S`: W rows a second (at least 1), S whole seconds.
+fn write_command(line: &str) -> Option<Result<(u64, u64), String>> {
+    let mut words = line.split_whitespace();
+    if words.next() != Some("write") {
+        return None;
+    }
+    let parse = |w: Option<&str>, what: &str| {
+        w.ok_or_else(|| format!("`write W S`: {what} is missing"))?
+            .parse::<u64>()
+            .map_err(|e| format!("`write W S`: {what} is not a whole number ({e})"))
+    };
+    let answer = (|| {
+        let per_second = parse(words.next(), "W")?;
+        let seconds = parse(words.next(), "S")?;
+        if words.next().is_some() {
+            return Err("`write W S` takes two numbers".to_owned());
+        }
+        if per_second == 0 {
+            return Err("`write W S`: W is 0 rows a second".to_owned());
+        }
+        per_second
+            .checked_mul(seconds)
+            .ok_or_else(|| "`write W S`: W * S overflows".to_owned())?;
+        Ok((per_second, seconds))
+    })();
+    Some(answer)
 }
 
 /// Fetches and applies this store's messages until the host stops.
@@ -493,7 +653,8 @@ impl Uplink for HttpUp {
 }
 
 /// Stdin: `mark` prints the totals so far; `stats` prints the lag of the samples since
-/// the last `stats` and forgets them; the end of stdin stops the host.
+/// the last `stats` and forgets them; `write W S` has every store write W sales a second
+/// for S seconds, and prints `written` when all have; the end of stdin stops the host.
 async fn commands(run: Arc<Run>, stop: watch::Sender<bool>) {
     let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).lines();
     loop {
@@ -516,9 +677,15 @@ async fn commands(run: Arc<Run>, stop: watch::Sender<bool>) {
                 say(&lag_line("stats", taken, t));
             }
             Ok(Some(line)) if line.trim().is_empty() => {}
-            Ok(Some(line)) => {
-                tracing::warn!("unknown command {line:?}: only `mark` and `stats` are known")
-            }
+            Ok(Some(line)) => match write_command(&line) {
+                Some(Ok((per_second, seconds))) => {
+                    tokio::spawn(write_all(run.clone(), per_second, seconds));
+                }
+                Some(Err(e)) => tracing::warn!("{e}: nothing written"),
+                None => tracing::warn!(
+                    "unknown command {line:?}: only `mark`, `stats` and `write W S` are known"
+                ),
+            },
             Ok(None) | Err(_) => {
                 let _ = stop.send(true);
                 return;
