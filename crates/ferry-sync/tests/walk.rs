@@ -2,6 +2,10 @@
 //! and whatever a lossy, repeating, reordering transport, killed replicas and relays
 //! killed mid-pass do meanwhile, once writes stop and the transport delivers every store
 //! holds exactly the rows its rules route to it, in content, and status calls it synced.
+//! Both ways: the stores' apps write sales and counters (docs/sync-up.md) that go up
+//! through a transport that fails, files twice and loses answers, with uploaders killed
+//! at random; at the end the server holds every store's sales exactly once, under the
+//! store that wrote them, and each counter at its newest version.
 //!
 //! The oracle is `Shop::expected` (the rules written as plain SQL from the doc) against
 //! what each SQLite file holds. In half the seeds the replicas never send digests, so the
@@ -11,16 +15,21 @@
 //!
 //! `FERRY_SYNC_WALK_SEEDS=N` runs seeds 0..N (default 6), `FERRY_SYNC_WALK_SEED=K` runs
 //! seed K alone (a failure names its seed), `FERRY_SYNC_WALK_STEPS` sets the steps per
-//! seed (default 400). `scripts/soak-sync` runs many seeds in release mode.
+//! seed (default 400). `scripts/soak-sync` runs many seeds in release mode. To tell a
+//! failure of the way down from one of the way up: `FERRY_SYNC_WALK_NO_UP=1` takes the
+//! way-up steps' random draws but does nothing with them (the rest of the walk is the
+//! same), and `FERRY_SYNC_WALK_NO_RECORDS=1` runs on the shop without record tables.
 
 mod common;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use common::Shop;
+use common::up::{Lossy, RECORDS_RULES, RECORDS_SCHEMA, upload_all};
+use common::{SHOP_RULES, SHOP_SCHEMA, Shop};
+use ferry_core::seams::SplitMix64;
 use ferry_sync::relay::{Relay, RelaySettings};
-use ferry_sync::replica::Received;
+use ferry_sync::replica::{Received, Uploader};
 use ferry_sync::wire;
 use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
@@ -131,13 +140,24 @@ struct Ids {
 
 async fn walk(seed: u64, steps: usize) {
     let mut rng = Rng(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ 0x5EED);
-    let mut shop = Shop::new(&format!("walk{seed}")).await;
+    let mut shop = if std::env::var_os("FERRY_SYNC_WALK_NO_RECORDS").is_some() {
+        Shop::new(&format!("walk{seed}")).await
+    } else {
+        Shop::new_with(
+            &format!("walk{seed}"),
+            &format!("{SHOP_SCHEMA}{RECORDS_SCHEMA}"),
+            &format!("{SHOP_RULES}{RECORDS_RULES}"),
+        )
+        .await
+    };
     let plan = plan(&mut rng, steps);
     shop.relay = new_relay(&shop, &mut rng, plan.digests);
     let mut ids = Ids::default();
+    let mut ups: BTreeMap<Uuid, Up> = BTreeMap::new();
     for (id, region) in &plan.stores {
         shop.store_as(*id, region).await;
         ids.stores.push(*id);
+        ups.insert(*id, Up::new(&shop, *id, rng.next()));
     }
     // Frames a delivery held back, delivered (late, repeated) by a later one.
     let mut late_frames: BTreeMap<Uuid, Vec<Vec<u8>>> = BTreeMap::new();
@@ -148,6 +168,7 @@ async fn walk(seed: u64, steps: usize) {
         {
             shop.store_as(id, region).await;
             ids.stores.push(id);
+            ups.insert(id, Up::new(&shop, id, rng.next()));
         }
         if let Some((id, close_at, reopen_at)) = plan.close {
             if close_at == step {
@@ -162,7 +183,26 @@ async fn walk(seed: u64, steps: usize) {
             eprintln!("step {step}: {choice}");
         }
         match choice {
-            0..=44 => write(&shop, &mut rng, &mut ids).await,
+            0..=34 => write(&shop, &mut rng, &mut ids).await,
+            35..=39 => {
+                let id = *rng.pick(&ids.stores).expect("a store exists");
+                app_write(&shop, &mut rng, id);
+            }
+            40..=44 => {
+                let id = *rng.pick(&ids.stores).expect("a store exists");
+                let up = ups.remove(&id).expect("every store has its uploader");
+                let (restart, turns) = (rng.chance(15), 1 + rng.below(3) as usize);
+                let up = if std::env::var_os("FERRY_SYNC_WALK_NO_UP").is_some() {
+                    up
+                } else if restart {
+                    // The uploader's process killed and started again: what it held in
+                    // memory (a batch sent, its Filed lost) is gone; its file stays.
+                    up.restarted(&shop, id)
+                } else {
+                    up.turns(turns).await
+                };
+                ups.insert(id, up);
+            }
             45..=59 => {
                 let report = shop
                     .relay
@@ -216,6 +256,7 @@ async fn walk(seed: u64, steps: usize) {
         shop.replicas.remove(&id);
     }
     shop.assert_converged().await;
+    the_way_up_is_exactly_once(&shop, seed, ups).await;
     let status = ferry_sync::status::read(&shop.db.pool, None).await.unwrap();
     for r in &status.replicas {
         let expected = if Some(r.id.as_str()) == closed.map(|c| c.to_string()).as_deref() {
@@ -250,6 +291,179 @@ async fn walk(seed: u64, steps: usize) {
         plan.digests
     );
     shop.finish().await;
+}
+
+/// One store's way up: its uploader (a process of its own) and the lossy transport.
+struct Up {
+    uploader: Uploader,
+    link: Lossy,
+}
+
+impl Up {
+    fn new(shop: &Shop, id: Uuid, seed: u64) -> Up {
+        Up {
+            uploader: Uploader::open(&shop.dir.join(format!("{id}.db")), shop.seal_keys[&id], id)
+                .unwrap(),
+            link: Lossy {
+                pool: shop.db.pool.clone(),
+                records: shop.spec.records.clone(),
+                sender: id,
+                seal_key: shop.seal_keys[&id],
+                rng: SplitMix64::seeded(seed),
+                fault: 300,
+                rt: tokio::runtime::Handle::current(),
+                filings: 0,
+            },
+        }
+    }
+
+    fn restarted(self, shop: &Shop, id: Uuid) -> Up {
+        drop(self.uploader);
+        Up {
+            uploader: Uploader::open(&shop.dir.join(format!("{id}.db")), shop.seal_keys[&id], id)
+                .unwrap(),
+            link: self.link,
+        }
+    }
+
+    /// `n` turns; a failed one (the transport's fault) is what the walk wants to see.
+    async fn turns(mut self, n: usize) -> Up {
+        tokio::task::spawn_blocking(move || {
+            for _ in 0..n {
+                let _ = self
+                    .uploader
+                    .turn(&mut self.link, &ferry_sync::replica::UpSettings::default());
+            }
+            self
+        })
+        .await
+        .unwrap()
+    }
+}
+
+/// The store's app writes to the tables it writes (once a snapshot created them): a new
+/// sale, an edit or a delete of one, or a counter's newer version.
+fn app_write(shop: &Shop, rng: &mut Rng, id: Uuid) {
+    // Every draw is taken whatever the file holds, so the rest of the walk does not
+    // depend on what the store's app found.
+    let (kind, sale, amount) = (rng.below(10), rng.uuid(), rng.below(1_000));
+    let (counter, units, cents) = (rng.below(3), rng.below(100), rng.below(100));
+    if std::env::var_os("FERRY_SYNC_WALK_NO_UP").is_some() {
+        return;
+    }
+    let app = rusqlite::Connection::open(shop.dir.join(format!("{id}.db"))).unwrap();
+    app.busy_timeout(Duration::from_secs(5)).unwrap();
+    let ready: bool = app
+        .query_row(
+            "SELECT count(*) = 2 FROM sqlite_schema WHERE name IN ('sales', 'counters')",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    if !ready {
+        return;
+    }
+    let some_sale = || -> Option<String> {
+        app.query_row(
+            "SELECT id FROM sales ORDER BY id LIMIT 1 OFFSET ?1 % max(1, (SELECT count(*) FROM sales))",
+            [amount as i64],
+            |r| r.get(0),
+        )
+        .ok()
+    };
+    let sql = match kind {
+        0..=4 => format!(
+            "INSERT INTO sales (id, store_id, amount, note) VALUES ('{sale}', '{id}', {amount}, 'new')"
+        ),
+        5 | 6 => match some_sale() {
+            Some(sale) => {
+                format!("UPDATE sales SET amount = amount + 1, note = 'edited' WHERE id = '{sale}'")
+            }
+            None => return,
+        },
+        7 => match some_sale() {
+            Some(sale) => format!("DELETE FROM sales WHERE id = '{sale}'"),
+            None => return,
+        },
+        _ => format!(
+            "INSERT INTO counters (name, rev, total) VALUES ('c{counter}', 1, '0.00')
+             ON CONFLICT (name) DO UPDATE SET rev = rev + 1, total = '{units}.{cents:02}'"
+        ),
+    };
+    if trace() {
+        eprintln!("  store {id} app: {sql}");
+    }
+    app.execute_batch(&sql).unwrap();
+}
+
+/// After the walk: every uploader, on a faithful transport, first checks the server's
+/// filing count (a restore would show there) and sends what is left; then the server's
+/// sales are exactly the union of the stores' (each once, under its store), and each
+/// counter is at the newest version any store wrote.
+async fn the_way_up_is_exactly_once(shop: &Shop, seed: u64, ups: BTreeMap<Uuid, Up>) {
+    let mut want_sales = BTreeMap::new();
+    let mut want_revs: BTreeMap<String, i64> = BTreeMap::new();
+    for (id, mut up) in ups {
+        up.link.fault = 0;
+        let db = shop.dir.join(format!("{id}.db"));
+        let db2 = db.clone();
+        tokio::task::spawn_blocking(move || {
+            up.uploader.check_server(&mut up.link).unwrap();
+            upload_all(&mut up.uploader, &mut up.link, &db2);
+        })
+        .await
+        .unwrap();
+        let app = rusqlite::Connection::open(&db).unwrap();
+        let has: bool = app
+            .query_row(
+                "SELECT count(*) = 2 FROM sqlite_schema WHERE name IN ('sales', 'counters')",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        if !has {
+            continue;
+        }
+        let mut stmt = app.prepare("SELECT id FROM sales").unwrap();
+        for sale in stmt.query_map([], |r| r.get::<_, String>(0)).unwrap() {
+            want_sales.insert(sale.unwrap(), id.to_string());
+        }
+        let mut stmt = app.prepare("SELECT name, rev FROM counters").unwrap();
+        for row in stmt
+            .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))
+            .unwrap()
+        {
+            let (name, rev) = row.unwrap();
+            let best = want_revs.entry(name).or_insert(rev);
+            *best = (*best).max(rev);
+        }
+    }
+    let have_sales: BTreeMap<String, String> =
+        sqlx::query_as("SELECT id::text, store_id::text FROM sales")
+            .fetch_all(&shop.db.pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
+    assert_eq!(
+        have_sales, want_sales,
+        "seed {seed}: the server's sales are not the stores' sales, once each"
+    );
+    let have_revs: BTreeMap<String, i64> = sqlx::query_as("SELECT name, rev FROM counters")
+        .fetch_all(&shop.db.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    assert_eq!(
+        have_revs, want_revs,
+        "seed {seed}: a counter is not at its newest version"
+    );
+    eprintln!(
+        "walk seed {seed}: {} sales and {} counters filed",
+        have_sales.len(),
+        have_revs.len()
+    );
 }
 
 fn plan(rng: &mut Rng, steps: usize) -> Plan {
