@@ -401,6 +401,9 @@ fn app_write(shop: &Shop, rng: &mut Rng, id: Uuid) {
 /// sales are exactly the union of the stores' (each once, under its store), and each
 /// counter is at the newest version any store wrote.
 async fn the_way_up_is_exactly_once(shop: &Shop, seed: u64, ups: BTreeMap<Uuid, Up>) {
+    if std::env::var_os("FERRY_SYNC_WALK_NO_RECORDS").is_some() {
+        return;
+    }
     let mut want_sales = BTreeMap::new();
     let mut want_revs: BTreeMap<String, i64> = BTreeMap::new();
     for (id, mut up) in ups {

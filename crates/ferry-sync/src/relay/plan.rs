@@ -62,6 +62,9 @@ pub struct Planner<'a> {
     /// Rows that left a replica, and parents that lost a pointer: closure-only parents
     /// among them may now be free.
     released: Vec<Release>,
+    /// Per relation, its pending and parked notes as this pass's snapshot has them
+    /// (`record_pending_sent`), read once a pass: `None` inside means a whole-table note.
+    pending: HashMap<String, Option<HashSet<String>>>,
 }
 
 impl<'a> Planner<'a> {
@@ -74,6 +77,7 @@ impl<'a> Planner<'a> {
             work: vec![BTreeSet::new(); spec.tables.len()],
             sent: Vec::new(),
             released: Vec::new(),
+            pending: HashMap::new(),
         }
     }
 
@@ -805,6 +809,12 @@ impl Planner<'_> {
             o.sweep_end = true;
             o.upserts.extend(rows.iter().map(|row| row.values.clone()));
             by_rule[t] = rows.iter().map(|row| row.key.clone()).collect();
+            if table.is_broadcast() {
+                let keys = std::mem::take(&mut by_rule[t]);
+                self.record_pending_sent(conn, &table.relation, &partition, &keys)
+                    .await?;
+                by_rule[t] = keys;
+            }
             if !table.is_broadcast() {
                 let set: Vec<(Uuid, String, bool)> =
                     rows.iter().map(|row| (r, row.key.clone(), true)).collect();
@@ -814,6 +824,58 @@ impl Planner<'_> {
                 self.sent.extend(rows.into_iter().map(|row| (r, t, row)));
             }
         }
+        Ok(())
+    }
+
+    /// A snapshot reads a broadcast table as it is, which can be ahead of the held state: a
+    /// row whose note is still pending (batches are bounded) is sent now, though `rows` does
+    /// not yet place it in the partition. If its note then moves it to another partition,
+    /// planning finds no entry here and sends this partition no tombstone, and the replica
+    /// keeps it (the walk's seed 44: docs/notes/2026-12-06-walk-seed-44.md). So the keys this
+    /// snapshot sent that have a pending or parked note are placed in the partition now
+    /// (every key when a whole-table note is pending); entries already there stay as they are.
+    async fn record_pending_sent(
+        &mut self,
+        conn: &mut PgConnection,
+        relation: &str,
+        partition: &str,
+        sent: &[String],
+    ) -> Result<(), sqlx::Error> {
+        if !self.pending.contains_key(relation) {
+            let notes: Vec<(String, String)> = sqlx::query_as(
+                "SELECT DISTINCT kind, key FROM ferry_sync.notes WHERE relation = $1",
+            )
+            .bind(relation)
+            .fetch_all(&mut *conn)
+            .await?;
+            let keys = (!notes.iter().any(|(kind, _)| kind == "table"))
+                .then(|| notes.into_iter().map(|(_, key)| key).collect());
+            self.pending.insert(relation.to_string(), keys);
+        }
+        let keys: Vec<String> = match &self.pending[relation] {
+            None => sent.to_vec(),
+            Some(noted) if noted.is_empty() => return Ok(()),
+            Some(noted) => sent
+                .iter()
+                .filter(|k| noted.contains(*k))
+                .cloned()
+                .collect(),
+        };
+        if keys.is_empty() {
+            return Ok(());
+        }
+        sqlx::query(
+            "INSERT INTO ferry_sync.rows (relation, part, key, rv, gone)
+             SELECT $1, $2, k, $3, false FROM unnest($4::text[]) AS k
+             ON CONFLICT (relation, part, key) DO UPDATE SET rv = excluded.rv, gone = false
+             WHERE ferry_sync.rows.gone",
+        )
+        .bind(relation)
+        .bind(partition)
+        .bind(self.pass)
+        .bind(&keys)
+        .execute(&mut *conn)
+        .await?;
         Ok(())
     }
 
