@@ -577,16 +577,7 @@ impl Uploader {
         let s = |e| ReplicaError::storage("recording a Filed", e);
         let c = &self.conn;
         for refused in &filed.refused {
-            let key: String = c
-                .query_row(
-                    &format!(
-                        "SELECT json_array({})",
-                        vec!["?"; refused.key.len()].join(", ")
-                    ),
-                    rusqlite::params_from_iter(refused.key.iter().map(codec::to_sql)),
-                    |r| r.get(0),
-                )
-                .map_err(s)?;
+            let key = json_key(c, &refused.key)?;
             c.execute(
                 "UPDATE _ferry_sync_up SET aside = ?3 WHERE tbl = ?1 AND key = ?2",
                 params![refused.table, key, refused.reason],

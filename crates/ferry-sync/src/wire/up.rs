@@ -187,6 +187,22 @@ fn read_rejections(reader: &mut Reader<'_>) -> Result<Vec<Rejection>, Fault> {
 }
 
 fn read_rejection(reader: &mut Reader<'_>) -> Result<Rejection, Fault> {
+    let (table, key, reason) = read_keyed_reason(reader, "replica")?;
+    Ok(Rejection {
+        table,
+        key,
+        reason,
+        seq: reader.u64("the seq")?,
+    })
+}
+
+/// A row named with a reason, as rejections up and a `Filed`'s refused rows carry it:
+/// the table, its key values (1..=[`COLUMNS_MAX`]) and the reason (at most
+/// [`REASON_BYTES_MAX`] bytes, which `cutter`, the side that writes it, cuts to).
+pub(super) fn read_keyed_reason(
+    reader: &mut Reader<'_>,
+    cutter: &str,
+) -> Result<(String, Vec<value::Value>, String), Fault> {
     let table = reader.str("the table")?;
     check_table_name(table)?;
     let key_at = reader.at();
@@ -211,17 +227,12 @@ fn read_rejection(reader: &mut Reader<'_>) -> Result<Rejection, Fault> {
             Rule::ReasonLen,
             format!(
                 "the reason at byte {reason_at} is {} bytes, over {REASON_BYTES_MAX}: the \
-                 replica cuts reasons to that",
+                 {cutter} cuts reasons to that",
                 reason.len()
             ),
         ));
     }
-    Ok(Rejection {
-        table: table.to_string(),
-        key,
-        reason: reason.to_string(),
-        seq: reader.u64("the seq")?,
-    })
+    Ok((table.to_string(), key, reason.to_string()))
 }
 
 fn read_digests(reader: &mut Reader<'_>) -> Result<Vec<Digest>, Fault> {

@@ -415,40 +415,8 @@ fn read_refused_rows(reader: &mut Reader<'_>) -> Result<Vec<RefusedRow>, Fault> 
 
 /// Reads one refused row, checked as a rejection in a report is.
 fn read_refused_row(reader: &mut Reader<'_>) -> Result<RefusedRow, Fault> {
-    let table = reader.str("the table")?;
-    check_table_name(table)?;
-    let key_at = reader.at();
-    let key_len = reader.varint("the key length")?;
-    if key_len == 0 || key_len > COLUMNS_MAX as u64 {
-        return Err(Fault::new(
-            Rule::RejectionKeyLen,
-            format!(
-                "the key length at byte {key_at} is {key_len}; a key has 1..={COLUMNS_MAX} values"
-            ),
-        ));
-    }
-    let key_len = reader.count_checked(key_len, "the key length", 1, key_at)?;
-    let mut key = Vec::with_capacity(key_len);
-    for part in 1..=key_len {
-        key.push(reader.value(&format!("key value {part}"))?);
-    }
-    let reason_at = reader.at();
-    let reason = reader.str("the reason")?;
-    if reason.len() > REASON_BYTES_MAX {
-        return Err(Fault::new(
-            Rule::ReasonLen,
-            format!(
-                "the reason at byte {reason_at} is {} bytes, over {REASON_BYTES_MAX}: the \
-                 server cuts reasons to that",
-                reason.len()
-            ),
-        ));
-    }
-    Ok(RefusedRow {
-        table: table.to_string(),
-        key,
-        reason: reason.to_string(),
-    })
+    let (table, key, reason) = super::up::read_keyed_reason(reader, "server")?;
+    Ok(RefusedRow { table, key, reason })
 }
 
 fn upload_too_large(len: usize) -> Fault {
