@@ -14,7 +14,6 @@ use std::collections::BTreeMap;
 
 use common::up::{Lossy, RECORDS_RULES, RECORDS_SCHEMA, server_sales, upload_all};
 use common::{SHOP_RULES, SHOP_SCHEMA, Shop};
-use ferry_core::seams::SplitMix64;
 use ferry_sync::file::{self, Shape};
 use ferry_sync::replica::{Uploader, up_status};
 use uuid::Uuid;
@@ -43,17 +42,7 @@ async fn every_write_is_filed_once_through_lost_and_repeated_answers_and_a_lost_
         .unwrap();
     assert_eq!(triggers, 6, "three triggers per table the store writes");
 
-    let records = shop.spec.records.clone();
-    let mut link = Lossy {
-        pool: shop.db.pool.clone(),
-        records,
-        sender: store,
-        seal_key: shop.seal_keys[&store],
-        rng: SplitMix64::seeded(27),
-        fault: 300,
-        rt: tokio::runtime::Handle::current(),
-        filings: 0,
-    };
+    let mut link = Lossy::new(&shop, store, 27, 300);
     let mut uploader = Uploader::open(&db, shop.seal_keys[&store], store).unwrap();
 
     // 200 sales in 20 transactions, each row written twice before it goes up; an upload
@@ -211,16 +200,7 @@ async fn a_row_naming_another_store_is_set_aside_and_the_rest_filed() {
         ],
     )
     .unwrap();
-    let mut link = Lossy {
-        pool: shop.db.pool.clone(),
-        records: shop.spec.records.clone(),
-        sender: store,
-        seal_key: shop.seal_keys[&store],
-        rng: SplitMix64::seeded(1),
-        fault: 0,
-        rt: tokio::runtime::Handle::current(),
-        filings: 0,
-    };
+    let mut link = Lossy::new(&shop, store, 1, 0);
     let mut uploader = Uploader::open(&db, shop.seal_keys[&store], store).unwrap();
     let status = tokio::task::spawn_blocking(move || {
         upload_all(&mut uploader, &mut link, &db);
@@ -261,16 +241,7 @@ async fn a_row_the_database_refuses_waits_in_the_inbox_and_is_filed_after_the_fi
         rusqlite::params![good.to_string(), refund.to_string(), store.to_string()],
     )
     .unwrap();
-    let mut link = Lossy {
-        pool: shop.db.pool.clone(),
-        records: shop.spec.records.clone(),
-        sender: store,
-        seal_key: shop.seal_keys[&store],
-        rng: SplitMix64::seeded(2),
-        fault: 0,
-        rt: tokio::runtime::Handle::current(),
-        filings: 0,
-    };
+    let mut link = Lossy::new(&shop, store, 2, 0);
     let mut uploader = Uploader::open(&db, shop.seal_keys[&store], store).unwrap();
     let status = tokio::task::spawn_blocking(move || {
         upload_all(&mut uploader, &mut link, &db);

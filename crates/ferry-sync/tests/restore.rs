@@ -7,8 +7,6 @@
 
 mod common;
 
-use std::process::Command;
-
 use common::Shop;
 use ferry_testkit::servers::PrivatePg;
 use sqlx::{Connection, PgConnection};
@@ -34,18 +32,6 @@ async fn relock(shop: &mut Shop) {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
     panic!("the restarted Postgres did not answer");
-}
-
-fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
-    let _ = std::fs::remove_dir_all(to);
-    let ok = Command::new("cp")
-        .arg("-a")
-        .arg(from)
-        .arg(to)
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "copying {} to {}", from.display(), to.display());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -80,7 +66,7 @@ async fn a_server_restored_from_an_older_copy_takes_a_new_epoch_and_every_replic
         "Postgres stopped for the backup"
     );
     let backup = scratch.join("backup");
-    copy_dir(&pg.data, &backup);
+    common::copy_dir(&pg.data, &backup);
     pg.up();
     relock(&mut shop).await;
 
@@ -100,7 +86,7 @@ async fn a_server_restored_from_an_older_copy_takes_a_new_epoch_and_every_replic
 
     // The restore.
     pg.down("fast");
-    copy_dir(&backup, &pg.data);
+    common::copy_dir(&backup, &pg.data);
     pg.up();
     relock(&mut shop).await;
     shop.settle().await;

@@ -7,27 +7,12 @@
 
 mod common;
 
-use std::process::Command;
-
 use common::up::{Lossy, RECORDS_RULES, RECORDS_SCHEMA, server_sales, upload_all};
 use common::{SHOP_RULES, SHOP_SCHEMA, Shop};
-use ferry_core::seams::SplitMix64;
 use ferry_sync::replica::Uploader;
 use ferry_testkit::servers::PrivatePg;
 use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
-
-fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
-    let _ = std::fs::remove_dir_all(to);
-    let ok = Command::new("cp")
-        .arg("-a")
-        .arg(from)
-        .arg(to)
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "copying {} to {}", from.display(), to.display());
-}
 
 async fn reconnect(url: &str) {
     for _ in 0..100 {
@@ -84,16 +69,7 @@ async fn records_filed_after_the_backup_come_back_from_the_stores_journal() {
     let store = shop.store("north").await;
     shop.settle().await;
     let db = shop.dir.join(format!("{store}.db"));
-    let link = Lossy {
-        pool: shop.db.pool.clone(),
-        records: shop.spec.records.clone(),
-        sender: store,
-        seal_key: shop.seal_keys[&store],
-        rng: SplitMix64::seeded(3),
-        fault: 0,
-        rt: tokio::runtime::Handle::current(),
-        filings: 0,
-    };
+    let link = Lossy::new(&shop, store, 3, 0);
     let uploader = Uploader::open(&db, shop.seal_keys[&store], store).unwrap();
     let mut expected = write_sales(&db, store, 20);
     let file_all = |mut uploader: Uploader, mut link: Lossy, check: bool| {
@@ -112,7 +88,7 @@ async fn records_filed_after_the_backup_come_back_from_the_stores_journal() {
     // The backup.
     pg.down("fast");
     let backup = scratch.join("backup");
-    copy_dir(&pg.data, &backup);
+    common::copy_dir(&pg.data, &backup);
     pg.up();
     reconnect(&shop.db.url).await;
 
@@ -123,7 +99,7 @@ async fn records_filed_after_the_backup_come_back_from_the_stores_journal() {
 
     // The restore: the server has lost those 25 filings.
     pg.down("fast");
-    copy_dir(&backup, &pg.data);
+    common::copy_dir(&backup, &pg.data);
     pg.up();
     reconnect(&shop.db.url).await;
     assert_eq!(

@@ -27,7 +27,6 @@ use std::time::{Duration, Instant};
 
 use common::up::{Lossy, RECORDS_RULES, RECORDS_SCHEMA, upload_all};
 use common::{SHOP_RULES, SHOP_SCHEMA, Shop};
-use ferry_core::seams::SplitMix64;
 use ferry_sync::relay::{Relay, RelaySettings};
 use ferry_sync::replica::{Received, Uploader};
 use ferry_sync::wire;
@@ -304,16 +303,7 @@ impl Up {
         Up {
             uploader: Uploader::open(&shop.dir.join(format!("{id}.db")), shop.seal_keys[&id], id)
                 .unwrap(),
-            link: Lossy {
-                pool: shop.db.pool.clone(),
-                records: shop.spec.records.clone(),
-                sender: id,
-                seal_key: shop.seal_keys[&id],
-                rng: SplitMix64::seeded(seed),
-                fault: 300,
-                rt: tokio::runtime::Handle::current(),
-                filings: 0,
-            },
+            link: Lossy::new(shop, id, seed, 300),
         }
     }
 
@@ -353,13 +343,7 @@ fn app_write(shop: &Shop, rng: &mut Rng, id: Uuid) {
     }
     let app = rusqlite::Connection::open(shop.dir.join(format!("{id}.db"))).unwrap();
     app.busy_timeout(Duration::from_secs(5)).unwrap();
-    let ready: bool = app
-        .query_row(
-            "SELECT count(*) = 2 FROM sqlite_schema WHERE name IN ('sales', 'counters')",
-            [],
-            |r| r.get(0),
-        )
-        .unwrap();
+    let ready = writes_ready(&app);
     if !ready {
         return;
     }
@@ -396,6 +380,16 @@ fn app_write(shop: &Shop, rng: &mut Rng, id: Uuid) {
     app.execute_batch(&sql).unwrap();
 }
 
+/// Whether a snapshot has created the tables the store's app writes.
+fn writes_ready(app: &rusqlite::Connection) -> bool {
+    app.query_row(
+        "SELECT count(*) = 2 FROM sqlite_schema WHERE name IN ('sales', 'counters')",
+        [],
+        |r| r.get(0),
+    )
+    .unwrap()
+}
+
 /// After the walk: every uploader, on a faithful transport, first checks the server's
 /// filing count (a restore would show there) and sends what is left; then the server's
 /// sales are exactly the union of the stores' (each once, under its store), and each
@@ -417,14 +411,7 @@ async fn the_way_up_is_exactly_once(shop: &Shop, seed: u64, ups: BTreeMap<Uuid, 
         .await
         .unwrap();
         let app = rusqlite::Connection::open(&db).unwrap();
-        let has: bool = app
-            .query_row(
-                "SELECT count(*) = 2 FROM sqlite_schema WHERE name IN ('sales', 'counters')",
-                [],
-                |r| r.get(0),
-            )
-            .unwrap();
-        if !has {
+        if !writes_ready(&app) {
             continue;
         }
         let mut stmt = app.prepare("SELECT id FROM sales").unwrap();

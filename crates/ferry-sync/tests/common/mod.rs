@@ -392,3 +392,16 @@ impl Shop {
 
 /// Unused values keep the import list honest across test files.
 pub fn _values(_: &[Value]) {}
+
+/// A directory copied whole (`cp -a`), replacing `to`: a data directory's backup.
+pub fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    let _ = std::fs::remove_dir_all(to);
+    let ok = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(from)
+        .arg(to)
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "copying {} to {}", from.display(), to.display());
+}

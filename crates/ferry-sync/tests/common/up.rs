@@ -40,6 +40,22 @@ pub struct Lossy {
     pub filings: u64,
 }
 
+impl Lossy {
+    /// Store `store`'s link to the shop's server; `fault` in 1,000 of each kind.
+    pub fn new(shop: &super::Shop, store: Uuid, seed: u64, fault: u64) -> Lossy {
+        Lossy {
+            pool: shop.db.pool.clone(),
+            records: shop.spec.records.clone(),
+            sender: store,
+            seal_key: shop.seal_keys[&store],
+            rng: SplitMix64::seeded(seed),
+            fault,
+            rt: tokio::runtime::Handle::current(),
+            filings: 0,
+        }
+    }
+}
+
 impl Uplink for Lossy {
     fn upload(&mut self, bytes: &[u8]) -> Result<Vec<u8>, TransportError> {
         let roll = self.rng.next_u64() % 1_000;
