@@ -22,7 +22,7 @@ CREATE TABLE ferry_sync.notes (
     id        bigserial PRIMARY KEY,
     relation  text NOT NULL,          -- 'schema.table' as the rules name it
     key       text NOT NULL,          -- canonical key text (docs/sync.md, "Keys")
-    kind      text NOT NULL DEFAULT 'row' CHECK (kind IN ('row', 'group', 'routed', 'replica', 'table')),
+    kind      text NOT NULL DEFAULT 'row' CHECK (kind IN ('row', 'group', 'routed', 'replica', 'table', 'announce')),
     noted_at  timestamptz NOT NULL DEFAULT clock_timestamp(),
     parked_at timestamptz,
     attempts  integer NOT NULL DEFAULT 0,

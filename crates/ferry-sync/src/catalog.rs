@@ -67,6 +67,9 @@ pub struct CatalogTable {
     pub key_kinds: Vec<KeyKind>,
     /// Foreign keys into mirrored tables whose columns are mirrored on both sides.
     pub parents: Vec<ForeignKey>,
+    /// A two-way table's columns the replicas write (never in `columns`), in the order
+    /// the rules list them; empty otherwise.
+    pub owned: Vec<CatalogColumn>,
 }
 
 /// One mirrored column.
@@ -291,13 +294,45 @@ impl Loader<'_> {
             None => info.clone(),
         };
         let source = table.from.as_ref().unwrap_or(&table.relation);
-        let columns = select_columns(table, &here, source, &source_info, &info, &key)?;
+        let owned_names: &[String] = table.two_way.as_ref().map_or(&[], |t| &t.columns);
+        let mut columns = select_columns(table, &here, source, &source_info, &info, &key)?;
+        columns.retain(|c| !owned_names.contains(&c.name));
+        let mut owned = Vec::with_capacity(owned_names.len());
+        for name in owned_names {
+            let c = info
+                .column(name)
+                .ok_or_else(|| missing_column(&table.relation, name, &here, "replica_writes"))?;
+            if key.contains(name) {
+                return Err(CheckError::Mismatch(format!(
+                    "column {}.{name} is in `replica_writes` of {here} and in the primary key; the key names rows, which the server writes: leave it out of `replica_writes`",
+                    table.relation
+                )));
+            }
+            let mapping = c.mapping().ok_or_else(|| {
+                CheckError::Mismatch(format!(
+                    "column {}.{name} (in `replica_writes` of {here}) has type {}, which ferry-sync cannot map to SQLite",
+                    table.relation, c.display
+                ))
+            })?;
+            owned.push(CatalogColumn {
+                name: c.name.clone(),
+                pg_type: c.display.clone(),
+                affinity: mapping.affinity(),
+                mapping,
+                // The replica's copy starts empty: its writes fill it.
+                not_null: false,
+                key_part: 0,
+                ordinal: c.ordinal,
+                select_expr: mapping.expr(&crate::rules::quote_ident(&c.name)),
+            });
+        }
         Ok(CatalogTable {
             relation: table.relation.clone(),
             columns,
             key,
             key_kinds,
             parents: Vec::new(),
+            owned,
         })
     }
 
@@ -311,6 +346,7 @@ impl Loader<'_> {
             columns: record.columns.clone(),
             from: None,
             active: None,
+            two_way: None,
         };
         let here = place(self.rules, &as_table);
         let table = self.table(&as_table).await?;

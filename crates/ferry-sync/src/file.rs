@@ -48,7 +48,20 @@ pub struct RecordSpec {
     /// Index of the integer column whose newer value wins.
     pub version: Option<usize>,
     pub lane: String,
+    /// `Some` for a two-way table: `columns` are its key and the replica's columns, and
+    /// filing updates rows the server records the sender holding (docs/sync-up.md §5.1).
+    pub two_way: Option<TwoWaySpec>,
 }
+
+/// What a two-way table's filing and announcement need beyond a record table's.
+#[derive(Clone, Debug)]
+pub struct TwoWaySpec {
+    /// The columns the server sends, as messages down carry them.
+    pub down: Vec<wire::Column>,
+}
+
+/// Why a two-way edit was dropped, as the `Filed` says it.
+const DROPPED: &str = "the server deleted this row or no longer sends it to this replica; the edit is dropped (the server's side wins)";
 
 /// One column of a record table.
 #[derive(Clone, Debug)]
@@ -77,15 +90,31 @@ impl RecordSpec {
     }
 
     /// The empty part a snapshot carries so each replica creates the table and notes
-    /// its writes (docs/sync-up.md §4.1).
+    /// its writes (docs/sync-up.md §4.1): a two-way table's carries the server's columns
+    /// and then the replica's.
     pub fn announce(&self) -> TablePart {
+        let (columns, owned) = match &self.two_way {
+            None => (self.wire_columns(), 0),
+            Some(t) => {
+                let owned: Vec<wire::Column> = self
+                    .wire_columns()
+                    .into_iter()
+                    .filter(|c| c.key_part == 0)
+                    .collect();
+                let n = owned.len();
+                (t.down.iter().cloned().chain(owned).collect(), n)
+            }
+        };
         TablePart {
             table: self.name.clone(),
-            columns: self.wire_columns(),
+            columns,
             sweep: wire::Sweep::default(),
             deletes: Vec::new(),
             upserts: Vec::new(),
-            writes: Some(self.lane.clone()),
+            writes: Some(wire::Writes {
+                lane: self.lane.clone(),
+                owned,
+            }),
         }
     }
 }
@@ -197,6 +226,15 @@ async fn attempt(
         return Err(Failed::File(FileError::InboxFull(inbox)));
     }
     let refile_after = if told > known { known } else { 0 };
+    // A two-way part's rows the sender holds, read before the host's role (which need
+    // not read ferry-sync's tables); the others are dropped.
+    let mut held = Vec::with_capacity(plans.len());
+    for (part, plan) in upload.parts.iter().zip(plans) {
+        held.push(match plan.spec.two_way {
+            Some(_) => Some(holds(&mut tx, plan, sender, part).await?),
+            None => None,
+        });
+    }
     if let Some(role) = &shape.role {
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
             "SET LOCAL ROLE {}",
@@ -206,10 +244,18 @@ async fn attempt(
         .await?;
     }
     let mut refused = Vec::new();
+    let mut dropped = Vec::new();
     let mut refused_by_db = Vec::new();
-    for (part, plan) in upload.parts.iter().zip(plans) {
-        let (rows, mut wrong) = sort_rows(plan, part, sender);
+    for ((part, plan), held) in upload.parts.iter().zip(plans).zip(held) {
+        let (mut rows, mut wrong) = sort_rows(plan, part, sender);
         refused.append(&mut wrong);
+        if let Some(held) = held {
+            let key = |row: &Vec<Value>| value::key_text(&plan.key_of(row));
+            let (keep, gone): (Vec<_>, Vec<_>) =
+                rows.into_iter().partition(|row| held.contains(&key(row)));
+            rows = keep;
+            dropped.extend(gone.iter().map(|row| plan.dropped(row)));
+        }
         if careful {
             file_part(
                 &mut tx,
@@ -218,6 +264,7 @@ async fn attempt(
                 &rows,
                 &part.deletes,
                 &mut refused_by_db,
+                &mut dropped,
             )
             .await?;
             continue;
@@ -225,7 +272,9 @@ async fn attempt(
         let done = if rows.is_empty() {
             Ok(())
         } else {
-            upsert(&mut tx, plan, sender, &rows).await
+            write(&mut tx, plan, sender, &rows)
+                .await
+                .map(|missed| dropped.extend(missed.iter().map(|&i| plan.dropped(&rows[i]))))
         };
         let done = match (done, plan.spec.replica) {
             (Ok(()), Some(r)) if !part.deletes.is_empty() => {
@@ -254,7 +303,50 @@ async fn attempt(
         filed_n: filed_n as u64,
         refile_after: refile_after as u64,
         refused,
+        dropped,
     }))
+}
+
+/// The key texts among `part`'s upserts of rows the server records `sender` holding
+/// (docs/sync.md §5.2): held by it, or broadcast to its partition and not quarantined.
+async fn holds(
+    conn: &mut PgConnection,
+    plan: &Plan<'_>,
+    sender: Uuid,
+    part: &TablePart,
+) -> Result<std::collections::HashSet<String>, sqlx::Error> {
+    let keys: Vec<String> = part
+        .upserts
+        .iter()
+        .map(|upsert| {
+            let key: Vec<Value> = plan
+                .spec
+                .key
+                .iter()
+                .map(|&k| plan.from_part[k].map_or(Value::Null, |i| upsert[i].clone()))
+                .collect();
+            value::key_text(&key)
+        })
+        .collect();
+    if keys.is_empty() {
+        return Ok(Default::default());
+    }
+    let rows = sqlx::query(
+        "SELECT k FROM unnest($3::text[]) AS k
+         WHERE EXISTS (SELECT 1 FROM ferry_sync.held h
+                       WHERE h.replica = $1 AND h.relation = $2 AND h.key = k)
+            OR (EXISTS (SELECT 1 FROM ferry_sync.rows r JOIN ferry_sync.replicas p ON p.id = $1
+                        WHERE r.relation = $2 AND r.part = coalesce(p.partition, '')
+                          AND r.key = k AND NOT r.gone)
+                AND NOT EXISTS (SELECT 1 FROM ferry_sync.quarantine q
+                                WHERE q.replica = $1 AND q.relation = $2 AND q.key = k))",
+    )
+    .bind(sender)
+    .bind(&plan.spec.relation)
+    .bind(&keys)
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
 /// A part matched to its record table: which spec column each of the part's columns is.
@@ -267,13 +359,43 @@ struct Plan<'a> {
     present: Vec<usize>,
 }
 
+impl Plan<'_> {
+    /// A spec-ordered row's key.
+    fn key_of(&self, row: &[Value]) -> Vec<Value> {
+        self.spec.key.iter().map(|&k| row[k].clone()).collect()
+    }
+
+    /// A spec-ordered row of a two-way table, answered as dropped.
+    fn dropped(&self, row: &[Value]) -> RefusedRow {
+        RefusedRow {
+            table: self.spec.name.clone(),
+            key: self.key_of(row),
+            reason: DROPPED.to_string(),
+        }
+    }
+}
+
 fn plan<'a>(records: &'a [RecordSpec], part: &TablePart) -> Result<Plan<'a>, String> {
     let spec = records.iter().find(|r| r.name == part.table).ok_or_else(|| {
         format!(
-            "table {:?} is not a table this server files (its rules name no record table by that name); check that the replica and the server run the same rules",
+            "table {:?} is not a table this server files (its rules name no record or two-way table by that name); check that the replica and the server run the same rules",
             part.table
         )
     })?;
+    let values = part.columns.iter().any(|c| c.key_part == 0);
+    if spec.two_way.is_some() && !part.upserts.is_empty() && !values {
+        return Err(format!(
+            "the upload of two-way table {:?} carries no column the replica writes",
+            part.table
+        ));
+    }
+    if spec.two_way.is_some() && !part.deletes.is_empty() {
+        return Err(format!(
+            "the upload deletes {} rows of two-way table {:?}; a two-way table's rows are the server's to delete, and a replica sends only its columns' values",
+            part.deletes.len(),
+            part.table
+        ));
+    }
     let mut from_part = vec![None; spec.columns.len()];
     for (i, c) in part.columns.iter().enumerate() {
         let Some(s) = spec.columns.iter().position(|s| s.name == c.name) else {
@@ -400,22 +522,28 @@ async fn file_part<'a>(
     rows: &[Vec<Value>],
     deletes: &[Vec<Value>],
     refused: &mut Vec<(&'a RecordSpec, Vec<Value>, String)>,
+    dropped: &mut Vec<RefusedRow>,
 ) -> Result<(), sqlx::Error> {
     let spec = plan.spec;
     if !rows.is_empty() {
         savepoint(conn).await?;
-        let whole = upsert(conn, plan, sender, rows).await;
-        if let Err(e) = settle(conn, whole).await? {
-            tracing::debug!(
-                table = spec.relation,
-                error = e,
-                "filing: a part was refused; filing it row by row"
-            );
-            for row in rows {
-                savepoint(conn).await?;
-                let one = upsert(conn, plan, sender, std::slice::from_ref(row)).await;
-                if let Err(reason) = settle(conn, one).await? {
-                    refused.push((spec, row.clone(), reason));
+        let whole = write(conn, plan, sender, rows).await;
+        match settle(conn, whole).await? {
+            Ok(missed) => dropped.extend(missed.iter().map(|&i| plan.dropped(&rows[i]))),
+            Err(e) => {
+                tracing::debug!(
+                    table = spec.relation,
+                    error = e,
+                    "filing: a part was refused; filing it row by row"
+                );
+                for row in rows {
+                    savepoint(conn).await?;
+                    let one = write(conn, plan, sender, std::slice::from_ref(row)).await;
+                    match settle(conn, one).await? {
+                        Ok(missed) if !missed.is_empty() => dropped.push(plan.dropped(row)),
+                        Ok(_) => {}
+                        Err(reason) => refused.push((spec, row.clone(), reason)),
+                    }
                 }
             }
         }
@@ -448,16 +576,16 @@ async fn savepoint(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
 /// Ends the savepoint `work` ran under: `Ok(Err(reason))` when the database refused the
 /// rows (rolled back to the savepoint), `Err` when the failure is transient (the whole
 /// upload fails, and is sent again).
-async fn settle(
+async fn settle<T>(
     conn: &mut PgConnection,
-    work: Result<(), sqlx::Error>,
-) -> Result<Result<(), String>, sqlx::Error> {
+    work: Result<T, sqlx::Error>,
+) -> Result<Result<T, String>, sqlx::Error> {
     match work {
-        Ok(()) => {
+        Ok(done) => {
             sqlx::query("RELEASE SAVEPOINT ferry_sync_file")
                 .execute(&mut *conn)
                 .await?;
-            Ok(Ok(()))
+            Ok(Ok(done))
         }
         Err(e) if refused_by_data(&e) => {
             sqlx::query("ROLLBACK TO SAVEPOINT ferry_sync_file")
@@ -482,21 +610,75 @@ fn refused_by_data(e: &sqlx::Error) -> bool {
         .any(|class| code.starts_with(class))
 }
 
-async fn upsert(
+/// Writes `rows` (spec-ordered) into the table: a record table's are upserted; a
+/// two-way table's replica columns are set on the rows of those keys. Returns the
+/// indexes of the rows no table row took (a two-way row deleted since): dropped.
+async fn write(
     conn: &mut PgConnection,
     plan: &Plan<'_>,
     sender: Uuid,
     rows: &[Vec<Value>],
-) -> Result<(), sqlx::Error> {
+) -> Result<Vec<usize>, sqlx::Error> {
     let spec = plan.spec;
-    let sql = upsert_sql(spec, &plan.present);
+    let two_way = spec.two_way.is_some();
+    let sql = if two_way {
+        update_sql(spec, &plan.present)
+    } else {
+        upsert_sql(spec, &plan.present)
+    };
     let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
     for &i in &plan.present {
         let c = &spec.columns[i];
         query = bind_column(query, c.mapping, rows.iter().map(|r| &r[i]));
     }
-    query.bind(sender).execute(&mut *conn).await?;
-    Ok(())
+    if !two_way {
+        query.bind(sender).execute(&mut *conn).await?;
+        return Ok(Vec::new());
+    }
+    let written: std::collections::HashSet<i64> = query
+        .fetch_all(&mut *conn)
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    Ok((0..rows.len())
+        .filter(|&i| !written.contains(&(i as i64 + 1)))
+        .collect())
+}
+
+/// `UPDATE … SET replica columns FROM unnest(arrays) WITH ORDINALITY … RETURNING` the
+/// ordinal: one statement for every row of a two-way part; a key with no row is not
+/// returned.
+fn update_sql(spec: &RecordSpec, present: &[usize]) -> String {
+    let n = present.len();
+    let params: Vec<String> = present
+        .iter()
+        .enumerate()
+        .map(|(p, &i)| format!("${}::{}[]", p + 1, bind_type(spec.columns[i].mapping)))
+        .collect();
+    let mut aliases: Vec<String> = (0..n).map(|p| format!("c{p}")).collect();
+    aliases.push("i".into());
+    let value = |p: usize, i: usize| cast(&spec.columns[i], &format!("u.c{p}"));
+    let sets: Vec<String> = present
+        .iter()
+        .enumerate()
+        .filter(|(_, i)| !spec.key.contains(i))
+        .map(|(p, &i)| format!("{} = {}", quote_ident(&spec.columns[i].name), value(p, i)))
+        .collect();
+    let matches: Vec<String> = present
+        .iter()
+        .enumerate()
+        .filter(|(_, i)| spec.key.contains(i))
+        .map(|(p, &i)| format!("t.{} = {}", quote_ident(&spec.columns[i].name), value(p, i)))
+        .collect();
+    format!(
+        "UPDATE {} AS t SET {} FROM unnest({}) WITH ORDINALITY AS u({}) WHERE {} RETURNING u.i",
+        spec.quoted,
+        sets.join(", "),
+        params.join(", "),
+        aliases.join(", "),
+        matches.join(" AND ")
+    )
 }
 
 /// Deletes the sender's rows of `keys` (only where `replica`, its column, names it).
@@ -778,17 +960,22 @@ pub async fn refile(
         let Ok(plan) = plan(std::slice::from_ref(spec), &part) else {
             continue;
         };
-        let (rows, _) = sort_rows(&plan, &part, replica);
+        let (mut rows, _) = sort_rows(&plan, &part, replica);
         let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+        if spec.two_way.is_some() {
+            // A two-way row the replica no longer holds is dropped: it leaves the inbox.
+            let held = holds(&mut tx, &plan, replica, &part).await?;
+            rows.retain(|row| held.contains(&value::key_text(&plan.key_of(row))));
+        }
         shape_transaction(&mut tx, shape, replica).await?;
         savepoint(&mut tx).await?;
-        let attempt = upsert(&mut tx, &plan, replica, &rows).await;
+        let attempt = write(&mut tx, &plan, replica, &rows).await;
         let outcome = settle(&mut tx, attempt).await?;
         if shape.role.is_some() {
             sqlx::query("RESET ROLE").execute(&mut *tx).await?;
         }
         match outcome {
-            Ok(()) => {
+            Ok(_) => {
                 sqlx::query(
                     "DELETE FROM ferry_sync.inbox WHERE replica = $1 AND relation = $2 AND key = $3",
                 )

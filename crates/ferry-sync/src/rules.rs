@@ -10,7 +10,8 @@
 //!    as written when ferry-sync builds SQL (so `Products` is not `products`).
 //! 3. Check what holds without a database: one rule per table, replica-side names unique,
 //!    `partition` present on a broadcast table if and only if the replicas are
-//!    partitioned, `mirror` other than `catalog` refused (it comes with the way up).
+//!    partitioned, `record` and `both` tables' keys (docs/sync-up.md §2), `setting`
+//!    refused (it comes with wishes).
 //! 4. Build the model the relay consumes ([`Rules`], [`Table`], [`Route`]), tables sorted
 //!    by relation, and its digest ([`Rules::digest`]) over a canonical form (every default
 //!    filled in), so two files that say the same thing have one digest.
@@ -96,6 +97,19 @@ pub struct Table {
     pub from: Option<Relation>,
     /// A view of the rows the rule sends for their own sake.
     pub active: Option<Relation>,
+    /// A two-way table (`mirror = "both"`): columns the replicas write back. Left out of
+    /// the digest's JSON when `None`, so catalog tables keep the digest they had.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub two_way: Option<TwoWay>,
+}
+
+/// The columns of a two-way table the replica holding a row writes (docs/sync-up.md §2).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct TwoWay {
+    /// Never key or routing columns, never in `columns` (those travel down).
+    pub columns: Vec<String>,
+    /// The upload lane.
+    pub lane: String,
 }
 
 /// A table the replicas write (`mirror = "record"`): each replica's rows are filed into
@@ -333,6 +347,7 @@ struct RawTable {
     replica: Option<String>,
     version: Option<String>,
     lane: Option<String>,
+    replica_writes: Option<Vec<String>>,
 }
 
 #[derive(Deserialize, Default, Clone, Copy, PartialEq, Eq, Debug)]
@@ -480,24 +495,76 @@ fn build_replicas(raw: RawReplicas) -> Result<Replicas, String> {
 
 fn build_table(key: &str, raw: RawTable, partitioned: bool) -> Result<Table, String> {
     let relation = Relation::parse(key).map_err(|e| format!("table {e}"))?;
-    if raw.mirror != Mirror::Catalog {
-        let name = format!("{:?}", raw.mirror).to_lowercase();
-        return Err(format!(
-            "mirror = \"{name}\" comes with the rest of the way up (issue 28); this ferry mirrors \"catalog\" and \"record\" tables"
-        ));
+    if raw.mirror == Mirror::Setting {
+        return Err(
+            "mirror = \"setting\" comes with settings and wishes (issue 28); this ferry mirrors \"catalog\", \"both\" and \"record\" tables"
+                .into(),
+        );
     }
     for (what, given) in [
         ("replica", raw.replica.is_some()),
         ("version", raw.version.is_some()),
-        ("lane", raw.lane.is_some()),
     ] {
         if given {
             return Err(format!(
-                "`{what}` applies to tables the replicas write (mirror = \"record\"); remove it from this catalog table"
+                "`{what}` applies to tables the replicas write (mirror = \"record\"); remove it from this table"
             ));
         }
     }
+    let two_way = if raw.mirror == Mirror::Both {
+        let Some(written) = raw.replica_writes else {
+            return Err(
+                "a two-way table (mirror = \"both\") names the columns the replicas write: add `replica_writes = [\"COLUMN\", ...]`"
+                    .into(),
+            );
+        };
+        if raw.from.is_some() {
+            return Err(
+                "`from` reads rows through a view, and a two-way table's replicas write the table itself: remove `from`, or make the table a catalog table"
+                    .into(),
+            );
+        }
+        let written = check_list("replica_writes", written)?;
+        if let Some(c) = raw
+            .columns
+            .as_ref()
+            .and_then(|cs| written.iter().find(|w| cs.contains(w)))
+        {
+            return Err(format!(
+                "column {c:?} is in both `columns` (the server's, sent down) and `replica_writes` (the replicas', sent up); a column has one writer: keep it in one"
+            ));
+        }
+        let lane = match raw.lane {
+            Some(l) => check_ident(&l)
+                .map(|_| l)
+                .map_err(|e| format!("lane: {e}"))?,
+            None => LANE_DEFAULT.to_string(),
+        };
+        Some(TwoWay {
+            columns: written,
+            lane,
+        })
+    } else {
+        for (what, given) in [
+            ("lane", raw.lane.is_some()),
+            ("replica_writes", raw.replica_writes.is_some()),
+        ] {
+            if given {
+                return Err(format!(
+                    "`{what}` applies to tables the replicas write (mirror = \"record\" or \"both\"); remove it from this catalog table"
+                ));
+            }
+        }
+        None
+    };
     let route = build_route(raw.sync, raw.partition, partitioned)?;
+    if let (Some(tw), Some(column)) = (&two_way, route_column(&route))
+        && tw.columns.iter().any(|c| c == column)
+    {
+        return Err(format!(
+            "column {column:?} routes the table's rows, so the server writes it; it cannot be in `replica_writes`"
+        ));
+    }
     let columns = raw.columns.map(check_columns).transpose()?;
     let replica_name = replica_side_name(&relation, raw.replica_name)?;
     let view = |what: &str, v: Option<String>| {
@@ -511,7 +578,17 @@ fn build_table(key: &str, raw: RawTable, partitioned: bool) -> Result<Table, Str
         replica_name,
         route,
         columns,
+        two_way,
     })
+}
+
+/// The column of the row itself that a route reads, if one.
+fn route_column(route: &Route) -> Option<&str> {
+    match route {
+        Route::Broadcast { partition } => partition.as_deref(),
+        Route::Assigned { column } => Some(column),
+        _ => None,
+    }
 }
 
 /// The table's name on the replicas: `as`, or the relation's name.
@@ -534,6 +611,7 @@ fn build_record(key: &str, raw: RawTable) -> Result<RecordTable, String> {
         ("partition", raw.partition.is_some()),
         ("from", raw.from.is_some()),
         ("active", raw.active.is_some()),
+        ("replica_writes", raw.replica_writes.is_some()),
     ] {
         if given {
             return Err(format!(

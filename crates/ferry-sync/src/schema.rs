@@ -185,6 +185,20 @@ pub async fn install(pool: &PgPool, rules: &Rules) -> Result<Report, CheckError>
             .doing(|| format!("installing {}", item.what))?;
     }
     for item in report.pending() {
+        if let Some(Object::Declared { .. }) = &item.object
+            && schema.is_some()
+            && (!rules.records.is_empty() || rules.tables.iter().any(|t| t.two_way.is_some()))
+        {
+            // The rules changed: replicas hear again which tables (and columns) they
+            // write, so a record table or column added reaches them without provisioning
+            // (docs/sync-up.md §4.1).
+            sqlx::query(
+                "INSERT INTO ferry_sync.notes (relation, key, kind) VALUES ('', '', 'announce')",
+            )
+            .execute(&mut *tx)
+            .await
+            .doing(|| "noting that the tables replicas write are to be announced".to_string())?;
+        }
         if let Some(Object::Trigger {
             table,
             notes_table: true,

@@ -139,11 +139,31 @@ pub struct TablePart {
     pub deletes: Vec<Vec<Value>>,
     /// Rows to insert or overwrite: each holds one value per column, in column order.
     pub upserts: Vec<Vec<Value>>,
-    /// `Some(lane)` when the replica writes this table (docs/sync-up.md §4.1): the lane
-    /// (1..=[`NAME_BYTES_MAX`] bytes, no NUL) its writes go up in. Such a part only
-    /// creates or widens the table; it has no sweep flags, deletes or upserts. Always
-    /// `None` in an upload.
-    pub writes: Option<String>,
+    /// `Some` when the replica writes this table, or columns of it (docs/sync-up.md
+    /// §4.1). Such a part only creates or widens the table; it has no sweep flags, deletes
+    /// or upserts. Always `None` in an upload.
+    pub writes: Option<Writes>,
+}
+
+/// What a part that announces a replica-written table says of it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Writes {
+    /// The lane (1..=[`NAME_BYTES_MAX`] bytes, no NUL) its writes go up in.
+    pub lane: String,
+    /// 0: the replica writes whole rows (a `record` table). Otherwise a two-way table:
+    /// the server sends its rows, and the last `owned` columns of the part are the
+    /// replica's (never key columns); the others are the server's.
+    pub owned: usize,
+}
+
+impl Writes {
+    /// A `record` table's: whole rows, in `lane`.
+    pub fn record(lane: impl Into<String>) -> Writes {
+        Writes {
+            lane: lane.into(),
+            owned: 0,
+        }
+    }
 }
 
 /// A message down, as decoded and checked.
@@ -415,8 +435,8 @@ pub enum Rule {
     NotUtf8,
     /// A real value that is NaN.
     RealNan,
-    /// A part flag bit other than sweep start (bit 0), sweep end (bit 1) and the replica
-    /// writes the table (bit 2).
+    /// A part flag bit other than sweep start (bit 0), sweep end (bit 1), the replica
+    /// writes the table (bit 2) and two-way (bit 3).
     SweepFlags,
     /// A table name of 0 or more than [`NAME_BYTES_MAX`] bytes.
     TableNameLen,
@@ -459,7 +479,8 @@ pub enum Rule {
     /// A rejection's or refused row's key of 0 or more than [`COLUMNS_MAX`] values.
     RejectionKeyLen,
     /// A part that says the replica writes its table (flag bit 2) with a sweep flag, a
-    /// delete or an upsert.
+    /// delete or an upsert; two-way (bit 3) without bit 2; or a count of the replica's
+    /// columns that is 0, not below the column count, or takes in a key column.
     ReplicaWrittenPart,
     /// A lane name of 0 or more than [`NAME_BYTES_MAX`] bytes.
     LaneNameLen,
@@ -473,7 +494,8 @@ pub enum Rule {
     UploadRowsMax,
     /// A `Filed` over [`FILED_BYTES_MAX`].
     FiledTooLarge,
-    /// A `Filed` with more than [`FILED_REFUSED_MAX`] refused rows.
+    /// A `Filed` with more than [`FILED_REFUSED_MAX`] refused and dropped rows together,
+    /// or flag bit 0 (dropped rows follow) with none.
     RefusedRowsMax,
 }
 

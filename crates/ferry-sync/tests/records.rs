@@ -291,3 +291,91 @@ async fn a_row_the_database_refuses_waits_in_the_inbox_and_is_filed_after_the_fi
     assert_eq!(left, 0);
     shop.finish().await;
 }
+
+/// Fault 12 of `../shared/research/sync.md` §5.2, the way up: the rules change what the
+/// stores write (a column added to a record table, a record table added). Install notes
+/// it, the next pass announces the tables to every store in its next message, and the
+/// stores write the new column and table at once: nobody is provisioned again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_12_a_column_and_a_table_the_stores_write_reach_them_without_provisioning() {
+    let mut shop = Shop::new_with(
+        "records_change",
+        &format!("{SHOP_SCHEMA}{RECORDS_SCHEMA}"),
+        &format!("{SHOP_RULES}{RECORDS_RULES}"),
+    )
+    .await;
+    let store = shop.store("north").await;
+    shop.db
+        .exec("INSERT INTO products (id, name, price, region) VALUES (1, 'tea', 2.50, 'north')")
+        .await;
+    shop.settle().await;
+    let seq = shop.replicas[&store].status().unwrap().seq;
+
+    shop.db
+        .exec(
+            "ALTER TABLE sales ADD COLUMN channel text;
+             CREATE TABLE returns (id uuid PRIMARY KEY, store_id uuid, sale_id uuid NOT NULL);",
+        )
+        .await;
+    let rules_text = format!(
+        "{SHOP_RULES}{RECORDS_RULES}\n[tables.returns]\nmirror = \"record\"\nreplica = \"store_id\"\n"
+    );
+    let rules = ferry_sync::rules::Rules::parse(&rules_text, "rules.toml").unwrap();
+    ferry_sync::schema::install(&shop.db.pool, &rules)
+        .await
+        .unwrap();
+    let mut conn = shop.db.pool.acquire().await.unwrap();
+    let catalog = ferry_sync::catalog::Catalog::load(&mut conn, &rules)
+        .await
+        .unwrap();
+    drop(conn);
+    // A relay still running the old rules leaves the announcement to the new one.
+    let stale = shop.relay.pass(&mut shop.lock).await.unwrap();
+    let waiting: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM ferry_sync.notes WHERE kind = 'announce'")
+            .fetch_one(&shop.db.pool)
+            .await
+            .unwrap();
+    assert_eq!((stale.messages, waiting), (0, 1));
+    // The serve process restarts with the installed rules.
+    shop.spec =
+        std::sync::Arc::new(ferry_sync::relay::spec::Spec::build(&rules, &catalog).unwrap());
+    shop.relay = ferry_sync::relay::Relay::new(shop.spec.clone(), Default::default());
+    let pass = shop.relay.pass(&mut shop.lock).await.unwrap();
+    assert_eq!(
+        (pass.provisioned, pass.messages),
+        (0, 1),
+        "one message, to the one store, and no provisioning"
+    );
+    shop.settle().await;
+    let status = shop.replicas[&store].status().unwrap();
+    assert_eq!(status.seq, seq + 1, "the chain went on: {status:?}");
+
+    let db = shop.dir.join(format!("{store}.db"));
+    let app = rusqlite::Connection::open(&db).unwrap();
+    let (sale, ret) = (Uuid::new_v4(), Uuid::new_v4());
+    app.execute_batch(&format!(
+        "INSERT INTO sales (id, store_id, amount, channel) VALUES ('{sale}', '{store}', 7, 'web');
+         INSERT INTO returns (id, store_id, sale_id) VALUES ('{ret}', '{store}', '{sale}');"
+    ))
+    .unwrap();
+    let mut link = Lossy::new(&shop, store, 12, 300);
+    let mut uploader = Uploader::open(&db, shop.seal_keys[&store], store).unwrap();
+    tokio::task::spawn_blocking(move || upload_all(&mut uploader, &mut link, &db))
+        .await
+        .unwrap();
+    let channel: Option<String> = sqlx::query_scalar("SELECT channel FROM sales WHERE id = $1")
+        .bind(sale)
+        .fetch_one(&shop.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(channel.as_deref(), Some("web"));
+    let returned: Uuid = sqlx::query_scalar("SELECT sale_id FROM returns WHERE id = $1")
+        .bind(ret)
+        .fetch_one(&shop.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(returned, sale);
+    shop.assert_converged().await;
+    shop.finish().await;
+}

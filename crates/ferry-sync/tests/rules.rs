@@ -222,16 +222,47 @@ fn a_bad_shape_is_refused_as_syntax() {
     }
 }
 
+/// docs/sync-up.md §2: a two-way table names the columns its replicas write; they are
+/// never the key, a routing column or in `columns`, and `from` is refused.
 #[test]
-fn both_and_setting_come_with_the_rest_of_the_way_up() {
-    let ok = parse(&format!("{REPLICAS}[tables.t]\nmirror = \"catalog\"\n")).unwrap();
-    assert_eq!(ok.tables[0].route, Route::Closure);
-    for mirror in ["both", "setting"] {
-        let e = invalid(&format!("{REPLICAS}[tables.t]\nmirror = \"{mirror}\"\n"));
-        assert!(
-            e.contains("comes with the rest of the way up (issue 28)"),
-            "{e}"
-        );
+fn a_two_way_table_names_the_columns_its_replicas_write_and_nothing_else_may_claim_them() {
+    let ok = parse(&format!(
+        "{REPLICAS}[tables.orders]\nmirror = \"both\"\nsync = {{ assigned = \"store_id\" }}\nreplica_writes = [\"status\", \"picked_at\"]\nlane = \"orders\"\n"
+    ))
+    .unwrap();
+    let two_way = ok.tables[0].two_way.as_ref().unwrap();
+    assert_eq!(two_way.columns, ["status", "picked_at"]);
+    assert_eq!(two_way.lane, "orders");
+    let plain = parse(&format!("{REPLICAS}[tables.t]\nmirror = \"catalog\"\n")).unwrap();
+    assert_eq!(plain.tables[0].two_way, None);
+    for (body, needle) in [
+        ("mirror = \"both\"\n", "replica_writes = ["),
+        ("mirror = \"both\"\nreplica_writes = []\n", "is empty"),
+        (
+            "mirror = \"both\"\nreplica_writes = [\"a\", \"a\"]\n",
+            "twice",
+        ),
+        (
+            "mirror = \"both\"\nreplica_writes = [\"a\"]\ncolumns = [\"id\", \"a\"]\n",
+            "a column has one writer",
+        ),
+        (
+            "mirror = \"both\"\nreplica_writes = [\"store_id\"]\nsync = { assigned = \"store_id\" }\n",
+            "routes the table's rows",
+        ),
+        (
+            "mirror = \"both\"\nreplica_writes = [\"a\"]\nfrom = \"v\"\n",
+            "remove `from`",
+        ),
+        (
+            "replica_writes = [\"a\"]\n",
+            "remove it from this catalog table",
+        ),
+        ("lane = \"x\"\n", "remove it from this catalog table"),
+        ("mirror = \"setting\"\n", "comes with settings and wishes"),
+    ] {
+        let e = invalid(&format!("{REPLICAS}[tables.t]\n{body}"));
+        assert!(e.contains(needle), "{body:?}: {e}");
         assert!(e.contains("[tables.t]"), "{e}");
     }
 }

@@ -27,7 +27,7 @@ use ferry_sync::wire::{
     Applied, BODY_BYTES_MAX, COMPRESS_ABOVE_BYTES, ChainHead, Column, Digest, Down,
     FILED_BYTES_MAX, FILED_REFUSED_MAX, Filed, HEAD_LEN, Limits, PROTOCOL, REASON_BYTES_MAX,
     Refused, RefusedRow, Rejection, Rule, Sweep, TablePart, UP_BYTES_MAX, UPLOAD_BYTES_MAX, Up,
-    Upload, body_hash, decode_body, decode_up, decode_upload, encode_body, encode_down,
+    Upload, Writes, body_hash, decode_body, decode_up, decode_upload, encode_body, encode_down,
     encode_filed, encode_head, encode_up, encode_upload, open, open_filed, pack_body, seal_key,
     stamp, verify_stamp,
 };
@@ -46,6 +46,7 @@ const NONCE_1: u64 = 0x0123_4567_89ab_cdef;
 const NONCE_2: u64 = 0x0fed_cba9_8765_4321;
 const NONCE_3: u64 = 0x2222_3333_4444_5555;
 const NONCE_4: u64 = 0x7fff_ffff_ffff_ffff;
+const NONCE_5: u64 = 0x3333_4444_5555_6666;
 
 /// The malformed corpus is opened with these limits, so its size rules fit in a line.
 fn corpus_limits() -> Limits {
@@ -263,9 +264,15 @@ fn fingerprints_ignore_row_order() {
 #[test]
 fn bodies_roundtrip_at_random_and_encode_canonically() {
     let mut rng = Rng::new(5);
+    let mut two_way = 0;
     for _ in 0..500 {
         let parts: Vec<TablePart> = (0..rng.below(4)).map(|_| rng.part()).collect();
+        two_way += parts
+            .iter()
+            .filter(|p| p.writes.as_ref().is_some_and(|w| w.owned > 0))
+            .count();
         let body = encode_body(&parts).unwrap();
+        assert_eq!(body, reference_body(&parts), "{parts:?}");
         assert_eq!(decode_body(&body).unwrap(), parts);
         // Every prefix is refused; none panics.
         for cut in 0..body.len() {
@@ -285,6 +292,7 @@ fn bodies_roundtrip_at_random_and_encode_canonically() {
             }
         }
     }
+    assert!(two_way >= 20, "only {two_way} two-way parts were tried");
 }
 
 #[test]
@@ -685,7 +693,7 @@ fn replica_written_parts_with_rows_or_sweeps_are_refused() {
         raw.0
     };
     let long = "l".repeat(64);
-    let cases: [(u8, &str, u64, u64, &str, &str); 10] = [
+    let cases: [(u8, &str, u64, u64, &str, &str); 12] = [
         (
             4,
             "main",
@@ -726,7 +734,10 @@ fn replica_written_parts_with_rows_or_sweeps_are_refused() {
             "replica-written-part",
             "part flags at byte 7",
         ),
-        (8, "", 0, 0, "sweep-flags", "part flags at byte 7"),
+        // Bit 3 (two-way) comes only with bit 2; bits 4 to 7 are undefined.
+        (8, "", 0, 0, "replica-written-part", "part flags at byte 7"),
+        (9, "", 0, 0, "replica-written-part", "part flags at byte 7"),
+        (0x10, "", 0, 0, "sweep-flags", "part flags at byte 7"),
         (0x84, "main", 0, 0, "sweep-flags", "part flags at byte 7"),
         (4, "", 0, 0, "lane-name-len", "lane name is 0 bytes"),
         (4, &long, 0, 0, "lane-name-len", "lane name is 64 bytes"),
@@ -743,6 +754,182 @@ fn replica_written_parts_with_rows_or_sweeps_are_refused() {
         assert!(decode_body(&body(flags, "", 1, 1)).is_ok(), "flags {flags}");
     }
     assert!(decode_body(&body(4, &"l".repeat(63), 0, 0)).is_ok());
+}
+
+#[test]
+fn two_way_parts_roundtrip_with_their_owned_columns() {
+    // A two-way part carries flag bits 2 and 3 and, after the lane, the count of the last
+    // columns the replica writes. A decoder that lost the count would take the replica's
+    // columns for the server's, and overwrite the replica's edits with the next rows.
+    let part = two_way("orders", "orders", 2);
+    let body = encode_body(std::slice::from_ref(&part)).unwrap();
+    let mut raw = Raw::default();
+    raw.varint(1);
+    raw.part_header(
+        "orders",
+        0x0c,
+        &[
+            ("id", 1, 1, 1),
+            ("total", 2, 0, 0),
+            ("status", 3, 0, 0),
+            ("picked_at", 1, 0, 0),
+        ],
+    );
+    raw.str("orders");
+    raw.varint(2);
+    raw.varint(0);
+    raw.varint(0);
+    assert_eq!(body, raw.0);
+    assert_eq!(body, reference_body(std::slice::from_ref(&part)));
+    assert_eq!(decode_body(&body).unwrap(), vec![part.clone()]);
+    // Every count that leaves the key to the server: 1 up to all the columns after it.
+    for owned in 1..=3 {
+        let part = two_way("orders", "orders", owned);
+        let body = encode_body(std::slice::from_ref(&part)).unwrap();
+        assert_eq!(body, reference_body(std::slice::from_ref(&part)));
+        assert_eq!(decode_body(&body).unwrap(), vec![part], "owned {owned}");
+    }
+    // A count of two varint bytes, beside a record part and an ordinary one, in a frame.
+    let wide = TablePart {
+        columns: (0..200)
+            .map(|i| column(&format!("c{i}"), u8::from(i == 0)))
+            .collect(),
+        writes: Some(Writes {
+            lane: "wide".into(),
+            owned: 150,
+        }),
+        ..two_way("wide", "wide", 1)
+    };
+    let body = encode_body(std::slice::from_ref(&wide)).unwrap();
+    assert_eq!(body, reference_body(std::slice::from_ref(&wide)));
+    assert_eq!(decode_body(&body).unwrap(), vec![wide.clone()]);
+    let parts = vec![
+        golden_downs()[0].parts[0].clone(),
+        written("sales", "main"),
+        part,
+        wide,
+    ];
+    let key = seal_key(TOKEN);
+    let (frame, _) = encode_down(&chain(1, NONCE_1, 0, 0), &parts, &SECRET, &key).unwrap();
+    assert_eq!(open(&frame, &key, &Limits::default()).unwrap().parts, parts);
+}
+
+#[test]
+fn two_way_parts_whose_columns_do_not_fit_are_refused() {
+    // The replica's columns are the last `owned`: at least one, never all, never a key
+    // column. A count that breaks this would give the replica a key (or the server
+    // nothing), so the part is refused whole, naming the byte of the count.
+    // Name, affinity, not_null, key_part.
+    type Columns<'a> = &'a [(&'a str, u8, u8, u8)];
+    let body = |flags: u8, columns: Columns, owned: &[u8], rows: u64| {
+        let mut raw = Raw::default();
+        raw.varint(1);
+        raw.part_header("sales", flags, columns);
+        raw.str("main");
+        raw.bytes(owned);
+        raw.varint(rows);
+        (0..rows).for_each(|_| raw.bytes(&[1, 2]));
+        raw.varint(0);
+        raw.0
+    };
+    let two = [("id", 1, 1, 1), ("note", 3, 0, 0)];
+    let key_last = [("id", 1, 1, 1), ("note", 3, 0, 0), ("line", 1, 1, 2)];
+    let keys_apart = [("line", 1, 1, 2), ("note", 3, 0, 0), ("id", 1, 1, 1)];
+    // Part count (1), name (6), flags (1), column count (1), columns (3 + 3 and 5 + 3),
+    // lane (5): the count is at byte 28; with a third column (5 + 3), at byte 36.
+    let cases: [(Columns, &[u8], u64, &str, &str); 10] = [
+        (
+            &two,
+            &[0],
+            0,
+            "replica-written-part",
+            "writes at byte 28 is 0, of 2",
+        ),
+        (
+            &two,
+            &[2],
+            0,
+            "replica-written-part",
+            "writes at byte 28 is 2, of 2",
+        ),
+        (
+            &two,
+            &[3],
+            0,
+            "replica-written-part",
+            "writes at byte 28 is 3, of 2",
+        ),
+        (
+            &two,
+            &[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01],
+            0,
+            "replica-written-part",
+            "is 18446744073709551615, of 2",
+        ),
+        (
+            &key_last,
+            &[1],
+            0,
+            "replica-written-part",
+            "writes at byte 36 is 1, of 3",
+        ),
+        (
+            &keys_apart,
+            &[2],
+            0,
+            "replica-written-part",
+            "writes at byte 36 is 2, of 3",
+        ),
+        (
+            &two,
+            &[1],
+            1,
+            "replica-written-part",
+            "delete count at byte 29",
+        ),
+        (&two, &[0x81, 0x00], 0, "varint-overlong", "table part 1"),
+        (&two, &[], 0, "truncated", "table part 1"),
+        (&two, &[0x80], 0, "truncated", "table part 1"),
+    ];
+    for (columns, owned, rows, kind, says) in cases {
+        // A count missing or cut short: the body ends where it would (no row counts).
+        let cut = if matches!(owned, [] | [0x80]) { 2 } else { 0 };
+        let bytes = body(0x0c, columns, owned, rows);
+        let refused = decode_body(&bytes[..bytes.len() - cut]).unwrap_err();
+        assert_eq!(refused.kind(), kind, "{owned:?}: {refused}");
+        assert!(refused.to_string().contains(says), "{refused}");
+        assert!(refused.to_string().contains("table part 1"), "{refused}");
+    }
+    // With a sweep flag, and bit 3 without bit 2, before any count is read.
+    for (flags, says) in [
+        (0x0d, "part flags at byte 7"),
+        (0x0e, "part flags at byte 7"),
+        (0x08, "comes only with bit 2"),
+        (0x0b, "comes only with bit 2"),
+    ] {
+        let refused = decode_body(&body(flags, &two, &[1], 0)).unwrap_err();
+        assert_eq!(
+            refused.kind(),
+            "replica-written-part",
+            "{flags:#x}: {refused}"
+        );
+        assert!(refused.to_string().contains(says), "{refused}");
+    }
+    // What fits is taken: the key first or not, the count up to the columns after it.
+    assert!(decode_body(&body(0x0c, &two, &[1], 0)).is_ok());
+    let key_middle = [
+        ("note", 3, 0, 0),
+        ("id", 1, 1, 1),
+        ("a", 3, 0, 0),
+        ("b", 3, 0, 0),
+    ];
+    assert!(decode_body(&body(0x0c, &key_middle, &[2], 0)).is_ok());
+    assert_eq!(
+        decode_body(&body(0x0c, &key_middle, &[3], 0))
+            .unwrap_err()
+            .kind(),
+        "replica-written-part"
+    );
 }
 
 #[test]
@@ -767,15 +954,57 @@ fn encode_body_refuses_a_replica_written_part_a_replica_would() {
         ),
         (
             "lane-name-len",
-            Box::new(|p: &mut TablePart| p.writes = Some(String::new())),
+            Box::new(|p: &mut TablePart| p.writes = Some(Writes::record(""))),
         ),
         (
             "lane-name-len",
-            Box::new(|p: &mut TablePart| p.writes = Some("l".repeat(64))),
+            Box::new(|p: &mut TablePart| p.writes = Some(Writes::record("l".repeat(64)))),
         ),
         (
             "name-nul",
-            Box::new(|p: &mut TablePart| p.writes = Some("ma\0in".into())),
+            Box::new(|p: &mut TablePart| p.writes = Some(Writes::record("ma\0in"))),
+        ),
+        // Two-way: the replica's columns are the last `owned`, at least one, never all,
+        // never a key column.
+        (
+            "replica-written-part",
+            Box::new(|p: &mut TablePart| {
+                p.columns.push(column("line", 2));
+                p.writes = Some(owned_by_replica("main", 1));
+            }),
+        ),
+        (
+            "replica-written-part",
+            Box::new(|p: &mut TablePart| {
+                p.columns.rotate_left(1);
+                p.writes = Some(owned_by_replica("main", 1));
+            }),
+        ),
+        (
+            "replica-written-part",
+            Box::new(|p: &mut TablePart| p.writes = Some(owned_by_replica("main", 2))),
+        ),
+        (
+            "replica-written-part",
+            Box::new(|p: &mut TablePart| p.writes = Some(owned_by_replica("main", usize::MAX))),
+        ),
+        (
+            "replica-written-part",
+            Box::new(|p: &mut TablePart| {
+                p.writes = Some(owned_by_replica("main", 1));
+                p.sweep.end = true;
+            }),
+        ),
+        (
+            "replica-written-part",
+            Box::new(|p: &mut TablePart| {
+                p.writes = Some(owned_by_replica("main", 1));
+                p.upserts.push(vec![Value::Int(1), Value::Null]);
+            }),
+        ),
+        (
+            "lane-name-len",
+            Box::new(|p: &mut TablePart| p.writes = Some(owned_by_replica("", 1))),
         ),
     ];
     for (rule, break_it) in cases {
@@ -833,7 +1062,15 @@ fn encode_upload_refuses_what_a_server_would() {
         ),
         (
             "upload-part-flags",
-            Box::new(|u: &mut Upload| u.parts[0].writes = Some("sales".into())),
+            Box::new(|u: &mut Upload| u.parts[0].writes = Some(Writes::record("sales"))),
+        ),
+        (
+            "upload-part-flags",
+            Box::new(|u: &mut Upload| {
+                u.parts[0].deletes.clear();
+                u.parts[0].upserts.clear();
+                u.parts[0].writes = Some(owned_by_replica("sales", 1));
+            }),
         ),
         (
             "upload-part-flags",
@@ -965,24 +1202,28 @@ fn a_filed_opens_only_for_its_replica_and_token() {
 fn every_flipped_byte_of_a_filed_is_refused() {
     // The seal covers every byte before it; only the fixed fields checked before the seal
     // (magic, protocol, flags) may be refused by another name.
+    // (flags that stay defined, bit 0 alone, reach the seal).
     let key = seal_key(TOKEN);
     let lines = golden_lines("filed.txt");
-    let bytes = &lines[0].2;
-    assert_eq!(open_filed(bytes, &key, &REPLICA).unwrap(), golden_filed());
-    for at in 0..bytes.len() {
-        for mask in [0x01u8, 0x80, 0xff] {
-            let mut flipped = bytes.clone();
-            flipped[at] ^= mask;
-            let refused = open_filed(&flipped, &key, &REPLICA)
-                .err()
-                .unwrap_or_else(|| panic!("byte {at} ^ {mask:#x} was taken"));
-            let expected: &[&str] = match at {
-                0..4 => &["magic"],
-                4..6 => &["later-protocol", "protocol-zero"],
-                6..8 => &["flags"],
-                _ => &["bad-filed-seal"],
-            };
-            assert!(expected.contains(&refused.kind()), "byte {at}: {refused}");
+    for (name, _, bytes) in lines.iter().filter(|(_, outcome, _)| outcome == "ok") {
+        assert!(open_filed(bytes, &key, &REPLICA).is_ok(), "{name}");
+        for at in 0..bytes.len() {
+            for mask in [0x01u8, 0x80, 0xff] {
+                let mut flipped = bytes.clone();
+                flipped[at] ^= mask;
+                let refused = open_filed(&flipped, &key, &REPLICA)
+                    .err()
+                    .unwrap_or_else(|| panic!("{name}: byte {at} ^ {mask:#x} was taken"));
+                let flags = u16::from_be_bytes([flipped[6], flipped[7]]);
+                let expected = match at {
+                    0..4 => "magic",
+                    4..6 if flipped[4..6] == [0, 0] => "protocol-zero",
+                    4..6 => "later-protocol",
+                    6..8 if flags & !1 != 0 => "flags",
+                    _ => "bad-filed-seal",
+                };
+                assert_eq!(refused.kind(), expected, "{name}: byte {at}: {refused}");
+            }
         }
     }
 }
@@ -1021,6 +1262,62 @@ fn filed_over_its_limit_is_refused() {
 fn encode_filed_refuses_an_id_of_zero() {
     let filed = Filed {
         id: 0,
+        ..golden_filed()
+    };
+    encode_filed(&filed, &seal_key(TOKEN), &REPLICA);
+}
+
+#[test]
+fn filed_dropped_rows_count_with_the_refused() {
+    // Each row of an upload is filed, refused or dropped: the two lists together hold at
+    // most one row per row of the largest upload, and a full one of each kind fits.
+    let key = seal_key(TOKEN);
+    let row = |i: usize| RefusedRow {
+        table: "t".repeat(63),
+        key: vec![Value::Blob(vec![0; UPLOAD_BYTES_MAX / FILED_REFUSED_MAX])],
+        reason: format!("{i}").repeat(REASON_BYTES_MAX)[..REASON_BYTES_MAX].to_string(),
+    };
+    for refused in [0, 1, FILED_REFUSED_MAX / 2, FILED_REFUSED_MAX - 1] {
+        let full = Filed {
+            refused: (0..refused).map(row).collect(),
+            dropped: (refused..FILED_REFUSED_MAX).map(row).collect(),
+            ..golden_filed()
+        };
+        let bytes = encode_filed(&full, &key, &REPLICA);
+        assert!(bytes.len() <= FILED_BYTES_MAX, "{refused} refused");
+        let opened = open_filed(&bytes, &key, &REPLICA).unwrap();
+        assert!(opened == full, "{refused} refused: not read back as sent");
+    }
+    // One past, sealed by the reference encoder (encode_filed refuses to build it): the
+    // dropped count is refused before a dropped row is read.
+    let small = |i: usize| RefusedRow {
+        table: "t".into(),
+        key: vec![Value::Int(i as i64)],
+        reason: String::new(),
+    };
+    for refused in [0, 1, FILED_REFUSED_MAX / 2, FILED_REFUSED_MAX] {
+        let over = Filed {
+            refused: (0..refused).map(small).collect(),
+            dropped: (refused..=FILED_REFUSED_MAX).map(small).collect(),
+            ..golden_filed()
+        };
+        let bytes = reference_filed(&over, &REPLICA, TOKEN);
+        let refused_as = open_filed(&bytes, &key, &REPLICA).unwrap_err();
+        assert_eq!(refused_as.kind(), "refused-rows-max", "{refused_as}");
+        assert!(
+            refused_as.to_string().contains("the dropped row count"),
+            "{refused_as}"
+        );
+    }
+}
+
+#[test]
+#[should_panic(expected = "refused-rows-max")]
+fn encode_filed_refuses_more_refused_and_dropped_rows_than_an_upload_has_rows() {
+    let row = golden_filed().refused[0].clone();
+    let filed = Filed {
+        refused: vec![row.clone(); FILED_REFUSED_MAX / 2],
+        dropped: vec![row; FILED_REFUSED_MAX / 2 + 1],
         ..golden_filed()
     };
     encode_filed(&filed, &seal_key(TOKEN), &REPLICA);
@@ -1163,6 +1460,15 @@ fn golden_downs() -> Vec<GoldenDown> {
             head: chain(2, NONCE_2, 1, NONCE_1),
             parts: next,
         },
+        // The announcement of a two-way table (flag bits 2 and 3, the lane, then the count
+        // of the replica's columns: status and picked_at) beside a record table's.
+        GoldenDown {
+            name: "two-way",
+            outcome: "ok",
+            token: TOKEN,
+            head: chain(5, NONCE_5, 4, NONCE_4),
+            parts: vec![two_way("orders", "orders", 2), written("sales", "main")],
+        },
     ]
 }
 
@@ -1257,15 +1563,50 @@ fn golden_filed() -> Filed {
             key: vec![Value::Int(8)],
             reason: "store_id names another replica".into(),
         }],
+        dropped: vec![],
+    }
+}
+
+/// The `Filed` of `tests/golden/filed.txt`'s `filed-dropped`: the answer to an upload of
+/// a two-way table's rows, one refused and two dropped (the server deleted one row and
+/// took the other back), so flag bit 0 is set and a second list follows the first.
+fn golden_filed_dropped() -> Filed {
+    Filed {
+        id: 0x5eed_0000_0000_0002,
+        filed_n: 43,
+        refile_after: 0,
+        refused: vec![RefusedRow {
+            table: "orders".into(),
+            key: vec![Value::Int(10)],
+            reason: "CHECK constraint failed: status".into(),
+        }],
+        dropped: vec![
+            RefusedRow {
+                table: "orders".into(),
+                key: vec![Value::Int(11)],
+                reason: "the row was deleted".into(),
+            },
+            RefusedRow {
+                table: "order_lines".into(),
+                key: vec![Value::Int(12), Value::Int(2)],
+                reason: "the row was taken back".into(),
+            },
+        ],
     }
 }
 
 /// The lines of `tests/golden/filed.txt`: a name, what `open_filed` for `REPLICA` gives,
-/// and the replica it is sealed for.
-fn golden_fileds() -> [(&'static str, &'static str, [u8; 16]); 2] {
+/// the replica it is sealed for, and the `Filed`.
+fn golden_fileds() -> [(&'static str, &'static str, [u8; 16], Filed); 3] {
     [
-        ("filed", "ok", REPLICA),
-        ("other-replica", "bad-filed-seal", OTHER_REPLICA),
+        ("filed", "ok", REPLICA, golden_filed()),
+        (
+            "other-replica",
+            "bad-filed-seal",
+            OTHER_REPLICA,
+            golden_filed(),
+        ),
+        ("filed-dropped", "ok", REPLICA, golden_filed_dropped()),
     ]
 }
 
@@ -1291,20 +1632,27 @@ fn golden_upload_and_filed_vectors_are_reproduced_and_read() {
     let key = seal_key(TOKEN);
     let lines = golden_lines("filed.txt");
     assert_eq!(lines.len(), golden_fileds().len());
-    for ((name, outcome, bytes), (expected_name, expected, sealed_for)) in
+    for ((name, outcome, bytes), (expected_name, expected, sealed_for, golden)) in
         lines.iter().zip(golden_fileds())
     {
         assert_eq!((name.as_str(), outcome.as_str()), (expected_name, expected));
         assert_eq!(
-            encode_filed(&golden_filed(), &key, &sealed_for),
+            encode_filed(&golden, &key, &sealed_for),
             *bytes,
             "{name}: the encoding of a Filed changed"
         );
-        assert_eq!(*bytes, reference_filed(&golden_filed(), &sealed_for, TOKEN));
+        assert_eq!(
+            *bytes,
+            reference_filed(&golden, &sealed_for, TOKEN),
+            "{name}"
+        );
+        // Flag bit 0 says whether the list of dropped rows follows.
+        let flags = u16::from_be_bytes([bytes[6], bytes[7]]);
+        assert_eq!(flags, u16::from(!golden.dropped.is_empty()), "{name}");
         match open_filed(bytes, &key, &REPLICA) {
             Ok(filed) => {
                 assert_eq!(*outcome, "ok", "{name}");
-                assert_eq!(filed, golden_filed(), "{name}");
+                assert_eq!(filed, golden, "{name}");
             }
             Err(refused) => assert_eq!(refused.kind(), outcome, "{name}: {refused}"),
         }
@@ -1327,6 +1675,16 @@ fn golden_down_vectors_are_reproduced_and_open() {
         let (frame, _) =
             encode_down(&down.head, &down.parts, &SECRET, &seal_key(down.token)).unwrap();
         let carried = &bytes[HEAD_LEN..];
+        let body = if bytes[6] == 1 {
+            zstd::bulk::decompress(carried, 1 << 20).unwrap()
+        } else {
+            carried.to_vec()
+        };
+        assert_eq!(
+            body,
+            reference_body(&down.parts),
+            "{name}: the body is not the layout's"
+        );
         if frame != *bytes {
             // Only zstd's output may differ (a newer zstd): the head over the golden body
             // and the body it decompresses to must still match.
@@ -1334,7 +1692,6 @@ fn golden_down_vectors_are_reproduced_and_open() {
                 bytes[6], 1,
                 "{name}: the encoding of an uncompressed message changed"
             );
-            let body = zstd::bulk::decompress(carried, 1 << 20).unwrap();
             assert_eq!(
                 body,
                 encode_body(&down.parts).unwrap(),
@@ -1468,8 +1825,8 @@ fn regenerate_golden() {
          # seal_key(b\"token-1\") and replica 0x11 x 16 gives, the Filed in hex. Built by\n\
          # golden_filed() and golden_fileds() in tests/wire.rs.\n",
     );
-    for (name, outcome, sealed_for) in golden_fileds() {
-        let bytes = encode_filed(&golden_filed(), &seal_key(TOKEN), &sealed_for);
+    for (name, outcome, sealed_for, golden) in golden_fileds() {
+        let bytes = encode_filed(&golden, &seal_key(TOKEN), &sealed_for);
         writeln!(filed, "{name} {outcome} {}", hex(&bytes)).unwrap();
     }
     let mut malformed = String::from(
@@ -1606,7 +1963,37 @@ fn malformed_cases() -> Vec<(String, &'static str, Vec<u8>)> {
     part("real-nan", "real-nan", &|b| {
         b.upsert_raw = Some(unhex("0102027ff8000000000000"))
     });
-    part("sweep-flags", "sweep-flags", &|b| b.flags = 8);
+    // Bit 3 is two-way now (refused without bit 2): bit 4 is the first undefined.
+    part("sweep-flags", "sweep-flags", &|b| b.flags = 0x10);
+    part("sweep-flags-high", "sweep-flags", &|b| b.flags = 0x8c);
+    part("two-way-without-writes", "replica-written-part", &|b| {
+        b.flags = 8
+    });
+    let two_way_part = |b: &mut BasePart, owned: u64| {
+        b.flags = 0x0c;
+        b.lane = Some("main");
+        b.owned = Some(owned);
+    };
+    part("two-way-owned-zero", "replica-written-part", &|b| {
+        two_way_part(b, 0)
+    });
+    part("two-way-owned-all", "replica-written-part", &|b| {
+        two_way_part(b, 2)
+    });
+    part("two-way-owned-over", "replica-written-part", &|b| {
+        two_way_part(b, 3)
+    });
+    part("two-way-owned-key", "replica-written-part", &|b| {
+        two_way_part(b, 1);
+        b.columns.push(("line", 1, 1, 2));
+    });
+    part("two-way-with-rows", "replica-written-part", &|b| {
+        two_way_part(b, 1)
+    });
+    part("two-way-with-sweep", "replica-written-part", &|b| {
+        two_way_part(b, 1);
+        b.flags = 0x0e;
+    });
     part("writes-with-rows", "replica-written-part", &|b| {
         b.flags = 4;
         b.lane = Some("main");
@@ -1801,6 +2188,12 @@ fn malformed_uploads(cases: &mut Vec<(String, &'static str, Vec<u8>)>) {
     );
     let written_body = encode_body(&[written("sales", "main")]).unwrap();
     upload("part-writes", "upload-part-flags", with_body(&written_body));
+    let two_way_body = encode_body(&[two_way("orders", "orders", 2)]).unwrap();
+    upload(
+        "part-two-way",
+        "upload-part-flags",
+        with_body(&two_way_body),
+    );
     // One delete and 1000 upserts, refused at the upsert count, before any is read.
     upload(
         "rows-max",
@@ -1835,7 +2228,14 @@ fn malformed_fileds(cases: &mut Vec<(String, &'static str, Vec<u8>)>) {
         patched(&good, 4, &[0, 2]),
     );
     filed("protocol-zero", "protocol-zero", patched(&good, 4, &[0, 0]));
-    filed("flags", "flags", patched(&good, 6, &[0, 1]));
+    // Bit 0 says dropped rows follow (and is sealed); bit 1 is the first undefined.
+    filed("flags", "flags", patched(&good, 6, &[0, 2]));
+    filed("flags-high", "flags", patched(&good, 6, &[0x80, 1]));
+    filed(
+        "dropped-flag-unsealed",
+        "bad-filed-seal",
+        patched(&good, 6, &[0, 1]),
+    );
     filed("short", "truncated", good[..40].to_vec());
     filed("head-cut", "truncated", good[..6].to_vec());
     let mut bad_seal = good.clone();
@@ -1894,6 +2294,47 @@ fn malformed_fileds(cases: &mut Vec<(String, &'static str, Vec<u8>)>) {
         sealed(1, &row("_ferry_sync_up", &[1, 1, 2], 3)),
     );
     filed("trailing-bytes", "trailing-bytes", sealed(1, &[0, 0]));
+    // Flag bit 0: a second list, of dropped rows, follows the refused rows; the two
+    // together are at most FILED_REFUSED_MAX.
+    let dropping = |rest: &[u8]| {
+        raw_filed(
+            &raw_filed_fields_flagged(1, 1, 42, 17, rest),
+            &REPLICA,
+            TOKEN,
+        )
+    };
+    let refused_one = row("sales", &[1, 1, 2], 3);
+    filed(
+        "dropped-rows-max",
+        "refused-rows-max",
+        dropping(&[&refused_one[..], &[0xe8, 0x07]].concat()),
+    ); // 1 + 1000
+    filed(
+        "dropped-rows-max-alone",
+        "refused-rows-max",
+        dropping(&[0x00, 0xe9, 0x07]),
+    ); // 0 + 1001
+    filed(
+        "dropped-beyond-bytes",
+        "count-exceeds-bytes",
+        dropping(&[0x00, 0x64]),
+    );
+    filed("dropped-missing", "truncated", dropping(&[0x00]));
+    filed(
+        "dropped-key-empty",
+        "rejection-key-len",
+        dropping(&[&[0x00][..], &row("orders", &[0], 3)].concat()),
+    );
+    filed(
+        "dropped-table-reserved",
+        "table-name-reserved",
+        dropping(&[&[0x00][..], &row("sqlite_master", &[1, 1, 2], 3)].concat()),
+    );
+    filed(
+        "dropped-without-flag",
+        "trailing-bytes",
+        sealed(1, &[&[0x00][..], &row("orders", &[1, 1, 2], 3)].concat()),
+    );
 }
 
 const LONG_NAME: &str = "cccccccccccccccccccccccccccccccccccccccccccccccccccccccccccccccc";
@@ -1905,6 +2346,8 @@ struct BasePart {
     flags: u8,
     /// Written after the columns when set, as a replica-written part's lane.
     lane: Option<&'static str>,
+    /// Written after the lane when set, as a two-way part's count of replica columns.
+    owned: Option<u64>,
     column_count: Option<u64>,
     /// Name, affinity, not_null, key_part.
     columns: Vec<(&'static str, u8, u8, u8)>,
@@ -1919,6 +2362,7 @@ fn base_body(edit: impl FnOnce(&mut BasePart)) -> Vec<u8> {
         table: b"orders".to_vec(),
         flags: 0,
         lane: None,
+        owned: None,
         column_count: None,
         columns: vec![("id", 1, 1, 1), ("note", 3, 0, 0)],
         text_value: "paid".into(),
@@ -1939,6 +2383,9 @@ fn base_body(edit: impl FnOnce(&mut BasePart)) -> Vec<u8> {
     }
     if let Some(lane) = part.lane {
         raw.str(lane);
+    }
+    if let Some(owned) = part.owned {
+        raw.varint(owned);
     }
     raw.varint(1);
     raw.bytes(
@@ -2082,12 +2529,24 @@ fn raw_upload(flags: u16, id: u64, filed_n: u64, lane: &[u8], body: &[u8]) -> Ve
     raw.0
 }
 
-/// A `Filed`'s fixed fields, straight from the layout, then `rest` (count and rows).
+/// A `Filed`'s fixed fields (flags 0), straight from the layout, then `rest` (count and
+/// rows).
 fn raw_filed_fields(id: u64, filed_n: u64, refile_after: u64, rest: &[u8]) -> Vec<u8> {
+    raw_filed_fields_flagged(0, id, filed_n, refile_after, rest)
+}
+
+/// A `Filed`'s fixed fields with `flags`, then `rest` (the lists of rows).
+fn raw_filed_fields_flagged(
+    flags: u16,
+    id: u64,
+    filed_n: u64,
+    refile_after: u64,
+    rest: &[u8],
+) -> Vec<u8> {
     let mut raw = Raw::default();
     raw.bytes(b"FSF1");
     raw.bytes(&1u16.to_be_bytes());
-    raw.bytes(&0u16.to_be_bytes());
+    raw.bytes(&flags.to_be_bytes());
     raw.u64(id);
     raw.u64(filed_n);
     raw.u64(refile_after);
@@ -2104,18 +2563,71 @@ fn raw_filed(fields: &[u8], replica: &[u8; 16], token: &[u8]) -> Vec<u8> {
     [fields, &mac.finalize().into_bytes()[..16]].concat()
 }
 
-/// A `Filed` (reasons within the limit) as the layout states it, sealed here.
+/// A `Filed` (reasons within the limit) as the layout states it, sealed here: flag bit 0
+/// and the list of dropped rows only when there are some.
 fn reference_filed(filed: &Filed, replica: &[u8; 16], token: &[u8]) -> Vec<u8> {
     let mut rows = Raw::default();
-    rows.varint(filed.refused.len() as u64);
-    for row in &filed.refused {
-        rows.str(&row.table);
-        rows.varint(row.key.len() as u64);
-        row.key.iter().for_each(|v| rows.bytes(&reference_value(v)));
-        rows.str(&row.reason);
+    let mut lists = vec![&filed.refused];
+    if !filed.dropped.is_empty() {
+        lists.push(&filed.dropped);
     }
-    let fields = raw_filed_fields(filed.id, filed.filed_n, filed.refile_after, &rows.0);
+    for list in lists {
+        rows.varint(list.len() as u64);
+        for row in list {
+            rows.str(&row.table);
+            rows.varint(row.key.len() as u64);
+            row.key.iter().for_each(|v| rows.bytes(&reference_value(v)));
+            rows.str(&row.reason);
+        }
+    }
+    let flags = u16::from(!filed.dropped.is_empty());
+    let fields =
+        raw_filed_fields_flagged(flags, filed.id, filed.filed_n, filed.refile_after, &rows.0);
     raw_filed(&fields, replica, token)
+}
+
+/// A body as the layout (wire/body.rs) states it, written independently of `encode_body`:
+/// for a part the replica writes, flag bit 2 and the lane after the columns; for a
+/// two-way one, bit 3 too and the count of the replica's columns after the lane.
+fn reference_body(parts: &[TablePart]) -> Vec<u8> {
+    let mut raw = Raw::default();
+    raw.varint(parts.len() as u64);
+    for part in parts {
+        let mut flags = u8::from(part.sweep.start) | u8::from(part.sweep.end) << 1;
+        if let Some(writes) = &part.writes {
+            flags |= 4;
+            if writes.owned > 0 {
+                flags |= 8;
+            }
+        }
+        let columns: Vec<(&str, u8, u8, u8)> = part
+            .columns
+            .iter()
+            .map(|c| {
+                let affinity = match c.affinity {
+                    Affinity::Integer => 1,
+                    Affinity::Real => 2,
+                    Affinity::Text => 3,
+                    Affinity::Blob => 4,
+                };
+                (c.name.as_str(), affinity, u8::from(c.not_null), c.key_part)
+            })
+            .collect();
+        raw.part_header(&part.table, flags, &columns);
+        if let Some(writes) = &part.writes {
+            raw.str(&writes.lane);
+            if writes.owned > 0 {
+                raw.varint(writes.owned as u64);
+            }
+        }
+        for rows in [&part.deletes, &part.upserts] {
+            raw.varint(rows.len() as u64);
+            for value in rows.iter().flatten() {
+                raw.bytes(&reference_value(value));
+            }
+        }
+    }
+    raw.0
 }
 
 #[derive(Default)]
@@ -2250,7 +2762,33 @@ fn written(table: &str, lane: &str) -> TablePart {
         sweep: Sweep::default(),
         deletes: vec![],
         upserts: vec![],
-        writes: Some(lane.into()),
+        writes: Some(Writes::record(lane)),
+    }
+}
+
+/// A two-way part announcing `table`: the server's columns `id` (the key) and `total`, then
+/// the replica's `status` and `picked_at`, of which the replica writes the last `owned`.
+fn two_way(table: &str, lane: &str, owned: usize) -> TablePart {
+    TablePart {
+        table: table.into(),
+        columns: vec![
+            column("id", 1),
+            with_affinity(column("total", 0), Affinity::Real),
+            column("status", 0),
+            with_affinity(column("picked_at", 0), Affinity::Integer),
+        ],
+        sweep: Sweep::default(),
+        deletes: vec![],
+        upserts: vec![],
+        writes: Some(owned_by_replica(lane, owned)),
+    }
+}
+
+/// What a two-way part says: the replica writes its last `owned` columns, in `lane`.
+fn owned_by_replica(lane: &str, owned: usize) -> Writes {
+    Writes {
+        lane: lane.into(),
+        owned,
     }
 }
 
@@ -2443,12 +2981,28 @@ impl Rng {
             writes: None,
         };
         if self.below(6) == 0 {
-            // A table the replica writes: only its columns and lane travel down.
+            // A table the replica writes: only its columns and lane travel down; half the
+            // time (where its last columns are not key columns) a two-way table's, whose
+            // replica writes 1 up to all of those last columns.
+            let free = part
+                .columns
+                .iter()
+                .rev()
+                .take_while(|c| c.key_part == 0)
+                .count();
+            let owned = if free > 0 && self.below(2) == 0 {
+                1 + self.below(free as u64) as usize
+            } else {
+                0
+            };
             return TablePart {
                 sweep: Sweep::default(),
                 deletes: vec![],
                 upserts: vec![],
-                writes: Some(self.lane()),
+                writes: Some(Writes {
+                    lane: self.lane(),
+                    owned,
+                }),
                 ..part
             };
         }
@@ -2489,6 +3043,13 @@ impl Rng {
             filed_n: self.next(),
             refile_after: if self.below(2) == 0 { 0 } else { self.next() },
             refused: (0..self.below(4))
+                .map(|_| RefusedRow {
+                    table: format!("t{}", self.below(9)),
+                    key: (0..1 + self.below(3)).map(|_| self.value()).collect(),
+                    reason: self.text(40),
+                })
+                .collect(),
+            dropped: (0..self.below(3))
                 .map(|_| RefusedRow {
                     table: format!("t{}", self.below(9)),
                     key: (0..1 + self.below(3)).map(|_| self.value()).collect(),

@@ -522,11 +522,31 @@ impl Relay {
             }
         }
         let mut ids: Vec<i64> = Vec::with_capacity(notes.len());
+        let mut declared: Option<String> = None;
         for n in notes {
-            ids.push(n.get(0));
             let relation: String = n.get(1);
             let key: String = n.get(2);
             let kind: String = n.get(3);
+            if kind == "announce" {
+                // Install changed the tables replicas write: every replica with a chain
+                // hears of them in its next message (a chain start announces them anyway).
+                // A relay still running the rules from before the install leaves the note
+                // to the relay that runs the installed ones.
+                if declared.is_none() {
+                    declared = sqlx::query_scalar("SELECT declared FROM ferry_sync.meta")
+                        .fetch_one(&mut *conn)
+                        .await?;
+                }
+                if declared.as_deref() != Some(self.spec.digest.as_str()) {
+                    continue;
+                }
+                for r in following.partition_of.keys() {
+                    planner.out.entry(*r).or_default().announce = true;
+                }
+                ids.push(n.get(0));
+                continue;
+            }
+            ids.push(n.get(0));
             let Some(t) = self.spec.table(&relation) else {
                 continue;
             };

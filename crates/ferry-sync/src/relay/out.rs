@@ -60,6 +60,9 @@ impl TableOut {
 pub struct ReplicaOut {
     /// The messages start a new chain (prev 0): a provisioning or a catch-up.
     pub chain_start: bool,
+    /// The first message names the tables the replica writes, as a chain start does:
+    /// the rules changed them (docs/sync-up.md §4.1).
+    pub announce: bool,
     pub tables: BTreeMap<usize, TableOut>,
 }
 
@@ -69,14 +72,14 @@ impl ReplicaOut {
     }
 
     pub fn is_empty(&self) -> bool {
-        !self.chain_start && self.tables.values().all(TableOut::is_empty)
+        !self.chain_start && !self.announce && self.tables.values().all(TableOut::is_empty)
     }
 
     /// A cheap identity of the content: replicas with equal signatures get equal bodies.
     /// Rows are compared by address, which is equal exactly when the planner shared them.
     pub fn signature(&self) -> Vec<usize> {
         let mut sig = Vec::new();
-        sig.push(self.chain_start as usize);
+        sig.push(self.chain_start as usize | (self.announce as usize) << 1);
         for (t, out) in &self.tables {
             sig.push(*t);
             sig.push(out.sweep_start as usize | (out.sweep_end as usize) << 1);

@@ -41,8 +41,10 @@ pub fn row_len(row: &[Value]) -> usize {
 pub fn pack(spec: &Spec, out: &ReplicaOut, budget: Budget) -> Vec<Vec<TablePart>> {
     let mut messages: Vec<Vec<TablePart>> = Vec::new();
     // A chain starts with the tables the replica writes, so a replica provisioned or
-    // caught up has them and their triggers (docs/sync-up.md §4.1): empty parts.
-    let mut current: Vec<TablePart> = if out.chain_start {
+    // caught up has them and their triggers (docs/sync-up.md §4.1): empty parts. A rules
+    // change that touches them announces them again.
+    let announce = out.chain_start || out.announce;
+    let mut current: Vec<TablePart> = if announce {
         spec.records
             .iter()
             .map(crate::file::RecordSpec::announce)
@@ -96,7 +98,7 @@ pub fn pack(spec: &Spec, out: &ReplicaOut, budget: Budget) -> Vec<Vec<TablePart>
         part.sweep.end = table_out.sweep_end;
         current.push(part);
     }
-    if !current.is_empty() || (messages.is_empty() && out.chain_start) {
+    if !current.is_empty() || (messages.is_empty() && announce) {
         messages.push(current);
     }
     messages

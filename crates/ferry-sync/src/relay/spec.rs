@@ -138,6 +138,8 @@ pub struct Spec {
     /// The tables the replicas write, which serve files (docs/sync-up.md §5) and every
     /// snapshot announces (§4.1).
     pub records: Vec<crate::file::RecordSpec>,
+    /// The digest of the rules this was built from ([`crate::rules::Rules::digest`]).
+    pub digest: String,
 }
 
 impl Spec {
@@ -340,17 +342,64 @@ impl Spec {
                 }
             }
         }
-        let records = rules
+        let mut records: Vec<crate::file::RecordSpec> = rules
             .records
             .iter()
             .zip(&catalog.records)
             .map(|(r, ct)| record_spec(r, ct))
             .collect();
+        for (table, ct) in tables.iter().zip(&catalog.tables) {
+            let rt = rules.table(&ct.relation).expect("checked above");
+            if let Some(two_way) = &rt.two_way {
+                records.push(two_way_spec(table, ct, &two_way.lane));
+            }
+        }
         Ok(Spec {
             replicas,
             tables,
             records,
+            digest: rules.digest(),
         })
+    }
+}
+
+fn file_column(c: &crate::catalog::CatalogColumn) -> crate::file::FileColumn {
+    crate::file::FileColumn {
+        name: c.name.clone(),
+        pg_type: c.pg_type.clone(),
+        mapping: c.mapping,
+        not_null: c.not_null,
+        key_part: c.key_part,
+    }
+}
+
+/// How serve files a two-way table's uploads (docs/sync-up.md §5.1): its key and the
+/// replica's columns, into rows the server records the sender holding.
+fn two_way_spec(
+    table: &TableSpec,
+    catalog: &crate::catalog::CatalogTable,
+    lane: &str,
+) -> crate::file::RecordSpec {
+    let key_columns = catalog.columns.iter().filter(|c| c.key_part > 0);
+    let mut key_sorted: Vec<_> = key_columns.collect();
+    key_sorted.sort_by_key(|c| c.key_part);
+    let columns: Vec<crate::file::FileColumn> = key_sorted
+        .iter()
+        .map(|c| file_column(c))
+        .chain(catalog.owned.iter().map(file_column))
+        .collect();
+    crate::file::RecordSpec {
+        relation: catalog.relation.to_string(),
+        quoted: catalog.relation.quoted(),
+        name: table.name.clone(),
+        key: (0..key_sorted.len()).collect(),
+        replica: None,
+        version: None,
+        lane: lane.to_string(),
+        columns,
+        two_way: Some(crate::file::TwoWaySpec {
+            down: table.wire_columns(),
+        }),
     }
 }
 
@@ -358,17 +407,7 @@ fn record_spec(
     rules: &crate::rules::RecordTable,
     catalog: &crate::catalog::CatalogTable,
 ) -> crate::file::RecordSpec {
-    let columns: Vec<crate::file::FileColumn> = catalog
-        .columns
-        .iter()
-        .map(|c| crate::file::FileColumn {
-            name: c.name.clone(),
-            pg_type: c.pg_type.clone(),
-            mapping: c.mapping,
-            not_null: c.not_null,
-            key_part: c.key_part,
-        })
-        .collect();
+    let columns: Vec<crate::file::FileColumn> = catalog.columns.iter().map(file_column).collect();
     let at = |name: &Option<String>| {
         name.as_ref()
             .and_then(|n| columns.iter().position(|c| &c.name == n))
@@ -391,6 +430,7 @@ fn record_spec(
         version: at(&rules.version),
         lane: rules.lane.clone(),
         columns,
+        two_way: None,
     }
 }
 

@@ -123,7 +123,7 @@ fn attempt_in<'a>(
         match &part.writes {
             // A table the replica writes: created with the triggers that note the app's
             // writes (docs/sync-up.md §4.1); such a part carries no rows.
-            Some(lane) => super::up::announce(conn, part, lane),
+            Some(writes) => super::up::announce(conn, part, writes),
             None => tables::ensure(conn, part),
         }
         .map_err(|e| ReplicaError::storage("creating or widening a table", e))?;

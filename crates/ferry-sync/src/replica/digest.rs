@@ -129,11 +129,15 @@ fn cut(mut text: String, max: usize) -> String {
 
 /// Digests of the synced tables, the first `DIGESTS_MAX` in the order they came (the
 /// server compares those it gets). Tables the replica writes are the replica's, not
-/// the server's copy: left out.
+/// the server's copy: left out. A two-way table is the server's copy in the columns the
+/// server sends, which are the ones `_ferry_sync_tables` records: digested by those.
 fn digests(conn: &Connection) -> Result<Vec<Digest>, ReplicaError> {
     let written: HashSet<String> = {
         let mut stmt = conn
-            .prepare_cached("SELECT tbl FROM _ferry_sync_writes")
+            .prepare_cached(
+                "SELECT tbl FROM _ferry_sync_writes
+                 WHERE tbl NOT IN (SELECT tbl FROM _ferry_sync_two_way)",
+            )
             .map_err(|e| ReplicaError::storage("reading the tables written", e))?;
         stmt.query_map([], |r| r.get(0))
             .and_then(|rows| rows.collect::<rusqlite::Result<_>>())

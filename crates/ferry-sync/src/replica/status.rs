@@ -29,6 +29,8 @@ pub struct ReplicaStatus {
     /// (refused for good; tried again by a new build).
     pub unfiled: u64,
     pub set_aside: u64,
+    /// Edits of two-way rows the server dropped (it had deleted the row or taken it back).
+    pub dropped: u64,
     /// What the file alone says about the standing: `awaiting_fix` (a gap, or
     /// rejections outstanding) or `not_provisioned` (no chain started);
     /// `None` when it takes the transport to tell (see [`ReplicaStatus::standing`]).
@@ -189,6 +191,7 @@ pub(crate) fn status(conn: &Connection) -> Result<ReplicaStatus, ReplicaError> {
         retired: count("SELECT COUNT(*) FROM _ferry_sync_retired")? as u64,
         unfiled: count("SELECT COUNT(*) FROM _ferry_sync_up WHERE aside IS NULL")? as u64,
         set_aside: count("SELECT COUNT(*) FROM _ferry_sync_up WHERE aside IS NOT NULL")? as u64,
+        dropped: count("SELECT coalesce(sum(dropped), 0) FROM _ferry_sync_two_way")? as u64,
         standing,
     })
 }
@@ -209,6 +212,7 @@ mod tests {
             retired: 0,
             unfiled: 0,
             set_aside: 0,
+            dropped: 0,
             standing,
         }
     }

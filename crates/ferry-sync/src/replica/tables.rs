@@ -148,6 +148,16 @@ pub(crate) fn key_positions(columns: &[Column]) -> Vec<usize> {
 /// Creates the table, adds the columns it lacks, records the part's columns. Inside the
 /// apply transaction: a crash leaves the table as it was.
 pub(crate) fn ensure(conn: &Connection, part: &TablePart) -> rusqlite::Result<()> {
+    ensure_with(conn, part, part.columns.len())
+}
+
+/// [`ensure`] for a part whose first `recorded` columns are the ones to record (a two-way
+/// table's announcement: the server's columns, then the replica's).
+pub(crate) fn ensure_with(
+    conn: &Connection,
+    part: &TablePart,
+    recorded: usize,
+) -> rusqlite::Result<()> {
     let defs: Vec<String> = part
         .columns
         .iter()
@@ -186,7 +196,7 @@ pub(crate) fn ensure(conn: &Connection, part: &TablePart) -> rusqlite::Result<()
         "INSERT INTO _ferry_sync_tables(name, columns, ord) VALUES (?1, ?2, \
          (SELECT COALESCE(MAX(ord), 0) + 1 FROM _ferry_sync_tables)) \
          ON CONFLICT(name) DO UPDATE SET columns = excluded.columns",
-        params![part.table, columns_json(&part.columns)],
+        params![part.table, columns_json(&part.columns[..recorded])],
     )?;
     Ok(())
 }
@@ -251,7 +261,7 @@ struct ColumnJson {
     key_part: u8,
 }
 
-fn columns_json(columns: &[Column]) -> String {
+pub(crate) fn columns_json(columns: &[Column]) -> String {
     let list: Vec<ColumnJson> = columns
         .iter()
         .map(|c| ColumnJson {
@@ -276,27 +286,29 @@ pub(crate) fn recorded(conn: &Connection) -> Result<Vec<(String, Vec<Column>)>, 
     let mut out = Vec::new();
     for row in rows {
         let (name, json) = row.map_err(e)?;
-        let damaged = || {
+        let columns = parse_columns(&json).ok_or_else(|| {
             ReplicaError::Damaged(format!(
                 "_ferry_sync_tables.columns of {name:?} does not parse"
             ))
-        };
-        let list: Vec<ColumnJson> = serde_json::from_str(&json).map_err(|_| damaged())?;
-        let columns = list
-            .into_iter()
-            .map(|c| {
-                Some(Column {
-                    name: c.name,
-                    affinity: Affinity::from_u8(c.affinity)?,
-                    not_null: c.not_null,
-                    key_part: c.key_part,
-                })
-            })
-            .collect::<Option<Vec<Column>>>()
-            .ok_or_else(damaged)?;
+        })?;
         out.push((name, columns));
     }
     Ok(out)
+}
+
+/// Columns as [`columns_json`] wrote them; `None` if they do not parse.
+pub(crate) fn parse_columns(json: &str) -> Option<Vec<Column>> {
+    let list: Vec<ColumnJson> = serde_json::from_str(json).ok()?;
+    list.into_iter()
+        .map(|c| {
+            Some(Column {
+                name: c.name,
+                affinity: Affinity::from_u8(c.affinity)?,
+                not_null: c.not_null,
+                key_part: c.key_part,
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]

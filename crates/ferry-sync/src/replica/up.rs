@@ -22,6 +22,8 @@
 //!
 //! Tables (created with the engine's others, `state::install`):
 //! - `_ferry_sync_writes`: the tables this replica writes, with their lane;
+//! - `_ferry_sync_two_way`: of those, the two-way tables: the columns an upload carries
+//!   (the key and the replica's), and how many edits the server dropped;
 //! - `_ferry_sync_up`: one note per (table, key): the key as a JSON array, its lane,
 //!   `noted` (a count each write raises), whether to send the journal's copy, and why
 //!   the row is set aside;
@@ -92,6 +94,10 @@ pub(crate) const TABLES: &str = "
 CREATE TABLE IF NOT EXISTS _ferry_sync_writes(
     tbl TEXT PRIMARY KEY,
     lane TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS _ferry_sync_two_way(
+    tbl TEXT PRIMARY KEY,
+    columns TEXT NOT NULL,
+    dropped INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS _ferry_sync_up(
     tbl TEXT NOT NULL,
     key TEXT NOT NULL,
@@ -114,33 +120,35 @@ CREATE TABLE IF NOT EXISTS _ferry_sync_filed(
 INSERT OR IGNORE INTO _ferry_sync_filed(one) VALUES (1);
 ";
 
-/// Creates table `part` (the replica writes it) if missing, records its lane, and
-/// (re)creates the triggers that note the app's writes to it. Inside the apply
+/// Creates table `part` (the replica writes it, or columns of it) if missing, records its
+/// lane, and (re)creates the triggers that note the app's writes to it. Inside the apply
 /// transaction.
-pub(crate) fn announce(conn: &Connection, part: &TablePart, lane: &str) -> rusqlite::Result<()> {
-    tables::ensure(conn, part)?;
+pub(crate) fn announce(
+    conn: &Connection,
+    part: &TablePart,
+    writes: &wire::Writes,
+) -> rusqlite::Result<()> {
+    let lane = writes.lane.as_str();
+    let server_columns = part.columns.len() - writes.owned;
+    tables::ensure_with(conn, part, server_columns)?;
     conn.execute(
         "INSERT INTO _ferry_sync_writes(tbl, lane) VALUES (?1, ?2)
          ON CONFLICT(tbl) DO UPDATE SET lane = excluded.lane",
         params![part.table, lane],
     )?;
     let t = tables::quote(&part.table);
-    let keys = |row: &str| -> String {
-        tables::key_columns(&part.columns)
-            .map(|c| format!("{row}.{}", tables::quote(&c.name)))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    let note = |row: &str| {
-        format!(
-            "INSERT INTO _ferry_sync_up(tbl, key, lane) VALUES ({}, json_array({}), {})
-             ON CONFLICT(tbl, key) DO UPDATE SET noted = noted + 1, lane = excluded.lane,
-             from_journal = 0, aside = NULL;",
-            sql_text(&part.table),
-            keys(row),
-            sql_text(lane)
-        )
-    };
+    for event in ["insert", "update", "delete"] {
+        let name = tables::quote(&format!("_ferry_sync_up_{event}_{}", part.table));
+        conn.execute_batch(&format!("DROP TRIGGER IF EXISTS {name};"))?;
+    }
+    if writes.owned > 0 {
+        return announce_two_way(conn, part, server_columns, lane);
+    }
+    conn.execute(
+        "DELETE FROM _ferry_sync_two_way WHERE tbl = ?1",
+        [&part.table],
+    )?;
+    let note = |row: &str| note_sql(part, lane, row);
     for (event, body) in [
         ("insert", note("NEW")),
         // A key change notes the old key too: it reads as gone, and goes up as a delete.
@@ -149,12 +157,60 @@ pub(crate) fn announce(conn: &Connection, part: &TablePart, lane: &str) -> rusql
     ] {
         let name = tables::quote(&format!("_ferry_sync_up_{event}_{}", part.table));
         conn.execute_batch(&format!(
-            "DROP TRIGGER IF EXISTS {name};
-             CREATE TRIGGER {name} AFTER {} ON {t} BEGIN {body} END;",
+            "CREATE TRIGGER {name} AFTER {} ON {t} BEGIN {body} END;",
             event.to_uppercase()
         ))?;
     }
     Ok(())
+}
+
+/// The statement a trigger runs to note row `row`'s key (`NEW` or `OLD`) of `part`.
+fn note_sql(part: &TablePart, lane: &str, row: &str) -> String {
+    let keys = tables::key_columns(&part.columns)
+        .map(|c| format!("{row}.{}", tables::quote(&c.name)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    format!(
+        "INSERT INTO _ferry_sync_up(tbl, key, lane) VALUES ({}, json_array({keys}), {})
+         ON CONFLICT(tbl, key) DO UPDATE SET noted = noted + 1, lane = excluded.lane,
+         from_journal = 0, aside = NULL;",
+        sql_text(&part.table),
+        sql_text(lane)
+    )
+}
+
+/// A two-way table (docs/sync-up.md §3.1): the replica's columns are the part's after
+/// the first `server_columns`. One trigger notes an update that changes any of them;
+/// the server's rows come and go by messages, which set only the server's columns.
+fn announce_two_way(
+    conn: &Connection,
+    part: &TablePart,
+    server_columns: usize,
+    lane: &str,
+) -> rusqlite::Result<()> {
+    let owned = &part.columns[server_columns..];
+    let uploaded: Vec<Column> = tables::key_columns(&part.columns)
+        .chain(owned)
+        .cloned()
+        .collect();
+    conn.execute(
+        "INSERT INTO _ferry_sync_two_way(tbl, columns) VALUES (?1, ?2)
+         ON CONFLICT(tbl) DO UPDATE SET columns = excluded.columns",
+        params![part.table, tables::columns_json(&uploaded)],
+    )?;
+    let names: Vec<String> = owned.iter().map(|c| tables::quote(&c.name)).collect();
+    let changed: Vec<String> = names
+        .iter()
+        .map(|c| format!("OLD.{c} IS NOT NEW.{c}"))
+        .collect();
+    let name = tables::quote(&format!("_ferry_sync_up_update_{}", part.table));
+    conn.execute_batch(&format!(
+        "CREATE TRIGGER {name} AFTER UPDATE OF {} ON {} WHEN {} BEGIN {} END;",
+        names.join(", "),
+        tables::quote(&part.table),
+        changed.join(" OR "),
+        note_sql(part, lane, "NEW")
+    ))
 }
 
 fn sql_text(s: &str) -> String {
@@ -190,6 +246,8 @@ pub struct UpStatus {
     pub journal: u64,
     /// The last filing count the server told.
     pub filed_n: u64,
+    /// Edits of two-way rows the server dropped: it had deleted the row or taken it back.
+    pub dropped: u64,
 }
 
 /// The uploader: its own connection to the replica's file, beside the apply loop's.
@@ -439,9 +497,11 @@ impl Uploader {
         }
         let recorded: BTreeMap<String, Vec<Column>> =
             tables::recorded(&self.conn)?.into_iter().collect();
+        let two_ways = two_way_columns(&self.conn)?;
         let mut parts: BTreeMap<String, TablePart> = BTreeMap::new();
         for note in &notes {
-            let Some(columns) = recorded.get(&note.table) else {
+            let two_way = two_ways.contains_key(&note.table);
+            let Some(columns) = two_ways.get(&note.table).or(recorded.get(&note.table)) else {
                 continue; // a table the server no longer announces: the note waits
             };
             let part = parts
@@ -461,7 +521,10 @@ impl Uploader {
             };
             match row {
                 Some(row) => part.upserts.push(row),
-                None => part.deletes.push(key_values(&note.key)),
+                None if !two_way => part.deletes.push(key_values(&note.key)),
+                // A two-way row the server took back or deleted: nothing to send, and the
+                // note is forgotten with the rest of the upload's.
+                None => {}
             }
         }
         Ok(Some(Batch {
@@ -469,7 +532,10 @@ impl Uploader {
             lane: lane.to_string(),
             restated,
             notes,
-            parts: parts.into_values().collect(),
+            parts: parts
+                .into_values()
+                .filter(|p| !p.upserts.is_empty() || !p.deletes.is_empty())
+                .collect(),
         }))
     }
 
@@ -576,6 +642,22 @@ impl Uploader {
     ) -> Result<(), ReplicaError> {
         let s = |e| ReplicaError::storage("recording a Filed", e);
         let c = &self.conn;
+        let mut dropped = std::collections::BTreeSet::new();
+        for row in &filed.dropped {
+            let key = json_key(c, &row.key)?;
+            tracing::warn!(
+                table = row.table,
+                key,
+                reason = row.reason,
+                "an edit of a two-way row was dropped by the server"
+            );
+            c.execute(
+                "UPDATE _ferry_sync_two_way SET dropped = dropped + 1 WHERE tbl = ?1",
+                [&row.table],
+            )
+            .map_err(s)?;
+            dropped.insert((row.table.clone(), key));
+        }
         for refused in &filed.refused {
             let key = json_key(c, &refused.key)?;
             c.execute(
@@ -609,8 +691,10 @@ impl Uploader {
                     params![note.rowid, note.noted],
                 )
                 .map_err(s)?;
+            let at = (note.table.clone(), note.key.clone());
             if forgotten == 1
-                && let Some(row) = sent.get(&(note.table.clone(), note.key.clone()))
+                && !dropped.contains(&at)
+                && let Some(row) = sent.get(&at)
             {
                 c.execute(
                     "INSERT INTO _ferry_sync_journal(tbl, key, n, row) VALUES (?1, ?2, ?3, ?4)
@@ -671,13 +755,36 @@ impl Uploader {
     }
 }
 
+/// The two-way tables and the columns their uploads carry (the key, then the replica's).
+fn two_way_columns(conn: &Connection) -> Result<BTreeMap<String, Vec<Column>>, ReplicaError> {
+    let e = |e| ReplicaError::storage("reading the two-way tables", e);
+    let mut stmt = conn
+        .prepare_cached("SELECT tbl, columns FROM _ferry_sync_two_way")
+        .map_err(e)?;
+    let rows = stmt
+        .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))
+        .map_err(e)?;
+    let mut out = BTreeMap::new();
+    for row in rows {
+        let (table, json) = row.map_err(e)?;
+        let columns = tables::parse_columns(&json).ok_or_else(|| {
+            ReplicaError::Damaged(format!(
+                "_ferry_sync_two_way.columns of {table:?} does not parse"
+            ))
+        })?;
+        out.insert(table, columns);
+    }
+    Ok(out)
+}
+
 /// Where the way up stands in the replica's file.
 pub fn up_status(conn: &Connection) -> Result<UpStatus, ReplicaError> {
     conn.query_row(
         "SELECT (SELECT count(*) FROM _ferry_sync_up WHERE aside IS NULL),
                 (SELECT count(*) FROM _ferry_sync_up WHERE aside IS NOT NULL),
                 (SELECT count(*) FROM _ferry_sync_journal),
-                (SELECT n FROM _ferry_sync_filed)",
+                (SELECT n FROM _ferry_sync_filed),
+                (SELECT coalesce(sum(dropped), 0) FROM _ferry_sync_two_way)",
         [],
         |r| {
             Ok(UpStatus {
@@ -685,6 +792,7 @@ pub fn up_status(conn: &Connection) -> Result<UpStatus, ReplicaError> {
                 set_aside: r.get::<_, i64>(1)? as u64,
                 journal: r.get::<_, i64>(2)? as u64,
                 filed_n: r.get::<_, i64>(3)? as u64,
+                dropped: r.get::<_, i64>(4)? as u64,
             })
         },
     )

@@ -5,7 +5,8 @@
 //! 2. The table name: varint length, then 1..=[`NAME_BYTES_MAX`] bytes of UTF-8 without
 //!    NUL, not starting (ignoring ASCII case) with `sqlite_` or `_ferry_sync`.
 //! 3. One byte of part flags: bit 0 sweep start, bit 1 sweep end, bit 2 the replica
-//!    writes the table (docs/sync-up.md §4.1); the other bits 0. A part with bit 2 has
+//!    writes the table (docs/sync-up.md §4.1), bit 3 (only with bit 2) a two-way table:
+//!    the replica writes some of its columns; the other bits 0. A part with bit 2 has
 //!    neither sweep flag.
 //! 4. A varint count of columns, 1..=[`COLUMNS_MAX`]; then each column: its name (as a
 //!    table name, 1..=63 bytes, unique in the part ignoring ASCII case), an affinity byte
@@ -13,7 +14,9 @@
 //!    (0, or the column's place in the key). The key parts present are exactly 1..=k for
 //!    some k >= 1, each once.
 //! 5. Only when bit 2 is set: the lane the replica uploads the table's writes in, written
-//!    as a table name (varint length, 1..=[`NAME_BYTES_MAX`] bytes of UTF-8 without NUL).
+//!    as a table name (varint length, 1..=[`NAME_BYTES_MAX`] bytes of UTF-8 without NUL);
+//!    then, only when bit 3 is set, a varint count of the columns the replica writes: the
+//!    last that many of the part's, at least one, none of them a key part.
 //! 6. A varint count of deletes; each is k values, the key's, in key order (no count).
 //! 7. A varint count of upserts; each is one value per column, in column order (no count).
 //!    A part with bit 2 has no deletes and no upserts: the replica's rows of that table
@@ -33,7 +36,7 @@ use std::collections::HashSet;
 use super::reader::Reader;
 use super::{
     COLUMNS_MAX, Column, Fault, NAME_BYTES_MAX, RESERVED_TABLE_PREFIXES, Refused, Rule, Sweep,
-    TablePart, UPLOAD_ROWS_MAX,
+    TablePart, UPLOAD_ROWS_MAX, Writes,
 };
 use crate::value::{self, Affinity, EncodeError, Value};
 
@@ -41,6 +44,9 @@ const SWEEP_START: u8 = 1;
 const SWEEP_END: u8 = 2;
 /// Part flag bit 2: the replica writes the table, and the lane's name follows the columns.
 const WRITES: u8 = 4;
+/// Part flag bit 3, only with bit 2: the replica writes the last columns of the part (their
+/// count follows the lane); the server sends the rest.
+const TWO_WAY: u8 = 8;
 
 /// Smallest encodings, for bounding counts by the bytes that remain: a column is a name
 /// (2 bytes at least) and three bytes; a value is a tag at least.
@@ -130,7 +136,19 @@ fn read_part(
     } else {
         let lane = reader.str("the lane name").map_err(within)?;
         check_lane_name(lane).map_err(within)?;
-        Some(lane.to_string())
+        let owned = if flags & TWO_WAY == 0 {
+            0
+        } else {
+            let at = reader.at();
+            let owned = reader
+                .varint("the count of columns the replica writes")
+                .map_err(within)?;
+            check_owned(owned, Some(at), &columns).map_err(within)?
+        };
+        Some(Writes {
+            lane: lane.to_string(),
+            owned,
+        })
     };
     let writes_at = writes.is_some().then_some(flags_at);
     let key_bytes = key.len() * VALUE_BYTES_MIN;
@@ -180,12 +198,21 @@ fn read_part(
 /// Refuses part flags protocol v1 does not define; in an upload, any flag; and a part
 /// that says the replica writes its table (bit 2) and asks for a sweep too.
 fn check_flags(flags: u8, at: usize, carrier: Carrier) -> Result<(), Fault> {
-    if flags & !(SWEEP_START | SWEEP_END | WRITES) != 0 {
+    if flags & !(SWEEP_START | SWEEP_END | WRITES | TWO_WAY) != 0 {
         return Err(Fault::new(
             Rule::SweepFlags,
             format!(
                 "the part flags at byte {at} are {flags:#04x}; only bits 0 (sweep start), 1 \
-                 (sweep end) and 2 (the replica writes the table) are defined"
+                 (sweep end), 2 (the replica writes the table) and 3 (two-way) are defined"
+            ),
+        ));
+    }
+    if flags & TWO_WAY != 0 && flags & WRITES == 0 {
+        return Err(Fault::new(
+            Rule::ReplicaWrittenPart,
+            format!(
+                "the part flags at byte {at} are {flags:#04x}: bit 3 (two-way) says which \
+                 columns the replica writes, and comes only with bit 2"
             ),
         ));
     }
@@ -450,13 +477,39 @@ pub(super) fn check_lane_name(lane: &str) -> Result<(), Fault> {
     Ok(())
 }
 
-/// Refuses a part that says the replica writes its table (`writes` is its lane) and yet
-/// asks for a sweep or carries rows, or whose lane a replica would refuse.
+/// Refuses a count of columns the replica writes (read at byte `at`, or `None` when
+/// encoding) that is 0, not below the part's column count, or takes in a key column.
+fn check_owned(owned: u64, at: Option<usize>, columns: &[Column]) -> Result<usize, Fault> {
+    let first = columns
+        .len()
+        .saturating_sub(usize::try_from(owned).unwrap_or(usize::MAX));
+    if owned == 0
+        || owned >= columns.len() as u64
+        || columns[first..].iter().any(|c| c.key_part > 0)
+    {
+        return Err(Fault::new(
+            Rule::ReplicaWrittenPart,
+            format!(
+                "the count of columns the replica writes{} is {owned}, of {} columns: a \
+                 two-way table's replica writes its last 1 or more columns, never a key column",
+                at.map(|at| format!(" at byte {at}")).unwrap_or_default(),
+                columns.len()
+            ),
+        ));
+    }
+    Ok(owned as usize)
+}
+
+/// Refuses a part that says the replica writes its table and yet asks for a sweep or
+/// carries rows, whose lane a replica would refuse, or whose two-way columns do not fit.
 fn check_writes(part: &TablePart) -> Result<(), Fault> {
-    let Some(lane) = &part.writes else {
+    let Some(Writes { lane, owned }) = &part.writes else {
         return Ok(());
     };
     check_lane_name(lane)?;
+    if *owned > 0 {
+        check_owned(*owned as u64, None, &part.columns)?;
+    }
     if part.sweep != Sweep::default() {
         return Err(Fault::new(
             Rule::ReplicaWrittenPart,
@@ -506,7 +559,11 @@ fn write_header(part: &TablePart, out: &mut Vec<u8>) {
     write_str(&part.table, out);
     let start = if part.sweep.start { SWEEP_START } else { 0 };
     let end = if part.sweep.end { SWEEP_END } else { 0 };
-    let writes = if part.writes.is_some() { WRITES } else { 0 };
+    let writes = match &part.writes {
+        None => 0,
+        Some(w) if w.owned == 0 => WRITES,
+        Some(_) => WRITES | TWO_WAY,
+    };
     out.push(start | end | writes);
     value::encode_varint(part.columns.len() as u64, out);
     for column in &part.columns {
@@ -515,8 +572,11 @@ fn write_header(part: &TablePart, out: &mut Vec<u8>) {
         out.push(u8::from(column.not_null));
         out.push(column.key_part);
     }
-    if let Some(lane) = &part.writes {
-        write_str(lane, out);
+    if let Some(w) = &part.writes {
+        write_str(&w.lane, out);
+        if w.owned > 0 {
+            value::encode_varint(w.owned as u64, out);
+        }
     }
 }
 

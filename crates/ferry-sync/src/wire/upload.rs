@@ -31,7 +31,7 @@
 //! A `Filed`:
 //! 1. 4 bytes: the magic `FSF1` ([`MAGIC_FILED`]).
 //! 2. 2 bytes: the protocol, as in an upload.
-//! 3. 2 bytes: flags, 0.
+//! 3. 2 bytes: flags; bit 0, a list of dropped rows follows the refused ones; others 0.
 //! 4. 8 bytes: the id of the upload it answers, never 0.
 //! 5. 8 bytes: the server's filing count for this replica after this filing.
 //! 6. 8 bytes: refile after: 0, or the count the server had when the upload showed it lost
@@ -40,9 +40,13 @@
 //!    in a report, without its seq: the table (as a table name), a varint count of key
 //!    values (1..=[`COLUMNS_MAX`]) and the values, and the reason (varint length, at most
 //!    [`REASON_BYTES_MAX`] bytes of UTF-8; the server cuts longer ones).
-//! 8. 16 bytes: the seal, the first 16 bytes of HMAC-SHA256 keyed by the replica's seal
+//! 8. Only with flag bit 0: a varint count of dropped rows, laid out as refused rows:
+//!    edits of a two-way table's row the replica no longer holds on the server's side (it
+//!    was deleted or taken back). The refused and dropped rows together are at most
+//!    [`FILED_REFUSED_MAX`].
+//! 9. 16 bytes: the seal, the first 16 bytes of HMAC-SHA256 keyed by the replica's seal
 //!    key over `ferry-sync filed`, the replica's 16-byte id and every byte above.
-//! 9. Nothing after; at most [`FILED_BYTES_MAX`] bytes in all.
+//! 10. Nothing after; at most [`FILED_BYTES_MAX`] bytes in all.
 //!
 //! [`open_filed`] checks the size, magic, protocol and flags, then the seal (in constant
 //! time, [`Refused::BadFiledSeal`]), then the fields: a byte changed past the flags is
@@ -73,6 +77,9 @@ const FILED_SEAL_LABEL: &[u8] = b"ferry-sync filed";
 
 /// Upload flag bit 0: the rows are journal entries sent again.
 const FLAG_RESTATED: u16 = 1;
+
+/// `Filed` flag bit 0: a list of dropped rows follows the refused ones.
+const FLAG_DROPPED: u16 = 1;
 
 /// Offsets of the fixed fields both messages open with.
 const AT_PROTOCOL: usize = 4;
@@ -117,8 +124,13 @@ pub struct Filed {
     /// uploads its journal's entries above it again.
     pub refile_after: u64,
     /// The rows refused for good, at most [`FILED_REFUSED_MAX`]; the replica sets them
-    /// aside. Every other row of the upload was filed (or waits in the server's inbox).
+    /// aside. Every other row of the upload was filed (or waits in the server's inbox),
+    /// or dropped.
     pub refused: Vec<RefusedRow>,
+    /// Edits of two-way rows the server no longer sends this replica (deleted, or taken
+    /// back): not filed, and never will be (the server's side wins); the replica forgets
+    /// them and counts them. With `refused`, at most [`FILED_REFUSED_MAX`].
+    pub dropped: Vec<RefusedRow>,
 }
 
 /// A row of an upload the server refused for good, and why.
@@ -196,21 +208,22 @@ pub fn encode_filed(filed: &Filed, seal_key: &[u8; 32], replica: &[u8; 16]) -> V
             fault.detail, fault.rule
         );
     }
-    let mut out = Vec::with_capacity(FILED_BYTES_MIN + 64 * filed.refused.len());
+    let rows = filed.refused.len() + filed.dropped.len();
+    let mut out = Vec::with_capacity(FILED_BYTES_MIN + 1 + 64 * rows);
     out.extend_from_slice(&MAGIC_FILED);
     out.extend_from_slice(&PROTOCOL.to_be_bytes());
-    out.extend_from_slice(&0u16.to_be_bytes());
+    let flags = if filed.dropped.is_empty() {
+        0
+    } else {
+        FLAG_DROPPED
+    };
+    out.extend_from_slice(&flags.to_be_bytes());
     for field in [filed.id, filed.filed_n, filed.refile_after] {
         out.extend_from_slice(&field.to_be_bytes());
     }
-    value::encode_varint(filed.refused.len() as u64, &mut out);
-    for row in &filed.refused {
-        write_str(&row.table, &mut out);
-        value::encode_varint(row.key.len() as u64, &mut out);
-        for key_value in &row.key {
-            value::write_value(key_value, &mut out);
-        }
-        write_str(cut_reason(&row.reason), &mut out);
+    write_keyed_rows(&filed.refused, &mut out);
+    if !filed.dropped.is_empty() {
+        write_keyed_rows(&filed.dropped, &mut out);
     }
     assert!(
         out.len() + SEAL_BYTES <= FILED_BYTES_MAX,
@@ -241,8 +254,8 @@ pub fn open_filed(bytes: &[u8], seal_key: &[u8; 32], replica: &[u8; 16]) -> Resu
         .into());
     }
     let flags = read_head(&mut Reader::new(bytes, "Filed"), &MAGIC_FILED, "Filed")?;
-    if flags != 0 {
-        return Err(flags_fault(flags, "none for a Filed").into());
+    if flags & !FLAG_DROPPED != 0 {
+        return Err(flags_fault(flags, "only bit 0 (dropped rows follow) for a Filed").into());
     }
     if bytes.len() < FILED_BYTES_MIN {
         return Err(Fault::new(
@@ -265,11 +278,34 @@ pub fn open_filed(bytes: &[u8], seal_key: &[u8; 32], replica: &[u8; 16]) -> Resu
     }
     let mut reader = Reader::new(sealed, "Filed");
     reader.bytes(AT_FLAGS + 2, "the magic, protocol and flags")?;
+    let id = read_id(&mut reader)?;
+    let filed_n = reader.u64("the filing count")?;
+    let refile_after = reader.u64("refile after")?;
+    let refused = read_refused_rows(&mut reader, "refused", FILED_REFUSED_MAX)?;
+    let dropped = if flags & FLAG_DROPPED == 0 {
+        Vec::new()
+    } else {
+        let at = reader.at();
+        let dropped = read_refused_rows(&mut reader, "dropped", FILED_REFUSED_MAX - refused.len())?;
+        if dropped.is_empty() {
+            // One encoding per Filed: without dropped rows the flag is 0.
+            return Err(Fault::new(
+                Rule::RefusedRowsMax,
+                format!(
+                    "the dropped row count at byte {at} is 0, but flag bit 0 says dropped rows \
+                     follow"
+                ),
+            )
+            .into());
+        }
+        dropped
+    };
     let filed = Filed {
-        id: read_id(&mut reader)?,
-        filed_n: reader.u64("the filing count")?,
-        refile_after: reader.u64("refile after")?,
-        refused: read_refused_rows(&mut reader)?,
+        id,
+        filed_n,
+        refile_after,
+        refused,
+        dropped,
     };
     reader.finish()?;
     Ok(filed)
@@ -323,17 +359,21 @@ fn check_filed(filed: &Filed) -> Result<(), Fault> {
             "the upload id is 0, which names no upload",
         ));
     }
-    if filed.refused.len() > FILED_REFUSED_MAX {
+    if filed.refused.len() + filed.dropped.len() > FILED_REFUSED_MAX {
         return Err(Fault::new(
             Rule::RefusedRowsMax,
             format!(
-                "it refuses {} rows, over {FILED_REFUSED_MAX}, one per row of the largest upload",
-                filed.refused.len()
+                "it refuses {} rows and drops {}, over {FILED_REFUSED_MAX} together, one per \
+                 row of the largest upload",
+                filed.refused.len(),
+                filed.dropped.len()
             ),
         ));
     }
-    for (index, row) in filed.refused.iter().enumerate() {
-        let within = |f: Fault| f.within(format_args!("refused row {}", index + 1));
+    let rows = (filed.refused.iter().map(|r| ("refused", r)))
+        .chain(filed.dropped.iter().map(|r| ("dropped", r)));
+    for (index, (what, row)) in rows.enumerate() {
+        let within = |f: Fault| f.within(format_args!("{what} row {}", index + 1));
         check_table_name(&row.table).map_err(within)?;
         if row.key.is_empty() || row.key.len() > COLUMNS_MAX {
             return Err(within(Fault::new(
@@ -386,31 +426,45 @@ fn read_id(reader: &mut Reader<'_>) -> Result<u64, Fault> {
     Ok(id)
 }
 
-fn read_refused_rows(reader: &mut Reader<'_>) -> Result<Vec<RefusedRow>, Fault> {
+/// Reads a count of `what` ("refused" or "dropped") rows, at most `max`, and the rows.
+fn read_refused_rows(
+    reader: &mut Reader<'_>,
+    what: &str,
+    max: usize,
+) -> Result<Vec<RefusedRow>, Fault> {
     let count_at = reader.at();
-    let count = reader.varint("the refused row count")?;
-    if count > FILED_REFUSED_MAX as u64 {
+    let name = format!("the {what} row count");
+    let count = reader.varint(&name)?;
+    if count > max as u64 {
         return Err(Fault::new(
             Rule::RefusedRowsMax,
             format!(
-                "the refused row count at byte {count_at} is {count}, over {FILED_REFUSED_MAX}, \
-                 one per row of the largest upload"
+                "{name} at byte {count_at} is {count}, over {max}: refused and dropped rows \
+                 together are at most {FILED_REFUSED_MAX}, one per row of the largest upload"
             ),
         ));
     }
-    let count = reader.count_checked(
-        count,
-        "the refused row count",
-        REFUSED_ROW_BYTES_MIN,
-        count_at,
-    )?;
+    let count = reader.count_checked(count, &name, REFUSED_ROW_BYTES_MIN, count_at)?;
     let mut rows = Vec::with_capacity(count);
     for number in 1..=count {
         let row =
-            read_refused_row(reader).map_err(|f| f.within(format_args!("refused row {number}")))?;
+            read_refused_row(reader).map_err(|f| f.within(format_args!("{what} row {number}")))?;
         rows.push(row);
     }
     Ok(rows)
+}
+
+/// Writes a count and the rows, each as a rejection in a report without its seq.
+fn write_keyed_rows(rows: &[RefusedRow], out: &mut Vec<u8>) {
+    value::encode_varint(rows.len() as u64, out);
+    for row in rows {
+        write_str(&row.table, out);
+        value::encode_varint(row.key.len() as u64, out);
+        for key_value in &row.key {
+            value::write_value(key_value, out);
+        }
+        write_str(cut_reason(&row.reason), out);
+    }
 }
 
 /// Reads one refused row, checked as a rejection in a report is.
