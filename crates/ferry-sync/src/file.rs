@@ -315,19 +315,7 @@ async fn holds(
     sender: Uuid,
     part: &TablePart,
 ) -> Result<std::collections::HashSet<String>, sqlx::Error> {
-    let keys: Vec<String> = part
-        .upserts
-        .iter()
-        .map(|upsert| {
-            let key: Vec<Value> = plan
-                .spec
-                .key
-                .iter()
-                .map(|&k| plan.from_part[k].map_or(Value::Null, |i| upsert[i].clone()))
-                .collect();
-            value::key_text(&key)
-        })
-        .collect();
+    let keys: Vec<String> = part.upserts.iter().map(|u| plan.upsert_key(u)).collect();
     if keys.is_empty() {
         return Ok(Default::default());
     }
@@ -363,6 +351,14 @@ impl Plan<'_> {
     /// A spec-ordered row's key.
     fn key_of(&self, row: &[Value]) -> Vec<Value> {
         self.spec.key.iter().map(|&k| row[k].clone()).collect()
+    }
+
+    /// The key text of one of the part's upserts (in the part's column order).
+    fn upsert_key(&self, upsert: &[Value]) -> String {
+        let key: Vec<Value> = (self.spec.key.iter())
+            .map(|&k| self.from_part[k].map_or(Value::Null, |i| upsert[i].clone()))
+            .collect();
+        value::key_text(&key)
     }
 
     /// A spec-ordered row of a two-way table, answered as dropped.
@@ -903,14 +899,8 @@ async fn clear_inbox(
     let mut keys = Vec::new();
     for (part, plan) in upload.parts.iter().zip(plans) {
         for upsert in &part.upserts {
-            let key: Vec<Value> = plan
-                .spec
-                .key
-                .iter()
-                .map(|&k| plan.from_part[k].map_or(Value::Null, |i| upsert[i].clone()))
-                .collect();
             relations.push(plan.spec.relation.clone());
-            keys.push(value::key_text(&key));
+            keys.push(plan.upsert_key(upsert));
         }
     }
     sqlx::query(
