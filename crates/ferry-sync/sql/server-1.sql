@@ -172,3 +172,83 @@ CREATE TABLE ferry_sync.inbox (
     at        timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (replica, relation, key)
 );
+
+-- Settings and wishes (docs/sync-up.md §7). The setting tables the rules name, written by
+-- `install` with the rules' digest: what `wish` checks a wish against.
+CREATE TABLE ferry_sync.settings (
+    setting   text PRIMARY KEY,       -- the table's name on the replicas
+    relation  text NOT NULL,          -- 'schema.table' as the rules name it
+    version   text NOT NULL,          -- the integer column each write raises
+    desired   text[] NOT NULL,        -- the columns a wish may set
+    key_parts integer NOT NULL
+);
+
+-- Values the server wishes a replica's setting row to take: one wish per row, a newer one
+-- replacing it. It travels to the replica as a two-way table (`ferry_wishes` there): the
+-- columns up to `version` are the server's; `answered` to `answered_at` are the
+-- replica's answer, for the wish numbered `answered`.
+CREATE TABLE ferry_sync.wishes (
+    replica     uuid NOT NULL,
+    setting     text NOT NULL,        -- the setting table, as the replicas name it
+    key         text NOT NULL,        -- the row's key: a JSON array of its values
+    wish        bigint NOT NULL,      -- this wish's number; a newer wish of the row has another
+    vals        text NOT NULL,        -- a JSON object: desired column to value
+    if_version  bigint,               -- carry it out only while the row's version is this
+    note        text,
+    version     text NOT NULL,        -- the setting's version column, for the replica
+    wished_at   timestamptz NOT NULL DEFAULT now(),
+    answered    bigint,               -- the wish this answer is for
+    outcome     text,                 -- applied | refused | superseded | waiting
+    reason      text,
+    answered_at bigint,               -- when, in ms since 1970 by the replica's clock
+    PRIMARY KEY (replica, setting, key)
+);
+
+-- Wishes `vals` (a JSON object of desired columns) onto replica `p_replica`'s row `p_key`
+-- (a JSON array of its key values) of setting table `p_setting`, in the caller's
+-- transaction; replaces the row's earlier wish. Returns the wish's number.
+CREATE FUNCTION ferry_sync.wish(p_replica uuid, p_setting text, p_key jsonb, p_vals jsonb,
+                                p_if_version bigint DEFAULT NULL, p_note text DEFAULT NULL)
+RETURNS bigint LANGUAGE plpgsql AS $ferry$
+DECLARE
+    s ferry_sync.settings;
+    n bigint := 1 + floor(random() * 4611686018427387903)::bigint;
+    c text;
+BEGIN
+    SELECT * INTO s FROM ferry_sync.settings WHERE setting = p_setting;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'ferry_sync.wish: % is not a setting table (the rules name: %)', p_setting,
+            coalesce((SELECT string_agg(setting, ', ' ORDER BY setting) FROM ferry_sync.settings), 'none')
+            USING ERRCODE = '22023';
+    END IF;
+    IF jsonb_typeof(p_key) IS DISTINCT FROM 'array' OR jsonb_array_length(p_key) <> s.key_parts THEN
+        RAISE EXCEPTION 'ferry_sync.wish: the key of a % row is a JSON array of % values, not %', p_setting, s.key_parts, p_key
+            USING ERRCODE = '22023';
+    END IF;
+    IF jsonb_typeof(p_vals) IS DISTINCT FROM 'object' OR p_vals = '{}'::jsonb THEN
+        RAISE EXCEPTION 'ferry_sync.wish: the values are a JSON object of desired columns, not %', p_vals
+            USING ERRCODE = '22023';
+    END IF;
+    FOR c IN SELECT jsonb_object_keys(p_vals) LOOP
+        IF NOT c = ANY (s.desired) THEN
+            RAISE EXCEPTION 'ferry_sync.wish: % is not a desired column of % (desired: %)', c, p_setting, array_to_string(s.desired, ', ')
+                USING ERRCODE = '22023';
+        END IF;
+    END LOOP;
+    INSERT INTO ferry_sync.wishes (replica, setting, key, wish, vals, if_version, note, version)
+    VALUES (p_replica, p_setting, p_key::text, n, p_vals::text, p_if_version, p_note, s.version)
+    ON CONFLICT (replica, setting, key) DO UPDATE
+    SET wish = excluded.wish, vals = excluded.vals, if_version = excluded.if_version,
+        note = excluded.note, version = excluded.version, wished_at = now();
+    RETURN n;
+END
+$ferry$;
+
+-- Withdraws the wish for a row; true if there was one.
+CREATE FUNCTION ferry_sync.withdraw(p_replica uuid, p_setting text, p_key jsonb)
+RETURNS boolean LANGUAGE plpgsql AS $ferry$
+BEGIN
+    DELETE FROM ferry_sync.wishes WHERE replica = p_replica AND setting = p_setting AND key = p_key::text;
+    RETURN FOUND;
+END
+$ferry$;

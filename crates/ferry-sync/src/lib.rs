@@ -30,3 +30,4 @@ pub mod serve;
 pub mod status;
 pub mod value;
 pub mod wire;
+pub mod wish;

@@ -127,10 +127,30 @@ pub struct RecordTable {
     pub version: Option<String>,
     /// The upload lane (docs/sync-up.md §3.2).
     pub lane: String,
+    /// A setting table (`mirror = "setting"`, docs/sync-up.md §7): the columns the server
+    /// may wish values for. Empty for a plain record table (and then left out of the
+    /// digest's JSON).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub desired: Vec<String>,
+}
+
+impl RecordTable {
+    /// Whether this is a setting table.
+    pub fn is_setting(&self) -> bool {
+        !self.desired.is_empty()
+    }
 }
 
 /// The lane a replica-written table uploads in when the rules name none.
 pub const LANE_DEFAULT: &str = "main";
+
+/// Where the server keeps wishes (docs/sync-up.md §7), mirrored to every replica with
+/// setting tables as a two-way table of this name.
+pub const WISHES_RELATION: (&str, &str) = ("ferry_sync", "wishes");
+/// The wishes table's name on the replicas.
+pub const WISHES_TABLE: &str = "ferry_wishes";
+/// The wishes table's columns the replicas write: their answer.
+pub const WISH_ANSWER_COLUMNS: [&str; 4] = ["answered", "outcome", "reason", "answered_at"];
 
 /// Which replicas hold which rows of a table.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -216,6 +236,11 @@ impl Rules {
     /// The table mirrored as `relation`, if any.
     pub fn table(&self, relation: &Relation) -> Option<&Table> {
         self.tables.iter().find(|t| &t.relation == relation)
+    }
+
+    /// Whether any table is a setting table (so the rules mirror the wishes).
+    pub fn has_settings(&self) -> bool {
+        self.records.iter().any(RecordTable::is_setting)
     }
 
     /// Whether the replicas are partitioned.
@@ -348,6 +373,7 @@ struct RawTable {
     version: Option<String>,
     lane: Option<String>,
     replica_writes: Option<Vec<String>>,
+    desired: Option<Vec<String>>,
 }
 
 #[derive(Deserialize, Default, Clone, Copy, PartialEq, Eq, Debug)]
@@ -434,18 +460,19 @@ fn build(raw: RawRules, path: PathBuf) -> Result<Rules, RulesError> {
     let mut seen_replica_names: BTreeMap<String, String> = BTreeMap::new();
     for (key, raw_table) in raw.tables {
         let place = format!("[tables.{key}]");
-        let (relation, replica_name) = if raw_table.mirror == Mirror::Record {
-            let record = build_record(&key, raw_table).map_err(|m| invalid(&place, m))?;
-            let names = (record.relation.clone(), record.replica_name.clone());
-            records.push(record);
-            names
-        } else {
-            let table = build_table(&key, raw_table, replicas.partition.is_some())
-                .map_err(|m| invalid(&place, m))?;
-            let names = (table.relation.clone(), table.replica_name.clone());
-            tables.push(table);
-            names
-        };
+        let (relation, replica_name) =
+            if matches!(raw_table.mirror, Mirror::Record | Mirror::Setting) {
+                let record = build_record(&key, raw_table).map_err(|m| invalid(&place, m))?;
+                let names = (record.relation.clone(), record.replica_name.clone());
+                records.push(record);
+                names
+            } else {
+                let table = build_table(&key, raw_table, replicas.partition.is_some())
+                    .map_err(|m| invalid(&place, m))?;
+                let names = (table.relation.clone(), table.replica_name.clone());
+                tables.push(table);
+                names
+            };
         if let Some(other) = seen_relations.insert(relation.clone(), key.clone()) {
             return Err(invalid(
                 &place,
@@ -462,6 +489,9 @@ fn build(raw: RawRules, path: PathBuf) -> Result<Rules, RulesError> {
                 ),
             ));
         }
+    }
+    if records.iter().any(RecordTable::is_setting) {
+        tables.push(wishes_table());
     }
     tables.sort_by(|a, b| a.relation.cmp(&b.relation));
     records.sort_by(|a, b| a.relation.cmp(&b.relation));
@@ -495,19 +525,14 @@ fn build_replicas(raw: RawReplicas) -> Result<Replicas, String> {
 
 fn build_table(key: &str, raw: RawTable, partitioned: bool) -> Result<Table, String> {
     let relation = Relation::parse(key).map_err(|e| format!("table {e}"))?;
-    if raw.mirror == Mirror::Setting {
-        return Err(
-            "mirror = \"setting\" comes with settings and wishes (issue 28); this ferry mirrors \"catalog\", \"both\" and \"record\" tables"
-                .into(),
-        );
-    }
     for (what, given) in [
         ("replica", raw.replica.is_some()),
         ("version", raw.version.is_some()),
+        ("desired", raw.desired.is_some()),
     ] {
         if given {
             return Err(format!(
-                "`{what}` applies to tables the replicas write (mirror = \"record\"); remove it from this table"
+                "`{what}` applies to tables the replicas write (mirror = \"record\" or \"setting\"); remove it from this table"
             ));
         }
     }
@@ -582,6 +607,28 @@ fn build_table(key: &str, raw: RawTable, partitioned: bool) -> Result<Table, Str
     })
 }
 
+/// The wishes, as a two-way table assigned to the replica each names: the server writes
+/// the wish, the replica its answer (docs/sync-up.md §7).
+fn wishes_table() -> Table {
+    Table {
+        relation: Relation {
+            schema: WISHES_RELATION.0.into(),
+            name: WISHES_RELATION.1.into(),
+        },
+        replica_name: WISHES_TABLE.into(),
+        route: Route::Assigned {
+            column: "replica".into(),
+        },
+        columns: None,
+        from: None,
+        active: None,
+        two_way: Some(TwoWay {
+            columns: WISH_ANSWER_COLUMNS.iter().map(|c| c.to_string()).collect(),
+            lane: "wishes".into(),
+        }),
+    }
+}
+
 /// The column of the row itself that a route reads, if one.
 fn route_column(route: &Route) -> Option<&str> {
     match route {
@@ -619,6 +666,13 @@ fn build_record(key: &str, raw: RawTable) -> Result<RecordTable, String> {
             ));
         }
     }
+    let setting = raw.mirror == Mirror::Setting;
+    if !setting && raw.desired.is_some() {
+        return Err(
+            "`desired` names the columns the server may wish values for, on a setting table (mirror = \"setting\"); remove it"
+                .into(),
+        );
+    }
     let ident = |what: &str, v: Option<String>| {
         v.map(|v| {
             check_ident(&v)
@@ -642,6 +696,31 @@ fn build_record(key: &str, raw: RawTable) -> Result<RecordTable, String> {
             }
         }
     }
+    let desired = if setting {
+        let (Some(replica), Some(version), Some(desired)) = (&replica, &version, raw.desired)
+        else {
+            return Err(
+                "a setting table (mirror = \"setting\") names its owner, its version and what the server may wish: `replica = \"COLUMN\"` (a uuid), `version = \"COLUMN\"` (an integer each write raises) and `desired = [\"COLUMN\", ...]`"
+                    .into(),
+            );
+        };
+        let desired = check_list("desired", desired)?;
+        if let Some(c) = desired.iter().find(|c| *c == replica || *c == version) {
+            return Err(format!(
+                "column {c:?} is the setting's `replica` or `version`, which the replica itself writes; a wish cannot set it: leave it out of `desired`"
+            ));
+        }
+        if let Some(columns) = &columns
+            && let Some(c) = desired.iter().find(|c| !columns.contains(c))
+        {
+            return Err(format!(
+                "desired column {c:?} is not in `columns`; add it there"
+            ));
+        }
+        desired
+    } else {
+        Vec::new()
+    };
     Ok(RecordTable {
         replica_name: replica_side_name(&relation, raw.replica_name)?,
         relation,
@@ -649,6 +728,7 @@ fn build_record(key: &str, raw: RawTable) -> Result<RecordTable, String> {
         replica,
         version,
         lane,
+        desired,
     })
 }
 

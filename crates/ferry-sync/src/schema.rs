@@ -137,8 +137,19 @@ impl fmt::Display for Report {
 /// Compares the database with what `rules` need. Reads only.
 pub async fn check(conn: &mut PgConnection, rules: &Rules) -> Result<Report, CheckError> {
     let schema = schema_state(conn).await?;
-    let catalog = Catalog::load(conn, rules).await?;
-    compare(conn, rules, &catalog, &schema).await
+    if schema.is_some() || !rules.has_settings() {
+        let catalog = Catalog::load(conn, rules).await?;
+        return compare(conn, rules, &catalog, &schema).await;
+    }
+    // The wishes table the rules mirror is the schema's own: read the catalog with the
+    // schema created in a transaction that is rolled back.
+    let doing = || "checking ferry-sync".to_string();
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.doing(doing)?;
+    create_schema(&mut tx).await?;
+    let catalog = Catalog::load(&mut tx, rules).await?;
+    let report = compare(&mut tx, rules, &catalog, &schema).await;
+    tx.rollback().await.doing(doing)?;
+    report
 }
 
 /// Makes the database match `rules`, in one transaction; returns what it found before.
@@ -158,11 +169,13 @@ pub async fn install(pool: &PgPool, rules: &Rules) -> Result<Report, CheckError>
         .await
         .doing(doing)?;
     let schema = schema_state(&mut tx).await?;
-    let catalog = Catalog::load(&mut tx, rules).await?;
-    let report = compare(&mut tx, rules, &catalog, &schema).await?;
     if schema.is_none() {
+        // First, so the catalog can read the schema's wishes table when the rules
+        // mirror it; `compare` still sees the schema as missing.
         create_schema(&mut tx).await?;
     }
+    let catalog = Catalog::load(&mut tx, rules).await?;
+    let report = compare(&mut tx, rules, &catalog, &schema).await?;
     for item in report.pending() {
         if matches!(item.object, Some(Object::Schema)) {
             continue;

@@ -259,7 +259,19 @@ fn a_two_way_table_names_the_columns_its_replicas_write_and_nothing_else_may_cla
             "remove it from this catalog table",
         ),
         ("lane = \"x\"\n", "remove it from this catalog table"),
-        ("mirror = \"setting\"\n", "comes with settings and wishes"),
+        (
+            "mirror = \"setting\"\n",
+            "names its owner, its version and what the server may wish",
+        ),
+        (
+            "mirror = \"setting\"\nreplica = \"s\"\nversion = \"rev\"\ndesired = [\"rev\"]\n",
+            "a wish cannot set it",
+        ),
+        (
+            "mirror = \"record\"\ndesired = [\"a\"]\n",
+            "on a setting table",
+        ),
+        ("desired = [\"a\"]\n", "remove it from this"),
     ] {
         let e = invalid(&format!("{REPLICAS}[tables.t]\n{body}"));
         assert!(e.contains(needle), "{body:?}: {e}");

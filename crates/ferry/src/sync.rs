@@ -1,4 +1,4 @@
-//! `ferry sync check|install|enroll|serve|status|replica|refile`: partial replicas of
+//! `ferry sync check|install|enroll|serve|status|replica|refile|wish|withdraw|wishes`: partial replicas of
 //! Postgres tables on SQLite (docs/sync.md), and what replicas write back (docs/sync-up.md).
 
 use std::net::SocketAddr;
@@ -40,6 +40,65 @@ pub enum SyncSub {
     /// File the inbox again now: the rows replicas uploaded that the database refused
     /// (docs/sync-up.md §5.2). The relay does this at start and every --retry-every-ms.
     Refile(RefileArgs),
+    /// Wish values onto a replica's setting row (docs/sync-up.md §7): the replica carries
+    /// the wish out and answers applied, refused, superseded or waiting.
+    Wish(WishArgs),
+    /// Withdraw the wish for a replica's setting row.
+    Withdraw(WithdrawArgs),
+    /// The wishes and where each stands: pending, waiting, applied, refused, superseded.
+    Wishes(WishesArgs),
+}
+
+#[derive(Args)]
+pub struct WishArgs {
+    #[arg(long, env = "FERRY_SYNC_DB")]
+    pub db: String,
+    /// The replica (its uuid).
+    #[arg(long)]
+    pub replica: uuid::Uuid,
+    /// The setting table, as the replicas name it.
+    #[arg(long)]
+    pub table: String,
+    /// The row's key: a JSON array of its values, in key order (`'["<uuid>", "till"]'`).
+    #[arg(long)]
+    pub key: String,
+    /// A desired column and its value, COLUMN=JSON (`volume=7`, `price_list="summer"`;
+    /// a value that is not JSON is taken as text). Repeat for more columns.
+    #[arg(long = "set", required = true)]
+    pub set: Vec<String>,
+    /// Carry it out only while the row's version is this.
+    #[arg(long)]
+    pub if_version: Option<i64>,
+    #[arg(long)]
+    pub note: Option<String>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args)]
+pub struct WithdrawArgs {
+    #[arg(long, env = "FERRY_SYNC_DB")]
+    pub db: String,
+    #[arg(long)]
+    pub replica: uuid::Uuid,
+    #[arg(long)]
+    pub table: String,
+    /// The row's key: a JSON array of its values.
+    #[arg(long)]
+    pub key: String,
+}
+
+#[derive(Args)]
+pub struct WishesArgs {
+    #[arg(long, env = "FERRY_SYNC_DB")]
+    pub db: String,
+    /// Only this replica's.
+    #[arg(long)]
+    pub replica: Option<uuid::Uuid>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args)]
@@ -205,6 +264,9 @@ pub fn run(sub: SyncSub) -> anyhow::Result<()> {
             SyncSub::Serve(a) => serve(a).await,
             SyncSub::Status(a) => status(a).await,
             SyncSub::Refile(a) => refile(a).await,
+            SyncSub::Wish(a) => wish(a).await,
+            SyncSub::Withdraw(a) => withdraw(a).await,
+            SyncSub::Wishes(a) => wishes(a).await,
             SyncSub::Replica(_) => unreachable!("handled above"),
         }
     })
@@ -316,6 +378,107 @@ async fn refile(a: RefileArgs) -> anyhow::Result<()> {
             done.filed, done.still_refused
         );
     }
+    Ok(())
+}
+
+/// A `--key` argument: a JSON array.
+fn key_arg(key: &str) -> anyhow::Result<serde_json::Value> {
+    match serde_json::from_str::<serde_json::Value>(key) {
+        Ok(v @ serde_json::Value::Array(_)) => Ok(v),
+        _ => bail!(
+            "--key {key:?} is not a JSON array of the row's key values, in key order: for example '[\"7c9e6679-7425-40de-944b-e07fc1f90ae7\", \"till\"]'"
+        ),
+    }
+}
+
+async fn wish(a: WishArgs) -> anyhow::Result<()> {
+    let key = key_arg(&a.key)?;
+    let mut values = serde_json::Map::new();
+    for set in &a.set {
+        let Some((column, value)) = set.split_once('=') else {
+            bail!("--set {set:?} is not COLUMN=VALUE: for example --set volume=7");
+        };
+        let value = serde_json::from_str(value)
+            .unwrap_or_else(|_| serde_json::Value::String(value.to_string()));
+        values.insert(column.to_string(), value);
+    }
+    let pool = connect(&a.db).await?;
+    let mut conn = pool.acquire().await?;
+    let values = serde_json::Value::Object(values);
+    let number = ferry_sync::wish::wish(
+        &mut conn,
+        a.replica,
+        &a.table,
+        &key,
+        &values,
+        a.if_version,
+        a.note.as_deref(),
+    )
+    .await
+    .map_err(|e| {
+        anyhow!(
+            "the wish was not made: {}",
+            e.as_database_error()
+                .map_or(e.to_string(), |d| d.message().to_string())
+        )
+    })?;
+    if a.json {
+        println!("{}", serde_json::json!({"wish": number}));
+    } else {
+        println!(
+            "wish {number} for {} {} of replica {}: {values}; `ferry sync wishes` shows its answer",
+            a.table, a.key, a.replica
+        );
+    }
+    Ok(())
+}
+
+async fn withdraw(a: WithdrawArgs) -> anyhow::Result<()> {
+    let key = key_arg(&a.key)?;
+    let pool = connect(&a.db).await?;
+    let mut conn = pool.acquire().await?;
+    if ferry_sync::wish::withdraw(&mut conn, a.replica, &a.table, &key).await? {
+        println!(
+            "withdrawn: the wish for {} {} of replica {}",
+            a.table, a.key, a.replica
+        );
+    } else {
+        println!(
+            "no wish for {} {} of replica {}: nothing withdrawn",
+            a.table, a.key, a.replica
+        );
+    }
+    Ok(())
+}
+
+async fn wishes(a: WishesArgs) -> anyhow::Result<()> {
+    let pool = connect(&a.db).await?;
+    let mut conn = pool.acquire().await?;
+    let all = ferry_sync::wish::wishes(&mut conn, a.replica).await?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&all)?);
+        return Ok(());
+    }
+    let rows: Vec<Vec<String>> = all
+        .iter()
+        .map(|w| {
+            vec![
+                w.replica.to_string(),
+                w.setting.clone(),
+                w.key.clone(),
+                w.values.clone(),
+                w.state.clone(),
+                w.reason.clone().unwrap_or_default(),
+            ]
+        })
+        .collect();
+    print!(
+        "{}",
+        crate::table::render(
+            &["replica", "table", "key", "values", "state", "reason"],
+            &rows
+        )
+    );
     Ok(())
 }
 

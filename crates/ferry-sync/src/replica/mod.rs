@@ -42,12 +42,14 @@ mod state;
 mod status;
 mod tables;
 mod up;
+mod wishes;
 
 pub use live::{Live, LiveStatus, LiveTotals};
 pub use run::{Downlink, Position, RunEnd, RunError, RunSettings, TransportError};
 pub use state::{SCHEMA_VERSION, install};
 pub use status::{ReplicaStatus, Standing, TableRows, read_status};
 pub use up::{UPLOAD_ROWS, UpError, UpSettings, UpStatus, UpTurn, Uplink, Uploader, up_status};
+pub use wishes::{CarryOut, Direct, Outcome, Round, Wish};
 
 use crate::wire::{Down, Limits, Refused, Up};
 use ferry_core::{Class, Classify};
@@ -91,6 +93,8 @@ pub struct Replica {
     broken: bool,
     /// The heard time last written to the file (see [`Replica::heard`]).
     heard_written_ms: Option<u64>,
+    /// What carries the server's wishes out ([`Replica::carry_out_wishes`]).
+    wish_handler: Box<dyn CarryOut + Send>,
 }
 
 /// A heard time is written at most this often (wall ms): each write is a commit, an
@@ -127,7 +131,24 @@ impl Replica {
             limits: Limits::default(),
             broken: false,
             heard_written_ms: None,
+            wish_handler: Box::new(Direct),
         })
+    }
+
+    /// What carries the server's wishes out from now on (by default [`Direct`]: write the
+    /// wished columns). The loop offers it every open wish after each turn.
+    pub fn set_wish_handler(&mut self, handler: Box<dyn CarryOut + Send>) {
+        self.wish_handler = handler;
+    }
+
+    /// Offers each wish not finally answered to the handler and records the answers
+    /// (docs/sync-up.md §7); between messages, never inside one.
+    pub fn carry_out_wishes(&mut self) -> Result<Round, ReplicaError> {
+        wishes::carry_out(
+            &self.conn,
+            self.wish_handler.as_mut(),
+            ferry_core::seams::wall_ms(),
+        )
     }
 
     /// The engine's connection, for the host's reads, functions and hooks. Writing to the

@@ -289,6 +289,8 @@ impl Replica {
         if until_report(turn, settings).is_zero() {
             self.report(link, turn, settings)?;
         }
+        // Waiting wishes are offered again each turn.
+        self.wishes_round();
         let wait = settings.wait.min(until_report(turn, settings));
         let position = super::state::State::read(&self.conn)?;
         let at = Position {
@@ -314,6 +316,9 @@ impl Replica {
             }
             Batch::StorageFailed => false,
         };
+        if moved {
+            self.wishes_round(); // the wishes these messages brought
+        }
         turn.unreported = true;
         // A batch that moved nothing (a gap, a refusal) is told at once: the server heals
         // it. Otherwise at most once per `report_every`: a report costs the server a
@@ -328,6 +333,17 @@ impl Replica {
             turn.failures.saturating_add(1)
         };
         Ok(None)
+    }
+
+    /// Carries the open wishes out; a failure is the next round's to retry.
+    fn wishes_round(&mut self) {
+        match self.carry_out_wishes() {
+            Ok(round) if round != Default::default() => tracing::info!(?round, "wishes answered"),
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "carrying wishes out failed; trying again next turn")
+            }
+        }
     }
 
     /// Step 3 for one batch.

@@ -106,12 +106,34 @@ pub fn ddl(rules: &Rules, catalog: &Catalog) -> Vec<Statement> {
     out.push(Statement {
         what: "the rules' digest in ferry_sync.meta.declared".into(),
         sql: format!(
-            "UPDATE ferry_sync.meta SET declared = {};",
-            quote_literal(&digest)
+            "UPDATE ferry_sync.meta SET declared = {};\n{}",
+            quote_literal(&digest),
+            settings_sql(rules, catalog)
         ),
         object: Object::Declared { digest },
     });
     out
+}
+
+/// Rewrites `ferry_sync.settings`, which `ferry_sync.wish` checks wishes against
+/// (docs/sync-up.md §7). It changes only with the rules, so it goes with their digest.
+fn settings_sql(rules: &Rules, catalog: &Catalog) -> String {
+    let mut sql = String::from("DELETE FROM ferry_sync.settings;");
+    for (r, t) in rules.records.iter().zip(&catalog.records) {
+        let (Some(version), true) = (&r.version, r.is_setting()) else {
+            continue;
+        };
+        let desired: Vec<String> = r.desired.iter().map(|d| quote_literal(d)).collect();
+        sql.push_str(&format!(
+            "\nINSERT INTO ferry_sync.settings (setting, relation, version, desired, key_parts) VALUES ({}, {}, {}, ARRAY[{}]::text[], {});",
+            quote_literal(&r.replica_name),
+            quote_literal(&r.relation.to_string()),
+            quote_literal(version),
+            desired.join(", "),
+            t.key.len()
+        ));
+    }
+    sql
 }
 
 fn schema_statement() -> Statement {

@@ -12,7 +12,7 @@
 //!
 //! Nothing here is persisted and nothing does I/O. A crash between two steps loses
 //! nothing: the notes stay until the replica commits step 3, and filing the same rows
-//! again changes nothing (docs/sync-up.md §7).
+//! again changes nothing (docs/sync-up.md §8).
 //!
 //! An upload (integers big-endian, varints as in [`crate::value`]):
 //! 1. 4 bytes: the magic `FSW1` ([`MAGIC_UPLOAD`]).

@@ -1,0 +1,351 @@
+//! Settings and wishes (docs/sync-up.md §7): a store owns its setting rows and files them
+//! like records (the newer version wins); the server wishes values for their desired
+//! columns inside its own transaction; the store carries each wish out after the message
+//! commits and answers applied, refused, superseded or waiting, and the answer is filed.
+//!
+//! Guards against: a wish applied twice or under a stale version, a wish lost when a newer
+//! one replaces it, a refused or waiting answer mistaken for applied, and a wish the
+//! server cannot check (unknown table or column) written at all.
+
+mod common;
+
+use common::up::{Lossy, upload_all};
+use common::{SHOP_RULES, SHOP_SCHEMA, Shop};
+use ferry_sync::replica::{CarryOut, Outcome, Round, Uploader, Wish};
+use ferry_sync::wish;
+use serde_json::json;
+use uuid::Uuid;
+
+const SETTINGS_SCHEMA: &str = "
+CREATE TABLE till_settings (store_id uuid NOT NULL, name text NOT NULL, price_list text,
+  volume int8, rev int8 NOT NULL DEFAULT 0, PRIMARY KEY (store_id, name));
+";
+
+const SETTINGS_RULES: &str = r#"
+[tables.till_settings]
+mirror = "setting"
+replica = "store_id"
+version = "rev"
+desired = ["price_list", "volume"]
+lane = "settings"
+"#;
+
+/// Refuses a volume over 10; applies the rest.
+struct Careful;
+
+impl CarryOut for Careful {
+    fn carry_out(&mut self, wish: &Wish) -> Outcome {
+        match wish.values.get("volume") {
+            Some(ferry_sync::value::Value::Int(v)) if *v > 10 => {
+                Outcome::Refused(format!("volume {v} is too loud for a shop"))
+            }
+            _ => Outcome::Applied,
+        }
+    }
+}
+
+async fn states(shop: &Shop, store: Uuid) -> Vec<(String, String, Option<String>)> {
+    let mut conn = shop.db.pool.acquire().await.unwrap();
+    wish::wishes(&mut conn, Some(store))
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|w| (w.key, w.state, w.reason))
+        .collect()
+}
+
+async fn server_setting(shop: &Shop, name: &str) -> Option<(Option<String>, Option<i64>, i64)> {
+    sqlx::query_as("SELECT price_list, volume, rev FROM till_settings WHERE name = $1")
+        .bind(name)
+        .fetch_optional(&shop.db.pool)
+        .await
+        .unwrap()
+}
+
+/// Delivers, carries wishes out on the store, and uploads until nothing is unfiled.
+async fn round_trip(
+    shop: &mut Shop,
+    store: Uuid,
+    link: Lossy,
+    uploader: Uploader,
+) -> (Round, Lossy, Uploader) {
+    shop.settle().await;
+    let round = shop
+        .replicas
+        .get_mut(&store)
+        .unwrap()
+        .carry_out_wishes()
+        .unwrap();
+    let db = shop.dir.join(format!("{store}.db"));
+    let (mut link, mut uploader) = (link, uploader);
+    let (link, uploader) = tokio::task::spawn_blocking(move || {
+        upload_all(&mut uploader, &mut link, &db);
+        (link, uploader)
+    })
+    .await
+    .unwrap();
+    shop.settle().await;
+    (round, link, uploader)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wish_is_carried_out_once_and_its_answer_filed_applied_refused_superseded_or_waiting() {
+    let mut shop = Shop::new_with(
+        "wishes",
+        &format!("{SHOP_SCHEMA}{SETTINGS_SCHEMA}"),
+        &format!("{SHOP_RULES}{SETTINGS_RULES}"),
+    )
+    .await;
+    let store = shop.store("north").await;
+    shop.settle().await;
+    let db = shop.dir.join(format!("{store}.db"));
+    let app = rusqlite::Connection::open(&db).unwrap();
+    app.busy_timeout(std::time::Duration::from_secs(5)).unwrap();
+    app.execute(
+        "INSERT INTO till_settings (store_id, name, price_list, volume, rev) VALUES (?1, 'till', 'spring', 5, 1)",
+        [store.to_string()],
+    )
+    .unwrap();
+    let link = Lossy::new(&shop, store, 28, 300);
+    let uploader = Uploader::open(&db, shop.seal_keys[&store], store).unwrap();
+    let (_, link, uploader) = round_trip(&mut shop, store, link, uploader).await;
+    assert_eq!(
+        server_setting(&shop, "till").await,
+        Some((Some("spring".into()), Some(5), 1))
+    );
+
+    // The server wishes summer prices, in a transaction of its own that writes
+    // something else too: both commit together.
+    let till = json!([store, "till"]);
+    let mut tx = shop.db.pool.begin().await.unwrap();
+    sqlx::query("UPDATE products SET price = 3 WHERE false")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    wish::wish(
+        &mut tx,
+        store,
+        "till_settings",
+        &till,
+        &json!({"price_list": "summer"}),
+        None,
+        Some("summer prices"),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(states(&shop, store).await[0].1, "pending");
+    let (round, link, uploader) = round_trip(&mut shop, store, link, uploader).await;
+    assert_eq!(round.applied, 1);
+    assert_eq!(
+        server_setting(&shop, "till").await,
+        Some((Some("summer".into()), Some(5), 2)),
+        "the store wrote the wished column, raised the version, and filed the row"
+    );
+    assert_eq!(states(&shop, store).await[0].1, "applied");
+    // Offered again, an applied wish is left alone.
+    let again = shop
+        .replicas
+        .get_mut(&store)
+        .unwrap()
+        .carry_out_wishes()
+        .unwrap();
+    assert_eq!(again, Round::default());
+
+    // A wish for version 1, which the row has left: superseded, nothing written.
+    let mut conn = shop.db.pool.acquire().await.unwrap();
+    wish::wish(
+        &mut conn,
+        store,
+        "till_settings",
+        &till,
+        &json!({"volume": 7}),
+        Some(1),
+        None,
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let (round, link, uploader) = round_trip(&mut shop, store, link, uploader).await;
+    assert_eq!(round.superseded, 1);
+    assert_eq!(server_setting(&shop, "till").await.unwrap().1, Some(5));
+    let s = states(&shop, store).await;
+    assert_eq!(s[0].1, "superseded");
+    assert!(s[0].2.as_deref().unwrap().contains("version is 2"), "{s:?}");
+
+    // The host's handler refuses a loud volume; a newer wish replaces one not yet carried
+    // out, and only the newer is carried out.
+    shop.replicas
+        .get_mut(&store)
+        .unwrap()
+        .set_wish_handler(Box::new(Careful));
+    let mut conn = shop.db.pool.acquire().await.unwrap();
+    wish::wish(
+        &mut conn,
+        store,
+        "till_settings",
+        &till,
+        &json!({"volume": 8}),
+        None,
+        None,
+    )
+    .await
+    .unwrap();
+    wish::wish(
+        &mut conn,
+        store,
+        "till_settings",
+        &till,
+        &json!({"volume": 50}),
+        None,
+        None,
+    )
+    .await
+    .unwrap();
+    // A wish for a row the store has not made yet waits until it does.
+    let kiosk = json!([store, "kiosk"]);
+    wish::wish(
+        &mut conn,
+        store,
+        "till_settings",
+        &kiosk,
+        &json!({"price_list": "kiosk"}),
+        None,
+        None,
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let (round, link, uploader) = round_trip(&mut shop, store, link, uploader).await;
+    assert_eq!((round.refused, round.waiting, round.applied), (1, 1, 0));
+    assert_eq!(server_setting(&shop, "till").await.unwrap().1, Some(5));
+    let s = states(&shop, store).await;
+    assert_eq!(s.len(), 2);
+    let (kiosk_state, till_state) = if s[0].0.contains("kiosk") {
+        (&s[0], &s[1])
+    } else {
+        (&s[1], &s[0])
+    };
+    assert_eq!(till_state.1, "refused");
+    assert!(till_state.2.as_deref().unwrap().contains("too loud"));
+    assert_eq!(kiosk_state.1, "waiting");
+    assert_eq!(kiosk_state.2.as_deref(), Some("the row does not exist yet"));
+
+    app.execute(
+        "INSERT INTO till_settings (store_id, name, rev) VALUES (?1, 'kiosk', 1)",
+        [store.to_string()],
+    )
+    .unwrap();
+    let (round, _link, _uploader) = round_trip(&mut shop, store, link, uploader).await;
+    assert_eq!(round.applied, 1);
+    assert_eq!(
+        server_setting(&shop, "kiosk").await,
+        Some((Some("kiosk".into()), None, 2))
+    );
+    let s = states(&shop, store).await;
+    assert!(
+        s.iter()
+            .all(|(k, state, _)| !k.contains("kiosk") || state == "applied"),
+        "{s:?}"
+    );
+
+    // Withdrawn: the store's copy goes, and nothing stands.
+    let mut conn = shop.db.pool.acquire().await.unwrap();
+    assert!(
+        wish::withdraw(&mut conn, store, "till_settings", &kiosk)
+            .await
+            .unwrap()
+    );
+    assert!(
+        !wish::withdraw(&mut conn, store, "till_settings", &kiosk)
+            .await
+            .unwrap()
+    );
+    drop(conn);
+    shop.settle().await;
+    let left: i64 = app
+        .query_row("SELECT count(*) FROM ferry_wishes", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(left, 1);
+    shop.assert_converged().await;
+    shop.finish().await;
+}
+
+/// A wish the server cannot check is refused where it is made, and writes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wish_for_an_unknown_table_key_or_column_is_refused_and_writes_nothing() {
+    let shop = Shop::new_with(
+        "wishes_refused",
+        &format!("{SHOP_SCHEMA}{SETTINGS_SCHEMA}"),
+        &format!("{SHOP_RULES}{SETTINGS_RULES}"),
+    )
+    .await;
+    let store = Uuid::new_v4();
+    let mut conn = shop.db.pool.acquire().await.unwrap();
+    for (setting, key, values, needle) in [
+        (
+            "orders",
+            json!([1]),
+            json!({"note": "x"}),
+            "is not a setting table (the rules name: till_settings)",
+        ),
+        (
+            "till_settings",
+            json!(["only-one"]),
+            json!({"volume": 1}),
+            "JSON array of 2 values",
+        ),
+        (
+            "till_settings",
+            json!([store, "till"]),
+            json!({"rev": 9}),
+            "rev is not a desired column",
+        ),
+        (
+            "till_settings",
+            json!([store, "till"]),
+            json!({}),
+            "a JSON object of desired columns",
+        ),
+    ] {
+        let e = wish::wish(&mut conn, store, setting, &key, &values, None, None)
+            .await
+            .unwrap_err();
+        assert!(
+            e.to_string().contains(needle),
+            "{setting} {key} {values}: {e}"
+        );
+    }
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry_sync.wishes")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    assert_eq!(n, 0);
+    drop(conn);
+    shop.finish().await;
+}
+
+/// `check` on a database without the schema reads the wishes table the rules mirror from
+/// a schema it creates and rolls back: it reports, and leaves nothing behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_before_install_reports_the_wishes_table_and_leaves_nothing() {
+    let db = common::TestDb::new("wishes_check").await;
+    db.exec(&format!("{SHOP_SCHEMA}{SETTINGS_SCHEMA}")).await;
+    let rules =
+        ferry_sync::rules::Rules::parse(&format!("{SHOP_RULES}{SETTINGS_RULES}"), "rules.toml")
+            .unwrap();
+    let mut conn = db.pool.acquire().await.unwrap();
+    let report = ferry_sync::schema::check(&mut conn, &rules).await.unwrap();
+    assert!(!report.is_installed());
+    assert!(
+        report.to_string().contains("ferry_sync.wishes"),
+        "the wishes table's capture trigger is among what install would run"
+    );
+    let schema: Option<String> = sqlx::query_scalar("SELECT to_regnamespace('ferry_sync')::text")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    assert_eq!(schema, None);
+    drop(conn);
+    db.drop_db().await;
+}
