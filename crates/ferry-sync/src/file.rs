@@ -51,6 +51,10 @@ pub struct RecordSpec {
     /// `Some` for a two-way table: `columns` are its key and the replica's columns, and
     /// filing updates rows the server records the sender holding (docs/sync-up.md §5.1).
     pub two_way: Option<TwoWaySpec>,
+    /// Replicas state every row again on a chain start, and filing a restated upload
+    /// takes them whatever their version: setting tables and the wishes' answers
+    /// (docs/sync-up.md §7).
+    pub restate: bool,
 }
 
 /// What a two-way table's filing and announcement need beyond a record table's.
@@ -114,6 +118,7 @@ impl RecordSpec {
             writes: Some(wire::Writes {
                 lane: self.lane.clone(),
                 owned,
+                restate: self.restate,
             }),
         }
     }
@@ -161,7 +166,10 @@ pub async fn file(
     let mut plans = Vec::with_capacity(upload.parts.len());
     for part in &upload.parts {
         match plan(records, part) {
-            Ok(plan) => plans.push(plan),
+            Ok(mut plan) => {
+                plan.restated = upload.restated && plan.spec.restate;
+                plans.push(plan)
+            }
             Err(message) => return Ok(Outcome::Malformed(message)),
         }
     }
@@ -345,6 +353,9 @@ struct Plan<'a> {
     /// The spec columns filing writes: those the part has, and the `replica` column
     /// (which takes the sender). A column the part lacks keeps the table's default.
     present: Vec<usize>,
+    /// Rows a replica states again (a restated upload of a table that is restated): they
+    /// win whatever their version.
+    restated: bool,
 }
 
 impl Plan<'_> {
@@ -417,6 +428,7 @@ fn plan<'a>(records: &'a [RecordSpec], part: &TablePart) -> Result<Plan<'a>, Str
         spec,
         from_part,
         present,
+        restated: false,
     })
 }
 
@@ -620,7 +632,7 @@ async fn write(
     let sql = if two_way {
         update_sql(spec, &plan.present)
     } else {
-        upsert_sql(spec, &plan.present)
+        upsert_sql(spec, &plan.present, plan.restated)
     };
     let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
     for &i in &plan.present {
@@ -718,7 +730,8 @@ async fn delete(
 
 /// `INSERT … SELECT casts FROM unnest(arrays) ON CONFLICT (key) …`: one statement for
 /// every row of a part. The replica column takes the sender (the last parameter).
-fn upsert_sql(spec: &RecordSpec, present: &[usize]) -> String {
+/// `restated`: a newer version does not need to be newer.
+fn upsert_sql(spec: &RecordSpec, present: &[usize], restated: bool) -> String {
     let n = present.len();
     let names: Vec<String> = present
         .iter()
@@ -758,11 +771,12 @@ fn upsert_sql(spec: &RecordSpec, present: &[usize]) -> String {
                 })
                 .collect();
             let version = quote_ident(&spec.columns[v].name);
-            format!(
-                "DO UPDATE SET {} WHERE {}.{version} < EXCLUDED.{version}",
-                sets.join(", "),
-                spec.quoted,
-            )
+            let newer = if restated {
+                String::new()
+            } else {
+                format!(" WHERE {}.{version} < EXCLUDED.{version}", spec.quoted)
+            };
+            format!("DO UPDATE SET {}{newer}", sets.join(", "))
         }
         _ => "DO NOTHING".to_string(),
     };

@@ -154,6 +154,9 @@ pub struct Writes {
     /// the server sends its rows, and the last `owned` columns of the part are the
     /// replica's (never key columns); the others are the server's.
     pub owned: usize,
+    /// On a chain start the replica sends every row of the table again, and the server
+    /// takes them whatever their version: settings and wish answers (docs/sync-up.md §7).
+    pub restate: bool,
 }
 
 impl Writes {
@@ -162,6 +165,7 @@ impl Writes {
         Writes {
             lane: lane.into(),
             owned: 0,
+            restate: false,
         }
     }
 }
@@ -436,7 +440,7 @@ pub enum Rule {
     /// A real value that is NaN.
     RealNan,
     /// A part flag bit other than sweep start (bit 0), sweep end (bit 1), the replica
-    /// writes the table (bit 2) and two-way (bit 3).
+    /// writes the table (bit 2), two-way (bit 3) and restate (bit 4).
     SweepFlags,
     /// A table name of 0 or more than [`NAME_BYTES_MAX`] bytes.
     TableNameLen,
@@ -479,7 +483,7 @@ pub enum Rule {
     /// A rejection's or refused row's key of 0 or more than [`COLUMNS_MAX`] values.
     RejectionKeyLen,
     /// A part that says the replica writes its table (flag bit 2) with a sweep flag, a
-    /// delete or an upsert; two-way (bit 3) without bit 2; or a count of the replica's
+    /// delete or an upsert; two-way (bit 3) or restate (bit 4) without bit 2; or a count of the replica's
     /// columns that is 0, not below the column count, or takes in a key column.
     ReplicaWrittenPart,
     /// A lane name of 0 or more than [`NAME_BYTES_MAX`] bytes.

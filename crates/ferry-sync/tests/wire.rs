@@ -737,7 +737,7 @@ fn replica_written_parts_with_rows_or_sweeps_are_refused() {
         // Bit 3 (two-way) comes only with bit 2; bits 4 to 7 are undefined.
         (8, "", 0, 0, "replica-written-part", "part flags at byte 7"),
         (9, "", 0, 0, "replica-written-part", "part flags at byte 7"),
-        (0x10, "", 0, 0, "sweep-flags", "part flags at byte 7"),
+        (0x20, "", 0, 0, "sweep-flags", "part flags at byte 7"),
         (0x84, "main", 0, 0, "sweep-flags", "part flags at byte 7"),
         (4, "", 0, 0, "lane-name-len", "lane name is 0 bytes"),
         (4, &long, 0, 0, "lane-name-len", "lane name is 64 bytes"),
@@ -797,6 +797,7 @@ fn two_way_parts_roundtrip_with_their_owned_columns() {
         writes: Some(Writes {
             lane: "wide".into(),
             owned: 150,
+            restate: true,
         }),
         ..two_way("wide", "wide", 1)
     };
@@ -904,8 +905,9 @@ fn two_way_parts_whose_columns_do_not_fit_are_refused() {
     for (flags, says) in [
         (0x0d, "part flags at byte 7"),
         (0x0e, "part flags at byte 7"),
-        (0x08, "comes only with bit 2"),
-        (0x0b, "comes only with bit 2"),
+        (0x08, "come only with bit 2"),
+        (0x0b, "come only with bit 2"),
+        (0x10, "come only with bit 2"),
     ] {
         let refused = decode_body(&body(flags, &two, &[1], 0)).unwrap_err();
         assert_eq!(
@@ -1963,11 +1965,15 @@ fn malformed_cases() -> Vec<(String, &'static str, Vec<u8>)> {
     part("real-nan", "real-nan", &|b| {
         b.upsert_raw = Some(unhex("0102027ff8000000000000"))
     });
-    // Bit 3 is two-way now (refused without bit 2): bit 4 is the first undefined.
-    part("sweep-flags", "sweep-flags", &|b| b.flags = 0x10);
+    // Bits 3 (two-way) and 4 (restate) are defined now, refused without bit 2: bit 5 is
+    // the first undefined.
+    part("sweep-flags", "sweep-flags", &|b| b.flags = 0x20);
     part("sweep-flags-high", "sweep-flags", &|b| b.flags = 0x8c);
     part("two-way-without-writes", "replica-written-part", &|b| {
         b.flags = 8
+    });
+    part("restate-without-writes", "replica-written-part", &|b| {
+        b.flags = 0x10
     });
     let two_way_part = |b: &mut BasePart, owned: u64| {
         b.flags = 0x0c;
@@ -2596,6 +2602,9 @@ fn reference_body(parts: &[TablePart]) -> Vec<u8> {
         let mut flags = u8::from(part.sweep.start) | u8::from(part.sweep.end) << 1;
         if let Some(writes) = &part.writes {
             flags |= 4;
+            if writes.restate {
+                flags |= 16;
+            }
             if writes.owned > 0 {
                 flags |= 8;
             }
@@ -2789,6 +2798,7 @@ fn owned_by_replica(lane: &str, owned: usize) -> Writes {
     Writes {
         lane: lane.into(),
         owned,
+        restate: false,
     }
 }
 
@@ -2999,9 +3009,13 @@ impl Rng {
                 sweep: Sweep::default(),
                 deletes: vec![],
                 upserts: vec![],
-                writes: Some(Writes {
-                    lane: self.lane(),
-                    owned,
+                writes: Some({
+                    let lane = self.lane();
+                    Writes {
+                        restate: lane.len().is_multiple_of(2),
+                        lane,
+                        owned,
+                    }
                 }),
                 ..part
             };

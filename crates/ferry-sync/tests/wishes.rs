@@ -271,6 +271,101 @@ async fn a_wish_is_carried_out_once_and_its_answer_filed_applied_refused_superse
     shop.finish().await;
 }
 
+/// docs/sync-up.md §7: a new chain (here a store restored from an older copy, as after a
+/// server restore every store gets) states the store's settings and answers again, and
+/// they win whatever their version: the server's copy is the store's again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settings_and_answers_are_stated_again_on_a_new_chain_and_win_whatever_their_version() {
+    let mut shop = Shop::new_with(
+        "wishes_restate",
+        &format!("{SHOP_SCHEMA}{SETTINGS_SCHEMA}"),
+        &format!("{SHOP_RULES}{SETTINGS_RULES}"),
+    )
+    .await;
+    let store = shop.store("north").await;
+    shop.settle().await;
+    let db = shop.dir.join(format!("{store}.db"));
+    let app = rusqlite::Connection::open(&db).unwrap();
+    app.busy_timeout(std::time::Duration::from_secs(5)).unwrap();
+    app.execute(
+        "INSERT INTO till_settings (store_id, name, price_list, volume, rev) VALUES (?1, 'till', 'spring', 5, 1)",
+        [store.to_string()],
+    )
+    .unwrap();
+    let till = json!([store, "till"]);
+    let mut conn = shop.db.pool.acquire().await.unwrap();
+    wish::wish(
+        &mut conn,
+        store,
+        "till_settings",
+        &till,
+        &json!({"volume": 6}),
+        None,
+        None,
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let link = Lossy::new(&shop, store, 7, 0);
+    let uploader = Uploader::open(&db, shop.seal_keys[&store], store).unwrap();
+    let (round, link, uploader) = round_trip(&mut shop, store, link, uploader).await;
+    assert_eq!(round.applied, 1);
+    assert_eq!(
+        server_setting(&shop, "till").await,
+        Some((Some("spring".into()), Some(6), 2))
+    );
+    assert_eq!(states(&shop, store).await[0].1, "applied");
+
+    // A backup of the store's file; then the server loses the answer (as a restore of
+    // the server would), the store writes on, which is filed, and applies a message.
+    let backup = shop.dir.join("backup.db");
+    app.execute("VACUUM INTO ?1", [backup.to_str().unwrap()])
+        .unwrap();
+    shop.db
+        .exec("UPDATE ferry_sync.wishes SET answered = NULL, outcome = NULL")
+        .await;
+    assert_eq!(states(&shop, store).await[0].1, "pending");
+    app.execute(
+        "UPDATE till_settings SET price_list = 'autumn', rev = 3 WHERE name = 'till'",
+        [],
+    )
+    .unwrap();
+    shop.db
+        .exec("INSERT INTO products (id, name, price, region) VALUES (1, 'tea', 2.50, 'north')")
+        .await;
+    let (_, link, uploader) = round_trip(&mut shop, store, link, uploader).await;
+    assert_eq!(
+        server_setting(&shop, "till").await,
+        Some((Some("autumn".into()), Some(6), 3))
+    );
+
+    // The store's file is restored from the backup: it is provisioned again, states its
+    // setting (version 2, below the server's 3) and its answer, and both win.
+    drop((app, uploader, link));
+    drop(shop.replicas.remove(&store));
+    for suffix in ["", "-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", db.display()));
+    }
+    std::fs::copy(&backup, &db).unwrap();
+    shop.reopen(store);
+    let link = Lossy::new(&shop, store, 8, 300);
+    let uploader = Uploader::open(&db, shop.seal_keys[&store], store).unwrap();
+    let (round, _link, _uploader) = round_trip(&mut shop, store, link, uploader).await;
+    assert_eq!(
+        round,
+        Round::default(),
+        "the restored copy had answered the wish"
+    );
+    assert_eq!(
+        server_setting(&shop, "till").await,
+        Some((Some("spring".into()), Some(6), 2)),
+        "the store's setting as it stands, whatever its version"
+    );
+    assert_eq!(states(&shop, store).await[0].1, "applied");
+    shop.assert_converged().await;
+    shop.finish().await;
+}
+
 /// A wish the server cannot check is refused where it is made, and writes nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wish_for_an_unknown_table_key_or_column_is_refused_and_writes_nothing() {

@@ -400,6 +400,7 @@ fn two_way_spec(
         two_way: Some(crate::file::TwoWaySpec {
             down: table.wire_columns(),
         }),
+        restate: table.name == crate::rules::WISHES_TABLE,
     }
 }
 
@@ -431,6 +432,7 @@ fn record_spec(
         lane: rules.lane.clone(),
         columns,
         two_way: None,
+        restate: rules.is_setting(),
     }
 }
 

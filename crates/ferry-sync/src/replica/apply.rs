@@ -128,6 +128,15 @@ fn attempt_in<'a>(
         }
         .map_err(|e| ReplicaError::storage("creating or widening a table", e))?;
     }
+    if start {
+        // A new chain: settings and answers are stated again (docs/sync-up.md §7).
+        for part in &down.parts {
+            if let Some(writes) = part.writes.as_ref().filter(|w| w.restate) {
+                super::up::restate(conn, part, writes)
+                    .map_err(|e| ReplicaError::storage("noting rows to restate", e))?;
+            }
+        }
+    }
     for part in down.parts.iter().filter(|p| p.sweep.start) {
         conn.execute(
             "DELETE FROM _ferry_sync_sweep WHERE tbl = ?1",

@@ -173,7 +173,7 @@ fn note_sql(part: &TablePart, lane: &str, row: &str) -> String {
     format!(
         "INSERT INTO _ferry_sync_up(tbl, key, lane) VALUES ({}, json_array({keys}), {})
          ON CONFLICT(tbl, key) DO UPDATE SET noted = noted + 1, lane = excluded.lane,
-         from_journal = 0, aside = NULL;",
+         from_journal = CASE from_journal WHEN {RESTATE} THEN {RESTATE} ELSE 0 END, aside = NULL;",
         sql_text(&part.table),
         sql_text(lane)
     )
@@ -211,6 +211,44 @@ fn announce_two_way(
         changed.join(" OR "),
         note_sql(part, lane, "NEW")
     ))
+}
+
+/// `_ferry_sync_up.from_journal` of a note that sends the live row, restated: it wins on
+/// the server whatever its version (docs/sync-up.md §7). 1 sends the journal's copy.
+const RESTATE: i64 = 2;
+
+/// On a chain start, notes every row of a table announced with `restate` again (of a
+/// two-way table, the rows where the replica wrote something), marked restated: a
+/// server or replica restored from an older copy gets the replica's settings and
+/// answers as they are. Inside the apply transaction.
+pub(crate) fn restate(
+    conn: &Connection,
+    part: &TablePart,
+    writes: &wire::Writes,
+) -> rusqlite::Result<usize> {
+    let keys = tables::key_columns(&part.columns)
+        .map(|c| tables::quote(&c.name))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let owned: Vec<String> = part.columns[part.columns.len() - writes.owned..]
+        .iter()
+        .map(|c| format!("{} IS NOT NULL", tables::quote(&c.name)))
+        .collect();
+    let filter = if owned.is_empty() {
+        "1".to_string()
+    } else {
+        owned.join(" OR ")
+    };
+    conn.execute(
+        &format!(
+            "INSERT INTO _ferry_sync_up(tbl, key, lane, from_journal)
+             SELECT ?1, json_array({keys}), ?2, {RESTATE} FROM {} WHERE {filter}
+             ON CONFLICT(tbl, key) DO UPDATE SET noted = noted + 1, lane = excluded.lane,
+             from_journal = {RESTATE}, aside = NULL",
+            tables::quote(&part.table)
+        ),
+        params![part.table, writes.lane],
+    )
 }
 
 fn sql_text(s: &str) -> String {
@@ -464,15 +502,18 @@ impl Uploader {
         limit: usize,
     ) -> Result<Option<Batch>, ReplicaError> {
         let s = |e| ReplicaError::storage("reading what to upload", e);
-        // Journal entries to restate go first, in uploads of their own (flagged restated).
-        let restated: bool = self
+        // Rows to restate go first, in uploads of their own (flagged restated): journal
+        // copies (1), then live rows (RESTATE).
+        let from: i64 = self
             .conn
             .query_row(
-                "SELECT EXISTS(SELECT 1 FROM _ferry_sync_up WHERE lane = ?1 AND aside IS NULL AND from_journal = 1)",
+                "SELECT coalesce(min(from_journal), 0) FROM _ferry_sync_up
+                 WHERE lane = ?1 AND aside IS NULL AND from_journal > 0",
                 [lane],
                 |r| r.get(0),
             )
             .map_err(s)?;
+        let restated = from > 0;
         let notes: Vec<Note> = {
             let mut stmt = self
                 .conn
@@ -481,7 +522,7 @@ impl Uploader {
                      WHERE lane = ?1 AND aside IS NULL AND from_journal = ?2 ORDER BY rowid LIMIT ?3",
                 )
                 .map_err(s)?;
-            stmt.query_map(params![lane, restated, limit as i64], |r| {
+            stmt.query_map(params![lane, from, limit as i64], |r| {
                 Ok(Note {
                     rowid: r.get(0)?,
                     table: r.get(1)?,
@@ -514,7 +555,7 @@ impl Uploader {
                     upserts: Vec::new(),
                     writes: None,
                 });
-            let row = if restated {
+            let row = if from == 1 {
                 self.journal_row(note)?
             } else {
                 self.live_row(note, columns)?

@@ -6,7 +6,8 @@
 //!    NUL, not starting (ignoring ASCII case) with `sqlite_` or `_ferry_sync`.
 //! 3. One byte of part flags: bit 0 sweep start, bit 1 sweep end, bit 2 the replica
 //!    writes the table (docs/sync-up.md §4.1), bit 3 (only with bit 2) a two-way table:
-//!    the replica writes some of its columns; the other bits 0. A part with bit 2 has
+//!    the replica writes some of its columns, bit 4 (only with bit 2) the replica states
+//!    its rows again on a chain start (§7); the other bits 0. A part with bit 2 has
 //!    neither sweep flag.
 //! 4. A varint count of columns, 1..=[`COLUMNS_MAX`]; then each column: its name (as a
 //!    table name, 1..=63 bytes, unique in the part ignoring ASCII case), an affinity byte
@@ -47,6 +48,9 @@ const WRITES: u8 = 4;
 /// Part flag bit 3, only with bit 2: the replica writes the last columns of the part (their
 /// count follows the lane); the server sends the rest.
 const TWO_WAY: u8 = 8;
+/// Part flag bit 4, only with bit 2: the replica states the table's rows again when a chain
+/// starts.
+const RESTATE: u8 = 16;
 
 /// Smallest encodings, for bounding counts by the bytes that remain: a column is a name
 /// (2 bytes at least) and three bytes; a value is a tag at least.
@@ -148,6 +152,7 @@ fn read_part(
         Some(Writes {
             lane: lane.to_string(),
             owned,
+            restate: flags & RESTATE != 0,
         })
     };
     let writes_at = writes.is_some().then_some(flags_at);
@@ -198,21 +203,22 @@ fn read_part(
 /// Refuses part flags protocol v1 does not define; in an upload, any flag; and a part
 /// that says the replica writes its table (bit 2) and asks for a sweep too.
 fn check_flags(flags: u8, at: usize, carrier: Carrier) -> Result<(), Fault> {
-    if flags & !(SWEEP_START | SWEEP_END | WRITES | TWO_WAY) != 0 {
+    if flags & !(SWEEP_START | SWEEP_END | WRITES | TWO_WAY | RESTATE) != 0 {
         return Err(Fault::new(
             Rule::SweepFlags,
             format!(
                 "the part flags at byte {at} are {flags:#04x}; only bits 0 (sweep start), 1 \
-                 (sweep end), 2 (the replica writes the table) and 3 (two-way) are defined"
+                 (sweep end), 2 (the replica writes the table), 3 (two-way) and 4 (restate) \
+                 are defined"
             ),
         ));
     }
-    if flags & TWO_WAY != 0 && flags & WRITES == 0 {
+    if flags & (TWO_WAY | RESTATE) != 0 && flags & WRITES == 0 {
         return Err(Fault::new(
             Rule::ReplicaWrittenPart,
             format!(
-                "the part flags at byte {at} are {flags:#04x}: bit 3 (two-way) says which \
-                 columns the replica writes, and comes only with bit 2"
+                "the part flags at byte {at} are {flags:#04x}: bits 3 (two-way) and 4 \
+                 (restate) say how the replica writes the table, and come only with bit 2"
             ),
         ));
     }
@@ -503,7 +509,7 @@ fn check_owned(owned: u64, at: Option<usize>, columns: &[Column]) -> Result<usiz
 /// Refuses a part that says the replica writes its table and yet asks for a sweep or
 /// carries rows, whose lane a replica would refuse, or whose two-way columns do not fit.
 fn check_writes(part: &TablePart) -> Result<(), Fault> {
-    let Some(Writes { lane, owned }) = &part.writes else {
+    let Some(Writes { lane, owned, .. }) = &part.writes else {
         return Ok(());
     };
     check_lane_name(lane)?;
@@ -561,8 +567,11 @@ fn write_header(part: &TablePart, out: &mut Vec<u8>) {
     let end = if part.sweep.end { SWEEP_END } else { 0 };
     let writes = match &part.writes {
         None => 0,
-        Some(w) if w.owned == 0 => WRITES,
-        Some(_) => WRITES | TWO_WAY,
+        Some(w) => {
+            let two_way = if w.owned > 0 { TWO_WAY } else { 0 };
+            let restate = if w.restate { RESTATE } else { 0 };
+            WRITES | two_way | restate
+        }
     };
     out.push(start | end | writes);
     value::encode_varint(part.columns.len() as u64, out);
