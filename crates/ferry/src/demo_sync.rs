@@ -17,16 +17,24 @@
 //!    standby holds the lock. Then the network is cut (connections dropped, new ones
 //!    refused) for two seconds of writes and restored; an order moves between stores;
 //!    the offline store comes back.
-//! 5. When every store stands synced, the demo compares each store's SQLite content,
+//! 5. The way up (`up.rs`) runs through the same story: each store's till opens a
+//!    setting row and sells into its own file, and a backup of the database is taken;
+//!    store B sells while offline; the server wishes a price list onto store A's till,
+//!    which answers; when B is back its sales are filed; then, after more sales, the
+//!    database is restored from the backup, and every sale must stand on the server
+//!    once and every till be its store's.
+//! 6. When every store stands synced, the demo compares each store's SQLite content,
 //!    row by row and column by column, with what the rules say it holds, computed in
 //!    SQL from Postgres.
 
 mod postgres;
 mod processes;
 mod proxy;
+mod up;
 use postgres::*;
 use processes::*;
 use proxy::*;
+use up::*;
 
 use crate::report::{fact, say};
 use anyhow::{Context, anyhow, bail, ensure};
@@ -113,9 +121,14 @@ async fn demo(root: &Path) -> anyhow::Result<()> {
         .context("creating the demo's database")?;
     let url = pg.url(&name);
     let mut kids = Kids::default();
+    let db = Db {
+        admin: pg.url("postgres"),
+        name: name.clone(),
+        url: url.clone(),
+    };
     let result = match PgPool::connect(&url).await {
         Ok(pool) => {
-            let r = shop(&dir, &url, &pool, &mut kids).await;
+            let r = shop(&dir, &db, &pool, &mut kids).await;
             pool.close().await;
             r
         }
@@ -135,12 +148,22 @@ async fn demo(root: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn shop(dir: &Path, url: &str, pool: &PgPool, kids: &mut Kids) -> anyhow::Result<()> {
+/// The demo's database: where to reach it, and as whom to drop and create it.
+struct Db {
+    admin: String,
+    name: String,
+    url: String,
+}
+
+async fn shop(dir: &Path, db: &Db, pool: &PgPool, kids: &mut Kids) -> anyhow::Result<()> {
     let started = Instant::now();
+    let url = db.url.as_str();
     sqlx::raw_sql(SCHEMA).execute(pool).await?;
+    sqlx::raw_sql(SCHEMA_UP).execute(pool).await?;
     let rules_file = dir.join("shop.toml");
-    std::fs::write(&rules_file, RULES)?;
-    let rules = ferry_sync::rules::Rules::parse(RULES, &rules_file)?;
+    let rules_text = format!("{RULES}{RULES_UP}");
+    std::fs::write(&rules_file, &rules_text)?;
+    let rules = ferry_sync::rules::Rules::parse(&rules_text, &rules_file)?;
     ferry_sync::schema::install(pool, &rules).await?;
 
     // The stores, enrolled, each with its token file and its SQLite file.
@@ -210,8 +233,25 @@ async fn shop(dir: &Path, url: &str, pool: &PgPool, kids: &mut Kids) -> anyhow::
         ms(first_sync)
     );
 
+    // The tills open and sell; then last night's backup is taken.
+    let mut sales = Sales::default();
+    for s in &stores {
+        open_till(s)?;
+        sales.sell(s, 5, false)?;
+    }
+    let filed_in = wait_filed(pool, &sales, Duration::from_secs(30)).await?;
+    wait_tills(pool, &stores, Duration::from_secs(30)).await?;
+    let backup_file = dir.join("shop.backup");
+    backup(url, &backup_file)?;
+    say!(
+        "  the way up: each store's till opened (a setting row) and sold 5 things into its own SQLite file; all {} sales were on the server {} after the last was written; a backup of the database was taken (pg_dump)",
+        sales.ids.len(),
+        ms(Some(filed_in))
+    );
+
     // Store B goes offline.
     kids.kill(Kid::Replica(OFFLINE));
+    sales.sell(&stores[OFFLINE], 20, true)?;
     let offline_at = Instant::now();
     let changes_before_offline = w.changes;
     let online: Vec<&Store> = stores
@@ -261,6 +301,21 @@ async fn shop(dir: &Path, url: &str, pool: &PgPool, kids: &mut Kids) -> anyhow::
         w.background().await?;
         lags.push(w.sample(&mut watch, &online, kids).await?);
     }
+
+    // The server wishes a summer price list onto store A's till.
+    let (answer, wished_in) =
+        wish_price(pool, &stores[0], "summer", Duration::from_secs(30)).await?;
+    let a_till = till(&stores[0])?;
+    say!(
+        "  wished price list \"summer\" onto store A's till (in a transaction of the shop's own): A carried it out and its answer \"{answer}\" was filed {} after the commit; A's till reads {:?} at version {}",
+        ms(Some(wished_in)),
+        a_till.0,
+        a_till.1
+    );
+    ensure!(
+        answer == "applied" && a_till == ("summer".to_string(), 2),
+        "store A answered {answer:?} and its till reads {a_till:?}"
+    );
 
     // The network is cut for two seconds of writes, then restored.
     proxy.cut();
@@ -315,6 +370,13 @@ async fn shop(dir: &Path, url: &str, pool: &PgPool, kids: &mut Kids) -> anyhow::
     let back = Instant::now();
     wait_synced(pool, kids, Duration::from_secs(30)).await?;
     let caught_up = back.elapsed();
+    let offline_filed = wait_filed(pool, &sales, Duration::from_secs(30)).await?;
+    say!(
+        "  store B's {} sales written while it was offline were filed once each when it came back (all {} sales on the server {} after it synced)",
+        sales.offline,
+        sales.ids.len(),
+        ms(Some(offline_filed))
+    );
     let st = ferry_sync::status::read(pool, None).await?;
     let quarantined: i64 = st.replicas.iter().map(|r| r.quarantined).sum();
     say!(
@@ -324,6 +386,65 @@ async fn shop(dir: &Path, url: &str, pool: &PgPool, kids: &mut Kids) -> anyhow::
         w.changes,
         st.notes_parked
     );
+
+    // The stores sell more, filed; then the database is restored from last night's backup,
+    // which has none of the sales since, nor the wish.
+    for s in &stores {
+        sales.sell(s, 5, false)?;
+    }
+    wait_filed(pool, &sales, Duration::from_secs(30)).await?;
+    let before_restore: i64 = sqlx::query_scalar("SELECT count(*) FROM sales")
+        .fetch_one(pool)
+        .await?;
+    kids.kill(Kid::Serve(0));
+    kids.kill(Kid::Serve(1));
+    restore(&db.admin, &db.name, url, &backup_file).await?;
+    let restored_at = Instant::now();
+    let after_restore: i64 = sqlx::query_scalar("SELECT count(*) FROM sales")
+        .fetch_one(pool)
+        .await?;
+    for (i, port) in ports.iter().enumerate() {
+        kids.serve(i, dir, &rules_file, url, *port)?;
+    }
+    for port in ports {
+        wait_healthy(port, dir).await?;
+    }
+    // The restored database says every store is synced, at the backup's epoch: wait for
+    // the relay to find out from the stores' reports and take a new one.
+    let old_epoch: Uuid = sqlx::query_scalar("SELECT epoch FROM ferry_sync.meta")
+        .fetch_one(pool)
+        .await?;
+    loop {
+        let epoch: Uuid = sqlx::query_scalar("SELECT epoch FROM ferry_sync.meta")
+            .fetch_one(pool)
+            .await?;
+        if epoch != old_epoch {
+            break;
+        }
+        ensure!(
+            restored_at.elapsed() < Duration::from_secs(60),
+            "the relay took no new epoch within 60 s of the restore"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    wait_synced(pool, kids, Duration::from_secs(60)).await?;
+    wait_filed(pool, &sales, Duration::from_secs(60)).await?;
+    let refiled_in = restored_at.elapsed();
+    wait_tills(pool, &stores, Duration::from_secs(30)).await?;
+    say!(
+        "  restored the database from the backup (serves stopped, dropped, pg_restore, serves started): it held {after_restore} of the {before_restore} sales; the stores were provisioned under a new epoch, sent their journals again, and all {} sales stood on the server once each {} after the restore; every till setting on the server is its store's again",
+        sales.ids.len(),
+        ms(Some(refiled_in))
+    );
+    fact("sync", "sales", sales.ids.len());
+    fact("sync", "sales_written_offline", sales.offline);
+    fact(
+        "sync",
+        "sales_lost_by_the_restore",
+        before_restore - after_restore,
+    );
+    fact("sync", "wish_answer", answer.as_str());
+    fact("sync", "wish_answered_ms", msf(wished_in));
 
     // The check: every store's content against what the rules say.
     let mut rows = Vec::new();

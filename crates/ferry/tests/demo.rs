@@ -32,6 +32,8 @@ fn the_demo_passes_its_own_checks() {
         "orders finished:          60 of 60",
         "none called again",
         "orders wrong:             0",
+        "its answer \"applied\" was filed",
+        "sales stood on the server once each",
     ] {
         assert!(stderr.contains(line), "no {line:?} in:\n{stderr}");
     }
@@ -44,4 +46,9 @@ fn the_demo_passes_its_own_checks() {
     assert_eq!(doc["outbox"]["rolled_back_delivered"], 0, "{doc}");
     assert_eq!(doc["flow"]["finished"], 60, "{doc}");
     assert_eq!(doc["flow"]["orders_wrong"], 0, "{doc}");
+    assert_eq!(doc["sync"]["wish_answer"], "applied", "{doc}");
+    assert!(
+        doc["sync"]["sales_lost_by_the_restore"].as_i64() > Some(0),
+        "the restore took sales away for the journals to bring back: {doc}"
+    );
 }

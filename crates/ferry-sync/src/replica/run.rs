@@ -246,6 +246,10 @@ impl Replica {
                     tracing::warn!(error = %e, "the replica loop failed; retrying after a backoff");
                     live.failed();
                     turn.failures = turn.failures.saturating_add(1);
+                    // The server may come back changed (restarted, or restored from an
+                    // older copy, which a report shows it at once): report first.
+                    turn.unreported = true;
+                    turn.last_attempt = None;
                     pause(stop, settings.backoff.delay(turn.failures, &mut rng));
                 }
                 Err(e) => return Err(e),

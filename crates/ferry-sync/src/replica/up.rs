@@ -362,10 +362,11 @@ impl Uploader {
     ) -> Result<(), UpError> {
         let mut rng = SplitMix64::from_entropy();
         let mut seen: Option<i64> = None;
+        let mut epoch = self.epoch()?;
         let mut failures = 0u32;
         while !stop.load(Ordering::SeqCst) {
             let version = self.data_version()?;
-            let keepalive_due = self
+            let mut keepalive_due = self
                 .last_sent
                 .is_none_or(|t| t.elapsed() >= settings.keepalive);
             if seen == Some(version) && failures == 0 && !keepalive_due {
@@ -373,13 +374,20 @@ impl Uploader {
                 continue;
             }
             seen = Some(version);
+            // A new epoch down means the server was restored from an older copy (or
+            // installed afresh): check its filing count now, not at the next keepalive.
+            let now = self.epoch()?;
+            if now != epoch {
+                keepalive_due |= epoch.is_some();
+                epoch = now;
+            }
             match self.turn(link, settings) {
                 Ok(turn) => {
                     failures = 0;
                     if turn.more {
                         seen = None; // go on at once
-                    } else if keepalive_due && turn.filed == 0 {
-                        self.check_server(link)?;
+                    } else if keepalive_due && turn.filed == 0 && self.check_server(link)? {
+                        seen = None; // the journal's entries, at once
                     }
                 }
                 Err(e) if e.is_transient() => {
@@ -392,6 +400,13 @@ impl Uploader {
             }
         }
         Ok(())
+    }
+
+    /// The epoch of the chain the replica follows, as the apply loop last wrote it.
+    fn epoch(&self) -> Result<Option<Vec<u8>>, ReplicaError> {
+        self.conn
+            .query_row("SELECT epoch FROM _ferry_sync_state", [], |r| r.get(0))
+            .map_err(|e| ReplicaError::storage("reading the epoch", e))
     }
 
     fn data_version(&self) -> Result<i64, ReplicaError> {
@@ -430,7 +445,9 @@ impl Uploader {
                     self.limit.remove(&lane);
                     self.settle(&batch, &filed, settings)?;
                     out.filed += n;
-                    out.more |= n == limit;
+                    // A full upload leaves more; a server that lost filings has the
+                    // journal's entries noted again, to send now.
+                    out.more |= n == limit || filed.refile_after > 0;
                 }
                 Err(TransportError::Refused(reason)) if n > 1 => {
                     // Halve until the row the transport refuses is alone.
@@ -461,15 +478,17 @@ impl Uploader {
 
     /// An empty upload, while the journal holds anything: the filing count alone, so a
     /// server that lost filings (restored from an older copy) is found and answered with
-    /// the journal after its count. `run` does this every `keepalive`.
-    pub fn check_server(&mut self, link: &mut dyn Uplink) -> Result<(), UpError> {
+    /// the journal after its count. `run` does this every `keepalive`, and when the
+    /// replica's epoch changes. `Ok(true)`: the server lost filings, and the journal's
+    /// entries after its count wait to be sent.
+    pub fn check_server(&mut self, link: &mut dyn Uplink) -> Result<bool, UpError> {
         let journal: i64 = self
             .conn
             .query_row("SELECT count(*) FROM _ferry_sync_journal", [], |r| r.get(0))
             .map_err(|e| ReplicaError::storage("reading the journal", e))?;
         if journal == 0 {
             self.last_sent = Some(Instant::now());
-            return Ok(());
+            return Ok(false);
         }
         let batch = Batch {
             id: random_nonzero_u64(),
@@ -480,7 +499,7 @@ impl Uploader {
         };
         let filed = self.send(link, &batch)?;
         self.settle(&batch, &filed, &UpSettings::default())?;
-        Ok(())
+        Ok(filed.refile_after > 0)
     }
 
     /// Step 1.
