@@ -326,8 +326,16 @@ def write_stream(db, server, host, rate, secs, replicas):
     (one per transaction, `at_ns` its wall clock at the commit); the engine uploads and
     files them. Lag: `filed_ns - at_ns`, `filed_ns` the clock at the server's insert (a
     trigger on `sales` the engines do not know of). Exactly once: every sale in `sales`
-    once, none missing. CPU from the first write until the last is filed."""
+    once, none missing. CPU from the first write until the last is filed; filing CPU is
+    that less what the same stretch costs idle (long polls, reports, keepalives), measured
+    just before over `min(secs, 10)` seconds."""
     expected = rate * secs * replicas
+    tick = os.sysconf("SC_CLK_TCK")
+    idle_cpu0, idle_pg0, idle_t0 = cpu_ticks([server.pid]), postgres_ticks(), time.time()
+    time.sleep(min(secs, 10))
+    idle_cpu1, idle_pg1 = cpu_ticks([server.pid]), postgres_ticks()
+    idle_s = ((idle_cpu1 - idle_cpu0) + sum(t - idle_pg0.get(pid, 0) for pid, t in idle_pg1.items())) / tick
+    idle_per_s = idle_s / (time.time() - idle_t0)
     cpu0, pg0 = cpu_ticks([server.pid]), postgres_ticks()
     t0 = time.time()
     host.say(f"write {rate} {secs}")
@@ -365,6 +373,8 @@ def write_stream(db, server, host, rate, secs, replicas):
         "server_cpu_ms_per_1000": (engine_s + pg_s) * 1e6 / max(expected, 1),
         "engine_cpu_ms_per_1000": engine_s * 1e6 / max(expected, 1),
         "postgres_cpu_ms_per_1000": pg_s * 1e6 / max(expected, 1),
+        "idle_cpu_ms_per_s": idle_per_s * 1e3,
+        "filing_cpu_ms_per_1000": max(engine_s + pg_s - idle_per_s * took, 0.0) * 1e6 / max(expected, 1),
     }
 
 

@@ -231,6 +231,7 @@ impl Serve {
             .route("/v1/replicas/{id}/uploads", post(uploads))
             .route("/metrics", get(metrics))
             .route("/status", get(status))
+            .route("/", get(status_page))
             .route("/healthz", get(|| async { "ok\n" }))
             .layer(DefaultBodyLimit::max(REPORT_BYTES_MAX))
             .with_state(self)
@@ -802,11 +803,28 @@ async fn metrics(State(serve): State<Serve>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
-async fn status(State(serve): State<Serve>) -> Response {
-    match crate::status::read(&serve.pool, None).await {
+#[derive(Debug, Deserialize)]
+struct StatusQuery {
+    /// Only this partition's replicas, as `ferry sync status --partition`.
+    partition: Option<String>,
+}
+
+/// The status document (docs/sync.md §12), version [`crate::status::STATUS_VERSION`].
+async fn status(State(serve): State<Serve>, Query(q): Query<StatusQuery>) -> Response {
+    match crate::status::read(&serve.pool, q.partition.as_deref()).await {
         Ok(s) => Json(s).into_response(),
         Err(e) => refuse(StatusCode::SERVICE_UNAVAILABLE, format!("database: {e}")),
     }
+}
+
+/// The status page for people: one static page that reads the status document with its
+/// own query (`/?partition=north`) every two seconds.
+async fn status_page() -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
+        include_str!("status_page.html"),
+    )
+        .into_response()
 }
 
 /// Compares in time that depends only on the lengths.

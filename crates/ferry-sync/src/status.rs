@@ -41,8 +41,20 @@ use sqlx::{PgPool, Row};
 /// 60 s says "away" sooner for a shop's dashboard.
 pub const HEARD_RECENTLY: Duration = Duration::from_secs(60);
 
+/// The version of the status document (`GET /status`, `ferry sync status --json`): a
+/// field removed or changing meaning takes a new one; fields are added within one.
+pub const STATUS_VERSION: u32 = 1;
+
+/// The most parked notes, inbox rows and quarantined rows a status lists (their counts
+/// are whole).
+pub const LISTED_MAX: i64 = 50;
+
 #[derive(Clone, Debug, Serialize)]
 pub struct Status {
+    /// [`STATUS_VERSION`].
+    pub version: u32,
+    /// The partition the document is scoped to (`None`: every replica).
+    pub partition: Option<String>,
     pub epoch: String,
     /// New epochs taken because the server was restored from an older copy (an alarm).
     pub restores: i32,
@@ -50,6 +62,46 @@ pub struct Status {
     pub notes_parked: i64,
     pub oldest_pending_ms: Option<i64>,
     pub replicas: Vec<ReplicaStanding>,
+    /// The oldest parked notes (whatever the partition: a note is the server's), at most
+    /// [`LISTED_MAX`].
+    pub parked: Vec<ParkedNote>,
+    /// Rows of the replicas shown set aside, at most [`LISTED_MAX`], oldest first.
+    pub quarantine: Vec<Listed>,
+    /// Rows of the replicas shown waiting in the inbox, at most [`LISTED_MAX`], oldest first.
+    pub inbox: Vec<Listed>,
+}
+
+/// A note the relay parked: a change it could not plan until someone fixes its cause.
+#[derive(Clone, Debug, Serialize)]
+pub struct ParkedNote {
+    pub id: i64,
+    pub relation: String,
+    pub key: String,
+    pub attempts: i32,
+    pub error: Option<String>,
+    pub parked_ago_ms: Option<i64>,
+}
+
+/// A row set aside for a replica (quarantine: `cause` is encode, size or replica) or
+/// waiting in its inbox (`cause` is `inbox`, `tries` how often it was filed).
+#[derive(Clone, Debug, Serialize)]
+pub struct Listed {
+    pub replica: String,
+    pub relation: String,
+    pub key: String,
+    pub cause: String,
+    pub reason: String,
+    pub tries: i32,
+}
+
+/// A replica's wishes by where they stand (docs/sync-up.md §7).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct WishCounts {
+    pub pending: i64,
+    pub waiting: i64,
+    pub applied: i64,
+    pub refused: i64,
+    pub superseded: i64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -71,6 +123,8 @@ pub struct ReplicaStanding {
     /// refused, waiting in the inbox to be filed again (`ferry sync refile`).
     pub filings: i64,
     pub inbox: i64,
+    /// The server's wishes for its setting rows, by where they stand.
+    pub wishes: WishCounts,
     /// The broadcast mark: every broadcast row of its partition recorded up to this pass
     /// is in a message it confirmed.
     pub confirmed_pass: i64,
@@ -135,6 +189,72 @@ pub async fn read(pool: &PgPool, partition: Option<&str>) -> Result<Status, sqlx
     .fetch_all(&mut *tx)
     .await?;
     let progress = Progress::read(&mut tx, partition).await?;
+    let mut wishes: HashMap<String, WishCounts> = HashMap::new();
+    for r in sqlx::query(
+        "SELECT w.replica::text, CASE WHEN w.answered = w.wish THEN w.outcome ELSE 'pending' END, count(*)
+         FROM ferry_sync.wishes w LEFT JOIN ferry_sync.replicas c ON c.id = w.replica
+         WHERE $1::text IS NULL OR c.partition = $1 GROUP BY 1, 2",
+    )
+    .bind(partition)
+    .fetch_all(&mut *tx)
+    .await?
+    {
+        let counts = wishes.entry(r.get(0)).or_default();
+        let n: i64 = r.get(2);
+        match r.get::<Option<String>, _>(1).as_deref() {
+            Some("waiting") => counts.waiting += n,
+            Some("applied") => counts.applied += n,
+            Some("refused") => counts.refused += n,
+            Some("superseded") => counts.superseded += n,
+            _ => counts.pending += n,
+        }
+    }
+    let parked = sqlx::query(
+        "SELECT id, relation, key, attempts, last_error, (extract(epoch FROM now() - parked_at) * 1000)::int8
+         FROM ferry_sync.notes WHERE parked_at IS NOT NULL ORDER BY id LIMIT $1",
+    )
+    .bind(LISTED_MAX)
+    .fetch_all(&mut *tx)
+    .await?
+    .iter()
+    .map(|r| ParkedNote {
+        id: r.get(0),
+        relation: r.get(1),
+        key: r.get(2),
+        attempts: r.get(3),
+        error: r.get(4),
+        parked_ago_ms: r.get(5),
+    })
+    .collect();
+    let listed = |sql: &'static str| sqlx::query(sql).bind(partition).bind(LISTED_MAX);
+    let to_listed = |r: &sqlx::postgres::PgRow| Listed {
+        replica: r.get(0),
+        relation: r.get(1),
+        key: r.get(2),
+        cause: r.get(3),
+        reason: r.get(4),
+        tries: r.get(5),
+    };
+    let quarantine = listed(
+        "SELECT q.replica::text, q.relation, q.key, q.cause, q.reason, 0
+         FROM ferry_sync.quarantine q JOIN ferry_sync.replicas c ON c.id = q.replica
+         WHERE $1::text IS NULL OR c.partition = $1 ORDER BY q.at LIMIT $2",
+    )
+    .fetch_all(&mut *tx)
+    .await?
+    .iter()
+    .map(to_listed)
+    .collect();
+    let inbox = listed(
+        "SELECT i.replica::text, i.relation, i.key, 'inbox', i.reason, i.tries
+         FROM ferry_sync.inbox i JOIN ferry_sync.replicas c ON c.id = i.replica
+         WHERE $1::text IS NULL OR c.partition = $1 ORDER BY i.at LIMIT $2",
+    )
+    .fetch_all(&mut *tx)
+    .await?
+    .iter()
+    .map(to_listed)
+    .collect();
     tx.commit().await?;
     let replicas = rows
         .iter()
@@ -166,6 +286,7 @@ pub async fn read(pool: &PgPool, partition: Option<&str>) -> Result<Status, sqlx
                 quarantined: r.get(11),
                 filings: r.get(13),
                 inbox: r.get(14),
+                wishes: wishes.remove(&id).unwrap_or_default(),
                 confirmed_pass,
                 tables,
                 id,
@@ -173,12 +294,17 @@ pub async fn read(pool: &PgPool, partition: Option<&str>) -> Result<Status, sqlx
         })
         .collect();
     Ok(Status {
+        version: STATUS_VERSION,
+        partition: partition.map(str::to_string),
         epoch: meta.get(0),
         restores: meta.get(1),
         notes_pending: notes.get(0),
         notes_parked: notes.get(1),
         oldest_pending_ms: notes.get(2),
         replicas,
+        parked,
+        quarantine,
+        inbox,
     })
 }
 
