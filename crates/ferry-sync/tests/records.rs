@@ -379,3 +379,126 @@ async fn fault_12_a_column_and_a_table_the_stores_write_reach_them_without_provi
     shop.assert_converged().await;
     shop.finish().await;
 }
+
+/// docs/sync-up.md §1 (a chatty table does not hold up the others): with thousands of
+/// sales waiting in their lane, the one counter written after them goes up in the first
+/// turn, beside the first bounded upload of sales.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lane_with_a_backlog_does_not_hold_up_another_lanes_row() {
+    let mut shop = Shop::new_with(
+        "records_lanes",
+        &format!("{SHOP_SCHEMA}{RECORDS_SCHEMA}"),
+        &format!("{SHOP_RULES}{RECORDS_RULES}"),
+    )
+    .await;
+    let store = shop.store("north").await;
+    shop.settle().await;
+    let db = shop.dir.join(format!("{store}.db"));
+    let app = rusqlite::Connection::open(&db).unwrap();
+    app.execute_batch("BEGIN").unwrap();
+    for i in 0..3_000 {
+        app.execute(
+            "INSERT INTO sales (id, store_id, amount) VALUES (?1, ?2, ?3)",
+            rusqlite::params![Uuid::new_v4().to_string(), store.to_string(), i],
+        )
+        .unwrap();
+    }
+    app.execute_batch("COMMIT; INSERT INTO counters VALUES ('tills', 1, '1.00');")
+        .unwrap();
+    let mut link = Lossy::new(&shop, store, 3, 0);
+    let mut uploader = Uploader::open(&db, shop.seal_keys[&store], store).unwrap();
+    let turn = tokio::task::spawn_blocking(move || {
+        uploader
+            .turn(&mut link, &ferry_sync::replica::UpSettings::default())
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(turn.more, "sales are left for the next turns");
+    let counters: i64 = sqlx::query_scalar("SELECT count(*) FROM counters")
+        .fetch_one(&shop.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(counters, 1, "the counter went up in the first turn");
+    assert_eq!(
+        server_sales(&shop.db.pool).await.len(),
+        ferry_sync::replica::UPLOAD_ROWS,
+        "one bounded upload of the sales lane"
+    );
+    shop.finish().await;
+}
+
+/// docs/sync-up.md §6: a server restored to a filing count older than the store's
+/// journal reaches gets back what the journal holds, and the store raises an alarm naming
+/// the filings it could not send again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_older_than_the_journal_reaches_is_an_alarm_naming_the_filings_lost() {
+    let mut shop = Shop::new_with(
+        "records_reach",
+        &format!("{SHOP_SCHEMA}{RECORDS_SCHEMA}"),
+        &format!("{SHOP_RULES}{RECORDS_RULES}"),
+    )
+    .await;
+    let store = shop.store("north").await;
+    shop.settle().await;
+    let db = shop.dir.join(format!("{store}.db"));
+    let app = rusqlite::Connection::open(&db).unwrap();
+    let mut link = Lossy::new(&shop, store, 4, 0);
+    let mut uploader = Uploader::open(&db, shop.seal_keys[&store], store).unwrap();
+    let settings = ferry_sync::replica::UpSettings {
+        journal_rows: 10,
+        ..Default::default()
+    };
+    // Six filings of five sales each; the journal keeps the newest ten rows, with the
+    // rest of the filing the tenth came in (filings 4 to 6).
+    let (uploader_back, link_back, app) = tokio::task::spawn_blocking(move || {
+        for f in 0..6 {
+            for i in 0..5 {
+                app.execute(
+                    "INSERT INTO sales (id, store_id, amount) VALUES (?1, ?2, ?3)",
+                    rusqlite::params![Uuid::new_v4().to_string(), store.to_string(), f * 5 + i],
+                )
+                .unwrap();
+            }
+            uploader.turn(&mut link, &settings).unwrap();
+        }
+        (uploader, link, app)
+    })
+    .await
+    .unwrap();
+    let (mut uploader, mut link) = (uploader_back, link_back);
+    assert_eq!(up_status(&app).unwrap().journal, 15);
+    // The server loses every filing after the second (a restore to that point).
+    sqlx::query("UPDATE ferry_sync.filings SET n = 2 WHERE replica = $1")
+        .bind(store)
+        .execute(&shop.db.pool)
+        .await
+        .unwrap();
+    sqlx::query("DELETE FROM sales WHERE amount >= 10")
+        .execute(&shop.db.pool)
+        .await
+        .unwrap();
+    let status = tokio::task::spawn_blocking(move || {
+        assert!(uploader.check_server(&mut link).unwrap());
+        upload_all(&mut uploader, &mut link, &db);
+        up_status(&app).unwrap()
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        status.beyond_journal,
+        Some((3, 3)),
+        "filing 3 was pruned from the journal: {status:?}"
+    );
+    let filed = server_sales(&shop.db.pool).await;
+    assert_eq!(
+        filed
+            .values()
+            .filter(|(_, amount, _)| *amount >= 15)
+            .count(),
+        15,
+        "what the journal held came back"
+    );
+    assert_eq!(filed.len(), 25, "filing 3 (5 sales) is the one lost");
+    shop.finish().await;
+}

@@ -176,7 +176,8 @@ async fn the_status_page_renders_the_status_document_in_a_real_browser_scoped_by
         assert!(all.contains(&needle), "no {what} ({needle:?}) in:\n{all}");
     }
     assert!(
-        !all.contains("<b id=\"injected\">") && all.contains("&lt;b id=\"injected\"&gt;x&lt;/b&gt;"),
+        !all.contains("<b id=\"injected\">")
+            && all.contains("&lt;b id=\"injected\"&gt;x&lt;/b&gt;"),
         "text from the database must show as text:\n{all}"
     );
 

@@ -31,6 +31,9 @@ pub struct ReplicaStatus {
     pub set_aside: u64,
     /// Edits of two-way rows the server dropped (it had deleted the row or taken it back).
     pub dropped: u64,
+    /// An alarm: filings (from, to) a restored server lost that the journal no longer
+    /// held (docs/sync-up.md §6).
+    pub beyond_journal: Option<(u64, u64)>,
     /// What the file alone says about the standing: `awaiting_fix` (a gap, or
     /// rejections outstanding) or `not_provisioned` (no chain started);
     /// `None` when it takes the transport to tell (see [`ReplicaStatus::standing`]).
@@ -192,6 +195,7 @@ pub(crate) fn status(conn: &Connection) -> Result<ReplicaStatus, ReplicaError> {
         unfiled: count("SELECT COUNT(*) FROM _ferry_sync_up WHERE aside IS NULL")? as u64,
         set_aside: count("SELECT COUNT(*) FROM _ferry_sync_up WHERE aside IS NOT NULL")? as u64,
         dropped: count("SELECT coalesce(sum(dropped), 0) FROM _ferry_sync_two_way")? as u64,
+        beyond_journal: super::up::up_status(conn)?.beyond_journal,
         standing,
     })
 }
@@ -213,6 +217,7 @@ mod tests {
             unfiled: 0,
             set_aside: 0,
             dropped: 0,
+            beyond_journal: None,
             standing,
         }
     }

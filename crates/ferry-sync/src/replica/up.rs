@@ -28,6 +28,8 @@
 //!   `noted` (a count each write raises), whether to send the journal's copy, and why
 //!   the row is set aside;
 //! - `_ferry_sync_journal`: what was filed, newest per row, under its filing count;
+//! - `_ferry_sync_reach`: the highest filing count the journal's bound pruned, and the
+//!   filings a restored server lost that the journal no longer held (an alarm);
 //! - `_ferry_sync_filed`: the last filing count the server told, and the build that set
 //!   rows aside (a new build tries them again).
 
@@ -113,6 +115,13 @@ CREATE TABLE IF NOT EXISTS _ferry_sync_journal(
     row BLOB,
     PRIMARY KEY(tbl, key)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS _ferry_sync_journal_n ON _ferry_sync_journal(n);
+CREATE TABLE IF NOT EXISTS _ferry_sync_reach(
+    one INTEGER PRIMARY KEY CHECK(one = 1),
+    pruned_to INTEGER NOT NULL DEFAULT 0,
+    lost_from INTEGER,
+    lost_to INTEGER,
+    at_ms INTEGER);
+INSERT OR IGNORE INTO _ferry_sync_reach(one) VALUES (1);
 CREATE TABLE IF NOT EXISTS _ferry_sync_filed(
     one INTEGER PRIMARY KEY CHECK(one = 1),
     n INTEGER NOT NULL DEFAULT 0,
@@ -286,6 +295,9 @@ pub struct UpStatus {
     pub filed_n: u64,
     /// Edits of two-way rows the server dropped: it had deleted the row or taken it back.
     pub dropped: u64,
+    /// An alarm: the filings (from, to) a restored server lost that the journal no
+    /// longer held, so their rows could not be sent again (docs/sync-up.md §6).
+    pub beyond_journal: Option<(u64, u64)>,
 }
 
 /// The uploader: its own connection to the replica's file, beside the apply loop's.
@@ -782,7 +794,37 @@ impl Uploader {
                 rows = again,
                 "the server lost filings (restored from an older copy?): sending the journal after its count again"
             );
+            let pruned_to: i64 = c
+                .query_row("SELECT pruned_to FROM _ferry_sync_reach", [], |r| r.get(0))
+                .map_err(s)?;
+            if pruned_to > filed.refile_after as i64 {
+                // Filings after the server's count that the journal's bound let go: what
+                // they held may be lost, unless written again since (docs/sync-up.md §6).
+                tracing::error!(
+                    from = filed.refile_after + 1,
+                    to = pruned_to,
+                    "the server lost filings older than this replica's journal reaches: rows filed in them and not written since cannot be sent again"
+                );
+                c.execute(
+                    "UPDATE _ferry_sync_reach SET lost_from = ?1, lost_to = ?2, at_ms = ?3",
+                    params![
+                        filed.refile_after as i64 + 1,
+                        pruned_to,
+                        ferry_core::seams::wall_ms() as i64
+                    ],
+                )
+                .map_err(s)?;
+            }
         }
+        // The journal's bound: the oldest entries go, and how far it pruned is kept, so a
+        // later restore to a count below it is known to be beyond repair from here.
+        c.execute(
+            "UPDATE _ferry_sync_reach SET pruned_to = max(pruned_to, coalesce(
+                (SELECT max(n) FROM _ferry_sync_journal WHERE n < (SELECT n FROM _ferry_sync_journal
+                 ORDER BY n DESC LIMIT 1 OFFSET ?1)), 0))",
+            [settings.journal_rows as i64],
+        )
+        .map_err(s)?;
         c.execute(
             "DELETE FROM _ferry_sync_journal WHERE n < (SELECT n FROM _ferry_sync_journal ORDER BY n DESC LIMIT 1 OFFSET ?1)",
             [settings.journal_rows as i64],
@@ -844,7 +886,8 @@ pub fn up_status(conn: &Connection) -> Result<UpStatus, ReplicaError> {
                 (SELECT count(*) FROM _ferry_sync_up WHERE aside IS NOT NULL),
                 (SELECT count(*) FROM _ferry_sync_journal),
                 (SELECT n FROM _ferry_sync_filed),
-                (SELECT coalesce(sum(dropped), 0) FROM _ferry_sync_two_way)",
+                (SELECT coalesce(sum(dropped), 0) FROM _ferry_sync_two_way),
+                (SELECT lost_from FROM _ferry_sync_reach), (SELECT lost_to FROM _ferry_sync_reach)",
         [],
         |r| {
             Ok(UpStatus {
@@ -853,6 +896,10 @@ pub fn up_status(conn: &Connection) -> Result<UpStatus, ReplicaError> {
                 journal: r.get::<_, i64>(2)? as u64,
                 filed_n: r.get::<_, i64>(3)? as u64,
                 dropped: r.get::<_, i64>(4)? as u64,
+                beyond_journal: match (r.get::<_, Option<i64>>(5)?, r.get::<_, Option<i64>>(6)?) {
+                    (Some(from), Some(to)) => Some((from as u64, to as u64)),
+                    _ => None,
+                },
             })
         },
     )
