@@ -173,9 +173,20 @@ pub async fn file(
             Err(message) => return Ok(Outcome::Malformed(message)),
         }
     }
-    // The quick way first: each part one statement, no savepoints. A part the database
-    // refuses aborts that transaction; the careful way then files the upload again from
-    // the start, a savepoint per part and, in a part refused, per row.
+    // The one-statement way first, where it applies; then the quick way: each part one
+    // statement, no savepoints. A part the database refuses aborts that transaction; the
+    // careful way then files the upload again from the start, a savepoint per part and,
+    // in a part refused, per row.
+    if shape.role.is_none()
+        && plans.iter().all(|p| p.spec.two_way.is_none())
+        && upload.parts.iter().all(|p| p.deletes.is_empty())
+    {
+        match at_once(pool, sender, upload, &plans).await {
+            Ok(Some(outcome)) => return Ok(outcome),
+            Ok(None) | Err(Failed::Refused) => {}
+            Err(Failed::File(e)) => return Err(e),
+        }
+    }
     match attempt(pool, shape, sender, upload, &plans, false).await {
         Err(Failed::Refused) => match attempt(pool, shape, sender, upload, &plans, true).await {
             Err(Failed::Refused) => unreachable!("the careful way takes refusals row by row"),
@@ -198,6 +209,83 @@ impl From<sqlx::Error> for Failed {
     fn from(e: sqlx::Error) -> Failed {
         Failed::File(FileError::Db(e))
     }
+}
+
+/// Steps 1 to 4 in two round trips, for an upload of record rows (no deletes, no two-way
+/// part) filed without a role: one statement sets `ferry_sync.replica` for the session
+/// (every filing sets it first, so a pooled connection never carries another's) and
+/// counts the inbox; one statement, one transaction of its own, takes the count and
+/// upserts every part. `Ok(None)`: the inbox holds rows of this replica, which the
+/// quick way clears as it files.
+async fn at_once(
+    pool: &PgPool,
+    sender: Uuid,
+    upload: &Upload,
+    plans: &[Plan<'_>],
+) -> Result<Option<Outcome>, Failed> {
+    let mut conn = pool.acquire().await?;
+    let inbox: i64 = sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM ferry_sync.inbox WHERE replica = $1)
+         FROM (SELECT set_config('ferry_sync.replica', $1::text, false)) s",
+    )
+    .bind(sender)
+    .fetch_one(&mut *conn)
+    .await?;
+    if inbox > 0 {
+        return Ok(None);
+    }
+    let told = i64::try_from(upload.filed_n).unwrap_or(i64::MAX);
+    let step = i64::from(!upload.parts.is_empty());
+    let mut refused = Vec::new();
+    let mut parts = Vec::new();
+    let mut ctes = vec![
+        "f AS (INSERT INTO ferry_sync.filings AS f (replica, n, before) VALUES ($1, greatest(0, $2) + $3, 0)
+              ON CONFLICT (replica) DO UPDATE SET before = f.n, n = greatest(f.n, $2) + $3
+              RETURNING before, n)"
+            .to_string(),
+    ];
+    let mut next = 4;
+    for (part, plan) in upload.parts.iter().zip(plans) {
+        let (rows, mut wrong) = sort_rows(plan, part, sender);
+        refused.append(&mut wrong);
+        if rows.is_empty() {
+            continue;
+        }
+        let sql = upsert_sql_at(plan.spec, &plan.present, plan.restated, next, 1);
+        ctes.push(format!("p{} AS ({sql})", ctes.len()));
+        next += plan.present.len();
+        parts.push((plan, rows));
+    }
+    let sql = format!(
+        "WITH {} SELECT before, n FROM f",
+        ctes.join(
+            ",
+"
+        )
+    );
+    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(sender)
+        .bind(told)
+        .bind(step);
+    for (plan, rows) in &parts {
+        for &i in &plan.present {
+            let c = &plan.spec.columns[i];
+            query = bind_column(query, c.mapping, rows.iter().map(|r| &r[i]));
+        }
+    }
+    let row = match query.fetch_one(&mut *conn).await {
+        Ok(row) => row,
+        Err(e) if refused_by_data(&e) => return Err(Failed::Refused),
+        Err(e) => return Err(e.into()),
+    };
+    let (known, filed_n): (i64, i64) = (row.get(0), row.get(1));
+    Ok(Some(Outcome::Filed(Filed {
+        id: upload.id,
+        filed_n: filed_n as u64,
+        refile_after: if told > known { known as u64 } else { 0 },
+        refused,
+        dropped: Vec::new(),
+    })))
 }
 
 /// Steps 1 to 4 once; `careful`: savepoints, and rows the database refuses to the inbox.
@@ -732,6 +820,18 @@ async fn delete(
 /// every row of a part. The replica column takes the sender (the last parameter).
 /// `restated`: a newer version does not need to be newer.
 fn upsert_sql(spec: &RecordSpec, present: &[usize], restated: bool) -> String {
+    upsert_sql_at(spec, present, restated, 1, present.len() + 1)
+}
+
+/// [`upsert_sql`] with the arrays bound from parameter `first` on and the sender at
+/// `sender`, to sit among other statements' parameters.
+fn upsert_sql_at(
+    spec: &RecordSpec,
+    present: &[usize],
+    restated: bool,
+    first: usize,
+    sender: usize,
+) -> String {
     let n = present.len();
     let names: Vec<String> = present
         .iter()
@@ -740,7 +840,7 @@ fn upsert_sql(spec: &RecordSpec, present: &[usize], restated: bool) -> String {
     let params: Vec<String> = present
         .iter()
         .enumerate()
-        .map(|(p, &i)| format!("${}::{}[]", p + 1, bind_type(spec.columns[i].mapping)))
+        .map(|(p, &i)| format!("${}::{}[]", first + p, bind_type(spec.columns[i].mapping)))
         .collect();
     let aliases: Vec<String> = (0..n).map(|p| format!("c{p}")).collect();
     let values: Vec<String> = present
@@ -748,7 +848,7 @@ fn upsert_sql(spec: &RecordSpec, present: &[usize], restated: bool) -> String {
         .enumerate()
         .map(|(p, &i)| {
             if spec.replica == Some(i) {
-                format!("${}::uuid", n + 1)
+                format!("${sender}::uuid")
             } else {
                 cast(&spec.columns[i], &format!("u.c{p}"))
             }

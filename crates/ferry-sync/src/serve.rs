@@ -21,6 +21,7 @@
 //! Every refusal is JSON, `{"error": "..."}`, saying what was refused and what to do; the
 //! replica's client shows it (`client.rs`).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
@@ -166,7 +167,21 @@ pub struct Serve {
     /// The tables replicas write, and how filing's transaction is shaped (step 4).
     records: Arc<Vec<crate::file::RecordSpec>>,
     shape: Arc<crate::file::Shape>,
+    /// Tokens checked lately: replica → (SHA-256 of the token, seal key, when checked).
+    checked: Arc<std::sync::Mutex<HashMap<Uuid, Checked>>>,
 }
+
+/// A token that matched the replica's hash, and when: good for [`CHECKED_FOR`].
+struct Checked {
+    token_sha: [u8; 32],
+    seal_key: Vec<u8>,
+    at: std::time::Instant,
+}
+
+/// How long a token that matched is taken without asking the database again. Every
+/// request (a long poll each wait, an upload each write) would otherwise cost a query;
+/// a token `ferry sync enroll` replaced stops working within this.
+pub const CHECKED_FOR: Duration = Duration::from_secs(5);
 
 impl Serve {
     /// Listens for outbox notifications on a connection of its own.
@@ -203,6 +218,7 @@ impl Serve {
             stopping: None,
             records: Arc::default(),
             shape: Arc::default(),
+            checked: Arc::default(),
         })
     }
 
@@ -296,6 +312,16 @@ fn wrong_token(id: Uuid) -> Response {
 /// replica's seal key (`Filed` is sealed with it).
 async fn authorize(serve: &Serve, id: Uuid, headers: &HeaderMap) -> Result<Vec<u8>, Response> {
     let given = bearer(headers).ok_or_else(|| no_token(id))?;
+    let sha: [u8; 32] = Sha256::digest(given.as_bytes()).into();
+    {
+        let checked = serve.checked.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = checked.get(&id)
+            && c.at.elapsed() < CHECKED_FOR
+            && constant_time_eq(&c.token_sha, &sha)
+        {
+            return Ok(c.seal_key.clone());
+        }
+    }
     let stored = sqlx::query("SELECT token_hash, seal_key FROM ferry_sync.replicas WHERE id = $1")
         .bind(id)
         .fetch_optional(&serve.pool)
@@ -304,9 +330,25 @@ async fn authorize(serve: &Serve, id: Uuid, headers: &HeaderMap) -> Result<Vec<u
     let (token_hash, seal_key): (Option<Vec<u8>>, Option<Vec<u8>>) = stored
         .map(|row| (row.get(0), row.get(1)))
         .unwrap_or_default();
-    if token_matches(token_hash.as_deref(), &Sha256::digest(given.as_bytes())) {
-        Ok(seal_key.unwrap_or_default())
+    if token_matches(token_hash.as_deref(), &sha) {
+        let seal_key = seal_key.unwrap_or_default();
+        let mut checked = serve.checked.lock().unwrap_or_else(|e| e.into_inner());
+        checked.retain(|_, c| c.at.elapsed() < CHECKED_FOR);
+        checked.insert(
+            id,
+            Checked {
+                token_sha: sha,
+                seal_key: seal_key.clone(),
+                at: std::time::Instant::now(),
+            },
+        );
+        Ok(seal_key)
     } else {
+        serve
+            .checked
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id);
         Err(wrong_token(id))
     }
 }

@@ -422,3 +422,37 @@ async fn uploads_are_filed_only_for_their_own_store_and_refusals_file_nothing() 
     );
     shop.finish().await;
 }
+
+/// A token serve has checked is taken for `CHECKED_FOR` without asking the database
+/// again; a new token from `ferry sync enroll` works at once, and the one it replaced
+/// stops working within `CHECKED_FOR`. A wrong token is never remembered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replaced_token_stops_working_within_the_check_window_and_the_new_one_works_at_once() {
+    let mut shop = Shop::new("http_tokens").await;
+    let north = shop.store("north").await;
+    let old = token_for(&shop, north).await;
+    shop.passes().await;
+    let url = start_serve(&shop.db.url).await;
+    let messages = format!("{url}/v1/replicas/{north}/messages?after=0&max=16&wait_ms=0");
+    assert_eq!(
+        call("GET", messages.clone(), Some(old.clone()), vec![])
+            .await
+            .status,
+        200
+    );
+    let wrong = call("GET", messages.clone(), Some(enroll::new_token()), vec![]).await;
+    assert_eq!(wrong.status, 401, "{}", wrong.body);
+
+    let new = token_for(&shop, north).await;
+    assert_eq!(
+        call("GET", messages.clone(), Some(new.clone()), vec![])
+            .await
+            .status,
+        200
+    );
+    tokio::time::sleep(ferry_sync::serve::CHECKED_FOR + Duration::from_millis(200)).await;
+    let stale = call("GET", messages.clone(), Some(old), vec![]).await;
+    assert_eq!(stale.status, 401, "the replaced token: {}", stale.body);
+    assert_eq!(call("GET", messages, Some(new), vec![]).await.status, 200);
+    shop.finish().await;
+}

@@ -506,7 +506,14 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         }
     }
     let rules = load_rules(&a.rules)?;
-    let pool = connect(&a.db).await?;
+    // No ping before each use of a pooled connection: serve makes a few statements per
+    // request, and the ping was one more round trip each time. A connection the database
+    // dropped fails its request (the replica sends it again) and leaves the pool.
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .test_before_acquire(false)
+        .connect(&a.db)
+        .await
+        .with_context(|| format!("cannot connect to --db {}", redact(&a.db)))?;
     let spec = Arc::new(spec(&pool, &rules).await?);
     let listener = tokio::net::TcpListener::bind(a.listen)
         .await
