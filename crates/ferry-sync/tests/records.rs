@@ -12,7 +12,7 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use common::up::{Lossy, RECORDS_RULES, RECORDS_SCHEMA, server_sales, upload_all};
+use common::up::{Lossy, RECORDS_RULES, RECORDS_SCHEMA, records_shop, server_sales, upload_all};
 use common::{SHOP_RULES, SHOP_SCHEMA, Shop};
 use ferry_sync::file::{self, Shape};
 use ferry_sync::replica::{Uploader, up_status};
@@ -178,16 +178,7 @@ async fn every_write_is_filed_once_through_lost_and_repeated_answers_and_a_lost_
 /// set aside on the replica, while the rest of its upload is filed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_naming_another_store_is_set_aside_and_the_rest_filed() {
-    let mut shop = Shop::new_with(
-        "records_aside",
-        &format!("{SHOP_SCHEMA}{RECORDS_SCHEMA}"),
-        &format!("{SHOP_RULES}{RECORDS_RULES}"),
-    )
-    .await;
-    let store = shop.store("north").await;
-    shop.settle().await;
-    let db = shop.dir.join(format!("{store}.db"));
-    let app = rusqlite::Connection::open(&db).unwrap();
+    let (shop, store, db, app) = records_shop("records_aside").await;
     let other = Uuid::new_v4();
     let (mine, theirs) = (Uuid::new_v4(), Uuid::new_v4());
     app.execute(
@@ -385,16 +376,7 @@ async fn fault_12_a_column_and_a_table_the_stores_write_reach_them_without_provi
 /// turn, beside the first bounded upload of sales.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lane_with_a_backlog_does_not_hold_up_another_lanes_row() {
-    let mut shop = Shop::new_with(
-        "records_lanes",
-        &format!("{SHOP_SCHEMA}{RECORDS_SCHEMA}"),
-        &format!("{SHOP_RULES}{RECORDS_RULES}"),
-    )
-    .await;
-    let store = shop.store("north").await;
-    shop.settle().await;
-    let db = shop.dir.join(format!("{store}.db"));
-    let app = rusqlite::Connection::open(&db).unwrap();
+    let (shop, store, db, app) = records_shop("records_lanes").await;
     app.execute_batch("BEGIN").unwrap();
     for i in 0..3_000 {
         app.execute(
@@ -433,16 +415,7 @@ async fn a_lane_with_a_backlog_does_not_hold_up_another_lanes_row() {
 /// the filings it could not send again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restore_older_than_the_journal_reaches_is_an_alarm_naming_the_filings_lost() {
-    let mut shop = Shop::new_with(
-        "records_reach",
-        &format!("{SHOP_SCHEMA}{RECORDS_SCHEMA}"),
-        &format!("{SHOP_RULES}{RECORDS_RULES}"),
-    )
-    .await;
-    let store = shop.store("north").await;
-    shop.settle().await;
-    let db = shop.dir.join(format!("{store}.db"));
-    let app = rusqlite::Connection::open(&db).unwrap();
+    let (shop, store, db, app) = records_shop("records_reach").await;
     let mut link = Lossy::new(&shop, store, 4, 0);
     let mut uploader = Uploader::open(&db, shop.seal_keys[&store], store).unwrap();
     let settings = ferry_sync::replica::UpSettings {

@@ -88,10 +88,12 @@ async fn round_trip(
     (round, link, uploader)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_wish_is_carried_out_once_and_its_answer_filed_applied_refused_superseded_or_waiting() {
+/// The shop with the till settings and one store in `north`, provisioned, whose till
+/// opened at price list `spring` and volume 5, version 1: the store, its file, and the
+/// app's connection to it.
+async fn till_shop(prefix: &str) -> (Shop, Uuid, std::path::PathBuf, rusqlite::Connection) {
     let mut shop = Shop::new_with(
-        "wishes",
+        prefix,
         &format!("{SHOP_SCHEMA}{SETTINGS_SCHEMA}"),
         &format!("{SHOP_RULES}{SETTINGS_RULES}"),
     )
@@ -106,6 +108,12 @@ async fn a_wish_is_carried_out_once_and_its_answer_filed_applied_refused_superse
         [store.to_string()],
     )
     .unwrap();
+    (shop, store, db, app)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wish_is_carried_out_once_and_its_answer_filed_applied_refused_superseded_or_waiting() {
+    let (mut shop, store, db, app) = till_shop("wishes").await;
     let link = Lossy::new(&shop, store, 28, 300);
     let uploader = Uploader::open(&db, shop.seal_keys[&store], store).unwrap();
     let (_, link, uploader) = round_trip(&mut shop, store, link, uploader).await;
@@ -276,22 +284,7 @@ async fn a_wish_is_carried_out_once_and_its_answer_filed_applied_refused_superse
 /// they win whatever their version: the server's copy is the store's again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn settings_and_answers_are_stated_again_on_a_new_chain_and_win_whatever_their_version() {
-    let mut shop = Shop::new_with(
-        "wishes_restate",
-        &format!("{SHOP_SCHEMA}{SETTINGS_SCHEMA}"),
-        &format!("{SHOP_RULES}{SETTINGS_RULES}"),
-    )
-    .await;
-    let store = shop.store("north").await;
-    shop.settle().await;
-    let db = shop.dir.join(format!("{store}.db"));
-    let app = rusqlite::Connection::open(&db).unwrap();
-    app.busy_timeout(std::time::Duration::from_secs(5)).unwrap();
-    app.execute(
-        "INSERT INTO till_settings (store_id, name, price_list, volume, rev) VALUES (?1, 'till', 'spring', 5, 1)",
-        [store.to_string()],
-    )
-    .unwrap();
+    let (mut shop, store, db, app) = till_shop("wishes_restate").await;
     let till = json!([store, "till"]);
     let mut conn = shop.db.pool.acquire().await.unwrap();
     wish::wish(

@@ -95,6 +95,25 @@ impl Uplink for Lossy {
     }
 }
 
+/// The shop with the record tables and one store in `north`, provisioned: the store, its
+/// file, and an app's connection to the file.
+pub async fn records_shop(
+    prefix: &str,
+) -> (super::Shop, Uuid, std::path::PathBuf, rusqlite::Connection) {
+    let mut shop = super::Shop::new_with(
+        prefix,
+        &format!("{}{RECORDS_SCHEMA}", super::SHOP_SCHEMA),
+        &format!("{}{RECORDS_RULES}", super::SHOP_RULES),
+    )
+    .await;
+    let store = shop.store("north").await;
+    shop.settle().await;
+    let db = shop.dir.join(format!("{store}.db"));
+    let app = rusqlite::Connection::open(&db).unwrap();
+    app.busy_timeout(std::time::Duration::from_secs(5)).unwrap();
+    (shop, store, db, app)
+}
+
 /// Turns until nothing is left unfiled (failures are the transport's: turn again).
 pub fn upload_all(uploader: &mut Uploader, link: &mut Lossy, db: &std::path::Path) {
     let conn = rusqlite::Connection::open(db).unwrap();
