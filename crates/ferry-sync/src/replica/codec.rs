@@ -42,6 +42,22 @@ pub(crate) fn from_sql(v: ValueRef<'_>) -> Value {
 }
 
 /// A value as a statement parameter.
+/// A JSON value as a SQLite value: numbers as integers where they are, booleans as 0/1,
+/// arrays and objects as their JSON text (a key the triggers wrote with `json_array`, a
+/// wish's values).
+pub(crate) fn from_json(v: serde_json::Value) -> Value {
+    match v {
+        serde_json::Value::Null => Value::Null,
+        serde_json::Value::Bool(b) => Value::Int(i64::from(b)),
+        serde_json::Value::Number(n) => n
+            .as_i64()
+            .map(Value::Int)
+            .unwrap_or_else(|| Value::Real(n.as_f64().unwrap_or(0.0))),
+        serde_json::Value::String(s) => Value::Text(s),
+        other => Value::Text(other.to_string()),
+    }
+}
+
 pub(crate) fn to_sql(v: &Value) -> ToSqlOutput<'_> {
     match v {
         Value::Null => ToSqlOutput::Borrowed(ValueRef::Null),

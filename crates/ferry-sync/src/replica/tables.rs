@@ -229,15 +229,16 @@ pub(crate) fn upsert_sql(part: &TablePart) -> String {
 
 /// The statement that deletes one row by key: parameters are the key's values.
 pub(crate) fn delete_sql(table: &str, columns: &[Column]) -> String {
-    format!("DELETE FROM {} WHERE {}", quote(table), key_match(columns))
+    let names = key_columns(columns).map(|c| c.name.as_str());
+    format!("DELETE FROM {} WHERE {}", quote(table), key_match(names, 1))
 }
 
-/// `"k1" IS ?1 AND "k2" IS ?2`: `IS`, so a NULL key part (SQLite allows one outside
-/// INTEGER keys) still matches its row.
-fn key_match(columns: &[Column]) -> String {
-    let parts: Vec<String> = key_columns(columns)
+/// `"k1" IS ?n AND "k2" IS ?n+1`, parameters from `first`: `IS`, so a NULL key part
+/// (SQLite allows one outside INTEGER keys) still matches its row.
+pub(crate) fn key_match<'a>(names: impl Iterator<Item = &'a str>, first: usize) -> String {
+    let parts: Vec<String> = names
         .enumerate()
-        .map(|(i, c)| format!("{} IS ?{}", quote(&c.name), i + 1))
+        .map(|(i, c)| format!("{} IS ?{}", quote(c), first + i))
         .collect();
     parts.join(" AND ")
 }

@@ -925,18 +925,7 @@ struct Batch {
 /// The key values of a JSON key array (uuids and text as text, integers as integers).
 fn key_values(json: &str) -> Vec<Value> {
     match serde_json::from_str::<Vec<serde_json::Value>>(json) {
-        Ok(parts) => parts
-            .into_iter()
-            .map(|v| match v {
-                serde_json::Value::Number(n) => n
-                    .as_i64()
-                    .map(Value::Int)
-                    .unwrap_or_else(|| Value::Real(n.as_f64().unwrap_or(0.0))),
-                serde_json::Value::String(s) => Value::Text(s),
-                serde_json::Value::Null => Value::Null,
-                other => Value::Text(other.to_string()),
-            })
-            .collect(),
+        Ok(parts) => parts.into_iter().map(codec::from_json).collect(),
         Err(_) => Vec::new(),
     }
 }

@@ -263,7 +263,7 @@ fn resolve(conn: &Connection, row: &Row) -> Result<Result<Target, Answer>, Repli
         .collect();
     let key = match json_values(&row.key) {
         Some(serde_json::Value::Array(parts)) if parts.len() == key_columns.len() => {
-            parts.into_iter().map(json_value).collect::<Vec<_>>()
+            parts.into_iter().map(codec::from_json).collect::<Vec<_>>()
         }
         _ => {
             return refused(format!(
@@ -275,9 +275,10 @@ fn resolve(conn: &Connection, row: &Row) -> Result<Result<Target, Answer>, Repli
         }
     };
     let values: BTreeMap<String, Value> = match json_values(&row.vals) {
-        Some(serde_json::Value::Object(map)) if !map.is_empty() => {
-            map.into_iter().map(|(k, v)| (k, json_value(v))).collect()
-        }
+        Some(serde_json::Value::Object(map)) if !map.is_empty() => map
+            .into_iter()
+            .map(|(k, v)| (k, codec::from_json(v)))
+            .collect(),
         _ => return refused(format!("the values {} are not a JSON object", row.vals)),
     };
     let names: Vec<&str> = columns.iter().map(|c| c.name.as_str()).collect();
@@ -386,31 +387,10 @@ fn answer_wish(
     Ok(())
 }
 
-/// `"k1" IS ?n AND "k2" IS ?n+1`, parameters from `first`.
 fn key_match(columns: &[String], first: usize) -> String {
-    let parts: Vec<String> = columns
-        .iter()
-        .enumerate()
-        .map(|(i, c)| format!("{} IS ?{}", tables::quote(c), first + i))
-        .collect();
-    parts.join(" AND ")
+    tables::key_match(columns.iter().map(String::as_str), first)
 }
 
 fn json_values(text: &str) -> Option<serde_json::Value> {
     serde_json::from_str(text).ok()
-}
-
-/// A JSON value as a SQLite value: numbers as integers where they are, booleans as 0/1,
-/// arrays and objects as their JSON text.
-fn json_value(v: serde_json::Value) -> Value {
-    match v {
-        serde_json::Value::Null => Value::Null,
-        serde_json::Value::Bool(b) => Value::Int(i64::from(b)),
-        serde_json::Value::Number(n) => n
-            .as_i64()
-            .map(Value::Int)
-            .unwrap_or_else(|| Value::Real(n.as_f64().unwrap_or(0.0))),
-        serde_json::Value::String(s) => Value::Text(s),
-        other => Value::Text(other.to_string()),
-    }
 }
