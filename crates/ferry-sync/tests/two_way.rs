@@ -172,7 +172,7 @@ async fn a_stores_columns_are_filed_only_on_rows_it_holds_and_neither_side_overw
         .unwrap();
     shop.passes().await;
     link.fault = 0;
-    let (_uploader, _link) = upload(uploader, link, db.clone()).await;
+    let (uploader, link) = upload(uploader, link, db.clone()).await;
     let status = up_status(&app).unwrap();
     assert_eq!(
         (status.dropped, status.unfiled, status.set_aside),
@@ -189,9 +189,53 @@ async fn a_stores_columns_are_filed_only_on_rows_it_holds_and_neither_side_overw
         .await
         .unwrap();
     assert_eq!(local, 0, "a row the store made up is not the server's");
+    let shown: i64 = app
+        .query_row(
+            "SELECT count(*) FROM orders WHERE status IS NOT NULL AND id <> ?1",
+            [&kept],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(
+        shown, 0,
+        "a dropped edit's columns go back to empty, as on a row held afresh"
+    );
     app.execute("DELETE FROM orders WHERE note = 'local'", [])
         .unwrap();
     shop.settle().await;
     shop.assert_converged().await;
+
+    // A store closed (retired: sent nothing more, its file kept) edits an order it still
+    // has; the edit is dropped. Opened again, it is sent the order afresh by a snapshot
+    // that keeps the row: it must not go on showing the edit the server never took (the
+    // walk found a store showing such a status for good).
+    shop.db
+        .exec(&format!(
+            "UPDATE stores SET open = false WHERE id = '{north}'"
+        ))
+        .await;
+    shop.settle().await;
+    app.execute("UPDATE orders SET status = 'packed' WHERE id = ?1", [&kept])
+        .unwrap();
+    let (_uploader, _link) = upload(uploader, link, db.clone()).await;
+    assert_eq!(up_status(&app).unwrap().dropped, 4);
+    shop.db
+        .exec(&format!(
+            "UPDATE stores SET open = true WHERE id = '{north}'"
+        ))
+        .await;
+    shop.settle().await;
+    shop.assert_converged().await;
+    let local: Option<String> = app
+        .query_row("SELECT status FROM orders WHERE id = ?1", [&kept], |r| {
+            r.get(0)
+        })
+        .unwrap();
+    assert_eq!(local, None, "the store holds the order afresh");
+    assert_eq!(
+        server_order(&shop, &kept).await.0.as_deref(),
+        Some("picked"),
+        "the server keeps what the store last filed"
+    );
     shop.finish().await;
 }

@@ -5,7 +5,14 @@
 //! Both ways: the stores' apps write sales and counters (docs/sync-up.md) that go up
 //! through a transport that fails, files twice and loses answers, with uploaders killed
 //! at random; at the end the server holds every store's sales exactly once, under the
-//! store that wrote them, and each counter at its newest version.
+//! store that wrote them, and each counter at its newest version. Orders are two-way: the
+//! stores' apps set their `status` while the server edits, moves and deletes them. Wishes
+//! come from three angles at once: the server wishes and withdraws (some transactions
+//! roll back), the store's app writes the same setting rows, and the store's till refuses
+//! or puts off some wishes; region moves start new chains, which state the settings
+//! again. At the end every wish the server holds is answered for its own number, the
+//! answer is what the till and the row's history allow, the server's settings are the
+//! stores', and a store's `status` on an order it holds is the server's.
 //!
 //! The oracle is `Shop::expected` (the rules written as plain SQL from the doc) against
 //! what each SQLite file holds. In half the seeds the replicas never send digests, so the
@@ -25,11 +32,15 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use common::up::{Lossy, RECORDS_RULES, RECORDS_SCHEMA, upload_all};
+use common::up::{
+    Lossy, RECORDS_RULES, RECORDS_SCHEMA, SETTINGS_RULES, SETTINGS_SCHEMA, upload_all,
+};
 use common::{SHOP_RULES, SHOP_SCHEMA, Shop};
 use ferry_sync::relay::{Relay, RelaySettings};
-use ferry_sync::replica::{Received, Uploader};
-use ferry_sync::wire;
+use ferry_sync::replica::{CarryOut, Outcome, Received, Uploader, Wish};
+use ferry_sync::value::Value;
+use ferry_sync::{wire, wish};
+use serde_json::json;
 use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
@@ -142,16 +153,24 @@ async fn walk(seed: u64, steps: usize) {
     let mut shop = if std::env::var_os("FERRY_SYNC_WALK_NO_RECORDS").is_some() {
         Shop::new(&format!("walk{seed}")).await
     } else {
+        // Orders become two-way: the stores write their `status`.
+        let rules = SHOP_RULES.replace(
+            "[tables.orders]\n",
+            "[tables.orders]\nmirror = \"both\"\nreplica_writes = [\"status\"]\nlane = \"orders\"\n",
+        );
         Shop::new_with(
             &format!("walk{seed}"),
-            &format!("{SHOP_SCHEMA}{RECORDS_SCHEMA}"),
-            &format!("{SHOP_RULES}{RECORDS_RULES}"),
+            &format!(
+                "{SHOP_SCHEMA}{RECORDS_SCHEMA}{SETTINGS_SCHEMA}ALTER TABLE orders ADD COLUMN status text;"
+            ),
+            &format!("{rules}{RECORDS_RULES}{SETTINGS_RULES}"),
         )
         .await
     };
     let plan = plan(&mut rng, steps);
     shop.relay = new_relay(&shop, &mut rng, plan.digests);
     let mut ids = Ids::default();
+    let mut book = Book::default();
     let mut ups: BTreeMap<Uuid, Up> = BTreeMap::new();
     for (id, region) in &plan.stores {
         shop.store_as(*id, region).await;
@@ -182,15 +201,20 @@ async fn walk(seed: u64, steps: usize) {
             eprintln!("step {step}: {choice}");
         }
         match choice {
-            0..=34 => write(&shop, &mut rng, &mut ids).await,
+            0..=31 => write(&shop, &mut rng, &mut ids).await,
+            32..=34 => server_wish(&shop, &mut rng, &ids.stores, &mut book, step).await,
             35..=39 => {
                 let id = *rng.pick(&ids.stores).expect("a store exists");
-                app_write(&shop, &mut rng, id);
+                app_write(&shop, &mut rng, id, &mut book, step);
             }
             40..=44 => {
                 let id = *rng.pick(&ids.stores).expect("a store exists");
                 let up = ups.remove(&id).expect("every store has its uploader");
                 let (restart, turns) = (rng.chance(15), 1 + rng.below(3) as usize);
+                if rng.chance(70) && ways_up() {
+                    // The replica's loop carries wishes out after its messages commit.
+                    carry_out(&mut shop, id);
+                }
                 let up = if std::env::var_os("FERRY_SYNC_WALK_NO_UP").is_some() {
                     up
                 } else if restart {
@@ -255,7 +279,8 @@ async fn walk(seed: u64, steps: usize) {
         shop.replicas.remove(&id);
     }
     shop.assert_converged().await;
-    the_way_up_is_exactly_once(&shop, seed, ups).await;
+    the_way_up_is_exactly_once(&shop, seed, &mut ups).await;
+    wishes_are_answered_and_two_way_rows_agree(&mut shop, seed, &mut ups, &book).await;
     let status = ferry_sync::status::read(&shop.db.pool, None).await.unwrap();
     for r in &status.replicas {
         let expected = if Some(r.id.as_str()) == closed.map(|c| c.to_string()).as_deref() {
@@ -332,12 +357,14 @@ impl Up {
 }
 
 /// The store's app writes to the tables it writes (once a snapshot created them): a new
-/// sale, an edit or a delete of one, or a counter's newer version.
-fn app_write(shop: &Shop, rng: &mut Rng, id: Uuid) {
+/// sale, an edit or a delete of one, a counter's newer version, an order's status, or
+/// one of its settings (raising the version, as the rules ask).
+fn app_write(shop: &Shop, rng: &mut Rng, id: Uuid, book: &mut Book, step: usize) {
     // Every draw is taken whatever the file holds, so the rest of the walk does not
     // depend on what the store's app found.
-    let (kind, sale, amount) = (rng.below(10), rng.uuid(), rng.below(1_000));
+    let (kind, sale, amount) = (rng.below(17), rng.uuid(), rng.below(1_000));
     let (counter, units, cents) = (rng.below(3), rng.below(100), rng.below(100));
+    let setting = SETTINGS[rng.below(2) as usize];
     if std::env::var_os("FERRY_SYNC_WALK_NO_UP").is_some() {
         return;
     }
@@ -369,10 +396,23 @@ fn app_write(shop: &Shop, rng: &mut Rng, id: Uuid) {
             Some(sale) => format!("DELETE FROM sales WHERE id = '{sale}'"),
             None => return,
         },
-        _ => format!(
+        8 | 9 => format!(
             "INSERT INTO counters (name, rev, total) VALUES ('c{counter}', 1, '0.00')
              ON CONFLICT (name) DO UPDATE SET rev = rev + 1, total = '{units}.{cents:02}'"
         ),
+        10 | 11 => format!(
+            "UPDATE orders SET status = 's{amount}' WHERE id = (SELECT id FROM orders ORDER BY id
+             LIMIT 1 OFFSET {amount} % max(1, (SELECT count(*) FROM orders)))"
+        ),
+        _ => {
+            book.app_wrote.insert((id, setting), step);
+            format!(
+                "INSERT INTO till_settings (store_id, name, price_list, volume, rev)
+                 VALUES ('{id}', '{setting}', 'a{units}', {cents}, 1)
+                 ON CONFLICT (store_id, name) DO UPDATE SET price_list = excluded.price_list,
+                   volume = excluded.volume, rev = rev + 1"
+            )
+        }
     };
     if trace() {
         eprintln!("  store {id} app: {sql}");
@@ -383,7 +423,7 @@ fn app_write(shop: &Shop, rng: &mut Rng, id: Uuid) {
 /// Whether a snapshot has created the tables the store's app writes.
 fn writes_ready(app: &rusqlite::Connection) -> bool {
     app.query_row(
-        "SELECT count(*) = 2 FROM sqlite_schema WHERE name IN ('sales', 'counters')",
+        "SELECT count(*) = 4 FROM sqlite_schema WHERE name IN ('sales', 'counters', 'orders', 'till_settings')",
         [],
         |r| r.get(0),
     )
@@ -394,22 +434,26 @@ fn writes_ready(app: &rusqlite::Connection) -> bool {
 /// filing count (a restore would show there) and sends what is left; then the server's
 /// sales are exactly the union of the stores' (each once, under its store), and each
 /// counter is at the newest version any store wrote.
-async fn the_way_up_is_exactly_once(shop: &Shop, seed: u64, ups: BTreeMap<Uuid, Up>) {
+async fn the_way_up_is_exactly_once(shop: &Shop, seed: u64, ups: &mut BTreeMap<Uuid, Up>) {
     if std::env::var_os("FERRY_SYNC_WALK_NO_RECORDS").is_some() {
         return;
     }
     let mut want_sales = BTreeMap::new();
     let mut want_revs: BTreeMap<String, i64> = BTreeMap::new();
-    for (id, mut up) in ups {
+    let ids: Vec<Uuid> = ups.keys().copied().collect();
+    for id in ids {
+        let mut up = ups.remove(&id).expect("listed");
         up.link.fault = 0;
         let db = shop.dir.join(format!("{id}.db"));
         let db2 = db.clone();
-        tokio::task::spawn_blocking(move || {
+        let up = tokio::task::spawn_blocking(move || {
             up.uploader.check_server(&mut up.link).unwrap();
             upload_all(&mut up.uploader, &mut up.link, &db2);
+            up
         })
         .await
         .unwrap();
+        ups.insert(id, up);
         let app = rusqlite::Connection::open(&db).unwrap();
         if !writes_ready(&app) {
             continue;
@@ -454,6 +498,316 @@ async fn the_way_up_is_exactly_once(shop: &Shop, seed: u64, ups: BTreeMap<Uuid, 
         have_sales.len(),
         have_revs.len()
     );
+}
+
+/// A setting row's price list, volume and version.
+type Setting = (Option<String>, Option<i64>, i64);
+
+/// The setting rows each store has: `till_settings` keyed by (store, name).
+const SETTINGS: [&str; 2] = ["till", "drawer"];
+
+/// The walk's account of wishes: the server's current wish per setting row, and when the
+/// store's app last wrote the row itself.
+#[derive(Default)]
+struct Book {
+    wishes: BTreeMap<(Uuid, &'static str), Made>,
+    app_wrote: BTreeMap<(Uuid, &'static str), usize>,
+}
+
+/// A wish as the server made it, at a step.
+#[derive(Debug)]
+struct Made {
+    number: i64,
+    values: serde_json::Value,
+    if_version: Option<i64>,
+    at: usize,
+}
+
+/// Whether the way up runs in this walk (the tables exist and the steps act).
+fn ways_up() -> bool {
+    std::env::var_os("FERRY_SYNC_WALK_NO_RECORDS").is_none()
+        && std::env::var_os("FERRY_SYNC_WALK_NO_UP").is_none()
+}
+
+/// The stores' till: refuses a volume over 90 for good and puts a volume of 13 off.
+struct Till;
+
+impl CarryOut for Till {
+    fn carry_out(&mut self, wish: &Wish) -> Outcome {
+        match wish.values.get("volume") {
+            Some(Value::Int(v)) if *v > 90 => Outcome::Refused(format!("volume {v} is too loud")),
+            Some(Value::Int(13)) => Outcome::Waiting("not at volume 13 today".into()),
+            _ => Outcome::Applied,
+        }
+    }
+}
+
+/// Store `id`'s replica offers its wishes to the till.
+fn carry_out(shop: &mut Shop, id: Uuid) -> ferry_sync::replica::Round {
+    let replica = shop.replicas.get_mut(&id).expect("a replica");
+    replica.set_wish_handler(Box::new(Till));
+    let round = replica.carry_out_wishes().expect("carrying wishes out");
+    if trace() {
+        eprintln!("  store {id} carries wishes out: {round:?}");
+    }
+    round
+}
+
+/// The server wishes values onto a store's setting row, or withdraws its wish, in a
+/// transaction that sometimes rolls back.
+async fn server_wish(shop: &Shop, rng: &mut Rng, stores: &[Uuid], book: &mut Book, step: usize) {
+    let store = *rng.pick(stores).expect("a store exists");
+    let setting = SETTINGS[rng.below(2) as usize];
+    let (kind, price, volume, stale, commit) = (
+        rng.below(10),
+        rng.below(50),
+        rng.below(100),
+        rng.chance(30),
+        rng.chance(85),
+    );
+    if !ways_up() {
+        return;
+    }
+    let key = json!([store, setting]);
+    let mut tx = shop.db.pool.begin().await.unwrap();
+    if kind < 2 {
+        let had = wish::withdraw(&mut tx, store, "till_settings", &key)
+            .await
+            .unwrap();
+        if trace() {
+            eprintln!("  withdraw {store} {setting}: {had}, commit {commit}");
+        }
+        if commit {
+            book.wishes.remove(&(store, setting));
+        }
+    } else {
+        let values = match kind {
+            2..=4 => json!({"price_list": format!("w{price}")}),
+            5..=7 => json!({"volume": volume}),
+            _ => json!({"price_list": format!("w{price}"), "volume": volume}),
+        };
+        // Every third wish names the version the server has (or one it never had).
+        let if_version = if kind % 3 == 0 {
+            let rev: Option<i64> = sqlx::query_scalar(
+                "SELECT rev FROM till_settings WHERE store_id = $1 AND name = $2",
+            )
+            .bind(store)
+            .bind(setting)
+            .fetch_optional(&mut *tx)
+            .await
+            .unwrap();
+            Some(rev.unwrap_or(1) + i64::from(stale))
+        } else {
+            None
+        };
+        let number = wish::wish(
+            &mut tx,
+            store,
+            "till_settings",
+            &key,
+            &values,
+            if_version,
+            None,
+        )
+        .await
+        .unwrap();
+        if trace() {
+            eprintln!(
+                "  wish {number} {store} {setting} {values} if {if_version:?}, commit {commit}"
+            );
+        }
+        if commit {
+            let made = Made {
+                number,
+                values,
+                if_version,
+                at: step,
+            };
+            book.wishes.insert((store, setting), made);
+        }
+    }
+    if commit {
+        tx.commit().await.unwrap();
+    } else {
+        tx.rollback().await.unwrap();
+    }
+}
+
+/// After the way up: each open store carries its wishes out and uploads the answers
+/// until a round answers nothing new. Then the server holds exactly the wishes the walk
+/// made, each open store's answered for its own number and as the till and the row's
+/// history allow; the server's settings are the stores'; and a status a store set on an
+/// order it holds is the server's.
+async fn wishes_are_answered_and_two_way_rows_agree(
+    shop: &mut Shop,
+    seed: u64,
+    ups: &mut BTreeMap<Uuid, Up>,
+    book: &Book,
+) {
+    if !ways_up() {
+        return;
+    }
+    let open: Vec<Uuid> = shop.replicas.keys().copied().collect();
+    for round in 0.. {
+        assert!(round < 5, "seed {seed}: wishes were still being answered");
+        let mut answered = 0;
+        for &id in &open {
+            let r = carry_out(shop, id);
+            answered += r.applied + r.refused + r.superseded;
+            let mut up = ups.remove(&id).expect("every store has its uploader");
+            let db = shop.dir.join(format!("{id}.db"));
+            let up = tokio::task::spawn_blocking(move || {
+                upload_all(&mut up.uploader, &mut up.link, &db);
+                up
+            })
+            .await
+            .unwrap();
+            ups.insert(id, up);
+        }
+        if answered == 0 {
+            break;
+        }
+    }
+
+    // The server's wishes are the walk's, and an open store's are answered.
+    let mut conn = shop.db.pool.acquire().await.unwrap();
+    let states = wish::wishes(&mut conn, None).await.unwrap();
+    drop(conn);
+    let mut have = BTreeMap::new();
+    for w in &states {
+        let key: (Uuid, String) = serde_json::from_str(&w.key).unwrap();
+        assert_eq!(key.0, w.replica, "seed {seed}: {w:?}");
+        have.insert((w.replica, key.1), w);
+    }
+    let want: BTreeMap<(Uuid, String), i64> = book
+        .wishes
+        .iter()
+        .map(|((r, s), m)| ((*r, s.to_string()), m.number))
+        .collect();
+    let have_numbers: BTreeMap<(Uuid, String), i64> =
+        have.iter().map(|(k, w)| (k.clone(), w.wish)).collect();
+    assert_eq!(
+        have_numbers, want,
+        "seed {seed}: the server's wishes are not the walk's"
+    );
+    let mut told = BTreeMap::<&str, usize>::new();
+    for ((store, setting), made) in &book.wishes {
+        if !open.contains(store) {
+            continue;
+        }
+        let w = have[&(*store, setting.to_string())];
+        let row: Option<(String, i64, i64)> = shop.replicas[store]
+            .conn()
+            .query_row(
+                "SELECT price_list, volume, rev FROM till_settings WHERE store_id = ?1 AND name = ?2",
+                [store.to_string(), setting.to_string()],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .ok();
+        let volume = made.values.get("volume").and_then(|v| v.as_i64());
+        let quiet = book
+            .app_wrote
+            .get(&(*store, *setting))
+            .is_none_or(|at| *at < made.at);
+        *told.entry(w.state.as_str()).or_default() += 1;
+        match w.state.as_str() {
+            "applied" => {
+                let (price_list, vol, _) = row.clone().unwrap_or_else(|| {
+                    panic!("seed {seed}: {w:?} applied to a row the store lacks")
+                });
+                assert!(
+                    volume.is_none_or(|v| v <= 90 && v != 13),
+                    "seed {seed}: {w:?}"
+                );
+                if quiet {
+                    if let Some(p) = made.values.get("price_list") {
+                        assert_eq!(Some(price_list.as_str()), p.as_str(), "seed {seed}: {w:?}");
+                    }
+                    if let Some(v) = volume {
+                        assert_eq!(vol, v, "seed {seed}: {w:?}");
+                    }
+                }
+            }
+            "refused" => assert!(volume.is_some_and(|v| v > 90), "seed {seed}: {w:?}"),
+            "superseded" => assert!(made.if_version.is_some(), "seed {seed}: {w:?}"),
+            "waiting" => assert!(
+                row.is_none() || volume == Some(13),
+                "seed {seed}: {w:?} waits on {row:?}"
+            ),
+            _ => panic!("seed {seed}: {w:?} is not answered"),
+        }
+    }
+
+    // The server's settings are the stores' own.
+    let mut want_settings: BTreeMap<(String, String), Setting> = BTreeMap::new();
+    for id in ups.keys() {
+        let app = rusqlite::Connection::open(shop.dir.join(format!("{id}.db"))).unwrap();
+        if !writes_ready(&app) {
+            continue;
+        }
+        let mut stmt = app
+            .prepare("SELECT store_id, name, price_list, volume, rev FROM till_settings")
+            .unwrap();
+        let rows = stmt
+            .query_map([], |r| {
+                Ok((
+                    (r.get::<_, String>(0)?, r.get::<_, String>(1)?),
+                    (
+                        r.get::<_, Option<String>>(2)?,
+                        r.get::<_, Option<i64>>(3)?,
+                        r.get::<_, i64>(4)?,
+                    ),
+                ))
+            })
+            .unwrap();
+        for row in rows {
+            let (k, v) = row.unwrap();
+            want_settings.insert(k, v);
+        }
+    }
+    let have_settings: BTreeMap<(String, String), Setting> =
+        sqlx::query_as::<_, (String, String, Option<String>, Option<i64>, i64)>(
+            "SELECT store_id::text, name, price_list, volume, rev FROM till_settings",
+        )
+        .fetch_all(&shop.db.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(s, n, p, v, r)| ((s, n), (p, v, r)))
+        .collect();
+    assert_eq!(
+        have_settings, want_settings,
+        "seed {seed}: the server's settings are not the stores'"
+    );
+
+    // A status an open store set on an order it holds is the server's.
+    let mut statuses = 0;
+    for id in &open {
+        let mut stmt = shop.replicas[id]
+            .conn()
+            .prepare("SELECT id, status FROM orders WHERE status IS NOT NULL")
+            .unwrap();
+        let rows: Vec<(String, String)> = stmt
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        for (order, status) in rows {
+            let server: Option<String> =
+                sqlx::query_scalar("SELECT status FROM orders WHERE id = $1::uuid")
+                    .bind(&order)
+                    .fetch_one(&shop.db.pool)
+                    .await
+                    .unwrap();
+            assert_eq!(
+                server.as_deref(),
+                Some(status.as_str()),
+                "seed {seed}: store {id}'s status of order {order} is not the server's"
+            );
+            statuses += 1;
+        }
+    }
+    eprintln!("walk seed {seed}: wishes {told:?}, {statuses} order statuses agree");
 }
 
 fn plan(rng: &mut Rng, steps: usize) -> Plan {

@@ -617,17 +617,11 @@ impl Uploader {
         note: &Note,
         columns: &[Column],
     ) -> Result<Option<Vec<Value>>, ReplicaError> {
-        let keys: Vec<&Column> = tables::key_columns(columns).collect();
         let all: Vec<&Column> = columns.iter().collect();
-        let matches: Vec<String> = keys
-            .iter()
-            .enumerate()
-            .map(|(i, c)| format!("{} IS json_extract(?1, '$[{i}]')", tables::quote(&c.name)))
-            .collect();
         let sql = format!(
             "{} WHERE {}",
             tables::select_sql(&note.table, &all),
-            matches.join(" AND ")
+            json_key_match(columns)
         );
         let mut stmt = self
             .conn
@@ -764,8 +758,9 @@ impl Uploader {
                 )
                 .map_err(s)?;
             let at = (note.table.clone(), note.key.clone());
-            if forgotten == 1
-                && !dropped.contains(&at)
+            if forgotten == 1 && dropped.contains(&at) {
+                self.clear_dropped(note)?;
+            } else if forgotten == 1
                 && let Some(row) = sent.get(&at)
             {
                 c.execute(
@@ -857,6 +852,51 @@ impl Uploader {
     }
 }
 
+impl Uploader {
+    /// An edit the server dropped, and no newer one: the replica's columns of the row go
+    /// back to empty, as a row held afresh has them (docs/sync-up.md §2), so a replica
+    /// that keeps the row (one retired and sent it again, a snapshot that sweeps it in)
+    /// does not go on showing a value the server never took. Inside the `Filed`'s
+    /// transaction; the note the reset makes is forgotten with it. Not the wishes table:
+    /// its answers are stated again on a new chain (§7), and an answer cleared would
+    /// offer a withdrawn wish again.
+    fn clear_dropped(&self, note: &Note) -> Result<(), ReplicaError> {
+        let s = |e| ReplicaError::storage("clearing a dropped edit", e);
+        if note.table == crate::rules::WISHES_TABLE {
+            return Ok(());
+        }
+        let Some(columns) = two_way_columns(&self.conn)?.remove(&note.table) else {
+            return Ok(());
+        };
+        let owned: Vec<String> = columns
+            .iter()
+            .filter(|c| c.key_part == 0)
+            .map(|c| format!("{} = NULL", tables::quote(&c.name)))
+            .collect();
+        if owned.is_empty() {
+            return Ok(());
+        }
+        self.conn
+            .execute(
+                &format!(
+                    "UPDATE {} SET {} WHERE {}",
+                    tables::quote(&note.table),
+                    owned.join(", "),
+                    json_key_match(&columns)
+                ),
+                [&note.key],
+            )
+            .map_err(s)?;
+        self.conn
+            .execute(
+                "DELETE FROM _ferry_sync_up WHERE tbl = ?1 AND key = ?2",
+                params![note.table, note.key],
+            )
+            .map_err(s)?;
+        Ok(())
+    }
+}
+
 /// The two-way tables and the columns their uploads carry (the key, then the replica's).
 fn two_way_columns(conn: &Connection) -> Result<BTreeMap<String, Vec<Column>>, ReplicaError> {
     let e = |e| ReplicaError::storage("reading the two-way tables", e);
@@ -920,6 +960,16 @@ struct Batch {
     restated: bool,
     notes: Vec<Note>,
     parts: Vec<TablePart>,
+}
+
+/// A condition matching the row whose key is `?1`, a JSON key array as the triggers
+/// write it.
+fn json_key_match(columns: &[Column]) -> String {
+    tables::key_columns(columns)
+        .enumerate()
+        .map(|(i, c)| format!("{} IS json_extract(?1, '$[{i}]')", tables::quote(&c.name)))
+        .collect::<Vec<_>>()
+        .join(" AND ")
 }
 
 /// The key values of a JSON key array (uuids and text as text, integers as integers).

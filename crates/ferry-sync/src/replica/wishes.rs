@@ -91,6 +91,8 @@ struct Row {
     if_version: Option<i64>,
     note: Option<String>,
     version_column: String,
+    /// The wish number the recorded answer is for.
+    answered: Option<i64>,
     outcome: Option<String>,
     reason: Option<String>,
 }
@@ -121,7 +123,7 @@ pub fn carry_out(
         return Ok(round);
     }
     for row in open_wishes(conn, None)? {
-        let answer = offer(conn, handler, &row)?;
+        let answer = offer(conn, handler, &row, now_ms)?;
         let Some((outcome, reason)) = answer else {
             continue; // changed under us: the next round reads it afresh
         };
@@ -139,7 +141,6 @@ pub fn carry_out(
             reason,
             "a wish was answered"
         );
-        answer_wish(conn, &row, outcome, &reason, now_ms)?;
     }
     Ok(round)
 }
@@ -150,7 +151,7 @@ fn open_wishes(conn: &Connection, one: Option<(&str, &str)>) -> Result<Vec<Row>,
     let s = |e| ReplicaError::storage("reading wishes", e);
     let mut stmt = conn
         .prepare_cached(&format!(
-            "SELECT setting, key, wish, vals, if_version, note, version, outcome, reason
+            "SELECT setting, key, wish, vals, if_version, note, version, answered, outcome, reason
              FROM {} WHERE (answered IS NOT wish OR outcome = 'waiting')
              AND (?1 IS NULL OR (setting = ?1 AND key = ?2))
              ORDER BY setting, key",
@@ -167,23 +168,28 @@ fn open_wishes(conn: &Connection, one: Option<(&str, &str)>) -> Result<Vec<Row>,
             if_version: r.get(4)?,
             note: r.get(5)?,
             version_column: r.get(6)?,
-            outcome: r.get(7)?,
-            reason: r.get(8)?,
+            answered: r.get(7)?,
+            outcome: r.get(8)?,
+            reason: r.get(9)?,
         })
     })
     .and_then(|rows| rows.collect())
     .map_err(s)
 }
 
-/// Steps 1 to 3 for one wish; `None` when it changed between reads.
+/// Steps 1 to 3 for one wish, the answer recorded; `None` when it changed between reads.
 fn offer(
     conn: &Connection,
     handler: &mut dyn CarryOut,
     row: &Row,
+    now_ms: u64,
 ) -> Result<Option<Answer>, ReplicaError> {
     let target = match resolve(conn, row)? {
         Ok(target) => target,
-        Err((outcome, reason)) => return Ok(Some((outcome, reason))),
+        Err((outcome, reason)) => {
+            answer_wish(conn, row, outcome, &reason, now_ms)?;
+            return Ok(Some((outcome, reason)));
+        }
     };
     let wish = Wish {
         setting: row.setting.clone(),
@@ -201,7 +207,8 @@ fn offer(
         Outcome::Refused(reason) => ("refused", reason),
         Outcome::Waiting(reason) => ("waiting", reason),
     };
-    // Step 3: in one transaction, if nothing moved since step 1.
+    // Step 3: in one transaction, if nothing moved since step 1: the values, the raised
+    // version and the answer, so a crash cannot leave the values written unanswered.
     let s = |e| ReplicaError::storage("carrying a wish out", e);
     conn.execute_batch("BEGIN IMMEDIATE").map_err(s)?;
     let result = (|| -> Result<bool, ReplicaError> {
@@ -215,6 +222,7 @@ fn offer(
         if outcome == "applied" {
             write_values(conn, row, &target)?;
         }
+        answer_wish(conn, row, outcome, &reason, now_ms)?;
         Ok(true)
     })();
     let end = if matches!(result, Ok(true)) {
@@ -355,8 +363,9 @@ fn write_values(conn: &Connection, row: &Row, target: &Target) -> Result<(), Rep
     Ok(())
 }
 
-/// Records the answer, if it differs from the one recorded (a waiting wish answered
-/// waiting again writes nothing, so it does not go up each round).
+/// Records the answer for the wish's number, unless that very answer is recorded for it
+/// already (a waiting wish answered waiting again writes nothing, so it does not go up
+/// each round). An answer recorded for an older wish of the row is no answer to this one.
 fn answer_wish(
     conn: &Connection,
     row: &Row,
@@ -365,7 +374,10 @@ fn answer_wish(
     now_ms: u64,
 ) -> Result<(), ReplicaError> {
     let reason = (!reason.is_empty()).then_some(reason);
-    if row.outcome.as_deref() == Some(outcome) && row.reason.as_deref() == reason {
+    if row.answered == Some(row.number)
+        && row.outcome.as_deref() == Some(outcome)
+        && row.reason.as_deref() == reason
+    {
         return Ok(());
     }
     conn.execute(

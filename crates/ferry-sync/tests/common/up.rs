@@ -26,6 +26,22 @@ mirror = "record"
 version = "rev"
 "#;
 
+/// A till's settings: a row per store and name that the store owns and the server
+/// may wish values for (docs/sync-up.md §7).
+pub const SETTINGS_SCHEMA: &str = "
+CREATE TABLE till_settings (store_id uuid NOT NULL, name text NOT NULL, price_list text,
+  volume int8, rev int8 NOT NULL DEFAULT 0, PRIMARY KEY (store_id, name));
+";
+
+pub const SETTINGS_RULES: &str = r#"
+[tables.till_settings]
+mirror = "setting"
+replica = "store_id"
+version = "rev"
+desired = ["price_list", "volume"]
+lane = "settings"
+"#;
+
 /// A transport over the server's own filing (no HTTP): it fails before filing, files
 /// twice, or files and loses the answer, each with probability `fault` (of 1,000).
 pub struct Lossy {
