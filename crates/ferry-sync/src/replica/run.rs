@@ -99,6 +99,16 @@ pub struct RunSettings {
     pub backoff: Backoff,
 }
 
+/// How long the replica's loops wait after a failure to reach the server: 200 ms
+/// doubling, full jitter, at most 5 s. A store offline for a day comes back within a few
+/// seconds of its network (a 30 s cap cost a median 11 s before the first try:
+/// docs/notes/2026-12-06-offline-day.md); 5 s spreads a fleet's return over as much.
+pub const BACKOFF: Backoff = Backoff::new(
+    Duration::from_millis(200),
+    Duration::from_secs(5),
+    Duration::from_millis(50),
+);
+
 /// The most frames the server serves per fetch, and its longest wait.
 pub const WINDOW_MAX: usize = 64;
 pub const WAIT_MAX: Duration = Duration::from_secs(30);
@@ -112,11 +122,7 @@ impl Default for RunSettings {
             keepalive: Duration::from_secs(30),
             digest_every: Duration::from_secs(600),
             offline_after: Duration::from_secs(60),
-            backoff: Backoff::new(
-                Duration::from_millis(200),
-                Duration::from_secs(30),
-                Duration::from_millis(50),
-            ),
+            backoff: BACKOFF,
         }
     }
 }

@@ -80,11 +80,7 @@ impl Default for UpSettings {
             poll: Duration::from_millis(10),
             keepalive: Duration::from_secs(60),
             journal_rows: 100_000,
-            backoff: Backoff::new(
-                Duration::from_millis(200),
-                Duration::from_secs(30),
-                Duration::from_millis(50),
-            ),
+            backoff: super::run::BACKOFF,
         }
     }
 }
