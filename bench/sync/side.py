@@ -33,6 +33,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -47,6 +48,8 @@ FERRY_HOST = ROOT / "bench/.work/sync-bin/ferry-bench-sync"
 MAGIC_SERVER = ROOT / "bench/sync/magic/target/release/magic-sync-server"
 MAGIC_HOST = ROOT / "bench/sync/magic/target/release/magic-sync-replicas"
 ORDERS_PER_STORE = 10
+# How long past its last offline write a store stays away in the offline point.
+OFFLINE_AWAY_S = 20
 ENGINES = ["ferry", "magic_sync 0.5.1"]
 
 SCHEMA = """
@@ -135,6 +138,88 @@ def postgres_ticks():
     """CPU ticks of every Postgres process by pid (backends keep the comm "postgres")."""
     out = subprocess.run(["pgrep", "-x", "postgres"], capture_output=True, text=True).stdout
     return {int(p): cpu_ticks([int(p)]) for p in out.split()}
+
+
+class Link:
+    """The store's network: a TCP relay between the replica host and the engine's server
+    that can be taken away (every connection cut, new ones refused at once) and given back,
+    counting the bytes each way. The same for both engines, so the offline point measures
+    what each sends over the wire, headers included."""
+
+    def __init__(self, target_port):
+        self.target = target_port
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(256)
+        self.port = self.listener.getsockname()[1]
+        self.online = True
+        self.up = self.down = 0
+        self.conns = set()
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.listener.accept()
+            except OSError:
+                return
+            if not self.online:
+                c.close()
+                continue
+            try:
+                s = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                c.close()
+                continue
+            with self.lock:
+                self.conns.update((c, s))
+            threading.Thread(target=self._pipe, args=(c, s, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(s, c, False), daemon=True).start()
+
+    def _pipe(self, a, b, up):
+        try:
+            while True:
+                data = a.recv(65536)
+                if not data:
+                    break
+                with self.lock:
+                    if up:
+                        self.up += len(data)
+                    else:
+                        self.down += len(data)
+                b.sendall(data)
+        except OSError:
+            pass
+        for x in (a, b):
+            try:
+                x.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        with self.lock:
+            self.conns.discard(a)
+            self.conns.discard(b)
+        a.close()
+
+    def set_online(self, online):
+        self.online = online
+        if not online:
+            with self.lock:
+                conns = list(self.conns)
+            for c in conns:
+                try:
+                    c.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def counts(self):
+        with self.lock:
+            return self.up, self.down
+
+    def close(self):
+        self.set_online(False)
+        self.listener.close()
 
 
 class Host:
@@ -236,15 +321,15 @@ def wal(db):
     return int(scalar(db, "SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::int8"))
 
 
-def point(engine, products, replicas, streams=(), seconds=8, heal=False, writes=()):
+def point(engine, products, replicas, streams=(), seconds=8, heal=False, writes=(), offline=()):
     """One run of one point: provisioning, then each (mode, rate) stream in turn on the
     same server and replicas; returns one dict of figures per stream (or one for the
-    provisioning alone)."""
+    provisioning alone). With `offline`, the host reaches the server through a `Link`."""
     db = f"bench_side_{uuid.uuid4().hex[:8]}"
     d = WORK / db
     d.mkdir(parents=True)
     psql("postgres", f"CREATE DATABASE {db}")
-    server = host = None
+    server = host = link = None
     out = {"engine": engine, "products": products, "replicas": replicas, "rate": 0,
            "mode": "broadcast", "seconds": seconds}
     records = []
@@ -262,7 +347,9 @@ def point(engine, products, replicas, streams=(), seconds=8, heal=False, writes=
         time.sleep(1.0)
         t0 = time.time()
         psql(db, "UPDATE stores SET live = true")
-        host = Host(host_argv(engine, port, replicas_file, d, products), d / "host.log")
+        if offline:
+            link = Link(port)
+        host = Host(host_argv(engine, link.port if link else port, replicas_file, d, products), d / "host.log")
         host.read("provisioned", 600)
         out["provision_s"] = time.time() - t0
         out["provision_bytes"] = host.mark()["bytes_down"]
@@ -276,6 +363,10 @@ def point(engine, products, replicas, streams=(), seconds=8, heal=False, writes=
         for rate, secs in writes:
             r = {**out, "mode": "up", "rate": rate, "seconds": secs}
             r.update(write_stream(db, server, host, rate, secs, replicas))
+            records.append(r)
+        for rate, secs in offline:
+            r = {**out, "mode": "offline", "rate": rate, "seconds": secs}
+            r.update(offline_day(db, host, link, rate, secs, replicas))
             records.append(r)
         schema = sync_schema_bytes(db)
         done = host.done()
@@ -293,9 +384,59 @@ def point(engine, products, replicas, streams=(), seconds=8, heal=False, writes=
                     p.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     p.kill()
+        if link:
+            link.close()
         psql("postgres", f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
         subprocess.run(["rm", "-rf", str(d)])
     return records
+
+
+def offline_day(db, host, link, rate, secs, replicas, away=OFFLINE_AWAY_S):
+    """A store offline for a day of writes, coming back. The link is cut; each store's
+    app writes `rate` sales a second for `secs` seconds (a day's sales, faster than a day);
+    the link stays cut `away` seconds more, so each engine's retry waits have grown as they
+    would over a day; then it comes back. Measured from its return: the bytes each way over
+    the link until every sale is filed, the time to the first byte (the engine's wait to
+    try again) and to the last sale filed, and exactly once."""
+    expected = rate * secs * replicas
+    session = Session(db)
+    link.set_online(False)
+    t_off = time.time()
+    host.say(f"write {rate} {secs}")
+    host.read("written", secs + 600)
+    written_s = time.time() - t_off
+    time.sleep(away)
+    filed_before = int(session.scalar("SELECT count(*) FROM sales_filed"))
+    up0, down0 = link.counts()
+    t0 = time.time()
+    link.set_online(True)
+    first, filed = None, 0
+    while time.time() - t0 < 600:
+        if first is None and link.counts() != (up0, down0):
+            first = time.time() - t0
+        filed = int(session.scalar("SELECT count(*) FROM sales_filed"))
+        if filed >= expected:
+            break
+        time.sleep(0.02)
+    took = time.time() - t0
+    up1, down1 = link.counts()
+    session.close()
+    rows, distinct = (int(v) for v in scalar(db, "SELECT count(*) || ' ' || count(DISTINCT id) FROM sales").split())
+    return {
+        "changes": expected,
+        "written_offline_s": written_s,
+        "away_s": away,
+        "filed_while_offline": filed_before,
+        "filed": filed,
+        "filed_rows": rows,
+        "filed_distinct": distinct,
+        "exactly_once": rows == expected and distinct == expected,
+        "first_byte_s": first,
+        "back_in_s": took,
+        "bytes_up": up1 - up0,
+        "bytes_down": down1 - down0,
+        "bytes_up_per_record": (up1 - up0) / max(expected, 1),
+    }
 
 
 def stream(engine, db, server, host, rate, mode, seconds, replicas):
@@ -456,6 +597,8 @@ def plan(quick):
     # The way up: R replicas writing W sales a second each.
     up_secs = 5 if quick else 10
     pts += [dict(products=1_000, replicas=r, writes=[(w, up_secs)]) for r, w in [(1, 100), (10, 10), (100, 1)]]
+    # A store offline for a day of writes: 10,000 sales (a busy till's day), then back.
+    pts.append(dict(products=1_000, replicas=1, offline=[(500, 4 if quick else 20)]))
     return pts
 
 

@@ -122,7 +122,7 @@ def main():
             "|---|---|---|---|---|---|---|"]
     prov = {}
     for r in raw:
-        if "heal_lost_bytes" in r or "failed" in r or r.get("mode") == "up":
+        if "heal_lost_bytes" in r or "failed" in r or r.get("mode") in ("up", "offline"):
             continue
         # One provisioning per run: a run's streams repeat its figures.
         g = prov.setdefault((r["products"], r["replicas"]), {}).setdefault(r["engine"], {})
@@ -141,7 +141,7 @@ def main():
             "| mode | R | changes/s | lag p50 ferry / magic | p99 ferry / magic | lag grows? (first → last third p50, ms) | "
             "server CPU per 1,000 changes, ferry / magic (ratio) | WAL per change | wire bytes per delivery | sync schema |",
             "|---|---|---|---|---|---|---|---|---|---|"]
-    for key in sorted(k for k in groups if k[2] and k[3] != "up"):
+    for key in sorted(k for k in groups if k[2] and k[3] not in ("up", "offline")):
         n, r, rate, mode, _ = key
         g = groups[key]
         f, m = g.get(F, []), g.get(M, [])
@@ -188,6 +188,29 @@ def main():
                        f"{fmt(nf, 0)} / {fmt(nm, 0)} ({ratio(nf, nm)}) | "
                        f"{fmt(med(f, 'idle_cpu_ms_per_s'), 0)} / {fmt(med(m, 'idle_cpu_ms_per_s'), 0)} ms | "
                        f"{ok(f)} / {ok(m)} |")
+        out.append("")
+
+    offs = {k: g for k, g in groups.items() if k[3] == "offline"}
+    if offs:
+        out += ["## A store offline for a day of writes", "",
+                "One store reaches its server through a TCP relay the benchmark can cut (`Link` in "
+                "`bench/sync/side.py`: every connection closed, new ones refused at once). With the link cut, the "
+                "store's app writes W sales a second for S seconds (a busy till's day, written faster than a "
+                "day), the link stays cut 20 s more so each engine's wait before trying again has grown, then it "
+                "comes back. From its return: time to the first byte over the link (the engine's wait), time until "
+                "the last sale is filed, and the bytes each way over the link meanwhile (HTTP headers included, the "
+                "same relay for both).", "",
+                "| sales | first byte after return, ferry / magic | all filed, ferry / magic | bytes up per sale, "
+                "ferry / magic (ratio) | bytes down | filed exactly once, ferry / magic |",
+                "|---|---|---|---|---|---|"]
+        for key in sorted(offs):
+            f, m = offs[key].get(F, []), offs[key].get(M, [])
+            bf, bm = med(f, "bytes_up_per_record"), med(m, "bytes_up_per_record")
+            ok = lambda rs: f"{sum(1 for x in rs if x.get('exactly_once'))}/{len(rs)} runs"
+            out.append(f"| {fmt(med(f or m, 'changes'), 0)} | {fmt(med(f, 'first_byte_s'), 2)} / {fmt(med(m, 'first_byte_s'), 2)} s | "
+                       f"{fmt(med(f, 'back_in_s'), 2)} / {fmt(med(m, 'back_in_s'), 2)} s | "
+                       f"{fmt(bf, 0)} / {fmt(bm, 0)} B ({ratio(bf, bm)}) | "
+                       f"{fmt(med(f, 'bytes_down') / 1e3, 1)} / {fmt(med(m, 'bytes_down') / 1e3, 1)} kB | {ok(f)} / {ok(m)} |")
         out.append("")
 
     hk = groups.get((10_000, 1, 0, "broadcast", True), {})
