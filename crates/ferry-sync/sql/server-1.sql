@@ -157,7 +157,8 @@ CREATE INDEX rows_key ON ferry_sync.rows (relation, key);
 CREATE TABLE ferry_sync.filings (
     replica  uuid PRIMARY KEY REFERENCES ferry_sync.replicas ON DELETE CASCADE,
     n        bigint NOT NULL DEFAULT 0,
-    before   bigint NOT NULL DEFAULT 0   -- `n` before the latest filing: the restore check's
+    before   bigint NOT NULL DEFAULT 0,  -- `n` before the latest filing: the restore check's
+    last_id  bigint NOT NULL DEFAULT 0   -- the newest upload filed: an older one is stale
 );
 
 -- Rows the database refused to file for a reason a deploy may fix, newest per row;

@@ -1,9 +1,12 @@
 //! Filing (docs/sync-up.md §5): an upload from a replica, written into the server's
 //! record tables in one transaction, and the `Filed` that answers it.
 //!
-//! 1. Lock the sender's row of `ferry_sync.filings` (its filing count). An upload whose
-//!    count is above it shows the server lost filings (restored, or reinstalled): the
-//!    answer asks for the journal after the server's count, which becomes the upload's.
+//! 1. Lock the sender's row of `ferry_sync.filings` (its filing count and the newest
+//!    upload id filed). An upload older than that newest one arrived out of order: it is
+//!    answered stale and files nothing (it would put an older state over a newer one).
+//!    An upload whose count is above the server's shows the server lost filings
+//!    (restored, or reinstalled): the answer asks for the journal after the server's
+//!    count, which becomes the upload's.
 //! 2. Take the transaction's shape from the host: `SET LOCAL ROLE` (`--file-role`) and
 //!    `ferry_sync.replica`, a setting row-level security can read.
 //! 3. Per table part, under a savepoint, one statement for its upserts (`ON CONFLICT`
@@ -163,6 +166,13 @@ pub async fn file(
 ) -> Result<Outcome, FileError> {
     // Every part must name a table the replicas write, with its key: checked before any
     // statement, so a malformed upload costs no transaction.
+    if i64::try_from(upload.id).is_err() {
+        return Ok(Outcome::Malformed(format!(
+            "the upload id {} is above {}: ids are a clock in microseconds, far below it",
+            upload.id,
+            i64::MAX
+        )));
+    }
     let mut plans = Vec::with_capacity(upload.parts.len());
     for part in &upload.parts {
         match plan(records, part) {
@@ -236,15 +246,21 @@ async fn at_once(
     }
     let told = i64::try_from(upload.filed_n).unwrap_or(i64::MAX);
     let step = i64::from(!upload.parts.is_empty());
+    let id = upload_id(upload);
     let mut refused = Vec::new();
     let mut parts = Vec::new();
+    // The count moves only for an upload not older than the newest filed (`last_id`);
+    // for an older one `f` is empty and the statement fails at its end (a division by
+    // zero), so every part rolls back and the quick way answers it stale.
     let mut ctes = vec![
-        "f AS (INSERT INTO ferry_sync.filings AS f (replica, n, before) VALUES ($1, greatest(0, $2) + $3, 0)
-              ON CONFLICT (replica) DO UPDATE SET before = f.n, n = greatest(f.n, $2) + $3
+        "f AS (INSERT INTO ferry_sync.filings AS f (replica, n, before, last_id)
+              VALUES ($1, greatest(0, $2) + $3, 0, $4)
+              ON CONFLICT (replica) DO UPDATE SET before = f.n, n = greatest(f.n, $2) + $3, last_id = $4
+              WHERE f.last_id <= $4
               RETURNING before, n)"
             .to_string(),
     ];
-    let mut next = 4;
+    let mut next = 5;
     for (part, plan) in upload.parts.iter().zip(plans) {
         let (rows, mut wrong) = sort_rows(plan, part, sender);
         refused.append(&mut wrong);
@@ -257,7 +273,8 @@ async fn at_once(
         parts.push((plan, rows));
     }
     let sql = format!(
-        "WITH {} SELECT before, n FROM f",
+        "WITH {} SELECT before, n FROM f
+         UNION ALL SELECT 0, 1 / (SELECT count(*) FROM f) WHERE NOT EXISTS (SELECT 1 FROM f)",
         ctes.join(
             ",
 "
@@ -266,7 +283,8 @@ async fn at_once(
     let mut query = sqlx::query(sqlx::AssertSqlSafe(sql))
         .bind(sender)
         .bind(told)
-        .bind(step);
+        .bind(step)
+        .bind(id);
     for (plan, rows) in &parts {
         for &i in &plan.present {
             let c = &plan.spec.columns[i];
@@ -285,6 +303,7 @@ async fn at_once(
         refile_after: if told > known { known as u64 } else { 0 },
         refused,
         dropped: Vec::new(),
+        stale: None,
     })))
 }
 
@@ -303,10 +322,13 @@ async fn attempt(
     // what row-level security reads.
     let told = i64::try_from(upload.filed_n).unwrap_or(i64::MAX);
     let step = i64::from(!upload.parts.is_empty());
+    let id = upload_id(upload);
     let row = sqlx::query(
         "WITH f AS (
-            INSERT INTO ferry_sync.filings AS f (replica, n, before) VALUES ($1, greatest(0, $2) + $3, 0)
-            ON CONFLICT (replica) DO UPDATE SET before = f.n, n = greatest(f.n, $2) + $3
+            INSERT INTO ferry_sync.filings AS f (replica, n, before, last_id)
+            VALUES ($1, greatest(0, $2) + $3, 0, $4)
+            ON CONFLICT (replica) DO UPDATE SET before = f.n, n = greatest(f.n, $2) + $3, last_id = $4
+            WHERE f.last_id <= $4
             RETURNING before, n)
          SELECT f.before, f.n, (SELECT count(*) FROM ferry_sync.inbox i WHERE i.replica = $1),
                 set_config('ferry_sync.replica', $1::text, true)
@@ -315,8 +337,27 @@ async fn attempt(
     .bind(sender)
     .bind(told)
     .bind(step)
-    .fetch_one(&mut *tx)
+    .bind(id)
+    .fetch_optional(&mut *tx)
     .await?;
+    let Some(row) = row else {
+        // An upload older than the newest filed (the conflict's row is locked, and was
+        // not updated): nothing is filed and the count does not move.
+        let (n, newest): (i64, i64) =
+            sqlx::query_as("SELECT n, last_id FROM ferry_sync.filings WHERE replica = $1")
+                .bind(sender)
+                .fetch_one(&mut *tx)
+                .await?;
+        tx.rollback().await?;
+        return Ok(Outcome::Filed(Filed {
+            id: upload.id,
+            filed_n: n as u64,
+            refile_after: 0,
+            refused: Vec::new(),
+            dropped: Vec::new(),
+            stale: Some(newest as u64),
+        }));
+    };
     let (known, filed_n, inbox): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
     if inbox >= INBOX_ROWS_MAX {
         return Err(Failed::File(FileError::InboxFull(inbox)));
@@ -395,6 +436,7 @@ async fn attempt(
     }
     tx.commit().await?;
     Ok(Outcome::Filed(Filed {
+        stale: None,
         id: upload.id,
         filed_n: filed_n as u64,
         refile_after: refile_after as u64,
@@ -696,6 +738,11 @@ async fn settle<T>(
 /// Whether the database refused the rows themselves (a constraint, a trigger, a type, a
 /// permission, a table or column missing), which a deploy may fix, rather than failing
 /// for a reason a retry fixes (connection, serialization, resources, shutdown).
+/// The upload's id as Postgres stores it ([`file`] refuses one above `i64::MAX`).
+fn upload_id(upload: &Upload) -> i64 {
+    i64::try_from(upload.id).unwrap_or(i64::MAX)
+}
+
 fn refused_by_data(e: &sqlx::Error) -> bool {
     let Some(db) = e.as_database_error() else {
         return false;

@@ -498,6 +498,9 @@ pub enum Rule {
     UploadRowsMax,
     /// A `Filed` over [`FILED_BYTES_MAX`].
     FiledTooLarge,
+    /// A stale `Filed` whose newest upload is not newer than the one it answers, or that
+    /// refuses, drops or asks for something (a stale answer files nothing).
+    StaleNotOlder,
     /// A `Filed` with more than [`FILED_REFUSED_MAX`] refused and dropped rows together,
     /// or flag bit 0 (dropped rows follow) with none.
     RefusedRowsMax,
@@ -505,7 +508,7 @@ pub enum Rule {
 
 impl Rule {
     /// Every rule, for tests that check a corpus covers them all.
-    pub const ALL: [Rule; 49] = [
+    pub const ALL: [Rule; 50] = [
         Rule::FrameShort,
         Rule::Magic,
         Rule::ProtocolZero,
@@ -555,6 +558,7 @@ impl Rule {
         Rule::UploadRowsMax,
         Rule::FiledTooLarge,
         Rule::RefusedRowsMax,
+        Rule::StaleNotOlder,
     ];
 
     /// The rule's stable name (kebab case), as [`Refused::kind`] gives it.
@@ -609,6 +613,7 @@ impl Rule {
             Rule::UploadRowsMax => "upload-rows-max",
             Rule::FiledTooLarge => "filed-too-large",
             Rule::RefusedRowsMax => "refused-rows-max",
+            Rule::StaleNotOlder => "stale-not-older",
         }
     }
 }

@@ -475,3 +475,131 @@ async fn a_restore_older_than_the_journal_reaches_is_an_alarm_naming_the_filings
     assert_eq!(filed.len(), 25, "filing 3 (5 sales) is the one lost");
     shop.finish().await;
 }
+
+/// An uplink that gives up on its first upload (a timeout: the replica sees a failure)
+/// and keeps its bytes, then carries the rest over `Lossy`: the upload it kept reaches
+/// the server later, when the test says.
+struct Late {
+    kept: Option<Vec<u8>>,
+    link: Lossy,
+}
+
+impl ferry_sync::replica::Uplink for Late {
+    fn upload(&mut self, bytes: &[u8]) -> Result<Vec<u8>, ferry_sync::replica::TransportError> {
+        if self.kept.is_none() {
+            self.kept = Some(bytes.to_vec());
+            return Err(ferry_sync::replica::TransportError::Unavailable(
+                "timed out waiting for the answer".into(),
+            ));
+        }
+        self.link.upload(bytes)
+    }
+}
+
+/// Fault 4 of the research's §5.2, reordered: an upload the store gave up on reaches the
+/// server after its resend and a newer upload were filed (a stream's redelivery, or an
+/// HTTP request still in flight when the replica tried again). Filed as it came, the old
+/// upsert would bring back a sale the store then deleted. It is answered stale, files
+/// nothing, and moves no count; the same upload again, once filed, is filed again
+/// harmlessly; and a store whose ids fell behind the server's (its file restored) is told
+/// the newest and goes past it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_4_an_upload_filed_after_a_newer_one_is_answered_stale_and_files_nothing() {
+    let (shop, store, db, app) = records_shop("records_late").await;
+    let sale = Uuid::new_v4().to_string();
+    app.execute(
+        "INSERT INTO sales (id, store_id, amount) VALUES (?1, ?2, 1)",
+        rusqlite::params![sale, store.to_string()],
+    )
+    .unwrap();
+    let mut late = Late {
+        kept: None,
+        link: Lossy::new(&shop, store, 4, 0),
+    };
+    let uploader = Uploader::open(&db, shop.seal_keys[&store], store).unwrap();
+    let app_db = db.clone();
+    let sale2 = sale.clone();
+    let (late, _uploader) = tokio::task::spawn_blocking(move || {
+        let mut uploader = uploader;
+        let settings = ferry_sync::replica::UpSettings::default();
+        assert!(uploader.turn(&mut late, &settings).is_err(), "given up on");
+        // The store deletes the sale; the next upload files the delete.
+        let app = rusqlite::Connection::open(&app_db).unwrap();
+        app.execute("DELETE FROM sales WHERE id = ?1", [&sale2])
+            .unwrap();
+        upload_all(&mut uploader, &mut late.link, &app_db);
+        (late, uploader)
+    })
+    .await
+    .unwrap();
+    assert!(server_sales(&shop.db.pool).await.is_empty());
+    let count = |pool: sqlx::PgPool| async move {
+        sqlx::query_scalar::<_, i64>("SELECT n FROM ferry_sync.filings")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let before = count(shop.db.pool.clone()).await;
+
+    // The upload the store gave up on arrives now.
+    let kept = ferry_sync::wire::decode_upload(late.kept.as_ref().unwrap()).unwrap();
+    let outcome = file::file(
+        &shop.db.pool,
+        &shop.spec.records,
+        &Shape::default(),
+        store,
+        &kept,
+    )
+    .await
+    .unwrap();
+    let file::Outcome::Filed(filed) = outcome else {
+        panic!("{outcome:?}")
+    };
+    let newest = filed.stale.expect("answered stale");
+    assert!(newest > kept.id, "{filed:?}");
+    assert!(
+        server_sales(&shop.db.pool).await.is_empty(),
+        "the deleted sale did not come back"
+    );
+    assert_eq!(
+        count(shop.db.pool.clone()).await,
+        before,
+        "no filing counted"
+    );
+    // Through the careful way too (a role to take): the same answer.
+    let shaped = Shape {
+        role: Some("postgres".into()),
+    };
+    let again = file::file(&shop.db.pool, &shop.spec.records, &shaped, store, &kept)
+        .await
+        .unwrap();
+    assert!(
+        matches!(&again, file::Outcome::Filed(f) if f.stale == Some(newest)),
+        "{again:?}"
+    );
+    assert!(server_sales(&shop.db.pool).await.is_empty());
+
+    // A store whose ids are behind the server's (its file restored from an older copy)
+    // gets one stale answer, jumps past, and its row is filed.
+    sqlx::query("UPDATE ferry_sync.filings SET last_id = $1")
+        .bind(i64::MAX - 1)
+        .execute(&shop.db.pool)
+        .await
+        .unwrap();
+    let other = Uuid::new_v4().to_string();
+    app.execute(
+        "INSERT INTO sales (id, store_id, amount) VALUES (?1, ?2, 7)",
+        rusqlite::params![other, store.to_string()],
+    )
+    .unwrap();
+    let mut link = late.link;
+    let mut uploader = Uploader::open(&db, shop.seal_keys[&store], store).unwrap();
+    let db2 = db.clone();
+    tokio::task::spawn_blocking(move || upload_all(&mut uploader, &mut link, &db2))
+        .await
+        .unwrap();
+    let sales = server_sales(&shop.db.pool).await;
+    assert_eq!(sales.keys().collect::<Vec<_>>(), vec![&other]);
+    assert_eq!(up_status(&app).unwrap().set_aside, 0);
+    shop.finish().await;
+}

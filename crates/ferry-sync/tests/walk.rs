@@ -325,10 +325,12 @@ struct Up {
 
 impl Up {
     fn new(shop: &Shop, id: Uuid, seed: u64) -> Up {
+        let mut link = Lossy::new(shop, id, seed, 300);
+        link.late = Some(Vec::new());
         Up {
             uploader: Uploader::open(&shop.dir.join(format!("{id}.db")), shop.seal_keys[&id], id)
                 .unwrap(),
-            link: Lossy::new(shop, id, seed, 300),
+            link,
         }
     }
 
@@ -449,6 +451,9 @@ async fn the_way_up_is_exactly_once(shop: &Shop, seed: u64, ups: &mut BTreeMap<U
         let up = tokio::task::spawn_blocking(move || {
             up.uploader.check_server(&mut up.link).unwrap();
             upload_all(&mut up.uploader, &mut up.link, &db2);
+            // What the transport kept back arrives last, after everything newer: it must
+            // change nothing (fault 4, reordered).
+            up.link.deliver_late();
             up
         })
         .await

@@ -1204,7 +1204,7 @@ fn a_filed_opens_only_for_its_replica_and_token() {
 fn every_flipped_byte_of_a_filed_is_refused() {
     // The seal covers every byte before it; only the fixed fields checked before the seal
     // (magic, protocol, flags) may be refused by another name.
-    // (flags that stay defined, bit 0 alone, reach the seal).
+    // (flags that stay defined, bits 0 and 1, reach the seal).
     let key = seal_key(TOKEN);
     let lines = golden_lines("filed.txt");
     for (name, _, bytes) in lines.iter().filter(|(_, outcome, _)| outcome == "ok") {
@@ -1221,7 +1221,7 @@ fn every_flipped_byte_of_a_filed_is_refused() {
                     0..4 => "magic",
                     4..6 if flipped[4..6] == [0, 0] => "protocol-zero",
                     4..6 => "later-protocol",
-                    6..8 if flags & !1 != 0 => "flags",
+                    6..8 if flags & !3 != 0 => "flags",
                     _ => "bad-filed-seal",
                 };
                 assert_eq!(refused.kind(), expected, "{name}: byte {at}: {refused}");
@@ -1566,6 +1566,21 @@ fn golden_filed() -> Filed {
             reason: "store_id names another replica".into(),
         }],
         dropped: vec![],
+        stale: None,
+    }
+}
+
+/// The `Filed` of `tests/golden/filed.txt`'s `filed-stale`: the answer to an upload older
+/// than one the server filed (a transport delivered it late): flag bit 1, no rows, and
+/// the newest id filed after the lists.
+fn golden_filed_stale() -> Filed {
+    Filed {
+        id: 0x5eed_0000_0000_0003,
+        filed_n: 43,
+        refile_after: 0,
+        refused: vec![],
+        dropped: vec![],
+        stale: Some(0x5eed_0000_0000_0009),
     }
 }
 
@@ -1594,12 +1609,13 @@ fn golden_filed_dropped() -> Filed {
                 reason: "the row was taken back".into(),
             },
         ],
+        stale: None,
     }
 }
 
 /// The lines of `tests/golden/filed.txt`: a name, what `open_filed` for `REPLICA` gives,
 /// the replica it is sealed for, and the `Filed`.
-fn golden_fileds() -> [(&'static str, &'static str, [u8; 16], Filed); 3] {
+fn golden_fileds() -> [(&'static str, &'static str, [u8; 16], Filed); 4] {
     [
         ("filed", "ok", REPLICA, golden_filed()),
         (
@@ -1609,6 +1625,7 @@ fn golden_fileds() -> [(&'static str, &'static str, [u8; 16], Filed); 3] {
             golden_filed(),
         ),
         ("filed-dropped", "ok", REPLICA, golden_filed_dropped()),
+        ("filed-stale", "ok", REPLICA, golden_filed_stale()),
     ]
 }
 
@@ -1648,9 +1665,14 @@ fn golden_upload_and_filed_vectors_are_reproduced_and_read() {
             reference_filed(&golden, &sealed_for, TOKEN),
             "{name}"
         );
-        // Flag bit 0 says whether the list of dropped rows follows.
+        // Flag bit 0 says whether the list of dropped rows follows, bit 1 whether the
+        // upload was stale.
         let flags = u16::from_be_bytes([bytes[6], bytes[7]]);
-        assert_eq!(flags, u16::from(!golden.dropped.is_empty()), "{name}");
+        assert_eq!(
+            flags,
+            u16::from(!golden.dropped.is_empty()) | u16::from(golden.stale.is_some()) << 1,
+            "{name}"
+        );
         match open_filed(bytes, &key, &REPLICA) {
             Ok(filed) => {
                 assert_eq!(*outcome, "ok", "{name}");
@@ -2234,8 +2256,9 @@ fn malformed_fileds(cases: &mut Vec<(String, &'static str, Vec<u8>)>) {
         patched(&good, 4, &[0, 2]),
     );
     filed("protocol-zero", "protocol-zero", patched(&good, 4, &[0, 0]));
-    // Bit 0 says dropped rows follow (and is sealed); bit 1 is the first undefined.
-    filed("flags", "flags", patched(&good, 6, &[0, 2]));
+    // Bit 0 says dropped rows follow, bit 1 the upload was stale (both sealed); bit 2 is
+    // the first undefined.
+    filed("flags", "flags", patched(&good, 6, &[0, 4]));
     filed("flags-high", "flags", patched(&good, 6, &[0x80, 1]));
     filed(
         "dropped-flag-unsealed",
@@ -2326,6 +2349,31 @@ fn malformed_fileds(cases: &mut Vec<(String, &'static str, Vec<u8>)>) {
         dropping(&[0x00, 0x64]),
     );
     filed("dropped-missing", "truncated", dropping(&[0x00]));
+    // Flag bit 1: the newest upload filed follows the lists; it is newer than the one
+    // answered, and a stale answer files nothing (no rows, no refile).
+    let stale = |id: u64, refile_after: u64, rest: &[u8]| {
+        raw_filed(
+            &raw_filed_fields_flagged(2, id, 42, refile_after, rest),
+            &REPLICA,
+            TOKEN,
+        )
+    };
+    filed(
+        "stale-not-older",
+        "stale-not-older",
+        stale(5, 0, &[&[0][..], &5u64.to_be_bytes()].concat()),
+    );
+    filed(
+        "stale-refiles",
+        "stale-not-older",
+        stale(5, 17, &[&[0][..], &9u64.to_be_bytes()].concat()),
+    );
+    filed(
+        "stale-refuses",
+        "stale-not-older",
+        stale(5, 0, &[&refused_one[..], &9u64.to_be_bytes()].concat()),
+    );
+    filed("stale-missing", "truncated", stale(5, 0, &[0]));
     filed(
         "dropped-key-empty",
         "rejection-key-len",
@@ -2586,7 +2634,10 @@ fn reference_filed(filed: &Filed, replica: &[u8; 16], token: &[u8]) -> Vec<u8> {
             rows.str(&row.reason);
         }
     }
-    let flags = u16::from(!filed.dropped.is_empty());
+    if let Some(newest) = filed.stale {
+        rows.0.extend_from_slice(&newest.to_be_bytes());
+    }
+    let flags = u16::from(!filed.dropped.is_empty()) | u16::from(filed.stale.is_some()) << 1;
     let fields =
         raw_filed_fields_flagged(flags, filed.id, filed.filed_n, filed.refile_after, &rows.0);
     raw_filed(&fields, replica, token)
@@ -3070,6 +3121,7 @@ impl Rng {
                     reason: self.text(40),
                 })
                 .collect(),
+            stale: None,
         }
     }
 

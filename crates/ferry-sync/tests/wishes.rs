@@ -48,6 +48,29 @@ async fn server_setting(shop: &Shop, name: &str) -> Option<(Option<String>, Opti
         .unwrap()
 }
 
+/// The server wishes `values` onto the store's till setting row `key`, on a connection
+/// of its own.
+async fn wish_till(
+    shop: &Shop,
+    store: Uuid,
+    key: &serde_json::Value,
+    values: serde_json::Value,
+    if_version: Option<i64>,
+) -> i64 {
+    let mut conn = shop.db.pool.acquire().await.unwrap();
+    wish::wish(
+        &mut conn,
+        store,
+        "till_settings",
+        key,
+        &values,
+        if_version,
+        None,
+    )
+    .await
+    .unwrap()
+}
+
 /// Delivers, carries wishes out on the store, and uploads until nothing is unfiled.
 async fn round_trip(
     shop: &mut Shop,
@@ -149,19 +172,7 @@ async fn a_wish_is_carried_out_once_and_its_answer_filed_applied_refused_superse
     // A newer wish after an applied one is answered for its own number and applied once:
     // the answer recorded for the older one is no answer to it (the walk found a newer
     // wish applied again every round, raising the version each time).
-    let mut conn = shop.db.pool.acquire().await.unwrap();
-    wish::wish(
-        &mut conn,
-        store,
-        "till_settings",
-        &till,
-        &json!({"price_list": "autumn"}),
-        None,
-        None,
-    )
-    .await
-    .unwrap();
-    drop(conn);
+    wish_till(&shop, store, &till, json!({"price_list": "autumn"}), None).await;
     let (round, link, uploader) = round_trip(&mut shop, store, link, uploader).await;
     assert_eq!(round.applied, 1);
     assert_eq!(
@@ -178,19 +189,7 @@ async fn a_wish_is_carried_out_once_and_its_answer_filed_applied_refused_superse
     assert_eq!(again, Round::default());
 
     // A wish for version 1, which the row has left: superseded, nothing written.
-    let mut conn = shop.db.pool.acquire().await.unwrap();
-    wish::wish(
-        &mut conn,
-        store,
-        "till_settings",
-        &till,
-        &json!({"volume": 7}),
-        Some(1),
-        None,
-    )
-    .await
-    .unwrap();
-    drop(conn);
+    wish_till(&shop, store, &till, json!({"volume": 7}), Some(1)).await;
     let (round, link, uploader) = round_trip(&mut shop, store, link, uploader).await;
     assert_eq!(round.superseded, 1);
     assert_eq!(server_setting(&shop, "till").await.unwrap().1, Some(5));
@@ -204,43 +203,11 @@ async fn a_wish_is_carried_out_once_and_its_answer_filed_applied_refused_superse
         .get_mut(&store)
         .unwrap()
         .set_wish_handler(Box::new(Careful));
-    let mut conn = shop.db.pool.acquire().await.unwrap();
-    wish::wish(
-        &mut conn,
-        store,
-        "till_settings",
-        &till,
-        &json!({"volume": 8}),
-        None,
-        None,
-    )
-    .await
-    .unwrap();
-    wish::wish(
-        &mut conn,
-        store,
-        "till_settings",
-        &till,
-        &json!({"volume": 50}),
-        None,
-        None,
-    )
-    .await
-    .unwrap();
+    wish_till(&shop, store, &till, json!({"volume": 8}), None).await;
+    wish_till(&shop, store, &till, json!({"volume": 50}), None).await;
     // A wish for a row the store has not made yet waits until it does.
     let kiosk = json!([store, "kiosk"]);
-    wish::wish(
-        &mut conn,
-        store,
-        "till_settings",
-        &kiosk,
-        &json!({"price_list": "kiosk"}),
-        None,
-        None,
-    )
-    .await
-    .unwrap();
-    drop(conn);
+    wish_till(&shop, store, &kiosk, json!({"price_list": "kiosk"}), None).await;
     let (round, link, uploader) = round_trip(&mut shop, store, link, uploader).await;
     assert_eq!((round.refused, round.waiting, round.applied), (1, 1, 0));
     assert_eq!(server_setting(&shop, "till").await.unwrap().1, Some(5));
@@ -303,19 +270,7 @@ async fn a_wish_is_carried_out_once_and_its_answer_filed_applied_refused_superse
 async fn settings_and_answers_are_stated_again_on_a_new_chain_and_win_whatever_their_version() {
     let (mut shop, store, db, app) = till_shop("wishes_restate").await;
     let till = json!([store, "till"]);
-    let mut conn = shop.db.pool.acquire().await.unwrap();
-    wish::wish(
-        &mut conn,
-        store,
-        "till_settings",
-        &till,
-        &json!({"volume": 6}),
-        None,
-        None,
-    )
-    .await
-    .unwrap();
-    drop(conn);
+    wish_till(&shop, store, &till, json!({"volume": 6}), None).await;
     let link = Lossy::new(&shop, store, 7, 0);
     let uploader = Uploader::open(&db, shop.seal_keys[&store], store).unwrap();
     let (round, link, uploader) = round_trip(&mut shop, store, link, uploader).await;

@@ -7,7 +7,7 @@
 //!
 //! 1. In one read transaction: read up to [`UPLOAD_ROWS`] notes of the lane (journal
 //!    entries to restate first) with the `noted` count of each, and each noted row as
-//!    it is now; give the upload a fresh random id.
+//!    it is now; give the upload an id above the last one sent and above the clock in microseconds.
 //! 2. Send it ([`Uplink::upload`]); the answer is a sealed `Filed` naming the id.
 //! 3. In one write transaction: forget the notes whose `noted` is still what step 1
 //!    read (one written again since stays, and goes up again) and journal their rows
@@ -45,7 +45,7 @@ use super::{ReplicaError, tables};
 use crate::value::Value;
 use crate::wire::{self, Column, TablePart};
 use ferry_core::backoff::Backoff;
-use ferry_core::seams::{SplitMix64, random_nonzero_u64};
+use ferry_core::seams::SplitMix64;
 use ferry_core::{Class, Classify};
 
 /// Rows per upload: the server's limit ([`wire::UPLOAD_ROWS_MAX`]), so one upload is
@@ -308,6 +308,9 @@ pub struct Uploader {
     /// row then means that row, not a dead transport.
     took_since_refusal: bool,
     last_sent: Option<Instant>,
+    /// The id of the last upload sent, or the newest a stale answer named: the next is
+    /// above both it and the clock (in microseconds), so ids rise across restarts.
+    last_id: u64,
 }
 
 /// What one turn did.
@@ -356,7 +359,15 @@ impl Uploader {
             limit: BTreeMap::new(),
             took_since_refusal: true,
             last_sent: None,
+            last_id: 0,
         })
+    }
+
+    /// The next upload's id: above the last one and the clock (docs/sync-up.md §4.2).
+    fn next_id(&mut self) -> u64 {
+        let now = ferry_core::seams::wall_ms().saturating_mul(1_000);
+        self.last_id = (self.last_id + 1).max(now);
+        self.last_id
     }
 
     /// Uploads until `stop` is set: a turn whenever another connection committed (the
@@ -448,6 +459,20 @@ impl Uploader {
             };
             let n = batch.notes.len();
             match self.send(link, &batch) {
+                Ok(filed) if filed.stale.is_some() => {
+                    // Older than an upload the server filed (a transport delivered it
+                    // late, or this file was restored): nothing filed, nothing
+                    // forgotten; the rows go again now, under an id past the newest.
+                    let newest = filed.stale.unwrap_or_default();
+                    tracing::info!(
+                        lane,
+                        id = batch.id,
+                        newest,
+                        "an upload was stale; sending its rows again"
+                    );
+                    self.last_id = self.last_id.max(newest);
+                    out.more = true;
+                }
                 Ok(filed) => {
                     self.took_since_refusal = true;
                     self.limit.remove(&lane);
@@ -498,16 +523,27 @@ impl Uploader {
             self.last_sent = Some(Instant::now());
             return Ok(false);
         }
-        let batch = Batch {
-            id: random_nonzero_u64(),
-            lane: crate::rules::LANE_DEFAULT.to_string(),
-            restated: false,
-            notes: Vec::new(),
-            parts: Vec::new(),
-        };
-        let filed = self.send(link, &batch)?;
-        self.settle(&batch, &filed, &UpSettings::default())?;
-        Ok(filed.refile_after > 0)
+        let mut filed = None;
+        for _ in 0..2 {
+            let batch = Batch {
+                id: self.next_id(),
+                lane: crate::rules::LANE_DEFAULT.to_string(),
+                restated: false,
+                notes: Vec::new(),
+                parts: Vec::new(),
+            };
+            let answer = self.send(link, &batch)?;
+            match answer.stale {
+                // Behind the server's newest (this file restored): once more, past it.
+                Some(newest) => self.last_id = self.last_id.max(newest),
+                None => {
+                    self.settle(&batch, &answer, &UpSettings::default())?;
+                    filed = Some(answer);
+                    break;
+                }
+            }
+        }
+        Ok(filed.is_some_and(|f| f.refile_after > 0))
     }
 
     /// Step 1.
@@ -596,7 +632,7 @@ impl Uploader {
             }
         }
         Ok(Some(Batch {
-            id: random_nonzero_u64(),
+            id: self.next_id(),
             lane: lane.to_string(),
             restated,
             notes,

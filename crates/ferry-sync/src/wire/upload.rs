@@ -80,6 +80,8 @@ const FLAG_RESTATED: u16 = 1;
 
 /// `Filed` flag bit 0: a list of dropped rows follows the refused ones.
 const FLAG_DROPPED: u16 = 1;
+/// `Filed` flag bit 1: the upload was stale; the newest id filed follows the lists.
+const FLAG_STALE: u16 = 2;
 
 /// Offsets of the fixed fields both messages open with.
 const AT_PROTOCOL: usize = 4;
@@ -100,8 +102,10 @@ pub struct Upload {
     /// The rows are journal entries sent again because a `Filed` said the server lost
     /// filings (its "refile after").
     pub restated: bool,
-    /// Random and never 0: the `Filed` that answers names it, and the replica forgets only
-    /// the notes it recorded under it.
+    /// Never 0, and higher than every earlier upload of the replica's (a clock in
+    /// microseconds, one past the last at least): the `Filed` that answers names it, the
+    /// replica forgets only the notes it recorded under it, and the server answers an
+    /// upload older than one it filed [`Filed::stale`].
     pub id: u64,
     /// The last filing count a `Filed` told the replica (0: none yet). One above the
     /// server's own tells it that it lost filings.
@@ -131,6 +135,11 @@ pub struct Filed {
     /// back): not filed, and never will be (the server's side wins); the replica forgets
     /// them and counts them. With `refused`, at most [`FILED_REFUSED_MAX`].
     pub dropped: Vec<RefusedRow>,
+    /// The upload was older than one the server filed from this replica, whose id this
+    /// is (above `id`): nothing was filed and the count did not move (`refile_after` 0,
+    /// no rows refused or dropped). The replica forgets nothing and sends the rows again
+    /// under an id past this one (docs/sync-up.md §4.3).
+    pub stale: Option<u64>,
 }
 
 /// A row of an upload the server refused for good, and why.
@@ -212,11 +221,13 @@ pub fn encode_filed(filed: &Filed, seal_key: &[u8; 32], replica: &[u8; 16]) -> V
     let mut out = Vec::with_capacity(FILED_BYTES_MIN + 1 + 64 * rows);
     out.extend_from_slice(&MAGIC_FILED);
     out.extend_from_slice(&PROTOCOL.to_be_bytes());
-    let flags = if filed.dropped.is_empty() {
-        0
-    } else {
-        FLAG_DROPPED
-    };
+    let mut flags = 0;
+    if !filed.dropped.is_empty() {
+        flags |= FLAG_DROPPED;
+    }
+    if filed.stale.is_some() {
+        flags |= FLAG_STALE;
+    }
     out.extend_from_slice(&flags.to_be_bytes());
     for field in [filed.id, filed.filed_n, filed.refile_after] {
         out.extend_from_slice(&field.to_be_bytes());
@@ -224,6 +235,9 @@ pub fn encode_filed(filed: &Filed, seal_key: &[u8; 32], replica: &[u8; 16]) -> V
     write_keyed_rows(&filed.refused, &mut out);
     if !filed.dropped.is_empty() {
         write_keyed_rows(&filed.dropped, &mut out);
+    }
+    if let Some(newest) = filed.stale {
+        out.extend_from_slice(&newest.to_be_bytes());
     }
     assert!(
         out.len() + SEAL_BYTES <= FILED_BYTES_MAX,
@@ -254,8 +268,12 @@ pub fn open_filed(bytes: &[u8], seal_key: &[u8; 32], replica: &[u8; 16]) -> Resu
         .into());
     }
     let flags = read_head(&mut Reader::new(bytes, "Filed"), &MAGIC_FILED, "Filed")?;
-    if flags & !FLAG_DROPPED != 0 {
-        return Err(flags_fault(flags, "only bit 0 (dropped rows follow) for a Filed").into());
+    if flags & !(FLAG_DROPPED | FLAG_STALE) != 0 {
+        return Err(flags_fault(
+            flags,
+            "only bit 0 (dropped rows follow) and bit 1 (stale) for a Filed",
+        )
+        .into());
     }
     if bytes.len() < FILED_BYTES_MIN {
         return Err(Fault::new(
@@ -300,14 +318,21 @@ pub fn open_filed(bytes: &[u8], seal_key: &[u8; 32], replica: &[u8; 16]) -> Resu
         }
         dropped
     };
+    let stale = if flags & FLAG_STALE == 0 {
+        None
+    } else {
+        Some(reader.u64("the newest upload filed")?)
+    };
     let filed = Filed {
         id,
         filed_n,
         refile_after,
         refused,
         dropped,
+        stale,
     };
     reader.finish()?;
+    check_stale(&filed)?;
     Ok(filed)
 }
 
@@ -359,6 +384,7 @@ fn check_filed(filed: &Filed) -> Result<(), Fault> {
             "the upload id is 0, which names no upload",
         ));
     }
+    check_stale(filed)?;
     if filed.refused.len() + filed.dropped.len() > FILED_REFUSED_MAX {
         return Err(Fault::new(
             Rule::RefusedRowsMax,
@@ -424,6 +450,30 @@ fn read_id(reader: &mut Reader<'_>) -> Result<u64, Fault> {
         ));
     }
     Ok(id)
+}
+
+/// A stale answer files nothing: it refuses, drops and asks for nothing, and the newest
+/// upload it names is newer than the one it answers.
+fn check_stale(filed: &Filed) -> Result<(), Fault> {
+    let Some(newest) = filed.stale else {
+        return Ok(());
+    };
+    if newest <= filed.id {
+        return Err(Fault::new(
+            Rule::StaleNotOlder,
+            format!(
+                "it answers upload {} as stale, older than upload {newest}, which is not newer",
+                filed.id
+            ),
+        ));
+    }
+    if !filed.refused.is_empty() || !filed.dropped.is_empty() || filed.refile_after != 0 {
+        return Err(Fault::new(
+            Rule::StaleNotOlder,
+            "a stale answer files nothing, yet it refuses or drops rows or asks for the journal",
+        ));
+    }
+    Ok(())
 }
 
 /// Reads a count of `what` ("refused" or "dropped") rows, at most `max`, and the rows.

@@ -54,6 +54,9 @@ pub struct Lossy {
     pub rt: tokio::runtime::Handle,
     /// Filings that reached the database, answered or not.
     pub filings: u64,
+    /// `Some`: uploads given up on (the replica sees a timeout) and kept, to reach the
+    /// server later, after newer ones: fault 4's reordering. `None` draws nothing for it.
+    pub late: Option<Vec<Vec<u8>>>,
 }
 
 impl Lossy {
@@ -68,12 +71,50 @@ impl Lossy {
             fault,
             rt: tokio::runtime::Handle::current(),
             filings: 0,
+            late: None,
         }
+    }
+
+    /// Files `bytes` as the server would, the answer thrown away (its replica gave up).
+    fn file_unanswered(&mut self, bytes: &[u8]) {
+        let upload = wire::decode_upload(bytes).expect("the replica's upload decodes");
+        self.rt
+            .block_on(file::file(
+                &self.pool,
+                &self.records,
+                &Shape::default(),
+                self.sender,
+                &upload,
+            ))
+            .expect("filing");
+        self.filings += 1;
+    }
+
+    /// Every upload kept back reaches the server now, oldest first.
+    pub fn deliver_late(&mut self) {
+        for bytes in self.late.take().unwrap_or_default() {
+            self.file_unanswered(&bytes);
+        }
+        self.late = Some(Vec::new());
     }
 }
 
 impl Uplink for Lossy {
     fn upload(&mut self, bytes: &[u8]) -> Result<Vec<u8>, TransportError> {
+        if self.late.is_some() && self.fault > 0 {
+            let roll = self.rng.next_u64() % 1_000;
+            let kept = self.late.as_mut().expect("checked");
+            if roll < 100 {
+                kept.push(bytes.to_vec());
+                return Err(TransportError::Unavailable(
+                    "timed out; it may still arrive".into(),
+                ));
+            }
+            if roll < 400 && !kept.is_empty() {
+                let first = kept.remove(0);
+                self.file_unanswered(&first);
+            }
+        }
         let roll = self.rng.next_u64() % 1_000;
         let odds = self.fault;
         let fault = |n: u64| roll < odds * n / 3;
