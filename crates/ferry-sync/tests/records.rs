@@ -603,3 +603,75 @@ async fn fault_4_an_upload_filed_after_a_newer_one_is_answered_stale_and_files_n
     assert_eq!(up_status(&app).unwrap().set_aside, 0);
     shop.finish().await;
 }
+
+/// An uplink that is down until told otherwise, counting its tries.
+struct Gate {
+    down: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    tries: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    link: Lossy,
+}
+
+impl ferry_sync::replica::Uplink for Gate {
+    fn upload(&mut self, bytes: &[u8]) -> Result<Vec<u8>, ferry_sync::replica::TransportError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.tries.fetch_add(1, SeqCst);
+        if self.down.load(SeqCst) {
+            return Err(ferry_sync::replica::TransportError::Unavailable(
+                "the network is down".into(),
+            ));
+        }
+        self.link.upload(bytes)
+    }
+}
+
+/// docs/sync-up.md §3.2: an uploader waiting out its backoff after the network went away
+/// tries again as soon as the fetch loop beside it hears the server (`LinkBack`), not at
+/// the end of its own wait. The wait here is an hour, so only the signal can end it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uploader_waiting_out_a_backoff_goes_when_the_fetch_loop_hears_the_server() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+    let (shop, store, db, app) = records_shop("records_back").await;
+    app.execute(
+        "INSERT INTO sales (id, store_id, amount) VALUES (?1, ?2, 5)",
+        rusqlite::params![Uuid::new_v4().to_string(), store.to_string()],
+    )
+    .unwrap();
+    let down = Arc::new(AtomicBool::new(true));
+    let tries = Arc::new(AtomicU64::new(0));
+    let mut gate = Gate {
+        down: down.clone(),
+        tries: tries.clone(),
+        link: Lossy::new(&shop, store, 9, 0),
+    };
+    let back = Arc::new(ferry_sync::replica::LinkBack::default());
+    let mut uploader = Uploader::open(&db, shop.seal_keys[&store], store).unwrap();
+    uploader.set_link_back(back.clone());
+    let hour = std::time::Duration::from_secs(3_600);
+    let settings = ferry_sync::replica::UpSettings {
+        backoff: ferry_core::backoff::Backoff::new(hour, hour, hour),
+        ..Default::default()
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let up_stop = stop.clone();
+    let up = std::thread::spawn(move || uploader.run(&mut gate, &up_stop, &settings));
+    while tries.load(SeqCst) == 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    // Failed once: the uploader now waits an hour. The network returns, and the fetch
+    // loop hears the server.
+    down.store(false, SeqCst);
+    back.bump();
+    let mut filed = 0;
+    for _ in 0..2_000 {
+        filed = server_sales(&shop.db.pool).await.len();
+        if filed == 1 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(filed, 1, "the sale went up once the server was heard");
+    stop.store(true, SeqCst);
+    up.join().unwrap().unwrap();
+    shop.finish().await;
+}

@@ -732,6 +732,11 @@ fn replica(a: ReplicaArgs) -> anyhow::Result<()> {
             .with_context(|| format!("cannot open --db {}", db.display()))?;
     let mut uplink =
         ferry_sync::client::HttpLink::new(&server, id, &token).map_err(|e| anyhow!("{e}"))?;
+    // One network under both: when either hears the server again, the other stops
+    // waiting out its backoff.
+    let link_back = Arc::new(ferry_sync::replica::LinkBack::default());
+    uploader.set_link_back(link_back.clone());
+    replica.set_link_back(link_back);
     let up_stop = stop.clone();
     let up = std::thread::spawn(move || {
         let end = uploader.run(

@@ -202,6 +202,9 @@ fn follow(
     let mut uploader = Uploader::open(&file, ferry_sync::wire::seal_key(token.as_bytes()), id)
         .expect("the uploader opens the replica's file");
     let mut uplink = HttpLink::new(&base, id, &token).expect("a link");
+    let link_back = Arc::new(ferry_sync::replica::LinkBack::default());
+    uploader.set_link_back(link_back.clone());
+    replica.set_link_back(link_back);
     let up_stop = stop.clone();
     let up = std::thread::spawn(move || {
         if let Err(e) = uploader.run(&mut uplink, &up_stop, &UpSettings::default()) {

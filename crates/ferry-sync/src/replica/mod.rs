@@ -45,7 +45,7 @@ mod up;
 mod wishes;
 
 pub use live::{Live, LiveStatus, LiveTotals};
-pub use run::{Downlink, Position, RunEnd, RunError, RunSettings, TransportError};
+pub use run::{Downlink, LinkBack, Position, RunEnd, RunError, RunSettings, TransportError};
 pub use state::{SCHEMA_VERSION, install};
 pub use status::{ReplicaStatus, Standing, TableRows, read_status};
 pub use up::{UPLOAD_ROWS, UpError, UpSettings, UpStatus, UpTurn, Uplink, Uploader, up_status};
@@ -95,6 +95,8 @@ pub struct Replica {
     heard_written_ms: Option<u64>,
     /// What carries the server's wishes out ([`Replica::carry_out_wishes`]).
     wish_handler: Box<dyn CarryOut + Send>,
+    /// Shared with the uploader: the server is back ([`Replica::set_link_back`]).
+    link_back: Option<std::sync::Arc<LinkBack>>,
 }
 
 /// A heard time is written at most this often (wall ms): each write is a commit, an
@@ -132,6 +134,7 @@ impl Replica {
             broken: false,
             heard_written_ms: None,
             wish_handler: Box::new(Direct),
+            link_back: None,
         })
     }
 
@@ -139,6 +142,13 @@ impl Replica {
     /// wished columns). The loop offers it every open wish after each turn.
     pub fn set_wish_handler(&mut self, handler: Box<dyn CarryOut + Send>) {
         self.wish_handler = handler;
+    }
+
+    /// Shares `link` with the uploader beside this loop ([`Uploader::set_link_back`]):
+    /// when either hears the server again after a failure, the other stops waiting out
+    /// its backoff.
+    pub fn set_link_back(&mut self, link: std::sync::Arc<LinkBack>) {
+        self.link_back = Some(link);
     }
 
     /// Offers each wish not finally answered to the handler and records the answers

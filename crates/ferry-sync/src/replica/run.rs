@@ -242,12 +242,16 @@ impl Replica {
             failures: 0,
         };
         while !stop.load(Ordering::SeqCst) {
+            let seen = self.link_back.as_ref().map(|b| b.count());
             let result = self.turn(link, &mut turn, settings);
             self.tell_file(live);
+            let back = self.link_back.as_deref().zip(seen);
             match result {
                 Ok(Some(end)) => return Ok(end),
                 Ok(None) if turn.failures == 0 => {}
-                Ok(None) => pause(stop, settings.backoff.delay(turn.failures, &mut rng)),
+                Ok(None) => {
+                    pause_unless_back(stop, settings.backoff.delay(turn.failures, &mut rng), back)
+                }
                 Err(e) if e.is_transient() => {
                     tracing::warn!(error = %e, "the replica loop failed; retrying after a backoff");
                     live.failed();
@@ -256,7 +260,7 @@ impl Replica {
                     // older copy, which a report shows it at once): report first.
                     turn.unreported = true;
                     turn.last_attempt = None;
-                    pause(stop, settings.backoff.delay(turn.failures, &mut rng));
+                    pause_unless_back(stop, settings.backoff.delay(turn.failures, &mut rng), back);
                 }
                 Err(e) => return Err(e),
             }
@@ -298,6 +302,7 @@ impl Replica {
     ) -> Result<Option<RunEnd>, RunError> {
         if until_report(turn, settings).is_zero() {
             self.report(link, turn, settings)?;
+            self.answered(turn);
         }
         // Waiting wishes are offered again each turn.
         self.wishes_round();
@@ -309,6 +314,7 @@ impl Replica {
             nonce: position.nonce,
         };
         let frames = link.fetch(at, settings.window, wait)?;
+        self.answered(turn);
         let heard_at_ms = wall_ms();
         turn.caught_up = frames.len() < settings.window;
         turn.live.heard(heard_at_ms, turn.caught_up);
@@ -343,6 +349,16 @@ impl Replica {
             turn.failures.saturating_add(1)
         };
         Ok(None)
+    }
+
+    /// The server answered: after failures, the uploader beside this loop stops waiting
+    /// out its backoff (as soon as the report goes through, not after the long poll).
+    fn answered(&self, turn: &Turn<'_>) {
+        if turn.failures > 0
+            && let Some(back) = &self.link_back
+        {
+            back.bump();
+        }
     }
 
     /// Carries the open wishes out; a failure is the next round's to retry.
@@ -454,14 +470,38 @@ fn until_report(turn: &Turn<'_>, settings: &RunSettings) -> Duration {
     }
 }
 
-/// Sleeps `d`, waking early when `stop` is set (checked every 50 ms).
-pub(crate) fn pause(stop: &AtomicBool, d: Duration) {
+/// Shared by a replica's fetch loop and its uploader ([`Replica::set_link_back`],
+/// [`super::Uploader::set_link_back`]): each bumps it when the server answers after a
+/// failure, and the other, waiting out its backoff, tries again at once. Two loops over
+/// one network need not draw two waits after it comes back.
+#[derive(Debug, Default)]
+pub struct LinkBack(std::sync::atomic::AtomicU64);
+
+impl LinkBack {
+    /// The server answered after a failure. The engine's loops call it; a host whose own
+    /// transport hears the server again (a network-change event) may too.
+    pub fn bump(&self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+
+    pub(crate) fn count(&self) -> u64 {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// Sleeps `d`, waking early when `stop` is set, or when `back` (the link, and its count
+/// when the wait began) says the server answered the other loop meanwhile (checked every
+/// 20 ms).
+pub(crate) fn pause_unless_back(stop: &AtomicBool, d: Duration, back: Option<(&LinkBack, u64)>) {
     let end = Instant::now() + d;
     while !stop.load(Ordering::SeqCst) {
+        if back.is_some_and(|(link, seen)| link.count() != seen) {
+            return;
+        }
         let left = end.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return;
         }
-        std::thread::sleep(left.min(Duration::from_millis(50)));
+        std::thread::sleep(left.min(Duration::from_millis(20)));
     }
 }

@@ -311,6 +311,8 @@ pub struct Uploader {
     /// The id of the last upload sent, or the newest a stale answer named: the next is
     /// above both it and the clock (in microseconds), so ids rise across restarts.
     last_id: u64,
+    /// Shared with the fetch loop: the server is back ([`Uploader::set_link_back`]).
+    link_back: Option<std::sync::Arc<super::LinkBack>>,
 }
 
 /// What one turn did.
@@ -360,7 +362,15 @@ impl Uploader {
             took_since_refusal: true,
             last_sent: None,
             last_id: 0,
+            link_back: None,
         })
+    }
+
+    /// Shares `link` with the fetch loop beside this uploader
+    /// ([`super::Replica::set_link_back`]): when either hears the server again after a
+    /// failure, the other stops waiting out its backoff.
+    pub fn set_link_back(&mut self, link: std::sync::Arc<super::LinkBack>) {
+        self.link_back = Some(link);
     }
 
     /// The next upload's id: above the last one and the clock (docs/sync-up.md §4.2).
@@ -400,8 +410,14 @@ impl Uploader {
                 keepalive_due |= epoch.is_some();
                 epoch = now;
             }
+            let heard = self.link_back.as_ref().map(|b| b.count());
             match self.turn(link, settings) {
                 Ok(turn) => {
+                    if failures > 0
+                        && let Some(back) = &self.link_back
+                    {
+                        back.bump();
+                    }
                     failures = 0;
                     if turn.more {
                         seen = None; // go on at once
@@ -413,7 +429,8 @@ impl Uploader {
                     failures = failures.saturating_add(1);
                     let wait = settings.backoff.delay(failures, &mut rng);
                     tracing::warn!(error = %e, ?wait, "uploading failed; trying again after a backoff");
-                    super::run::pause(stop, wait);
+                    let back = self.link_back.as_deref().zip(heard);
+                    super::run::pause_unless_back(stop, wait, back);
                 }
                 Err(e) => return Err(e),
             }
