@@ -1553,6 +1553,36 @@ fn golden_upload() -> Upload {
     }
 }
 
+/// A lane's full upload (1,000 sales) goes compressed (flag bit 1) when that is smaller,
+/// reads back as it was, and encodes back to the same bytes; a small one stays plain.
+#[test]
+fn uploads_compress_when_it_pays_and_read_back() {
+    let mut upload = golden_upload();
+    upload.parts[0].deletes.clear();
+    upload.parts[0].upserts = (0..1_000)
+        .map(|i| {
+            vec![
+                Value::Int(i),
+                text(&format!("3f2a9c1e-7b4d-4e8a-9f00-{i:012}")),
+                Value::Real(i as f64 / 4.0),
+            ]
+        })
+        .collect();
+    let bytes = encode_upload(&upload).unwrap();
+    let plain = encode_body(&upload.parts).unwrap().len();
+    assert_eq!(u16::from_be_bytes([bytes[6], bytes[7]]), 2, "compressed");
+    assert!(bytes.len() * 2 < plain, "{} of {plain} bytes", bytes.len());
+    let read = decode_upload(&bytes).unwrap();
+    assert_eq!(read, upload);
+    assert_eq!(encode_upload(&read).unwrap(), bytes);
+    let small = encode_upload(&golden_upload()).unwrap();
+    assert_eq!(
+        u16::from_be_bytes([small[6], small[7]]),
+        0,
+        "a small body stays plain"
+    );
+}
+
 /// The `Filed` of `tests/golden/filed.txt`: the answer to [`golden_upload`] from a server
 /// that had filed 17 uploads of this replica when the upload said 41, so it lost filings.
 fn golden_filed() -> Filed {
@@ -2200,7 +2230,27 @@ fn malformed_uploads(cases: &mut Vec<(String, &'static str, Vec<u8>)>) {
         patched(&good, 4, &[0, 2]),
     );
     upload("protocol-zero", "protocol-zero", patched(&good, 4, &[0, 0]));
-    upload("flags", "flags", patched(&good, 6, &[0, 2]));
+    // Bit 0 restated, bit 1 compressed; bit 2 is the first undefined.
+    upload("flags", "flags", patched(&good, 6, &[0, 4]));
+    // Flag bit 1: the body is zstd; one that is not, or that opens past the upload's
+    // limit, is refused before a row is read.
+    upload(
+        "zstd-not",
+        "zstd",
+        raw_upload(2, 0x5eed_0000_0000_0001, 41, b"sales", &body),
+    );
+    // Two zstd frames, each within the window a server allows, opening to one byte more
+    // than an upload may hold.
+    let half = UPLOAD_BYTES_MAX / 2;
+    let (first, packed) = pack_body(vec![0u8; half], 0);
+    let (second, packed_too) = pack_body(vec![0u8; UPLOAD_BYTES_MAX - half + 1], 0);
+    assert!(packed && packed_too);
+    let bomb = [first, second].concat();
+    upload(
+        "zstd-over-limit",
+        "body-too-large",
+        raw_upload(2, 0x5eed_0000_0000_0001, 41, b"sales", &bomb),
+    );
     upload("flags-high", "flags", patched(&good, 6, &[0x80, 0]));
     upload("id-zero", "upload-id-zero", patched(&good, 8, &[0; 8]));
     let with_lane = |lane: &[u8]| raw_upload(0, 1, 0, lane, &body);
@@ -2885,9 +2935,16 @@ fn blob_part(len: usize) -> TablePart {
         ],
         sweep: Sweep::default(),
         deletes: vec![],
-        upserts: vec![vec![Value::Int(1), Value::Blob(vec![0; len])]],
+        upserts: vec![vec![Value::Int(1), Value::Blob(noise(len))]],
         writes: None,
     }
+}
+
+/// `len` bytes zstd cannot shrink (splitmix64's output), so a body of them travels plain
+/// and its size is what the limits see.
+fn noise(len: usize) -> Vec<u8> {
+    let mut rng = Rng::new(len as u64);
+    (0..len).map(|_| rng.next() as u8).collect()
 }
 
 fn hex(bytes: &[u8]) -> String {

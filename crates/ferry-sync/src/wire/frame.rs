@@ -226,10 +226,12 @@ pub fn open(frame: &[u8], seal_key: &[u8; 32], limits: &Limits) -> Result<Down, 
     }
     let head = read_chain_head(head_bytes);
     check_chain(&head)?;
+    const OVER: &str =
+        "this replica's body_max: raise body_max or have the server pack smaller bodies";
     let body = if compressed {
-        Cow::Owned(unpack(carried, limits.body_max)?)
+        Cow::Owned(unpack(carried, limits.body_max, HEAD_LEN, OVER)?)
     } else if carried.len() > limits.body_max {
-        return Err(body_too_large(carried.len(), limits.body_max).into());
+        return Err(body_too_large(carried.len(), limits.body_max, OVER).into());
     } else {
         Cow::Borrowed(carried)
     };
@@ -365,12 +367,19 @@ fn check_chain(head: &ChainHead) -> Result<(), super::Fault> {
 /// Decompresses a body, refusing as soon as it would pass `body_max` bytes: the output
 /// grows in chunks, never past `body_max`, and zstd's window is bounded (see
 /// [`ZSTD_WINDOW_LOG_MIN`]), so a zip bomb costs at most about that much memory.
-fn unpack(carried: &[u8], body_max: usize) -> Result<Vec<u8>, Refused> {
+/// `at`: where the body starts, and `over`: what to do when it is too large, for the
+/// refusal's words.
+pub(super) fn unpack(
+    carried: &[u8],
+    body_max: usize,
+    at: usize,
+    over: &str,
+) -> Result<Vec<u8>, Refused> {
     let zstd_error = |e: std::io::Error| {
         malformed(
             Rule::Zstd,
             format!(
-                "the body (byte {HEAD_LEN} on) is flagged compressed but zstd cannot decompress it: {e}"
+                "the body (byte {at} on) is flagged compressed but zstd cannot decompress it: {e}"
             ),
         )
     };
@@ -389,7 +398,7 @@ fn unpack(carried: &[u8], body_max: usize) -> Result<Vec<u8>, Refused> {
         };
         let len = body.len() + read;
         if len > body_max {
-            return Err(body_too_large(len, body_max).into());
+            return Err(body_too_large(len, body_max, over).into());
         }
         if body.capacity() < len {
             // Double, as Vec would, but never past body_max.
@@ -405,13 +414,10 @@ fn window_log(body_max: usize) -> u32 {
     log.clamp(ZSTD_WINDOW_LOG_MIN, ZSTD_WINDOW_LOG_MAX)
 }
 
-fn body_too_large(len: usize, body_max: usize) -> super::Fault {
+fn body_too_large(len: usize, body_max: usize, over: &str) -> super::Fault {
     super::Fault::new(
         Rule::BodyTooLarge,
-        format!(
-            "the body decompresses to more than {body_max} bytes (at least {len}), this \
-             replica's body_max: raise body_max or have the server pack smaller bodies"
-        ),
+        format!("the body decompresses to more than {body_max} bytes (at least {len}), {over}"),
     )
 }
 

@@ -3,7 +3,7 @@
 //!
 //! One lane's turn, step by step:
 //! 1. The replica reads its noted rows as they are now into table parts, gives the upload
-//!    a fresh random id, records the id on the notes, and encodes it ([`encode_upload`]).
+//!    an id above its last (docs/sync-up.md §3.2), and encodes it ([`encode_upload`]).
 //! 2. The server reads it ([`decode_upload`]), files the rows under the replica the
 //!    transport authenticated, and answers ([`encode_filed`]): the id, its filing count for
 //!    that replica, and the rows it refused for good, sealed with the replica's seal key.
@@ -18,20 +18,24 @@
 //! 1. 4 bytes: the magic `FSW1` ([`MAGIC_UPLOAD`]).
 //! 2. 2 bytes: the protocol ([`PROTOCOL`]); a later one is [`Refused::LaterProtocol`].
 //! 3. 2 bytes: flags; bit 0 restated (journal entries sent again after the server lost
-//!    filings, docs/sync-up.md §3.3); the other bits 0.
-//! 4. 8 bytes: the upload id, random, never 0.
+//!    filings, docs/sync-up.md §3.3); bit 1 the body is zstd-compressed (over
+//!    [`COMPRESS_ABOVE_BYTES`](super::COMPRESS_ABOVE_BYTES) and only when smaller); the
+//!    other bits 0.
+//! 4. 8 bytes: the upload id, never 0, above the replica's earlier ones.
 //! 5. 8 bytes: the last filing count a `Filed` told the replica (0: none yet).
 //! 6. The lane's name, as a table name: varint length, then 1..=[`NAME_BYTES_MAX`](super::NAME_BYTES_MAX) bytes
 //!    of UTF-8 without NUL.
 //! 7. A body (`wire/body.rs`): one part per table, its columns as the replica has them,
 //!    deletes (keys) and upserts (rows as they are now). No part has flags (no sweep, and
 //!    no table to create), and the parts together hold at most [`UPLOAD_ROWS_MAX`] rows.
-//! 8. Nothing after; at most [`UPLOAD_BYTES_MAX`] bytes in all.
+//! 8. Nothing after; at most [`UPLOAD_BYTES_MAX`] bytes in all, and the body at most that
+//!    once decompressed.
 //!
 //! A `Filed`:
 //! 1. 4 bytes: the magic `FSF1` ([`MAGIC_FILED`]).
 //! 2. 2 bytes: the protocol, as in an upload.
-//! 3. 2 bytes: flags; bit 0, a list of dropped rows follows the refused ones; others 0.
+//! 3. 2 bytes: flags; bit 0, a list of dropped rows follows the refused ones; bit 1, the
+//!    upload was stale (8 bytes, the newest id filed, follow the lists); others 0.
 //! 4. 8 bytes: the id of the upload it answers, never 0.
 //! 5. 8 bytes: the server's filing count for this replica after this filing.
 //! 6. 8 bytes: refile after: 0, or the count the server had when the upload showed it lost
@@ -77,6 +81,8 @@ const FILED_SEAL_LABEL: &[u8] = b"ferry-sync filed";
 
 /// Upload flag bit 0: the rows are journal entries sent again.
 const FLAG_RESTATED: u16 = 1;
+/// Upload flag bit 1: the body is zstd-compressed (as a message down's, when it pays).
+const FLAG_UPLOAD_ZSTD: u16 = 2;
 
 /// `Filed` flag bit 0: a list of dropped rows follows the refused ones.
 const FLAG_DROPPED: u16 = 1;
@@ -159,15 +165,25 @@ pub struct RefusedRow {
 /// packing.
 pub fn encode_upload(upload: &Upload) -> Result<Vec<u8>, EncodeError> {
     check_upload(upload)?;
-    let mut out = Vec::with_capacity(64);
+    let body = body::encode_body(&upload.parts)?;
+    // The server decompresses at most UPLOAD_BYTES_MAX: the bound holds for the body
+    // as read, whatever it is carried as.
+    if body.len() > UPLOAD_BYTES_MAX {
+        return Err(upload_too_large(body.len()).into());
+    }
+    let (carried, compressed) = super::pack_body(body, super::COMPRESS_ABOVE_BYTES);
+    let mut out = Vec::with_capacity(64 + carried.len());
     out.extend_from_slice(&MAGIC_UPLOAD);
     out.extend_from_slice(&PROTOCOL.to_be_bytes());
-    let flags = if upload.restated { FLAG_RESTATED } else { 0 };
+    let mut flags = if upload.restated { FLAG_RESTATED } else { 0 };
+    if compressed {
+        flags |= FLAG_UPLOAD_ZSTD;
+    }
     out.extend_from_slice(&flags.to_be_bytes());
     out.extend_from_slice(&upload.id.to_be_bytes());
     out.extend_from_slice(&upload.filed_n.to_be_bytes());
     write_str(&upload.lane, &mut out);
-    out.extend_from_slice(&body::encode_body(&upload.parts)?);
+    out.extend_from_slice(&carried);
     if out.len() > UPLOAD_BYTES_MAX {
         return Err(upload_too_large(out.len()).into());
     }
@@ -185,15 +201,35 @@ pub fn decode_upload(bytes: &[u8]) -> Result<Upload, Refused> {
     }
     let mut reader = Reader::new(bytes, "upload");
     let flags = read_head(&mut reader, &MAGIC_UPLOAD, "upload")?;
-    if flags & !FLAG_RESTATED != 0 {
-        return Err(flags_fault(flags, "only bit 0 (restated) for an upload").into());
+    if flags & !(FLAG_RESTATED | FLAG_UPLOAD_ZSTD) != 0 {
+        return Err(flags_fault(
+            flags,
+            "only bit 0 (restated) and bit 1 (compressed) for an upload",
+        )
+        .into());
     }
     let id = read_id(&mut reader)?;
     let filed_n = reader.u64("the filing count")?;
     let lane = reader.str("the lane name")?;
     check_lane_name(lane)?;
-    let parts = body::read_body(&mut reader, Carrier::Upload)?;
-    reader.finish()?;
+    let parts = if flags & FLAG_UPLOAD_ZSTD == 0 {
+        let parts = body::read_body(&mut reader, Carrier::Upload)?;
+        reader.finish()?;
+        parts
+    } else {
+        let at = reader.at();
+        let carried = reader.bytes(reader.remaining(), "the compressed body")?;
+        let body = super::frame::unpack(
+            carried,
+            UPLOAD_BYTES_MAX,
+            at,
+            "over an upload's limit: the replica sends smaller uploads",
+        )?;
+        let mut inner = Reader::new(&body, "upload body");
+        let parts = body::read_body(&mut inner, Carrier::Upload)?;
+        inner.finish()?;
+        parts
+    };
     Ok(Upload {
         restated: flags & FLAG_RESTATED != 0,
         id,
