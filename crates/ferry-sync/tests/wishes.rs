@@ -71,6 +71,15 @@ async fn wish_till(
     .unwrap()
 }
 
+/// The store offers its wishes to its handler once (no delivery, no upload).
+fn carry_out(shop: &mut Shop, store: Uuid) -> Round {
+    shop.replicas
+        .get_mut(&store)
+        .unwrap()
+        .carry_out_wishes()
+        .unwrap()
+}
+
 /// Delivers, carries wishes out on the store, and uploads until nothing is unfiled.
 async fn round_trip(
     shop: &mut Shop,
@@ -79,12 +88,7 @@ async fn round_trip(
     uploader: Uploader,
 ) -> (Round, Lossy, Uploader) {
     shop.settle().await;
-    let round = shop
-        .replicas
-        .get_mut(&store)
-        .unwrap()
-        .carry_out_wishes()
-        .unwrap();
+    let round = carry_out(shop, store);
     let db = shop.dir.join(format!("{store}.db"));
     let (mut link, mut uploader) = (link, uploader);
     let (link, uploader) = tokio::task::spawn_blocking(move || {
@@ -161,13 +165,7 @@ async fn a_wish_is_carried_out_once_and_its_answer_filed_applied_refused_superse
     );
     assert_eq!(states(&shop, store).await[0].1, "applied");
     // Offered again, an applied wish is left alone.
-    let again = shop
-        .replicas
-        .get_mut(&store)
-        .unwrap()
-        .carry_out_wishes()
-        .unwrap();
-    assert_eq!(again, Round::default());
+    assert_eq!(carry_out(&mut shop, store), Round::default());
 
     // A newer wish after an applied one is answered for its own number and applied once:
     // the answer recorded for the older one is no answer to it (the walk found a newer
@@ -180,13 +178,7 @@ async fn a_wish_is_carried_out_once_and_its_answer_filed_applied_refused_superse
         Some((Some("autumn".into()), Some(5), 3))
     );
     assert_eq!(states(&shop, store).await[0].1, "applied");
-    let again = shop
-        .replicas
-        .get_mut(&store)
-        .unwrap()
-        .carry_out_wishes()
-        .unwrap();
-    assert_eq!(again, Round::default());
+    assert_eq!(carry_out(&mut shop, store), Round::default());
 
     // A wish for version 1, which the row has left: superseded, nothing written.
     wish_till(&shop, store, &till, json!({"volume": 7}), Some(1)).await;

@@ -75,19 +75,25 @@ impl Lossy {
         }
     }
 
-    /// Files `bytes` as the server would, the answer thrown away (its replica gave up).
-    fn file_unanswered(&mut self, bytes: &[u8]) {
-        let upload = wire::decode_upload(bytes).expect("the replica's upload decodes");
-        self.rt
+    /// Files `upload` as the server would, counting the filing.
+    fn file(&mut self, upload: &wire::Upload) -> Outcome {
+        let outcome = self
+            .rt
             .block_on(file::file(
                 &self.pool,
                 &self.records,
                 &Shape::default(),
                 self.sender,
-                &upload,
+                upload,
             ))
             .expect("filing");
         self.filings += 1;
+        outcome
+    }
+
+    /// Files `bytes`, the answer thrown away (its replica gave up on it).
+    fn file_unanswered(&mut self, bytes: &[u8]) {
+        self.file(&wire::decode_upload(bytes).expect("the replica's upload decodes"));
     }
 
     /// Every upload kept back reaches the server now, oldest first.
@@ -125,18 +131,7 @@ impl Uplink for Lossy {
         let times = if fault(2) { 2 } else { 1 };
         let mut answer = None;
         for _ in 0..times {
-            let outcome = self
-                .rt
-                .block_on(file::file(
-                    &self.pool,
-                    &self.records,
-                    &Shape::default(),
-                    self.sender,
-                    &upload,
-                ))
-                .expect("filing");
-            self.filings += 1;
-            answer = Some(match outcome {
+            answer = Some(match self.file(&upload) {
                 Outcome::Filed(filed) => filed,
                 Outcome::Malformed(m) => panic!("malformed: {m}"),
             });
