@@ -675,3 +675,56 @@ async fn an_uploader_waiting_out_a_backoff_goes_when_the_fetch_loop_hears_the_se
     up.join().unwrap().unwrap();
     shop.finish().await;
 }
+
+/// An uploader whose keepalive falls due while the network is down (a store idle
+/// offline, its journal not empty) waits and tries again; it used to return the error,
+/// and `ferry sync replica` stopped the whole replica on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uploader_idle_offline_with_a_journal_keeps_trying_instead_of_stopping() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+    let (shop, store, db, app) = records_shop("records_idle").await;
+    app.execute(
+        "INSERT INTO sales (id, store_id, amount) VALUES (?1, ?2, 5)",
+        rusqlite::params![Uuid::new_v4().to_string(), store.to_string()],
+    )
+    .unwrap();
+    let mut uploader = Uploader::open(&db, shop.seal_keys[&store], store).unwrap();
+    let mut link = Lossy::new(&shop, store, 10, 0);
+    let db2 = db.clone();
+    let (uploader, link) = tokio::task::spawn_blocking(move || {
+        upload_all(&mut uploader, &mut link, &db2);
+        (uploader, link)
+    })
+    .await
+    .unwrap();
+    assert_eq!(up_status(&app).unwrap().journal, 1);
+    let tries = Arc::new(AtomicU64::new(0));
+    let mut gate = Gate {
+        down: Arc::new(AtomicBool::new(true)),
+        tries: tries.clone(),
+        link,
+    };
+    let settings = ferry_sync::replica::UpSettings {
+        keepalive: std::time::Duration::ZERO,
+        backoff: ferry_core::backoff::Backoff::new(
+            std::time::Duration::from_millis(10),
+            std::time::Duration::from_millis(20),
+            std::time::Duration::from_millis(5),
+        ),
+        ..Default::default()
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let up_stop = stop.clone();
+    let mut uploader = uploader;
+    let up = std::thread::spawn(move || uploader.run(&mut gate, &up_stop, &settings));
+    while tries.load(SeqCst) < 3 && !up.is_finished() {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    stop.store(true, SeqCst);
+    up.join()
+        .unwrap()
+        .expect("the uploader waited, and stopped only when told");
+    assert!(tries.load(SeqCst) >= 3, "it kept trying");
+    shop.finish().await;
+}

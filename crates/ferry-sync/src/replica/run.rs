@@ -242,10 +242,12 @@ impl Replica {
             failures: 0,
         };
         while !stop.load(Ordering::SeqCst) {
-            let seen = self.link_back.as_ref().map(|b| b.count());
+            let link_back = self.link_back.clone();
+            let back = link_back
+                .as_deref()
+                .map(|b| (b, Side::Fetch, b.other(Side::Fetch)));
             let result = self.turn(link, &mut turn, settings);
             self.tell_file(live);
-            let back = self.link_back.as_deref().zip(seen);
             match result {
                 Ok(Some(end)) => return Ok(end),
                 Ok(None) if turn.failures == 0 => {}
@@ -357,7 +359,7 @@ impl Replica {
         if turn.failures > 0
             && let Some(back) = &self.link_back
         {
-            back.bump();
+            back.heard(Side::Fetch);
         }
     }
 
@@ -473,29 +475,60 @@ fn until_report(turn: &Turn<'_>, settings: &RunSettings) -> Duration {
 /// Shared by a replica's fetch loop and its uploader ([`Replica::set_link_back`],
 /// [`super::Uploader::set_link_back`]): each bumps it when the server answers after a
 /// failure, and the other, waiting out its backoff, tries again at once. Two loops over
-/// one network need not draw two waits after it comes back.
+/// one network need not draw two waits after it comes back. One count per side, so a
+/// loop is never woken by its own news.
 #[derive(Debug, Default)]
-pub struct LinkBack(std::sync::atomic::AtomicU64);
+pub struct LinkBack {
+    fetch: std::sync::atomic::AtomicU64,
+    up: std::sync::atomic::AtomicU64,
+}
+
+/// Which loop tells or waits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Side {
+    Fetch,
+    Up,
+}
 
 impl LinkBack {
-    /// The server answered after a failure. The engine's loops call it; a host whose own
-    /// transport hears the server again (a network-change event) may too.
+    /// The server is reachable again: both loops stop waiting. For a host whose own
+    /// transport hears the server again (a network-change event); the loops tell each
+    /// other themselves.
     pub fn bump(&self) {
-        self.0.fetch_add(1, Ordering::SeqCst);
+        self.heard(Side::Fetch);
+        self.heard(Side::Up);
     }
 
-    pub(crate) fn count(&self) -> u64 {
-        self.0.load(Ordering::SeqCst)
+    /// `side` heard the server after a failure.
+    pub(crate) fn heard(&self, side: Side) {
+        match side {
+            Side::Fetch => &self.fetch,
+            Side::Up => &self.up,
+        }
+        .fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// The other side's count, which `side` waits on.
+    pub(crate) fn other(&self, side: Side) -> u64 {
+        match side {
+            Side::Fetch => &self.up,
+            Side::Up => &self.fetch,
+        }
+        .load(Ordering::SeqCst)
     }
 }
 
-/// Sleeps `d`, waking early when `stop` is set, or when `back` (the link, and its count
-/// when the wait began) says the server answered the other loop meanwhile (checked every
-/// 20 ms).
-pub(crate) fn pause_unless_back(stop: &AtomicBool, d: Duration, back: Option<(&LinkBack, u64)>) {
+/// Sleeps `d`, waking early when `stop` is set, or when `back` (the link, the side
+/// waiting, and the other side's count when the wait began) says the server answered the
+/// other loop meanwhile (checked every 20 ms).
+pub(crate) fn pause_unless_back(
+    stop: &AtomicBool,
+    d: Duration,
+    back: Option<(&LinkBack, Side, u64)>,
+) {
     let end = Instant::now() + d;
     while !stop.load(Ordering::SeqCst) {
-        if back.is_some_and(|(link, seen)| link.count() != seen) {
+        if back.is_some_and(|(link, side, seen)| link.other(side) != seen) {
             return;
         }
         let left = end.saturating_duration_since(Instant::now());
@@ -503,5 +536,58 @@ pub(crate) fn pause_unless_back(stop: &AtomicBool, d: Duration, back: Option<(&L
             return;
         }
         std::thread::sleep(left.min(Duration::from_millis(20)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A loop waits out its backoff whatever it told the other loop itself, and stops
+    /// waiting as soon as the other loop (or the host) says the server answered: the
+    /// review found a loop woken by its own report, retrying without a pause.
+    #[test]
+    fn a_loop_is_woken_by_the_other_loops_news_never_by_its_own() {
+        let link = LinkBack::default();
+        let stop = AtomicBool::new(false);
+        let seen = link.other(Side::Fetch);
+        link.heard(Side::Fetch);
+        let began = Instant::now();
+        pause_unless_back(
+            &stop,
+            Duration::from_millis(200),
+            Some((&link, Side::Fetch, seen)),
+        );
+        assert!(
+            began.elapsed() >= Duration::from_millis(200),
+            "woken by itself"
+        );
+
+        for news in [Side::Up, Side::Fetch] {
+            let waiting = if news == Side::Up {
+                Side::Fetch
+            } else {
+                Side::Up
+            };
+            let seen = link.other(waiting);
+            link.heard(news);
+            let began = Instant::now();
+            pause_unless_back(
+                &stop,
+                Duration::from_secs(3_600),
+                Some((&link, waiting, seen)),
+            );
+            assert!(
+                began.elapsed() < Duration::from_secs(60),
+                "{waiting:?} slept on"
+            );
+        }
+        let seen = link.other(Side::Up);
+        link.bump();
+        pause_unless_back(
+            &stop,
+            Duration::from_secs(3_600),
+            Some((&link, Side::Up, seen)),
+        );
     }
 }

@@ -313,6 +313,8 @@ pub struct Uploader {
     last_id: u64,
     /// Shared with the fetch loop: the server is back ([`Uploader::set_link_back`]).
     link_back: Option<std::sync::Arc<super::LinkBack>>,
+    /// The server answered a send since the turn began (to tell the fetch loop).
+    answered: bool,
 }
 
 /// What one turn did.
@@ -363,6 +365,7 @@ impl Uploader {
             last_sent: None,
             last_id: 0,
             link_back: None,
+            answered: false,
         })
     }
 
@@ -410,26 +413,39 @@ impl Uploader {
                 keepalive_due |= epoch.is_some();
                 epoch = now;
             }
-            let heard = self.link_back.as_ref().map(|b| b.count());
-            match self.turn(link, settings) {
-                Ok(turn) => {
+            let back = self
+                .link_back
+                .clone()
+                .map(|b| (b.other(super::run::Side::Up), b));
+            self.answered = false;
+            // A keepalive's check fails as a turn does: through the backoff, never out
+            // of the loop (a store idle offline with a journal would stop its replica).
+            let result = match self.turn(link, settings) {
+                Ok(turn) if turn.more => Ok(true), // go on at once
+                Ok(turn) if keepalive_due && turn.filed == 0 => self.check_server(link),
+                Ok(_) => Ok(false),
+                Err(e) => Err(e),
+            };
+            match result {
+                Ok(go_on) => {
                     if failures > 0
+                        && self.answered
                         && let Some(back) = &self.link_back
                     {
-                        back.bump();
+                        back.heard(super::run::Side::Up);
                     }
                     failures = 0;
-                    if turn.more {
-                        seen = None; // go on at once
-                    } else if keepalive_due && turn.filed == 0 && self.check_server(link)? {
-                        seen = None; // the journal's entries, at once
+                    if go_on {
+                        seen = None; // the rest, or the journal's entries, at once
                     }
                 }
                 Err(e) if e.is_transient() => {
                     failures = failures.saturating_add(1);
                     let wait = settings.backoff.delay(failures, &mut rng);
                     tracing::warn!(error = %e, ?wait, "uploading failed; trying again after a backoff");
-                    let back = self.link_back.as_deref().zip(heard);
+                    let back = back
+                        .as_ref()
+                        .map(|(seen, b)| (b.as_ref(), super::run::Side::Up, *seen));
                     super::run::pause_unless_back(stop, wait, back);
                 }
                 Err(e) => return Err(e),
@@ -720,6 +736,7 @@ impl Uploader {
             .map_err(|e| TransportError::Refused(format!("the upload does not encode: {e}")))?;
         self.last_sent = Some(Instant::now());
         let answer = link.upload(&bytes)?;
+        self.answered = true;
         let filed = wire::open_filed(&answer, &self.seal_key, &self.replica).map_err(|e| {
             TransportError::Unavailable(format!(
                 "the answer to an upload is not a Filed this replica can trust: {e}"
