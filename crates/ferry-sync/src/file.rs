@@ -735,14 +735,14 @@ async fn settle<T>(
     }
 }
 
-/// Whether the database refused the rows themselves (a constraint, a trigger, a type, a
-/// permission, a table or column missing), which a deploy may fix, rather than failing
-/// for a reason a retry fixes (connection, serialization, resources, shutdown).
 /// The upload's id as Postgres stores it ([`file`] refuses one above `i64::MAX`).
 fn upload_id(upload: &Upload) -> i64 {
     i64::try_from(upload.id).unwrap_or(i64::MAX)
 }
 
+/// Whether the database refused the rows themselves (a constraint, a trigger, a type, a
+/// permission, a table or column missing), which a deploy may fix, rather than failing
+/// for a reason a retry fixes (connection, serialization, resources, shutdown).
 fn refused_by_data(e: &sqlx::Error) -> bool {
     let Some(db) = e.as_database_error() else {
         return false;

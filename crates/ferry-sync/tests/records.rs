@@ -21,18 +21,8 @@ use uuid::Uuid;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_write_is_filed_once_through_lost_and_repeated_answers_and_a_lost_filing_comes_back()
 {
-    let mut shop = Shop::new_with(
-        "records",
-        &format!("{SHOP_SCHEMA}{RECORDS_SCHEMA}"),
-        &format!("{SHOP_RULES}{RECORDS_RULES}"),
-    )
-    .await;
-    let store = shop.store("north").await;
-    shop.settle().await;
-    let db = shop.dir.join(format!("{store}.db"));
+    let (shop, store, db, app) = records_shop("records").await;
     // The snapshot created the tables the store writes, with their triggers.
-    let app = rusqlite::Connection::open(&db).unwrap();
-    app.busy_timeout(std::time::Duration::from_secs(5)).unwrap();
     let triggers: i64 = app
         .query_row(
             "SELECT count(*) FROM sqlite_schema WHERE type = 'trigger' AND tbl_name IN ('sales', 'counters')",
@@ -506,12 +496,7 @@ impl ferry_sync::replica::Uplink for Late {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fault_4_an_upload_filed_after_a_newer_one_is_answered_stale_and_files_nothing() {
     let (shop, store, db, app) = records_shop("records_late").await;
-    let sale = Uuid::new_v4().to_string();
-    app.execute(
-        "INSERT INTO sales (id, store_id, amount) VALUES (?1, ?2, 1)",
-        rusqlite::params![sale, store.to_string()],
-    )
-    .unwrap();
+    let sale = sell(&app, store, 1);
     let mut late = Late {
         kept: None,
         link: Lossy::new(&shop, store, 4, 0),
@@ -586,12 +571,7 @@ async fn fault_4_an_upload_filed_after_a_newer_one_is_answered_stale_and_files_n
         .execute(&shop.db.pool)
         .await
         .unwrap();
-    let other = Uuid::new_v4().to_string();
-    app.execute(
-        "INSERT INTO sales (id, store_id, amount) VALUES (?1, ?2, 7)",
-        rusqlite::params![other, store.to_string()],
-    )
-    .unwrap();
+    let other = sell(&app, store, 7);
     let mut link = late.link;
     let mut uploader = Uploader::open(&db, shop.seal_keys[&store], store).unwrap();
     let db2 = db.clone();
@@ -632,11 +612,7 @@ async fn an_uploader_waiting_out_a_backoff_goes_when_the_fetch_loop_hears_the_se
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
     let (shop, store, db, app) = records_shop("records_back").await;
-    app.execute(
-        "INSERT INTO sales (id, store_id, amount) VALUES (?1, ?2, 5)",
-        rusqlite::params![Uuid::new_v4().to_string(), store.to_string()],
-    )
-    .unwrap();
+    sell(&app, store, 5);
     let down = Arc::new(AtomicBool::new(true));
     let tries = Arc::new(AtomicU64::new(0));
     let mut gate = Gate {
@@ -684,11 +660,7 @@ async fn an_uploader_idle_offline_with_a_journal_keeps_trying_instead_of_stoppin
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
     let (shop, store, db, app) = records_shop("records_idle").await;
-    app.execute(
-        "INSERT INTO sales (id, store_id, amount) VALUES (?1, ?2, 5)",
-        rusqlite::params![Uuid::new_v4().to_string(), store.to_string()],
-    )
-    .unwrap();
+    sell(&app, store, 5);
     let mut uploader = Uploader::open(&db, shop.seal_keys[&store], store).unwrap();
     let mut link = Lossy::new(&shop, store, 10, 0);
     let db2 = db.clone();
@@ -727,4 +699,15 @@ async fn an_uploader_idle_offline_with_a_journal_keeps_trying_instead_of_stoppin
         .expect("the uploader waited, and stopped only when told");
     assert!(tries.load(SeqCst) >= 3, "it kept trying");
     shop.finish().await;
+}
+
+/// The store's app sells for `amount`: a new sale of its own, its id returned.
+fn sell(app: &rusqlite::Connection, store: Uuid, amount: i64) -> String {
+    let id = Uuid::new_v4().to_string();
+    app.execute(
+        "INSERT INTO sales (id, store_id, amount) VALUES (?1, ?2, ?3)",
+        rusqlite::params![id, store.to_string(), amount],
+    )
+    .unwrap();
+    id
 }

@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::up::{Lossy, SETTINGS_RULES, SETTINGS_SCHEMA, upload_all};
+use common::up::{Lossy, SETTINGS_RULES, SETTINGS_SCHEMA, one_store_shop, upload_all};
 use common::{SHOP_RULES, SHOP_SCHEMA, Shop};
 use ferry_sync::replica::{CarryOut, Outcome, Round, Uploader, Wish};
 use ferry_sync::wish;
@@ -105,17 +105,7 @@ async fn round_trip(
 /// opened at price list `spring` and volume 5, version 1: the store, its file, and the
 /// app's connection to it.
 async fn till_shop(prefix: &str) -> (Shop, Uuid, std::path::PathBuf, rusqlite::Connection) {
-    let mut shop = Shop::new_with(
-        prefix,
-        &format!("{SHOP_SCHEMA}{SETTINGS_SCHEMA}"),
-        &format!("{SHOP_RULES}{SETTINGS_RULES}"),
-    )
-    .await;
-    let store = shop.store("north").await;
-    shop.settle().await;
-    let db = shop.dir.join(format!("{store}.db"));
-    let app = rusqlite::Connection::open(&db).unwrap();
-    app.busy_timeout(std::time::Duration::from_secs(5)).unwrap();
+    let (shop, store, db, app) = one_store_shop(prefix, SETTINGS_SCHEMA, SETTINGS_RULES).await;
     app.execute(
         "INSERT INTO till_settings (store_id, name, price_list, volume, rev) VALUES (?1, 'till', 'spring', 5, 1)",
         [store.to_string()],

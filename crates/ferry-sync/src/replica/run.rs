@@ -242,12 +242,11 @@ impl Replica {
             failures: 0,
         };
         while !stop.load(Ordering::SeqCst) {
-            let link_back = self.link_back.clone();
-            let back = link_back
-                .as_deref()
-                .map(|b| (b, Side::Fetch, b.other(Side::Fetch)));
+            // The uploader's count before this turn: news after it ends a backoff.
+            let seen = self.link_back.as_ref().map(|b| b.other(Side::Fetch));
             let result = self.turn(link, &mut turn, settings);
             self.tell_file(live);
+            let back = (self.link_back.as_deref().zip(seen)).map(|(b, s)| (b, Side::Fetch, s));
             match result {
                 Ok(Some(end)) => return Ok(end),
                 Ok(None) if turn.failures == 0 => {}

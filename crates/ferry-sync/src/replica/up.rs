@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 use rusqlite::{Connection, OptionalExtension, params};
 
 use super::codec;
-use super::run::TransportError;
+use super::run::{Side, TransportError};
 use super::{ReplicaError, tables};
 use crate::value::Value;
 use crate::wire::{self, Column, TablePart};
@@ -413,10 +413,8 @@ impl Uploader {
                 keepalive_due |= epoch.is_some();
                 epoch = now;
             }
-            let back = self
-                .link_back
-                .clone()
-                .map(|b| (b.other(super::run::Side::Up), b));
+            // The fetch loop's count before this turn: news after it ends a backoff.
+            let heard = self.link_back.as_ref().map(|b| b.other(Side::Up));
             self.answered = false;
             // A keepalive's check fails as a turn does: through the backoff, never out
             // of the loop (a store idle offline with a journal would stop its replica).
@@ -432,7 +430,7 @@ impl Uploader {
                         && self.answered
                         && let Some(back) = &self.link_back
                     {
-                        back.heard(super::run::Side::Up);
+                        back.heard(Side::Up);
                     }
                     failures = 0;
                     if go_on {
@@ -443,9 +441,8 @@ impl Uploader {
                     failures = failures.saturating_add(1);
                     let wait = settings.backoff.delay(failures, &mut rng);
                     tracing::warn!(error = %e, ?wait, "uploading failed; trying again after a backoff");
-                    let back = back
-                        .as_ref()
-                        .map(|(seen, b)| (b.as_ref(), super::run::Side::Up, *seen));
+                    let back =
+                        (self.link_back.as_deref().zip(heard)).map(|(b, s)| (b, Side::Up, s));
                     super::run::pause_unless_back(stop, wait, back);
                 }
                 Err(e) => return Err(e),
@@ -916,9 +913,7 @@ impl Uploader {
             .map_err(s)?;
         Ok(())
     }
-}
 
-impl Uploader {
     /// An edit the server dropped, and no newer one: the replica's columns of the row go
     /// back to empty, as a row held afresh has them (docs/sync-up.md §2), so a replica
     /// that keeps the row (one retired and sent it again, a snapshot that sweeps it in)

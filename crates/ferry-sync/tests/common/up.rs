@@ -152,10 +152,20 @@ impl Uplink for Lossy {
 pub async fn records_shop(
     prefix: &str,
 ) -> (super::Shop, Uuid, std::path::PathBuf, rusqlite::Connection) {
+    one_store_shop(prefix, RECORDS_SCHEMA, RECORDS_RULES).await
+}
+
+/// The shop with `schema` and `rules` added to its own and one store in `north`,
+/// provisioned: the store, its file, and an app's connection to the file.
+pub async fn one_store_shop(
+    prefix: &str,
+    schema: &str,
+    rules: &str,
+) -> (super::Shop, Uuid, std::path::PathBuf, rusqlite::Connection) {
     let mut shop = super::Shop::new_with(
         prefix,
-        &format!("{}{RECORDS_SCHEMA}", super::SHOP_SCHEMA),
-        &format!("{}{RECORDS_RULES}", super::SHOP_RULES),
+        &format!("{}{schema}", super::SHOP_SCHEMA),
+        &format!("{}{rules}", super::SHOP_RULES),
     )
     .await;
     let store = shop.store("north").await;
