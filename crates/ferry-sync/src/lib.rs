@@ -22,6 +22,7 @@ pub mod catalog;
 pub mod client;
 pub mod enroll;
 pub mod file;
+pub mod nats;
 pub mod relay;
 pub mod replica;
 pub mod rules;

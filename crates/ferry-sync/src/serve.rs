@@ -169,6 +169,8 @@ pub struct Serve {
     shape: Arc<crate::file::Shape>,
     /// Tokens checked lately: replica → (SHA-256 of the token, seal key, when checked).
     checked: Arc<std::sync::Mutex<HashMap<Uuid, Checked>>>,
+    /// The NATS bridge's counters, on /metrics (zero when there is no bridge).
+    nats: Arc<crate::nats::bridge::BridgeStats>,
 }
 
 /// A token that matched the replica's hash, and when: good for [`CHECKED_FOR`].
@@ -219,6 +221,7 @@ impl Serve {
             records: Arc::default(),
             shape: Arc::default(),
             checked: Arc::default(),
+            nats: Arc::default(),
         })
     }
 
@@ -232,6 +235,11 @@ impl Serve {
         self.records = Arc::new(records);
         self.shape = Arc::new(shape);
         self
+    }
+
+    /// The counters a NATS bridge of this process counts into, served on /metrics.
+    pub fn nats_stats(&self) -> Arc<crate::nats::bridge::BridgeStats> {
+        self.nats.clone()
     }
 
     /// Long polls end, empty, once `stop` turns true (see [`Serve::stopping`]).
@@ -312,44 +320,70 @@ fn wrong_token(id: Uuid) -> Response {
 /// replica's seal key (`Filed` is sealed with it).
 async fn authorize(serve: &Serve, id: Uuid, headers: &HeaderMap) -> Result<Vec<u8>, Response> {
     let given = bearer(headers).ok_or_else(|| no_token(id))?;
-    let sha: [u8; 32] = Sha256::digest(given.as_bytes()).into();
-    {
-        let checked = serve.checked.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(c) = checked.get(&id)
-            && c.at.elapsed() < CHECKED_FOR
-            && constant_time_eq(&c.token_sha, &sha)
+    match serve.check_token(id, &given).await {
+        Ok(seal_key) => Ok(seal_key),
+        Err(TokenRefused::Wrong) => Err(wrong_token(id)),
+        Err(TokenRefused::Db(e)) => Err(refuse(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("database: {e}"),
+        )),
+    }
+}
+
+/// Why a replica's token was not taken.
+#[derive(Debug)]
+pub(crate) enum TokenRefused {
+    /// Not the replica's token, or no such replica enrolled (not told apart).
+    Wrong,
+    /// The database did not answer: try again.
+    Db(sqlx::Error),
+}
+
+impl Serve {
+    /// Replica `id`'s seal key if `given` is its token: a token that matched within
+    /// [`CHECKED_FOR`] is taken without reading the database again.
+    pub(crate) async fn check_token(&self, id: Uuid, given: &str) -> Result<Vec<u8>, TokenRefused> {
+        let sha: [u8; 32] = Sha256::digest(given.as_bytes()).into();
         {
-            return Ok(c.seal_key.clone());
+            let checked = self.checked.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(c) = checked.get(&id)
+                && c.at.elapsed() < CHECKED_FOR
+                && constant_time_eq(&c.token_sha, &sha)
+            {
+                return Ok(c.seal_key.clone());
+            }
+        }
+        let stored =
+            sqlx::query("SELECT token_hash, seal_key FROM ferry_sync.replicas WHERE id = $1")
+                .bind(id)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(TokenRefused::Db)?;
+        let (token_hash, seal_key): (Option<Vec<u8>>, Option<Vec<u8>>) = stored
+            .map(|row| (row.get(0), row.get(1)))
+            .unwrap_or_default();
+        let mut checked = self.checked.lock().unwrap_or_else(|e| e.into_inner());
+        if token_matches(token_hash.as_deref(), &sha) {
+            let seal_key = seal_key.unwrap_or_default();
+            checked.retain(|_, c| c.at.elapsed() < CHECKED_FOR);
+            checked.insert(
+                id,
+                Checked {
+                    token_sha: sha,
+                    seal_key: seal_key.clone(),
+                    at: std::time::Instant::now(),
+                },
+            );
+            Ok(seal_key)
+        } else {
+            checked.remove(&id);
+            Err(TokenRefused::Wrong)
         }
     }
-    let stored = sqlx::query("SELECT token_hash, seal_key FROM ferry_sync.replicas WHERE id = $1")
-        .bind(id)
-        .fetch_optional(&serve.pool)
-        .await
-        .map_err(|e| refuse(StatusCode::SERVICE_UNAVAILABLE, format!("database: {e}")))?;
-    let (token_hash, seal_key): (Option<Vec<u8>>, Option<Vec<u8>>) = stored
-        .map(|row| (row.get(0), row.get(1)))
-        .unwrap_or_default();
-    if token_matches(token_hash.as_deref(), &sha) {
-        let seal_key = seal_key.unwrap_or_default();
-        let mut checked = serve.checked.lock().unwrap_or_else(|e| e.into_inner());
-        checked.retain(|_, c| c.at.elapsed() < CHECKED_FOR);
-        checked.insert(
-            id,
-            Checked {
-                token_sha: sha,
-                seal_key: seal_key.clone(),
-                at: std::time::Instant::now(),
-            },
-        );
-        Ok(seal_key)
-    } else {
-        serve
-            .checked
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&id);
-        Err(wrong_token(id))
+
+    /// The tables replicas write, and how filing's transaction is shaped.
+    pub(crate) fn filing(&self) -> (&[crate::file::RecordSpec], &crate::file::Shape) {
+        (&self.records, &self.shape)
     }
 }
 
@@ -842,6 +876,7 @@ async fn metrics(State(serve): State<Serve>) -> Response {
         looks.batches.load(Relaxed),
         looks.skipped.load(Relaxed),
     );
+    let text = text + &serve.nats.render();
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 

@@ -180,6 +180,13 @@ pub struct ServeArgs {
     /// Serve replicas only; never take the relay lock.
     #[arg(long)]
     pub no_relay: bool,
+    /// Also carry replicas' traffic over NATS JetStream at this server
+    /// (nats://HOST:PORT): publish their frames, file their uploads (docs/sync.md §8.3).
+    #[arg(long)]
+    pub nats: Option<String>,
+    /// The NATS subjects' prefix: frames go to <prefix>.<replica>.down.
+    #[arg(long, default_value = ferry_sync::nats::PREFIX_DEFAULT)]
+    pub nats_prefix: String,
 }
 
 #[derive(Args)]
@@ -199,9 +206,13 @@ pub struct StatusArgs {
 pub struct ReplicaArgs {
     #[command(subcommand)]
     pub status: Option<ReplicaSub>,
-    /// The sync server: http://HOST:PORT.
+    /// The sync server: http://HOST:PORT of a `ferry sync serve`, or nats://HOST:PORT of
+    /// the NATS server a `ferry sync serve --nats` bridges to.
     #[arg(long)]
     pub server: Option<String>,
+    /// With a nats:// server: the subjects' prefix, as `ferry sync serve --nats-prefix`.
+    #[arg(long, default_value = ferry_sync::nats::PREFIX_DEFAULT)]
+    pub nats_prefix: String,
     /// The local SQLite file.
     #[arg(long)]
     pub db: Option<PathBuf>,
@@ -539,6 +550,18 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
                 role: a.file_role.clone(),
             },
         );
+    let nats_task = match &a.nats {
+        None => None,
+        Some(url) => {
+            let names = ferry_sync::nats::Names::new(&a.nats_prefix).map_err(|e| anyhow!("{e}"))?;
+            let bridge = ferry_sync::nats::bridge::Bridge::connect(serve.clone(), url, names)
+                .await
+                .map_err(|e| anyhow!("--nats: {e}"))?;
+            tracing::info!(nats = %url, prefix = %a.nats_prefix, "ferry sync serve: carrying replicas over NATS JetStream too");
+            let stop = stop_rx.clone();
+            Some(tokio::spawn(async move { bridge.run(stop).await }))
+        }
+    };
     tracing::info!(listen = %a.listen, db = %redact(&a.db), relay = !a.no_relay, "ferry sync serve: serving replicas");
     let mut stop_http = stop_rx.clone();
     let http = tokio::spawn(async move {
@@ -552,6 +575,9 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let _ = stop_tx.send(true);
     if let Some(t) = relay_task {
         t.await??;
+    }
+    if let Some(t) = nats_task {
+        t.await?.map_err(|e| anyhow!("--nats: {e}"))?;
     }
     http.await??;
     tracing::info!("ferry sync serve: stopped");
@@ -680,7 +706,7 @@ fn replica(a: ReplicaArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let server = a.server.ok_or_else(|| {
-        anyhow!("--server is required (http://HOST:PORT of a `ferry sync serve`)")
+        anyhow!("--server is required (http://HOST:PORT of a `ferry sync serve`, or nats://HOST:PORT of the NATS server one bridges to)")
     })?;
     let db =
         a.db.ok_or_else(|| anyhow!("--db is required (the local SQLite file)"))?;
@@ -688,8 +714,7 @@ fn replica(a: ReplicaArgs) -> anyhow::Result<()> {
         a.id.ok_or_else(|| anyhow!("--id is required (this replica's uuid)"))?;
     let token = crate::read_token(&a.token_file)?
         .ok_or_else(|| anyhow!("--token-file is required (from `ferry sync enroll`)"))?;
-    let mut link =
-        ferry_sync::client::HttpLink::new(&server, id, &token).map_err(|e| anyhow!("{e}"))?;
+    let mut link = Link::new(&server, &a.nats_prefix, id, &token)?;
     let mut replica = Replica::open(&db, ferry_sync::wire::seal_key(token.as_bytes()))
         .with_context(|| format!("cannot open --db {}", db.display()))?;
     let settings = RunSettings {
@@ -730,8 +755,7 @@ fn replica(a: ReplicaArgs) -> anyhow::Result<()> {
     let mut uploader =
         ferry_sync::replica::Uploader::open(&db, ferry_sync::wire::seal_key(token.as_bytes()), id)
             .with_context(|| format!("cannot open --db {}", db.display()))?;
-    let mut uplink =
-        ferry_sync::client::HttpLink::new(&server, id, &token).map_err(|e| anyhow!("{e}"))?;
+    let mut uplink = Link::new(&server, &a.nats_prefix, id, &token)?;
     // One network under both: when either hears the server again, the other stops
     // waiting out its backoff.
     let link_back = Arc::new(ferry_sync::replica::LinkBack::default());
@@ -769,6 +793,57 @@ const REPLICA_FLAGS: crate::grammar::Flags = crate::grammar::Flags(&[
 /// Serve the running replica's /metrics (its counters and standing, from `live` alone),
 /// /status (its file read on a connection of its own, with `live`) and /healthz, on a
 /// thread of its own: the replica's loop is synchronous and must not wait on a scrape.
+/// A replica's transport, by its server's scheme.
+enum Link {
+    Http(ferry_sync::client::HttpLink),
+    Nats(Box<ferry_sync::nats::link::NatsLink>),
+}
+
+impl Link {
+    fn new(server: &str, prefix: &str, id: uuid::Uuid, token: &str) -> anyhow::Result<Link> {
+        if server.starts_with("nats://") || server.starts_with("tls://") {
+            let names = ferry_sync::nats::Names::new(prefix).map_err(|e| anyhow!("{e}"))?;
+            let link = ferry_sync::nats::link::NatsLink::new(server, names, id, token)
+                .map_err(|e| anyhow!("{e}"))?;
+            return Ok(Link::Nats(Box::new(link)));
+        }
+        let link = ferry_sync::client::HttpLink::new(server, id, token).map_err(|e| {
+            anyhow!("{e} (or nats:// for a NATS server a `ferry sync serve --nats` bridges to)")
+        })?;
+        Ok(Link::Http(link))
+    }
+}
+
+impl ferry_sync::replica::Downlink for Link {
+    fn fetch(
+        &mut self,
+        position: ferry_sync::replica::Position,
+        max: usize,
+        wait: Duration,
+    ) -> Result<Vec<Vec<u8>>, ferry_sync::replica::TransportError> {
+        match self {
+            Link::Http(l) => l.fetch(position, max, wait),
+            Link::Nats(l) => l.fetch(position, max, wait),
+        }
+    }
+
+    fn report(&mut self, up: &[u8]) -> Result<(), ferry_sync::replica::TransportError> {
+        match self {
+            Link::Http(l) => l.report(up),
+            Link::Nats(l) => l.report(up),
+        }
+    }
+}
+
+impl ferry_sync::replica::Uplink for Link {
+    fn upload(&mut self, upload: &[u8]) -> Result<Vec<u8>, ferry_sync::replica::TransportError> {
+        match self {
+            Link::Http(l) => l.upload(upload),
+            Link::Nats(l) => l.upload(upload),
+        }
+    }
+}
+
 fn serve_replica_metrics(
     listener: std::net::TcpListener,
     live: Arc<Live>,

@@ -274,8 +274,21 @@ fn replica_help_names_the_metrics_address_and_its_variable() {
 /// it, and the `ferry sync serve` answering files it into Postgres under the store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sale_written_on_the_store_is_filed_on_the_server() {
+    a_sale_filed(false).await;
+}
+
+/// As above, with NATS JetStream between them (docs/sync.md §8.3): `ferry sync serve
+/// --nats` bridges, `ferry sync replica --server nats://…` follows its durable consumer
+/// and uploads through the up stream; serve's /metrics counts what its bridge carried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sale_written_on_the_store_is_filed_on_the_server_over_nats() {
+    a_sale_filed(true).await;
+}
+
+async fn a_sale_filed(over_nats: bool) {
     use common::up::{RECORDS_RULES, RECORDS_SCHEMA};
     let scratch = Scratch::new("sync-replica-records");
+    let nats = over_nats.then(|| ferry_testkit::servers::PrivateNats::start(scratch.path()));
     let db = TestDb::new("replica_records").await;
     db.exec(&format!("{SHOP_SCHEMA}{RECORDS_SCHEMA}")).await;
     let rules_text = format!("{SHOP_RULES}{RECORDS_RULES}");
@@ -295,22 +308,31 @@ async fn a_sale_written_on_the_store_is_filed_on_the_server() {
     let token_file = scratch.path().join("token");
     std::fs::write(&token_file, &token).unwrap();
     let serve_port = free_port();
+    let listen = format!("127.0.0.1:{serve_port}");
+    let mut serve_args = vec![
+        "sync",
+        "serve",
+        "--rules",
+        rules_file.to_str().unwrap(),
+        "--db",
+        &db.url,
+        "--listen",
+        &listen,
+    ];
+    let nats_url = nats.as_ref().map(|n| n.url());
+    if let Some(url) = &nats_url {
+        serve_args.extend(["--nats", url]);
+    }
     let serve = Proc::spawn(
         "serve",
         ferry(),
-        &[
-            "sync",
-            "serve",
-            "--rules",
-            rules_file.to_str().unwrap(),
-            "--db",
-            &db.url,
-            "--listen",
-            &format!("127.0.0.1:{serve_port}"),
-        ],
+        &serve_args,
         &[("FERRY_LOG", "info")],
         &scratch.path().join("serve.log"),
     );
+    let server = nats_url
+        .clone()
+        .unwrap_or_else(|| format!("http://127.0.0.1:{serve_port}"));
     let replica_db = scratch.path().join("store.db");
     let replica = Proc::spawn(
         "replica",
@@ -319,7 +341,7 @@ async fn a_sale_written_on_the_store_is_filed_on_the_server() {
             "sync",
             "replica",
             "--server",
-            &format!("http://127.0.0.1:{serve_port}"),
+            &server,
             "--db",
             replica_db.to_str().unwrap(),
             "--id",
@@ -409,6 +431,19 @@ async fn a_sale_written_on_the_store_is_filed_on_the_server() {
         unfiled(),
         logs()
     );
+    if over_nats {
+        let metrics = get(serve_port, "/metrics").unwrap_or_default();
+        for name in [
+            "ferry_sync_nats_frames_total",
+            "ferry_sync_nats_uploads_total",
+            "ferry_sync_nats_reports_total",
+        ] {
+            assert!(
+                sample(&metrics, name).is_some_and(|n| n >= 1.0),
+                "{name} counts what the bridge carried:\n{metrics}"
+            );
+        }
+    }
     let replica_log = replica.log_text();
     assert_eq!(
         replica.term(Duration::from_secs(30)),

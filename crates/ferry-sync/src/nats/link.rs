@@ -1,0 +1,383 @@
+//! The replica's side of the JetStream transport (docs/sync.md §8.3).
+//!
+//! - **Fetching** pulls from the replica's durable consumer of its down subject. A batch
+//!   is acknowledged (with everything before it: `AckPolicy::All`) when the replica asks
+//!   for the next one, that is once it applied it. A replica that stopped between a
+//!   delivery and its acknowledgement finds, when it starts, the frames delivered to it
+//!   and never acknowledged read back from the stream before anything newer, so a crash
+//!   costs no gap.
+//! - **Reporting** publishes to the report subject; `Ok` once JetStream stored it.
+//! - **Uploading** publishes under `Nats-Msg-Id` = the upload's id (a publish repeated
+//!   after a lost acknowledgement is dropped by JetStream), then waits for the `Filed`
+//!   naming that id on the replica's filed subject. No answer within [`FILED_WAIT`] is a
+//!   failure that passes: the uploader sends its rows again under a new id, and the
+//!   server's stale check answers the older one if it is filed later.
+//!
+//! The link runs its own small Tokio runtime, so the replica's loops stay plain threads.
+//! Its methods block: call them from a thread, not from async code.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer, stream};
+use futures_util::StreamExt;
+use uuid::Uuid;
+
+use super::{Assembler, Names};
+use crate::replica::{Downlink, Position, TransportError, Uplink};
+use crate::wire;
+
+/// How long an upload waits for its `Filed`.
+pub const FILED_WAIT: Duration = Duration::from_secs(30);
+/// A delivered frame not acknowledged within this comes again.
+const ACK_WAIT: Duration = Duration::from_secs(30);
+/// Messages delivered and not yet acknowledged, at most.
+const ACK_PENDING_MAX: i64 = 1_024;
+/// How long a fetch, report or upload waits for a connection under way.
+const CONNECT_WAIT: Duration = Duration::from_secs(2);
+/// How long a publish waits for JetStream's acknowledgement.
+const PUBLISH_WAIT: Duration = Duration::from_secs(10);
+
+/// One replica's link to NATS: its durable consumer, and its subjects up.
+pub struct NatsLink {
+    rt: tokio::runtime::Runtime,
+    url: String,
+    names: Names,
+    id: Uuid,
+    token: String,
+    client: async_nats::Client,
+    js: jetstream::Context,
+    down: Option<(stream::Stream, consumer::PullConsumer)>,
+    /// Frames delivered to an earlier run and never acknowledged, read back at start.
+    recovered: VecDeque<Vec<u8>>,
+    /// The last message that completed a frame handed out: acknowledged, with every one
+    /// before it, at the next fetch.
+    unacked: Option<jetstream::Message>,
+    parts: Assembler,
+    filed: Option<async_nats::Subscriber>,
+}
+
+impl NatsLink {
+    /// `url`: `nats://HOST:PORT` (or `tls://`); `token`: the replica's token from
+    /// `ferry sync enroll`. Connects in the background: a server away now is a failure
+    /// that passes, at the first fetch or upload.
+    pub fn new(
+        url: &str,
+        names: Names,
+        id: Uuid,
+        token: &str,
+    ) -> Result<NatsLink, ferry_core::ConfigError> {
+        if !(url.starts_with("nats://") || url.starts_with("tls://")) {
+            return Err(ferry_core::ConfigError::new(
+                "server",
+                url,
+                "a NATS server must be given as nats://HOST:PORT or tls://HOST:PORT",
+            ));
+        }
+        if token.is_empty() || token.chars().any(|c| c.is_control() || c == ' ') {
+            return Err(ferry_core::ConfigError::new(
+                "token",
+                "(not shown)",
+                "is empty or holds spaces or control characters",
+            ));
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("ferry-sync-nats")
+            .enable_all()
+            .build()
+            .map_err(|e| ferry_core::ConfigError::new("runtime", "", e.to_string()))?;
+        let client = rt
+            .block_on(super::connect(url, "ferry sync replica"))
+            .map_err(|e| ferry_core::ConfigError::new("server", url, e))?;
+        let mut js = {
+            let _in = rt.enter();
+            jetstream::new(client.clone())
+        };
+        js.set_timeout(PUBLISH_WAIT);
+        Ok(NatsLink {
+            rt,
+            url: url.to_string(),
+            names,
+            id,
+            token: token.to_string(),
+            client,
+            js,
+            down: None,
+            recovered: VecDeque::new(),
+            unacked: None,
+            parts: Assembler::default(),
+            filed: None,
+        })
+    }
+
+    fn away(&self, what: impl std::fmt::Display) -> TransportError {
+        TransportError::Unavailable(format!("NATS at {}: {what}", self.url))
+    }
+
+    /// Waits a little for a connection under way (the first, or a reconnection), so a
+    /// link just made or a server just back is not taken for one away.
+    async fn connected(&self) -> Result<(), TransportError> {
+        let up = || self.client.connection_state() == async_nats::connection::State::Connected;
+        let deadline = tokio::time::Instant::now() + CONNECT_WAIT;
+        while !up() {
+            if tokio::time::Instant::now() >= deadline {
+                return Err(self.away("not connected"));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Ok(())
+    }
+
+    /// The replica's consumer, made the first time; frames an earlier run was given and
+    /// never acknowledged are read back then.
+    async fn consumer(&mut self) -> Result<consumer::PullConsumer, TransportError> {
+        if let Some((_, c)) = &self.down {
+            return Ok(c.clone());
+        }
+        let stream = self
+            .js
+            .get_stream(self.names.down_stream())
+            .await
+            .map_err(|e| {
+                self.away(format!(
+                    "no stream {} ({e}); is `ferry sync serve --nats` running?",
+                    self.names.down_stream()
+                ))
+            })?;
+        let name = self.names.consumer(self.id);
+        let mut consumer: consumer::PullConsumer = stream
+            .get_or_create_consumer(
+                &name,
+                consumer::pull::Config {
+                    durable_name: Some(name.clone()),
+                    filter_subject: self.names.down(self.id),
+                    ack_policy: consumer::AckPolicy::All,
+                    ack_wait: ACK_WAIT,
+                    max_ack_pending: ACK_PENDING_MAX,
+                    ..Default::default()
+                },
+            )
+            .await
+            .map_err(|e| self.away(format!("cannot make the consumer {name}: {e}")))?;
+        let info = consumer
+            .info()
+            .await
+            .map_err(|e| self.away(format!("cannot read the consumer {name}: {e}")))?
+            .clone();
+        if info.num_ack_pending > 0 {
+            let subject = self.names.down(self.id);
+            let mut seq = info.ack_floor.stream_sequence + 1;
+            let mut parts = Assembler::default();
+            while seq <= info.delivered.stream_sequence {
+                let m = match stream
+                    .raw_message_builder()
+                    .sequence(seq)
+                    .next_by_subject(subject.clone())
+                    .send()
+                    .await
+                {
+                    Ok(m) if m.sequence <= info.delivered.stream_sequence => m,
+                    _ => break,
+                };
+                seq = m.sequence + 1;
+                if let Some(frame) = assemble(&mut parts, Some(&m.headers), &m.payload) {
+                    self.recovered.push_back(frame);
+                }
+            }
+            tracing::info!(replica = %self.id, frames = self.recovered.len(), "nats: frames delivered to an earlier run and never acknowledged, read back");
+        }
+        self.down = Some((stream, consumer.clone()));
+        Ok(consumer)
+    }
+
+    async fn fetch_async(
+        &mut self,
+        max: usize,
+        wait: Duration,
+    ) -> Result<Vec<Vec<u8>>, TransportError> {
+        self.connected().await?;
+        let consumer = self.consumer().await?;
+        if let Some(m) = self.unacked.take()
+            && let Err(e) = m.ack().await
+        {
+            // Not acknowledged: it comes again after ACK_WAIT, and the replica takes it
+            // as already applied.
+            tracing::debug!(error = %e, "nats: acknowledging frames");
+        }
+        if !self.recovered.is_empty() {
+            let n = max.min(self.recovered.len());
+            return Ok(self.recovered.drain(..n).collect());
+        }
+        let batch = if wait < Duration::from_millis(10) {
+            consumer.fetch().max_messages(max).messages().await
+        } else {
+            consumer
+                .batch()
+                .max_messages(max)
+                .expires(wait)
+                .messages()
+                .await
+        };
+        let mut batch = batch.map_err(|e| self.away(format!("fetching: {e}")))?;
+        let mut frames = Vec::new();
+        while let Some(m) = batch.next().await {
+            let m = match m {
+                Ok(m) => m,
+                Err(e) => {
+                    if frames.is_empty() {
+                        return Err(self.away(format!("fetching: {e}")));
+                    }
+                    break;
+                }
+            };
+            if let Some(frame) = assemble(&mut self.parts, m.headers.as_ref(), &m.payload) {
+                frames.push(frame);
+                self.unacked = Some(m);
+            }
+        }
+        Ok(frames)
+    }
+
+    /// Publishes `payload` up on `subject` with the replica's token; `Ok` once stored.
+    async fn publish_up(
+        &self,
+        subject: String,
+        mut headers: async_nats::HeaderMap,
+        payload: &[u8],
+        what: &str,
+    ) -> Result<(), TransportError> {
+        let max = self.client.server_info().max_payload;
+        if payload.len() + super::HEADROOM > max {
+            return Err(TransportError::Refused(format!(
+                "the {what} of {} bytes is over what NATS at {} takes in one message (max_payload {max} bytes, less {} for headers); nothing was sent: raise max_payload on the server (8 MiB carries everything a replica sends)",
+                payload.len(),
+                self.url,
+                super::HEADROOM
+            )));
+        }
+        headers.insert(super::TOKEN_HEADER, self.token.as_str());
+        let ack = self
+            .js
+            .publish_with_headers(subject, headers, bytes::Bytes::copy_from_slice(payload))
+            .await
+            .map_err(|e| self.away(format!("publishing the {what}: {e}")))?;
+        ack.await
+            .map_err(|e| self.away(format!("publishing the {what}: {e}")))?;
+        Ok(())
+    }
+
+    async fn upload_async(&mut self, upload: &[u8]) -> Result<Vec<u8>, TransportError> {
+        self.connected().await?;
+        let upload_id = wire::decode_upload(upload)
+            .map_err(|e| TransportError::Refused(format!("the upload does not decode: {e}")))?
+            .id;
+        if self.filed.is_none() {
+            let sub = self
+                .client
+                .subscribe(self.names.filed(self.id))
+                .await
+                .map_err(|e| self.away(format!("subscribing to the answers: {e}")))?;
+            self.client
+                .flush()
+                .await
+                .map_err(|e| self.away(format!("subscribing to the answers: {e}")))?;
+            self.filed = Some(sub);
+        }
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(
+            "Nats-Msg-Id",
+            format!("{}.up.{upload_id}", self.id).as_str(),
+        );
+        headers.insert(super::UPLOAD_HEADER, upload_id.to_string().as_str());
+        self.publish_up(self.names.upload(self.id), headers, upload, "upload")
+            .await?;
+        let deadline = tokio::time::Instant::now() + FILED_WAIT;
+        let want = upload_id.to_string();
+        let mut parts = Assembler::default();
+        let sub = self.filed.as_mut().expect("subscribed above");
+        loop {
+            let m = match tokio::time::timeout_at(deadline, sub.next()).await {
+                Ok(Some(m)) => m,
+                Ok(None) => {
+                    self.filed = None;
+                    return Err(self.away("the answers' subscription ended"));
+                }
+                Err(_) => {
+                    return Err(self.away(format!(
+                        "no answer to upload {upload_id} within {FILED_WAIT:?}; it may still be filed: its rows go again under a new id"
+                    )));
+                }
+            };
+            let header = |name: &str| {
+                m.headers
+                    .as_ref()
+                    .and_then(|h| h.get(name))
+                    .map(|v| v.as_str().to_string())
+            };
+            if header(super::UPLOAD_HEADER).as_deref() != Some(want.as_str()) {
+                continue; // the answer to an earlier send, given up on
+            }
+            if let Some(why) = header(super::REFUSED_HEADER) {
+                return Err(TransportError::Refused(why));
+            }
+            if let Some(filed) = assemble(&mut parts, m.headers.as_ref(), &m.payload) {
+                return Ok(filed);
+            }
+        }
+    }
+}
+
+/// Adds one message to `parts`; the whole frame or answer once complete.
+fn assemble(
+    parts: &mut Assembler,
+    headers: Option<&async_nats::HeaderMap>,
+    payload: &[u8],
+) -> Option<Vec<u8>> {
+    let chunk = super::chunk_of(headers)?;
+    let key = headers
+        .and_then(|h| {
+            Some(format!(
+                "{}.{}",
+                h.get(super::EPOCH_HEADER).or(h.get(super::UPLOAD_HEADER))?,
+                h.get(super::SEQ_HEADER).map(|v| v.as_str()).unwrap_or("")
+            ))
+        })
+        .unwrap_or_default();
+    parts.push(&key, chunk, payload)
+}
+
+impl Downlink for NatsLink {
+    /// The position is the replica's own business here: its consumer knows what it was
+    /// given, and the replica's chain rules (docs/sync.md §7.2) take what follows it.
+    fn fetch(
+        &mut self,
+        _position: Position,
+        max: usize,
+        wait: Duration,
+    ) -> Result<Vec<Vec<u8>>, TransportError> {
+        let rt = self.rt.handle().clone();
+        rt.block_on(self.fetch_async(max, wait))
+    }
+
+    fn report(&mut self, up: &[u8]) -> Result<(), TransportError> {
+        let rt = self.rt.handle().clone();
+        rt.block_on(async {
+            self.connected().await?;
+            self.publish_up(
+                self.names.report(self.id),
+                async_nats::HeaderMap::new(),
+                up,
+                "report",
+            )
+            .await
+        })
+    }
+}
+
+impl Uplink for NatsLink {
+    fn upload(&mut self, upload: &[u8]) -> Result<Vec<u8>, TransportError> {
+        let rt = self.rt.handle().clone();
+        rt.block_on(self.upload_async(upload))
+    }
+}
