@@ -315,7 +315,7 @@ async fn a_store_over_jetstream_is_provisioned_and_its_sales_are_filed_once_each
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn frames_delivered_but_never_acknowledged_come_back_first_to_the_next_run() {
+async fn frames_not_taken_come_back_after_a_crash_and_from_where_the_replica_stands() {
     let mut shop = Shop::new("nats_ack").await;
     let scratch = ferry_testkit::Scratch::new("sync-nats-ack");
     let nats = PrivateNats::start(scratch.path());
@@ -335,16 +335,25 @@ async fn frames_delivered_but_never_acknowledged_come_back_first_to_the_next_run
         shop.passes().await;
     }
     let url = nats.url();
-    let (given, again) = tokio::task::spawn_blocking(move || {
-        let position = Position {
-            epoch: None,
-            seq: 0,
-            nonce: 0,
+    let (given, again, turns, taken) = tokio::task::spawn_blocking(move || {
+        // Where a replica that took every frame handed stands: after the last.
+        let after = |frames: &[Vec<u8>]| match frames.last() {
+            None => Position {
+                epoch: None,
+                seq: 0,
+                nonce: 0,
+            },
+            Some(f) => Position {
+                epoch: Some(f[24..40].try_into().unwrap()),
+                seq: u64::from_be_bytes(f[40..48].try_into().unwrap()),
+                nonce: u64::from_be_bytes(f[48..56].try_into().unwrap()),
+            },
         };
         let fetch_all = |link: &mut NatsLink| {
             let mut frames = Vec::new();
             let start = Instant::now();
             while frames.len() < 10 && start.elapsed() < Duration::from_secs(30) {
+                let position = after(&frames);
                 frames.extend(link.fetch(position, 4, Duration::from_millis(200)).unwrap());
             }
             frames
@@ -355,10 +364,17 @@ async fn frames_delivered_but_never_acknowledged_come_back_first_to_the_next_run
         let given = fetch_all(&mut first);
         drop(first);
         let mut second = NatsLink::new(&url, names, store, &token).unwrap();
-        let again = second
-            .fetch(position, 64, Duration::from_millis(200))
-            .unwrap();
-        (given, again)
+        let wait = Duration::from_millis(200);
+        // It stood after frame 8 when it stopped (its file is not part of this test).
+        let again = second.fetch(after(&given[..8]), 64, wait).unwrap();
+        // A replica that did not take them (cut short, say) asks from the same place: they
+        // are read again from the stream; a reading again that moved it nowhere gives the
+        // next turn to the consumer (nothing new), and the one after reads them again.
+        let turns: Vec<usize> = (0..3)
+            .map(|_| second.fetch(after(&given[..8]), 64, wait).unwrap().len())
+            .collect();
+        let taken = second.fetch(after(&given), 64, wait).unwrap();
+        (given, again, turns, taken)
     })
     .await
     .unwrap();
@@ -368,6 +384,16 @@ async fn frames_delivered_but_never_acknowledged_come_back_first_to_the_next_run
         again,
         given[8..].to_vec(),
         "the unacknowledged frames come back, first"
+    );
+    assert_eq!(
+        turns,
+        [2, 0, 2],
+        "read again, the consumer's turn, read again"
+    );
+    assert!(
+        taken.is_empty(),
+        "once taken, nothing comes again: {}",
+        taken.len()
     );
     let _ = stop_tx.send(true);
     shop.finish().await;

@@ -36,43 +36,228 @@ use common::up::{
     Lossy, RECORDS_RULES, RECORDS_SCHEMA, SETTINGS_RULES, SETTINGS_SCHEMA, upload_all,
 };
 use common::{SHOP_RULES, SHOP_SCHEMA, Shop};
+use ferry_sync::nats::Names;
+use ferry_sync::nats::bridge::Bridge;
+use ferry_sync::nats::link::NatsLink;
 use ferry_sync::relay::{Relay, RelaySettings};
-use ferry_sync::replica::{CarryOut, Outcome, Received, Uploader, Wish};
+use ferry_sync::replica::{CarryOut, Downlink, Outcome, Position, Received, Uploader, Wish};
 use ferry_sync::value::Value;
 use ferry_sync::{wire, wish};
+use ferry_testkit::servers::PrivateNats;
 use serde_json::json;
 use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_store_converges_on_its_rules_through_a_seeded_random_walk() {
+    walks(false, 6, 400).await;
+}
+
+/// The same walk with NATS JetStream carrying frames, reports and uploads (docs/sync.md
+/// §8.3): a bridge publishes the outbox and files what comes up; each store fetches
+/// through its durable consumer, and a store killed comes back on a new link. The
+/// walk's faults act on top: frames the consumer delivered are dropped, repeated and
+/// reordered, which the link must make good by reading them again from where the
+/// replica stands. Fewer seeds and steps by default (`FERRY_SYNC_WALK_NATS_SEEDS`,
+/// `FERRY_SYNC_WALK_NATS_STEPS`); `FERRY_SYNC_WALK_SEED` picks one here too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_store_converges_over_nats_jetstream_through_the_same_walk() {
+    let seeds = env_u64("FERRY_SYNC_WALK_NATS_SEEDS").unwrap_or(2);
+    let steps = env_u64("FERRY_SYNC_WALK_NATS_STEPS").unwrap_or(300);
+    walks(true, seeds, steps).await;
+}
+
+async fn walks(nats: bool, default_seeds: u64, default_steps: u64) {
     let seeds: Vec<u64> = match env_u64("FERRY_SYNC_WALK_SEED") {
         Some(seed) => vec![seed],
-        None => (0..env_u64("FERRY_SYNC_WALK_SEEDS").unwrap_or(6)).collect(),
+        None => (0..env_u64(if nats {
+            "FERRY_SYNC_WALK_NATS_SEEDS"
+        } else {
+            "FERRY_SYNC_WALK_SEEDS"
+        })
+        .unwrap_or(default_seeds))
+            .collect(),
     };
-    let steps = env_u64("FERRY_SYNC_WALK_STEPS").unwrap_or(400) as usize;
+    let steps = env_u64(if nats {
+        "FERRY_SYNC_WALK_NATS_STEPS"
+    } else {
+        "FERRY_SYNC_WALK_STEPS"
+    })
+    .unwrap_or(default_steps) as usize;
     let started = Instant::now();
     for seed in seeds {
         let one = Instant::now();
-        let guard = Replay(seed);
-        walk(seed, steps).await;
+        let guard = Replay(seed, nats);
+        walk(seed, steps, nats).await;
         drop(guard);
-        eprintln!("walk seed {seed}: {steps} steps in {:?}", one.elapsed());
+        eprintln!(
+            "walk seed {seed} (nats: {nats}): {steps} steps in {:?}",
+            one.elapsed()
+        );
     }
     eprintln!("walk: done in {:?}", started.elapsed());
 }
 
 /// Names a failing seed and the way to replay it, as the panic unwinds.
-struct Replay(u64);
+struct Replay(u64, bool);
 
 impl Drop for Replay {
     fn drop(&mut self) {
         if std::thread::panicking() {
             eprintln!(
                 "walk seed {seed} failed; replay it alone with FERRY_SYNC_WALK_SEED={seed} \
-                 cargo test -p ferry-sync --test walk -- --nocapture",
-                seed = self.0
+                 cargo test -p ferry-sync --test walk {which} -- --nocapture",
+                seed = self.0,
+                which = if self.1 {
+                    "over_nats"
+                } else {
+                    "seeded_random_walk"
+                },
             );
+        }
+    }
+}
+
+/// How the walk's frames and reports travel (uploads: `Lossy`, with its own link): the
+/// database directly (serve's own reads and writes), or NATS JetStream through a bridge.
+struct Carrier {
+    nats: Option<NatsCarrier>,
+}
+
+struct NatsCarrier {
+    url: String,
+    names: Names,
+    /// Each store's link down (its consumer); a store killed gets a new one.
+    links: BTreeMap<Uuid, NatsLink>,
+    stop: tokio::sync::watch::Sender<bool>,
+    _server: PrivateNats,
+    _scratch: ferry_testkit::Scratch,
+}
+
+impl Carrier {
+    async fn new(shop: &Shop, seed: u64, nats: bool) -> Carrier {
+        if !nats {
+            return Carrier { nats: None };
+        }
+        let scratch = ferry_testkit::Scratch::new(&format!("sync-walk-nats-{seed}"));
+        let server = PrivateNats::start(scratch.path());
+        let names = Names::new(&format!("walk{seed}")).unwrap();
+        let pool = sqlx::PgPool::connect(&shop.db.url).await.unwrap();
+        let serve = ferry_sync::serve::Serve::new(pool, Default::default())
+            .await
+            .unwrap()
+            .file_into(shop.spec.records.clone(), Default::default());
+        let bridge = Bridge::connect(serve, &server.url(), names.clone())
+            .await
+            .expect("the bridge connects");
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move { bridge.run(stopped).await.expect("the bridge runs") });
+        Carrier {
+            nats: Some(NatsCarrier {
+                url: server.url(),
+                names,
+                links: BTreeMap::new(),
+                stop,
+                _server: server,
+                _scratch: scratch,
+            }),
+        }
+    }
+
+    /// A link for store `id`'s uploads, when uploads travel over NATS.
+    fn uplink(&self, shop: &Shop, id: Uuid) -> Option<NatsLink> {
+        let n = self.nats.as_ref()?;
+        let token = shop.tokens[&id].clone();
+        Some(tokio::task::block_in_place(|| {
+            NatsLink::new(&n.url, n.names.clone(), id, &token).unwrap()
+        }))
+    }
+
+    /// Up to `max` frames for store `id` standing at `status`; over NATS, waiting up to
+    /// `wait` for the bridge to publish.
+    async fn frames(
+        &mut self,
+        shop: &Shop,
+        id: Uuid,
+        status: &ferry_sync::replica::ReplicaStatus,
+        max: usize,
+        wait: Duration,
+    ) -> Vec<Vec<u8>> {
+        let epoch = status
+            .epoch
+            .as_deref()
+            .and_then(|h| Uuid::parse_str(h).ok());
+        let Some(n) = self.nats.as_mut() else {
+            return ferry_sync::serve::frames_after(&shop.db.pool, id, epoch, status.seq, max)
+                .await
+                .unwrap();
+        };
+        let token = shop.tokens[&id].clone();
+        let (url, names) = (n.url.clone(), n.names.clone());
+        let link = n.links.entry(id).or_insert_with(|| {
+            tokio::task::block_in_place(|| NatsLink::new(&url, names, id, &token).unwrap())
+        });
+        let position = Position {
+            epoch: epoch.map(|e| *e.as_bytes()),
+            seq: status.seq,
+            nonce: 0,
+        };
+        tokio::task::block_in_place(|| link.fetch(position, max, wait))
+            .unwrap_or_else(|e| panic!("store {id}: fetching over NATS: {e}"))
+    }
+
+    /// Sends store `id`'s report and returns once the server stored it.
+    async fn report(&mut self, shop: &Shop, id: Uuid, up: &[u8]) {
+        let Some(n) = self.nats.as_mut() else {
+            ferry_sync::serve::store_report(&shop.db.pool, id, up)
+                .await
+                .unwrap();
+            return;
+        };
+        let stored = || async {
+            sqlx::query_scalar::<_, i64>("SELECT n FROM ferry_sync.reports WHERE replica = $1")
+                .bind(id)
+                .fetch_optional(&shop.db.pool)
+                .await
+                .unwrap()
+        };
+        let before = stored().await;
+        let link = n
+            .links
+            .get_mut(&id)
+            .expect("a store reports after it fetched");
+        tokio::task::block_in_place(|| link.report(up))
+            .unwrap_or_else(|e| panic!("store {id}: reporting over NATS: {e}"));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while stored().await == before {
+            assert!(
+                Instant::now() < deadline,
+                "store {id}: the bridge never stored its report"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    /// Store `id`'s process was killed: its link goes with it.
+    fn killed(&mut self, id: Uuid) {
+        if let Some(n) = self.nats.as_mut() {
+            n.links.remove(&id);
+        }
+    }
+
+    fn wait(&self) -> Duration {
+        if self.nats.is_some() {
+            Duration::from_millis(150)
+        } else {
+            Duration::ZERO
+        }
+    }
+}
+
+impl Drop for Carrier {
+    fn drop(&mut self) {
+        if let Some(n) = &self.nats {
+            let _ = n.stop.send(true);
         }
     }
 }
@@ -148,7 +333,7 @@ struct Ids {
     orders: Vec<Uuid>,
 }
 
-async fn walk(seed: u64, steps: usize) {
+async fn walk(seed: u64, steps: usize, nats: bool) {
     let mut rng = Rng(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ 0x5EED);
     let mut shop = if std::env::var_os("FERRY_SYNC_WALK_NO_RECORDS").is_some() {
         Shop::new(&format!("walk{seed}")).await
@@ -169,13 +354,14 @@ async fn walk(seed: u64, steps: usize) {
     };
     let plan = plan(&mut rng, steps);
     shop.relay = new_relay(&shop, &mut rng, plan.digests);
+    let mut carrier = Carrier::new(&shop, seed, nats).await;
     let mut ids = Ids::default();
     let mut book = Book::default();
     let mut ups: BTreeMap<Uuid, Up> = BTreeMap::new();
     for (id, region) in &plan.stores {
         shop.store_as(*id, region).await;
         ids.stores.push(*id);
-        ups.insert(*id, Up::new(&shop, *id, rng.next()));
+        ups.insert(*id, Up::new(&shop, *id, rng.next(), &carrier));
     }
     // Frames a delivery held back, delivered (late, repeated) by a later one.
     let mut late_frames: BTreeMap<Uuid, Vec<Vec<u8>>> = BTreeMap::new();
@@ -186,7 +372,7 @@ async fn walk(seed: u64, steps: usize) {
         {
             shop.store_as(id, region).await;
             ids.stores.push(id);
-            ups.insert(id, Up::new(&shop, id, rng.next()));
+            ups.insert(id, Up::new(&shop, id, rng.next(), &carrier));
         }
         if let Some((id, close_at, reopen_at)) = plan.close {
             if close_at == step {
@@ -220,7 +406,7 @@ async fn walk(seed: u64, steps: usize) {
                 } else if restart {
                     // The uploader's process killed and started again: what it held in
                     // memory (a batch sent, its Filed lost) is gone; its file stays.
-                    up.restarted(&shop, id)
+                    up.restarted(&shop, id, &carrier)
                 } else {
                     up.turns(turns).await
                 };
@@ -238,11 +424,20 @@ async fn walk(seed: u64, steps: usize) {
             }
             60..=89 => {
                 let id = *rng.pick(&ids.stores).expect("a store exists");
-                deliver_faulty(&mut shop, &mut rng, id, &mut late_frames, plan.digests).await;
+                deliver_faulty(
+                    &mut shop,
+                    &mut carrier,
+                    &mut rng,
+                    id,
+                    &mut late_frames,
+                    plan.digests,
+                )
+                .await;
             }
             90..=93 => {
                 let id = *rng.pick(&ids.stores).expect("a store exists");
                 shop.reopen(id);
+                carrier.killed(id);
             }
             94..=96 => {
                 heals += shop
@@ -269,7 +464,7 @@ async fn walk(seed: u64, steps: usize) {
     }
 
     // Writes stop; the transport delivers faithfully until nothing moves.
-    quiesce(&mut shop, seed).await;
+    quiesce(&mut shop, &mut carrier, seed).await;
     let closed = plan
         .close
         .filter(|(_, _, reopen)| reopen.is_none_or(|at| at >= steps))
@@ -324,9 +519,10 @@ struct Up {
 }
 
 impl Up {
-    fn new(shop: &Shop, id: Uuid, seed: u64) -> Up {
+    fn new(shop: &Shop, id: Uuid, seed: u64, carrier: &Carrier) -> Up {
         let mut link = Lossy::new(shop, id, seed, 300);
         link.late = Some(Vec::new());
+        link.nats = carrier.uplink(shop, id);
         Up {
             uploader: Uploader::open(&shop.dir.join(format!("{id}.db")), shop.seal_keys[&id], id)
                 .unwrap(),
@@ -334,12 +530,15 @@ impl Up {
         }
     }
 
-    fn restarted(self, shop: &Shop, id: Uuid) -> Up {
+    fn restarted(self, shop: &Shop, id: Uuid, carrier: &Carrier) -> Up {
         drop(self.uploader);
+        let mut link = self.link;
+        // A new process, a new link: answers on their way to the old one are lost.
+        link.nats = carrier.uplink(shop, id);
         Up {
             uploader: Uploader::open(&shop.dir.join(format!("{id}.db")), shop.seal_keys[&id], id)
                 .unwrap(),
-            link: self.link,
+            link,
         }
     }
 
@@ -1007,20 +1206,17 @@ fn customer_or_null(rng: &mut Rng, ids: &Ids) -> String {
 /// error or a refusal is wrong.
 async fn deliver_faulty(
     shop: &mut Shop,
+    carrier: &mut Carrier,
     rng: &mut Rng,
     id: Uuid,
     late_frames: &mut BTreeMap<Uuid, Vec<Vec<u8>>>,
     digests: bool,
 ) {
     let status = shop.replicas[&id].status().unwrap();
-    let epoch = status
-        .epoch
-        .as_deref()
-        .and_then(|h| Uuid::parse_str(h).ok());
     let max = 1 + rng.below(64) as usize;
-    let mut frames = ferry_sync::serve::frames_after(&shop.db.pool, id, epoch, status.seq, max)
-        .await
-        .unwrap();
+    // Over NATS, a moment for the bridge to publish what the last pass recorded.
+    let wait = carrier.wait() / 8;
+    let mut frames = carrier.frames(shop, id, &status, max, wait).await;
     if rng.chance(25) {
         frames.retain(|_| !rng.chance(30));
     }
@@ -1085,9 +1281,8 @@ async fn deliver_faulty(
                 up.applied.as_ref().map(|a| a.seq)
             );
         }
-        ferry_sync::serve::store_report(&shop.db.pool, id, &wire::encode_up(&up))
-            .await
-            .unwrap();
+        carrier.report(shop, id, &wire::encode_up(&up)).await;
+        let replica = shop.replicas.get_mut(&id).unwrap();
         replica.reported(&up).unwrap();
     }
 }
@@ -1139,13 +1334,13 @@ async fn kill_relay_mid_pass(shop: &mut Shop, rng: &mut Rng, digests: bool) {
 
 /// Passes and faithful deliveries (reports without digests, so only the planner can
 /// bring a replica to its rules) until nothing moves and nothing waits.
-async fn quiesce(shop: &mut Shop, seed: u64) {
+async fn quiesce(shop: &mut Shop, carrier: &mut Carrier, seed: u64) {
     for _ in 0..60 {
         shop.passes().await;
         let mut moved = false;
         let ids: Vec<Uuid> = shop.replicas.keys().copied().collect();
         for id in ids {
-            moved |= deliver_faithful(shop, id).await;
+            moved |= deliver_faithful(shop, carrier, id).await;
         }
         shop.passes().await;
         let waiting: i64 = sqlx::query_scalar(
@@ -1157,22 +1352,39 @@ async fn quiesce(shop: &mut Shop, seed: u64) {
         if !moved && waiting == 0 {
             return;
         }
+        if trace() {
+            eprintln!("quiesce: moved {moved}, waiting {waiting}");
+        }
     }
-    panic!("seed {seed}: delivery never settled");
-}
-
-async fn deliver_faithful(shop: &mut Shop, id: Uuid) -> bool {
-    let mut applied = false;
-    loop {
-        let replica = shop.replicas.get_mut(&id).unwrap();
-        let status = replica.status().unwrap();
-        let epoch = status
-            .epoch
-            .as_deref()
-            .and_then(|h| Uuid::parse_str(h).ok());
-        let frames = ferry_sync::serve::frames_after(&shop.db.pool, id, epoch, status.seq, 64)
+    let outbox: Vec<(Uuid, i64, i64)> = sqlx::query_as(
+        "SELECT replica, min(seq), max(seq) FROM ferry_sync.outbox GROUP BY replica",
+    )
+    .fetch_all(&shop.db.pool)
+    .await
+    .unwrap();
+    let chains: Vec<(Uuid, i64, i64)> =
+        sqlx::query_as("SELECT id, confirmed_seq, last_seq FROM ferry_sync.replicas")
+            .fetch_all(&shop.db.pool)
             .await
             .unwrap();
+    let at: Vec<(Uuid, u64)> = shop
+        .replicas
+        .iter()
+        .map(|(id, r)| (*id, r.status().unwrap().seq))
+        .collect();
+    panic!(
+        "seed {seed}: delivery never settled: outbox (replica, first, last) {outbox:?}, \
+         chains (replica, confirmed, last) {chains:?}, stores at {at:?}"
+    );
+}
+
+async fn deliver_faithful(shop: &mut Shop, carrier: &mut Carrier, id: Uuid) -> bool {
+    let mut applied = false;
+    loop {
+        let status = shop.replicas[&id].status().unwrap();
+        let wait = carrier.wait();
+        let frames = carrier.frames(shop, id, &status, 64, wait).await;
+        let replica = shop.replicas.get_mut(&id).unwrap();
         let mut progressed = false;
         for frame in &frames {
             let received = replica.receive(frame).unwrap();
@@ -1189,10 +1401,8 @@ async fn deliver_faithful(shop: &mut Shop, id: Uuid) -> bool {
             }
         }
         let up = replica.up_without_digests().unwrap();
-        ferry_sync::serve::store_report(&shop.db.pool, id, &wire::encode_up(&up))
-            .await
-            .unwrap();
-        replica.reported(&up).unwrap();
+        carrier.report(shop, id, &wire::encode_up(&up)).await;
+        shop.replicas.get_mut(&id).unwrap().reported(&up).unwrap();
         if !progressed {
             return applied;
         }

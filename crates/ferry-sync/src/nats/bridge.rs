@@ -10,6 +10,8 @@
 //!   from the stream itself (the subject's last message carries its frame's epoch and
 //!   seq), so a bridge keeps no state of its own. A wake-up comes with the relay's
 //!   `NOTIFY ferry_sync_outbox`; a sweep every [`SWEEP_EVERY`] catches a lost one.
+//!   Publishing a chain start drops the subject's earlier messages: the stream holds
+//!   one chain per replica, as the outbox does.
 //! - **Up.** Reports and uploads are taken from the up stream through one durable
 //!   consumer the bridges share. Each is checked against the token it carries for the
 //!   replica its subject names, then stored (a report) or filed (an upload) exactly as
@@ -328,9 +330,10 @@ impl Bridge {
             }
             let more = found.frames.len() == LOOK_FRAMES || found.cut;
             for frame in &found.frames {
-                let Some((epoch, seq, nonce)) = head_fields(frame) else {
+                let Some((epoch, seq, nonce, prev)) = head_fields(frame) else {
                     return Err("an outbox frame is shorter than its head".into());
                 };
+                let mut first_part = 0;
                 for (i, n, part) in super::chunks(frame, self.part_max) {
                     let mut headers = async_nats::HeaderMap::new();
                     headers.insert(
@@ -364,7 +367,12 @@ impl Bridge {
                             // stands is read again next time.
                             return Ok(());
                         }
-                        Ok(ack) => at.last = ack.sequence,
+                        Ok(ack) => {
+                            at.last = ack.sequence;
+                            if i == 1 {
+                                first_part = ack.sequence;
+                            }
+                        }
                         Err(e)
                             if e.kind()
                                 == jetstream::context::PublishErrorKind::WrongLastSequence =>
@@ -381,11 +389,34 @@ impl Bridge {
                 self.stats.frames.fetch_add(1, Relaxed);
                 at.epoch = Some(epoch);
                 at.after = seq;
+                if prev == 0 {
+                    self.drop_before(id, first_part).await;
+                }
             }
             if !more {
                 known.insert(id, at);
                 return Ok(());
             }
+        }
+    }
+
+    /// A chain start was published at stream sequence `from`: every earlier message of
+    /// replica `id`'s subject belongs to a chain the server abandoned, and goes, as over
+    /// HTTP the outbox holds only the current chain. (A replica takes any chain start,
+    /// so an older one read again would roll it back until the newer came.)
+    async fn drop_before(&self, id: Uuid, from: u64) {
+        if from <= 1 {
+            return;
+        }
+        if let Err(e) = self
+            .down
+            .purge()
+            .filter(self.names.down(id))
+            .sequence(from)
+            .await
+        {
+            self.stats.errors.fetch_add(1, Relaxed);
+            tracing::warn!(replica = %id, error = %e, "nats: could not drop an abandoned chain's frames; the replica's link skips them");
         }
     }
 
@@ -622,12 +653,13 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|s| *s).await;
 }
 
-/// A frame's epoch, seq and nonce, from its head (docs/sync.md §7.1).
-fn head_fields(frame: &[u8]) -> Option<(Uuid, u64, u64)> {
+/// A frame's epoch, seq, nonce and prev, from its head (docs/sync.md §7.1).
+fn head_fields(frame: &[u8]) -> Option<(Uuid, u64, u64, u64)> {
     let epoch = Uuid::from_bytes(frame.get(24..40)?.try_into().ok()?);
     let seq = u64::from_be_bytes(frame.get(40..48)?.try_into().ok()?);
     let nonce = u64::from_be_bytes(frame.get(48..56)?.try_into().ok()?);
-    Some((epoch, seq, nonce))
+    let prev = u64::from_be_bytes(frame.get(56..64)?.try_into().ok()?);
+    Some((epoch, seq, nonce, prev))
 }
 
 /// The stream `config` names, made if missing; an existing one must take its subjects.

@@ -1,11 +1,24 @@
 //! The replica's side of the JetStream transport (docs/sync.md §8.3).
 //!
-//! - **Fetching** pulls from the replica's durable consumer of its down subject. A batch
-//!   is acknowledged (with everything before it: `AckPolicy::All`) when the replica asks
-//!   for the next one, that is once it applied it. A replica that stopped between a
-//!   delivery and its acknowledgement finds, when it starts, the frames delivered to it
-//!   and never acknowledged read back from the stream before anything newer, so a crash
-//!   costs no gap.
+//! - **Fetching** pulls from the replica's durable consumer of its down subject. What
+//!   the replica took is acknowledged (with everything before it in the stream:
+//!   `AckPolicy::All`) when it next asks, by its position: the newest frame handed at or
+//!   before it. A frame handed and not taken stays unacknowledged. A replica that
+//!   stopped finds, when it starts, every frame after the last it took read back from
+//!   the stream before anything newer, so neither a crash nor a frame it could not take
+//!   then costs a gap the relay would leave to it (docs/sync.md §7.6 step 5).
+//! - **Never backwards.** The stream holds a replica's frames in the order the server
+//!   issued them, across chains and epochs, so nothing before the newest frame the
+//!   replica took can be of use to it, and an older epoch's snapshot handed again would
+//!   roll it back (a chain start is taken from any epoch). The link hands nothing from
+//!   before that point, whether the consumer redelivers it or a reading again finds it.
+//! - **Fetching honours the position**, as over HTTP: the relay counts on a replica
+//!   that saw a gap the outbox can fill to fetch it again from where it stands
+//!   (docs/sync.md §7.6 step 5). When the replica asks from before a frame it was
+//!   handed (it did not take it: cut short, out of order, refused), the frames from
+//!   there are read again from the stream. A reading again that moved the replica
+//!   nowhere gives the next fetch to the consumer, so frames it can never take (an
+//!   abandoned chain's) cannot keep a new chain from it.
 //! - **Reporting** publishes to the report subject; `Ok` once JetStream stored it.
 //! - **Uploading** publishes under `Nats-Msg-Id` = the upload's id (a publish repeated
 //!   after a lost acknowledgement is dropped by JetStream), then waits for the `Filed`
@@ -31,8 +44,12 @@ use crate::wire;
 pub const FILED_WAIT: Duration = Duration::from_secs(30);
 /// A delivered frame not acknowledged within this comes again.
 const ACK_WAIT: Duration = Duration::from_secs(30);
-/// Messages delivered and not yet acknowledged, at most.
-const ACK_PENDING_MAX: i64 = 1_024;
+/// Messages delivered and not yet acknowledged, at most: above what the stream keeps
+/// for one replica, so frames a replica cannot take (an abandoned chain's) never stop
+/// the consumer before the new chain that follows them.
+const ACK_PENDING_MAX: i64 = super::DOWN_KEPT_PER_REPLICA + 1_000;
+/// Frames handed out that the link remembers (to read them again).
+const HANDED_KEPT: usize = 4_096;
 /// How long a fetch, report or upload waits for a connection under way.
 const CONNECT_WAIT: Duration = Duration::from_secs(2);
 /// How long a publish waits for JetStream's acknowledgement.
@@ -40,7 +57,8 @@ const PUBLISH_WAIT: Duration = Duration::from_secs(10);
 
 /// One replica's link to NATS: its durable consumer, and its subjects up.
 pub struct NatsLink {
-    rt: tokio::runtime::Runtime,
+    /// `Some` until dropped: see [`Drop`], which may run in async code.
+    rt: Option<tokio::runtime::Runtime>,
     url: String,
     names: Names,
     id: Uuid,
@@ -50,11 +68,27 @@ pub struct NatsLink {
     down: Option<(stream::Stream, consumer::PullConsumer)>,
     /// Frames delivered to an earlier run and never acknowledged, read back at start.
     recovered: VecDeque<Vec<u8>>,
-    /// The last message that completed a frame handed out: acknowledged, with every one
-    /// before it, at the next fetch.
-    unacked: Option<jetstream::Message>,
     parts: Assembler,
+    /// The stream sequence of the first part of the frame being put together.
+    first_part: u64,
+    /// Frames handed out and not yet known applied, oldest first.
+    handed: VecDeque<Handed>,
+    /// The stream sequence of the newest frame the replica took (at start: the
+    /// consumer's acknowledgement floor): nothing before it is handed.
+    taken_at: u64,
+    /// Where the replica stood at the last reading again: standing there still, it goes
+    /// to the consumer instead.
+    replayed_at: Option<(Option<[u8; 16]>, u64)>,
     filed: Option<async_nats::Subscriber>,
+}
+
+/// A frame handed to the replica: which, where its first part is in the stream, and the
+/// consumer's message of its last part (none when read from the stream directly).
+struct Handed {
+    epoch: Uuid,
+    seq: u64,
+    at: u64,
+    msg: Option<jetstream::Message>,
 }
 
 impl NatsLink {
@@ -96,7 +130,7 @@ impl NatsLink {
         };
         js.set_timeout(PUBLISH_WAIT);
         Ok(NatsLink {
-            rt,
+            rt: Some(rt),
             url: url.to_string(),
             names,
             id,
@@ -105,8 +139,11 @@ impl NatsLink {
             js,
             down: None,
             recovered: VecDeque::new(),
-            unacked: None,
             parts: Assembler::default(),
+            first_part: 0,
+            handed: VecDeque::new(),
+            replayed_at: None,
+            taken_at: 0,
             filed: None,
         })
     }
@@ -165,10 +202,12 @@ impl NatsLink {
             .await
             .map_err(|e| self.away(format!("cannot read the consumer {name}: {e}")))?
             .clone();
+        self.taken_at = self.taken_at.max(info.ack_floor.stream_sequence);
         if info.num_ack_pending > 0 {
             let subject = self.names.down(self.id);
             let mut seq = info.ack_floor.stream_sequence + 1;
             let mut parts = Assembler::default();
+            let mut first = seq;
             while seq <= info.delivered.stream_sequence {
                 let m = match stream
                     .raw_message_builder()
@@ -181,7 +220,12 @@ impl NatsLink {
                     _ => break,
                 };
                 seq = m.sequence + 1;
-                if let Some(frame) = assemble(&mut parts, Some(&m.headers), &m.payload) {
+                if super::chunk_of(Some(&m.headers)).is_some_and(|(i, _)| i == 1) {
+                    first = m.sequence;
+                }
+                if let Some(frame) = assemble(&mut parts, Some(&m.headers), &m.payload)
+                    && self.hand(Some(&m.headers), first, None)
+                {
                     self.recovered.push_back(frame);
                 }
             }
@@ -193,21 +237,20 @@ impl NatsLink {
 
     async fn fetch_async(
         &mut self,
+        position: Position,
         max: usize,
         wait: Duration,
     ) -> Result<Vec<Vec<u8>>, TransportError> {
         self.connected().await?;
         let consumer = self.consumer().await?;
-        if let Some(m) = self.unacked.take()
-            && let Err(e) = m.ack().await
-        {
-            // Not acknowledged: it comes again after ACK_WAIT, and the replica takes it
-            // as already applied.
-            tracing::debug!(error = %e, "nats: acknowledging frames");
-        }
+        self.took(position).await;
         if !self.recovered.is_empty() {
             let n = max.min(self.recovered.len());
             return Ok(self.recovered.drain(..n).collect());
+        }
+        let again = self.replay(position, max).await;
+        if !again.is_empty() {
+            return Ok(again);
         }
         let batch = if wait < Duration::from_millis(10) {
             consumer.fetch().max_messages(max).messages().await
@@ -231,12 +274,134 @@ impl NatsLink {
                     break;
                 }
             };
+            let at = m.info().map(|i| i.stream_sequence).unwrap_or(0);
+            if super::chunk_of(m.headers.as_ref()).is_some_and(|(i, _)| i == 1) {
+                self.first_part = at;
+            }
             if let Some(frame) = assemble(&mut self.parts, m.headers.as_ref(), &m.payload) {
-                frames.push(frame);
-                self.unacked = Some(m);
+                if self.first_part <= self.taken_at {
+                    // Delivered again, from before what the replica took: acknowledged so
+                    // it stops coming, and not handed.
+                    let _ = m.ack().await;
+                    continue;
+                }
+                let headers = m.headers.clone();
+                if self.hand(headers.as_ref(), self.first_part, Some(m)) {
+                    frames.push(frame);
+                }
             }
         }
         Ok(frames)
+    }
+
+    /// What the replica standing at `position` took: acknowledged (the newest such frame
+    /// the consumer delivered, and with it everything before it), and forgotten.
+    async fn took(&mut self, position: Position) {
+        let taken =
+            |h: &Handed| Some(*h.epoch.as_bytes()) == position.epoch && h.seq <= position.seq;
+        let newest = self
+            .handed
+            .iter()
+            .filter(|h| taken(h) && h.msg.is_some())
+            .max_by_key(|h| h.at)
+            .and_then(|h| h.msg.as_ref());
+        if let Some(m) = newest
+            && let Err(e) = m.ack().await
+        {
+            // Not acknowledged: it comes again after ACK_WAIT, and the replica takes it
+            // as already applied.
+            tracing::debug!(error = %e, "nats: acknowledging frames");
+        }
+        let taken_at = self.taken_at;
+        self.handed.retain(|h| !taken(h) && h.at > taken_at);
+    }
+
+    /// Remembers a frame about to be handed out, by the headers of its last part; `false`:
+    /// it is from before what the replica took, and is not handed.
+    fn hand(
+        &mut self,
+        headers: Option<&async_nats::HeaderMap>,
+        at: u64,
+        msg: Option<jetstream::Message>,
+    ) -> bool {
+        if at <= self.taken_at {
+            return false;
+        }
+        let header = |name| {
+            headers
+                .and_then(|h| h.get(name))
+                .map(|v| v.as_str().to_string())
+        };
+        let (Some(epoch), Some(seq)) = (
+            header(super::EPOCH_HEADER).and_then(|e| e.parse::<Uuid>().ok()),
+            header(super::SEQ_HEADER).and_then(|s| s.parse::<u64>().ok()),
+        ) else {
+            return true; // not a frame ferry published: the replica refuses it itself
+        };
+        if let Some(h) = self
+            .handed
+            .iter_mut()
+            .find(|h| h.epoch == epoch && h.seq == seq)
+        {
+            h.at = at;
+            if msg.is_some() {
+                h.msg = msg;
+            }
+            return true;
+        }
+        if self.handed.len() == HANDED_KEPT {
+            self.handed.pop_front();
+        }
+        self.handed.push_back(Handed {
+            epoch,
+            seq,
+            at,
+            msg,
+        });
+        true
+    }
+
+    /// Frames handed out that the replica, standing at `position`, did not take, read
+    /// again from the stream (with whatever follows them there), up to `max`.
+    async fn replay(&mut self, position: Position, max: usize) -> Vec<Vec<u8>> {
+        let here = (position.epoch, position.seq);
+        if self.replayed_at.take() == Some(here) {
+            return Vec::new(); // the last reading again moved nothing: the consumer's turn
+        }
+        let Some(start) = self.handed.iter().map(|h| h.at).min() else {
+            return Vec::new();
+        };
+        let Some((stream, _)) = &self.down else {
+            return Vec::new();
+        };
+        let stream = stream.clone();
+        self.replayed_at = Some(here);
+        let subject = self.names.down(self.id);
+        let mut parts = Assembler::default();
+        let (mut seq, mut first) = (start, start);
+        let mut frames = Vec::new();
+        while frames.len() < max {
+            let m = match stream
+                .raw_message_builder()
+                .sequence(seq)
+                .next_by_subject(subject.clone())
+                .send()
+                .await
+            {
+                Ok(m) => m,
+                Err(_) => break, // nothing more (or the stream away: the consumer's turn)
+            };
+            seq = m.sequence + 1;
+            if super::chunk_of(Some(&m.headers)).is_some_and(|(i, _)| i == 1) {
+                first = m.sequence;
+            }
+            if let Some(frame) = assemble(&mut parts, Some(&m.headers), &m.payload)
+                && self.hand(Some(&m.headers), first, None)
+            {
+                frames.push(frame);
+            }
+        }
+        frames
     }
 
     /// Publishes `payload` up on `subject` with the replica's token; `Ok` once stored.
@@ -328,6 +493,26 @@ impl NatsLink {
     }
 }
 
+impl NatsLink {
+    fn handle(&self) -> tokio::runtime::Handle {
+        self.rt
+            .as_ref()
+            .expect("only Drop takes it")
+            .handle()
+            .clone()
+    }
+}
+
+impl Drop for NatsLink {
+    /// Without waiting for the link's tasks, so a link may be dropped anywhere (dropping
+    /// a runtime the usual way inside async code panics).
+    fn drop(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
 /// Adds one message to `parts`; the whole frame or answer once complete.
 fn assemble(
     parts: &mut Assembler,
@@ -348,20 +533,20 @@ fn assemble(
 }
 
 impl Downlink for NatsLink {
-    /// The position is the replica's own business here: its consumer knows what it was
-    /// given, and the replica's chain rules (docs/sync.md §7.2) take what follows it.
+    /// The frames after what the consumer delivered, unless the replica stands before a
+    /// frame it was handed: then those are read again first (see the module's doc).
     fn fetch(
         &mut self,
-        _position: Position,
+        position: Position,
         max: usize,
         wait: Duration,
     ) -> Result<Vec<Vec<u8>>, TransportError> {
-        let rt = self.rt.handle().clone();
-        rt.block_on(self.fetch_async(max, wait))
+        let rt = self.handle();
+        rt.block_on(self.fetch_async(position, max, wait))
     }
 
     fn report(&mut self, up: &[u8]) -> Result<(), TransportError> {
-        let rt = self.rt.handle().clone();
+        let rt = self.handle();
         rt.block_on(async {
             self.connected().await?;
             self.publish_up(
@@ -377,7 +562,7 @@ impl Downlink for NatsLink {
 
 impl Uplink for NatsLink {
     fn upload(&mut self, upload: &[u8]) -> Result<Vec<u8>, TransportError> {
-        let rt = self.rt.handle().clone();
+        let rt = self.handle();
         rt.block_on(self.upload_async(upload))
     }
 }

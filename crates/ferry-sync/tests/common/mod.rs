@@ -111,6 +111,8 @@ pub struct Shop {
     pub replicas: BTreeMap<Uuid, Replica>,
     /// Each replica's seal key, kept so a killed replica can be opened again.
     pub seal_keys: BTreeMap<Uuid, [u8; 32]>,
+    /// Each replica's token, for transports that carry it (NATS).
+    pub tokens: BTreeMap<Uuid, String>,
 }
 
 impl Shop {
@@ -149,6 +151,7 @@ impl Shop {
             dir,
             replicas: BTreeMap::new(),
             seal_keys: BTreeMap::new(),
+            tokens: BTreeMap::new(),
         }
     }
 
@@ -170,6 +173,7 @@ impl Shop {
         enroll::enroll(&mut conn, id, &token).await.unwrap();
         let seal_key = wire::seal_key(token.as_bytes());
         self.seal_keys.insert(id, seal_key);
+        self.tokens.insert(id, token);
         self.replicas.insert(id, self.open_replica(id));
         id
     }
