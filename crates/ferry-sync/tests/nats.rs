@@ -1,4 +1,4 @@
-//! NATS JetStream as the transport (docs/sync.md §8.3), on a real nats-server of the
+//! NATS JetStream as the transport (docs/sync-nats.md), on a real nats-server of the
 //! test's own and a real Postgres: two bridges publish every frame once and in order; a
 //! store provisioned over its durable consumer writes sales that are filed once each; a
 //! replica that stopped between a delivery and its acknowledgement gets those frames

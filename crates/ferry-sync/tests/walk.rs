@@ -53,8 +53,7 @@ async fn every_store_converges_on_its_rules_through_a_seeded_random_walk() {
     walks(false, 6, 400).await;
 }
 
-/// The same walk with NATS JetStream carrying frames, reports and uploads (docs/sync.md
-/// §8.3): a bridge publishes the outbox and files what comes up; each store fetches
+/// The same walk with NATS JetStream carrying frames, reports and uploads (docs/sync-nats.md): a bridge publishes the outbox and files what comes up; each store fetches
 /// through its durable consumer, and a store killed comes back on a new link. The
 /// walk's faults act on top: frames the consumer delivered are dropped, repeated and
 /// reordered, which the link must make good by reading them again from where the

@@ -181,7 +181,7 @@ pub struct ServeArgs {
     #[arg(long)]
     pub no_relay: bool,
     /// Also carry replicas' traffic over NATS JetStream at this server
-    /// (nats://HOST:PORT): publish their frames, file their uploads (docs/sync.md §8.3).
+    /// (nats://HOST:PORT): publish their frames, file their uploads (docs/sync-nats.md).
     #[arg(long)]
     pub nats: Option<String>,
     /// The NATS subjects' prefix: frames go to <prefix>.<replica>.down.

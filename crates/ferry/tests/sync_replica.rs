@@ -277,7 +277,7 @@ async fn a_sale_written_on_the_store_is_filed_on_the_server() {
     a_sale_filed(false).await;
 }
 
-/// As above, with NATS JetStream between them (docs/sync.md §8.3): `ferry sync serve
+/// As above, with NATS JetStream between them (docs/sync-nats.md): `ferry sync serve
 /// --nats` bridges, `ferry sync replica --server nats://…` follows its durable consumer
 /// and uploads through the up stream; serve's /metrics counts what its bridge carried.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,4 +1,4 @@
-//! The server's side of the JetStream transport (docs/sync.md §8.3), run by
+//! The server's side of the JetStream transport (docs/sync-nats.md), run by
 //! `ferry sync serve --nats URL` beside HTTP:
 //!
 //! - **Down.** Each replica's committed outbox frames are published to its down subject,

@@ -1,4 +1,4 @@
-//! The replica's side of the JetStream transport (docs/sync.md §8.3).
+//! The replica's side of the JetStream transport (docs/sync-nats.md).
 //!
 //! - **Fetching** pulls from the replica's durable consumer of its down subject. What
 //!   the replica took is acknowledged (with everything before it in the stream:

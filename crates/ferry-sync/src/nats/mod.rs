@@ -1,4 +1,4 @@
-//! NATS JetStream as a transport, beside the built-in HTTP (docs/sync.md §8.3): the same
+//! NATS JetStream as a transport, beside the built-in HTTP (docs/sync-nats.md): the same
 //! frames, reports, uploads and `Filed` answers, carried on per-replica subjects.
 //!
 //! - [`bridge::Bridge`] runs in `ferry sync serve --nats URL`: it publishes each
