@@ -398,3 +398,154 @@ async fn frames_not_taken_come_back_after_a_crash_and_from_where_the_replica_sta
     let _ = stop_tx.send(true);
     shop.finish().await;
 }
+
+/// The NATS server killed (SIGKILL) while the store writes and the server changes rows,
+/// and started again on its own store: every sale is filed once, every change arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_server_killed_mid_traffic_loses_nothing_either_way() {
+    let mut shop = Shop::new_with(
+        "nats_kill",
+        &format!("{SHOP_SCHEMA}{RECORDS_SCHEMA}"),
+        &format!("{SHOP_RULES}{RECORDS_RULES}"),
+    )
+    .await;
+    let scratch = ferry_testkit::Scratch::new("sync-nats-kill");
+    let mut nats = PrivateNats::start(scratch.path());
+    let names = Names::new("kill.sync").unwrap();
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    start_bridge(&shop, &nats.url(), &names, stop).await;
+    shop.db
+        .exec("INSERT INTO products SELECT g, 'p' || g, g, 'north' FROM generate_series(1, 50) g")
+        .await;
+    let (store, token) = enrolled(&shop, "north").await;
+    let db = scratch.path().join("store.db");
+    let halt = Arc::new(AtomicBool::new(false));
+    let mut loops = Vec::new();
+    for way in ["down", "up"] {
+        let (url, names, db, token, halt) = (
+            nats.url(),
+            names.clone(),
+            db.clone(),
+            token.clone(),
+            halt.clone(),
+        );
+        loops.push(std::thread::spawn(move || {
+            let mut link = NatsLink::new(&url, names, store, &token).unwrap();
+            let seal = wire::seal_key(token.as_bytes());
+            if way == "down" {
+                let settings = RunSettings {
+                    wait: Duration::from_millis(300),
+                    report_every: Duration::from_millis(100),
+                    ..RunSettings::default()
+                };
+                Replica::open(&db, seal)
+                    .unwrap()
+                    .run(&mut link, &halt, &settings)
+                    .unwrap();
+            } else {
+                // The file exists once the down loop opened it.
+                while !db.exists() {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                let settings = UpSettings {
+                    poll: Duration::from_millis(5),
+                    ..UpSettings::default()
+                };
+                let mut uploader = Uploader::open(&db, seal, store).unwrap();
+                uploader.run(&mut link, &halt, &settings).unwrap();
+            }
+        }));
+    }
+    passes_until(
+        &mut shop,
+        "the store provisioned",
+        Duration::from_secs(60),
+        async |_| {
+            count(&db, "SELECT count(*) FROM sales") == 0
+                && count(&db, "SELECT count(*) FROM products") == 50
+        },
+    )
+    .await;
+    let app = rusqlite::Connection::open(&db).unwrap();
+    app.busy_timeout(Duration::from_secs(5)).unwrap();
+    let sell = |batch: i64| {
+        app.execute_batch("BEGIN").unwrap();
+        for i in 0..10 {
+            app.execute(
+                "INSERT INTO sales (id, store_id, amount) VALUES (?1, ?2, ?3)",
+                rusqlite::params![
+                    Uuid::new_v4().to_string(),
+                    store.to_string(),
+                    batch * 10 + i
+                ],
+            )
+            .unwrap();
+        }
+        app.execute_batch("COMMIT").unwrap();
+    };
+    for batch in 0..3 {
+        sell(batch);
+        shop.db
+            .exec(&format!(
+                "UPDATE products SET price = 1000 + {batch} WHERE id = {}",
+                batch + 1
+            ))
+            .await;
+        shop.passes().await;
+    }
+    nats.kill();
+    // While NATS is away: the store sells, the server changes rows.
+    for batch in 3..7 {
+        sell(batch);
+        shop.db
+            .exec(&format!(
+                "UPDATE products SET price = 1000 + {batch} WHERE id = {}",
+                batch + 1
+            ))
+            .await;
+        shop.passes().await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    nats.up();
+    for batch in 7..10 {
+        sell(batch);
+        shop.db
+            .exec(&format!(
+                "UPDATE products SET price = 1000 + {batch} WHERE id = {}",
+                batch + 1
+            ))
+            .await;
+        shop.passes().await;
+    }
+    let pool = shop.db.pool.clone();
+    passes_until(
+        &mut shop,
+        "every sale filed and every change arrived",
+        Duration::from_secs(90),
+        async |_| {
+            server_sales(&pool).await.len() == 100
+                && count(
+                    &db,
+                    "SELECT count(*) FROM products WHERE CAST(price AS REAL) >= 1000",
+                ) == 10
+        },
+    )
+    .await;
+    let mut amounts: Vec<i64> = server_sales(&pool)
+        .await
+        .values()
+        .map(|(_, a, _)| *a)
+        .collect();
+    amounts.sort();
+    assert_eq!(
+        amounts,
+        (0..100).collect::<Vec<_>>(),
+        "each sale filed once"
+    );
+    halt.store(true, Ordering::SeqCst);
+    for l in loops {
+        l.join().unwrap();
+    }
+    let _ = stop_tx.send(true);
+    shop.finish().await;
+}
