@@ -16,6 +16,7 @@ use common::up::{Lossy, RECORDS_RULES, RECORDS_SCHEMA, records_shop, server_sale
 use common::{SHOP_RULES, SHOP_SCHEMA, Shop};
 use ferry_sync::file::{self, Shape};
 use ferry_sync::replica::{Uploader, up_status};
+use sqlx::Connection;
 use uuid::Uuid;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -710,4 +711,98 @@ fn sell(app: &rusqlite::Connection, store: Uuid, amount: i64) -> String {
     )
     .unwrap();
     id
+}
+
+/// Filing under row-level security (docs/sync-up.md §5.1 step 1): a policy on `counters`
+/// lets only the north store write, reading `ferry_sync.replica`. Filed by a role the
+/// policy applies to, both ways: the one-statement way (the pool's own role, no
+/// `--file-role`) and the statement-per-part way (`--file-role`). North's counter is
+/// filed; south's is refused by the database and waits in the inbox; nothing else moves.
+/// Guards against a filing whose setting the policy does not see yet (set after, or in
+/// another statement's snapshot of it), which would refuse north or admit south.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn row_level_security_reads_the_sender_in_every_way_of_filing() {
+    let (mut shop, north, north_db, north_app) = records_shop("records_rls").await;
+    let south = shop.store("south").await;
+    shop.settle().await;
+    let south_db = shop.dir.join(format!("{south}.db"));
+    let south_app = rusqlite::Connection::open(&south_db).unwrap();
+    south_app
+        .busy_timeout(std::time::Duration::from_secs(5))
+        .unwrap();
+    let role = format!("{}_filer", shop.db.name);
+    shop.db
+        .exec(&format!(
+            "CREATE ROLE {role} LOGIN;
+             GRANT USAGE ON SCHEMA public, ferry_sync TO {role};
+             GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public, ferry_sync TO {role};
+             GRANT USAGE ON ALL SEQUENCES IN SCHEMA public, ferry_sync TO {role};
+             ALTER TABLE counters ENABLE ROW LEVEL SECURITY;
+             CREATE POLICY north_only ON counters USING (true)
+               WITH CHECK (current_setting('ferry_sync.replica', true) = '{north}');"
+        ))
+        .await;
+    let opts: sqlx::postgres::PgConnectOptions = shop.db.url.parse().unwrap();
+    let as_role = sqlx::PgPool::connect_with(opts.username(&role))
+        .await
+        .unwrap();
+    let ways = [
+        ("at_once", as_role.clone(), Shape::default()),
+        (
+            "per_part",
+            shop.db.pool.clone(),
+            Shape {
+                role: Some(role.clone()),
+            },
+        ),
+    ];
+    for (way, pool, shape) in ways {
+        for (store, db, app) in [
+            (north, &north_db, &north_app),
+            (south, &south_db, &south_app),
+        ] {
+            app.execute(
+                "INSERT INTO counters (name, rev, total) VALUES (?1, 1, '1.00')",
+                [format!("{way}_{store}")],
+            )
+            .unwrap();
+            let mut link = Lossy::new(&shop, store, 5, 0);
+            link.pool = pool.clone();
+            link.shape = shape.clone();
+            let mut uploader = Uploader::open(db, shop.seal_keys[&store], store).unwrap();
+            let db = db.clone();
+            tokio::task::spawn_blocking(move || upload_all(&mut uploader, &mut link, &db))
+                .await
+                .unwrap();
+        }
+        let names: Vec<String> = sqlx::query_scalar("SELECT name FROM counters ORDER BY name")
+            .fetch_all(&shop.db.pool)
+            .await
+            .unwrap();
+        assert!(
+            names.contains(&format!("{way}_{north}")),
+            "{way}: north filed: {names:?}"
+        );
+        assert!(
+            !names.contains(&format!("{way}_{south}")),
+            "{way}: south refused: {names:?}"
+        );
+        let waiting: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM ferry_sync.inbox WHERE replica = $1")
+                .bind(south)
+                .fetch_one(&shop.db.pool)
+                .await
+                .unwrap();
+        assert!(waiting >= 1, "{way}: south's row waits in the inbox");
+    }
+    as_role.close().await;
+    drop((north_app, south_app));
+    shop.finish().await;
+    let mut admin = sqlx::PgConnection::connect(&common::admin_url())
+        .await
+        .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP ROLE {role}")))
+        .execute(&mut admin)
+        .await
+        .unwrap();
 }

@@ -61,6 +61,8 @@ pub struct Lossy {
     /// and answers); repeats and late ones are filed directly, as a work queue's
     /// redelivery would.
     pub nats: Option<ferry_sync::nats::link::NatsLink>,
+    /// How filing's transaction is shaped (`--file-role`).
+    pub shape: Shape,
 }
 
 impl Lossy {
@@ -77,6 +79,7 @@ impl Lossy {
             filings: 0,
             late: None,
             nats: None,
+            shape: Shape::default(),
         }
     }
 
@@ -87,7 +90,7 @@ impl Lossy {
             .block_on(file::file(
                 &self.pool,
                 &self.records,
-                &Shape::default(),
+                &self.shape,
                 self.sender,
                 upload,
             ))
