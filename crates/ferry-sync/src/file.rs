@@ -221,12 +221,16 @@ impl From<sqlx::Error> for Failed {
     }
 }
 
-/// Steps 1 to 4 in two round trips, for an upload of record rows (no deletes, no two-way
-/// part) filed without a role: one statement sets `ferry_sync.replica` for the session
-/// (every filing sets it first, so a pooled connection never carries another's) and
-/// counts the inbox; one statement, one transaction of its own, takes the count and
-/// upserts every part. `Ok(None)`: the inbox holds rows of this replica, which the
-/// quick way clears as it files.
+/// Steps 1 to 4 in one statement (one round trip, one transaction of its own), for an
+/// upload of record rows (no deletes, no two-way part) filed without a role.
+///
+/// Its first CTE, `s`, sets `ferry_sync.replica` for the session (every filing sets it
+/// first, so a pooled connection never carries another's) and counts the sender's inbox.
+/// Every other part of the statement reads `s` (`WHERE s.inbox = 0`), so no row is
+/// counted or upserted, and no row-level security policy checks one, before the setting
+/// is made: the order comes from the data, not from Postgres's choice of when to run a
+/// CTE. `Ok(None)`: the inbox holds rows of this replica, and nothing was written; the
+/// quick way clears them as it files.
 async fn at_once(
     pool: &PgPool,
     sender: Uuid,
@@ -234,16 +238,6 @@ async fn at_once(
     plans: &[Plan<'_>],
 ) -> Result<Option<Outcome>, Failed> {
     let mut conn = pool.acquire().await?;
-    let inbox: i64 = sqlx::query_scalar(
-        "SELECT (SELECT count(*) FROM ferry_sync.inbox WHERE replica = $1)
-         FROM (SELECT set_config('ferry_sync.replica', $1::text, false)) s",
-    )
-    .bind(sender)
-    .fetch_one(&mut *conn)
-    .await?;
-    if inbox > 0 {
-        return Ok(None);
-    }
     let told = i64::try_from(upload.filed_n).unwrap_or(i64::MAX);
     let step = i64::from(!upload.parts.is_empty());
     let id = upload_id(upload);
@@ -253,8 +247,11 @@ async fn at_once(
     // for an older one `f` is empty and the statement fails at its end (a division by
     // zero), so every part rolls back and the quick way answers it stale.
     let mut ctes = vec![
+        "s AS MATERIALIZED (SELECT set_config('ferry_sync.replica', $1::text, false) AS v,
+              (SELECT count(*) FROM ferry_sync.inbox WHERE replica = $1) AS inbox)"
+            .to_string(),
         "f AS (INSERT INTO ferry_sync.filings AS f (replica, n, before, last_id)
-              VALUES ($1, greatest(0, $2) + $3, 0, $4)
+              SELECT $1, greatest(0, $2) + $3, 0, $4 FROM s WHERE s.inbox = 0
               ON CONFLICT (replica) DO UPDATE SET before = f.n, n = greatest(f.n, $2) + $3, last_id = $4
               WHERE f.last_id <= $4
               RETURNING before, n)"
@@ -267,14 +264,23 @@ async fn at_once(
         if rows.is_empty() {
             continue;
         }
-        let sql = upsert_sql_at(plan.spec, &plan.present, plan.restated, next, 1);
+        let sql = upsert_sql_at(
+            plan.spec,
+            &plan.present,
+            plan.restated,
+            next,
+            1,
+            " CROSS JOIN s WHERE s.inbox = 0",
+        );
         ctes.push(format!("p{} AS ({sql})", ctes.len()));
         next += plan.present.len();
         parts.push((plan, rows));
     }
     let sql = format!(
-        "WITH {} SELECT before, n FROM f
-         UNION ALL SELECT 0, 1 / (SELECT count(*) FROM f) WHERE NOT EXISTS (SELECT 1 FROM f)",
+        "WITH {} SELECT before, n, 0::int8 FROM f
+         UNION ALL SELECT 0, 0, inbox FROM s WHERE inbox > 0
+         UNION ALL SELECT 0, 1 / (SELECT count(*) FROM f), 0
+           WHERE NOT EXISTS (SELECT 1 FROM f) AND (SELECT inbox FROM s) = 0",
         ctes.join(
             ",
 "
@@ -296,6 +302,9 @@ async fn at_once(
         Err(e) if refused_by_data(&e) => return Err(Failed::Refused),
         Err(e) => return Err(e.into()),
     };
+    if row.get::<i64, _>(2) > 0 {
+        return Ok(None);
+    }
     let (known, filed_n): (i64, i64) = (row.get(0), row.get(1));
     Ok(Some(Outcome::Filed(Filed {
         id: upload.id,
@@ -867,7 +876,7 @@ async fn delete(
 /// every row of a part. The replica column takes the sender (the last parameter).
 /// `restated`: a newer version does not need to be newer.
 fn upsert_sql(spec: &RecordSpec, present: &[usize], restated: bool) -> String {
-    upsert_sql_at(spec, present, restated, 1, present.len() + 1)
+    upsert_sql_at(spec, present, restated, 1, present.len() + 1, "")
 }
 
 /// [`upsert_sql`] with the arrays bound from parameter `first` on and the sender at
@@ -878,6 +887,7 @@ fn upsert_sql_at(
     restated: bool,
     first: usize,
     sender: usize,
+    gate: &str,
 ) -> String {
     let n = present.len();
     let names: Vec<String> = present
@@ -928,7 +938,7 @@ fn upsert_sql_at(
         _ => "DO NOTHING".to_string(),
     };
     format!(
-        "INSERT INTO {} ({}) SELECT {} FROM unnest({}) AS u({}) ON CONFLICT ({}) {}",
+        "INSERT INTO {} ({}) SELECT {} FROM unnest({}) AS u({}){gate} ON CONFLICT ({}) {}",
         spec.quoted,
         names.join(", "),
         values.join(", "),

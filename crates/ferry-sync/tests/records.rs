@@ -742,15 +742,21 @@ async fn row_level_security_reads_the_sender_in_every_way_of_filing() {
                WITH CHECK (current_setting('ferry_sync.replica', true) = '{north}');"
         ))
         .await;
+    // One connection each, carrying north's id from an earlier filing: the setting must
+    // be made before the policy reads it, or south's row would pass as north's.
     let opts: sqlx::postgres::PgConnectOptions = shop.db.url.parse().unwrap();
-    let as_role = sqlx::PgPool::connect_with(opts.username(&role))
+    let one = sqlx::postgres::PgPoolOptions::new().max_connections(1);
+    let as_role = one
+        .clone()
+        .connect_with(opts.clone().username(&role))
         .await
         .unwrap();
+    let as_owner = one.connect_with(opts).await.unwrap();
     let ways = [
         ("at_once", as_role.clone(), Shape::default()),
         (
             "per_part",
-            shop.db.pool.clone(),
+            as_owner.clone(),
             Shape {
                 role: Some(role.clone()),
             },
@@ -761,6 +767,11 @@ async fn row_level_security_reads_the_sender_in_every_way_of_filing() {
             (north, &north_db, &north_app),
             (south, &south_db, &south_app),
         ] {
+            sqlx::query("SELECT set_config('ferry_sync.replica', $1, false)")
+                .bind(north.to_string())
+                .execute(&pool)
+                .await
+                .unwrap();
             app.execute(
                 "INSERT INTO counters (name, rev, total) VALUES (?1, 1, '1.00')",
                 [format!("{way}_{store}")],
@@ -796,6 +807,7 @@ async fn row_level_security_reads_the_sender_in_every_way_of_filing() {
         assert!(waiting >= 1, "{way}: south's row waits in the inbox");
     }
     as_role.close().await;
+    as_owner.close().await;
     drop((north_app, south_app));
     shop.finish().await;
     let mut admin = sqlx::PgConnection::connect(&common::admin_url())
