@@ -250,8 +250,10 @@ async fn a_store_over_jetstream_is_provisioned_and_its_sales_are_filed_once_each
         "the bridges count what they published"
     );
 
-    // A stranger (no token, or another's) publishing on the store's subject files nothing,
-    // and the answer on the store's filed subject says why.
+    // A stranger (a wrong token) publishing on the store's subject files nothing, is
+    // counted, and gets no answer on the store's subject (an unsealed refusal there could
+    // make the store set rows aside). A malformed upload under the right token is
+    // answered with the reason.
     let mut answers = client.subscribe(names.filed(store)).await.unwrap();
     client.flush().await.unwrap();
     let upload = wire::Upload {
@@ -261,32 +263,30 @@ async fn a_store_over_jetstream_is_provisioned_and_its_sales_are_filed_once_each
         lane: "sales".into(),
         parts: vec![],
     };
-    let mut headers = async_nats::HeaderMap::new();
-    headers.insert(TOKEN_HEADER, "not-the-token");
-    headers.insert(UPLOAD_HEADER, "1");
-    js.publish_with_headers(
-        names.upload(store),
-        headers,
-        wire::encode_upload(&upload).unwrap().into(),
-    )
-    .await
-    .unwrap()
-    .await
-    .unwrap();
-    let answer = tokio::time::timeout(Duration::from_secs(10), answers.next())
-        .await
-        .expect("an answer")
-        .unwrap();
-    let why = answer
-        .headers
-        .unwrap()
-        .get("Ferry-Refused")
-        .unwrap()
-        .to_string();
-    assert!(
-        why.contains("wrong Ferry-Token") && why.contains("ferry sync enroll"),
-        "{why}"
-    );
+    let refused = || a.refused.load(Ordering::Relaxed) + b.refused.load(Ordering::Relaxed);
+    for (token, body) in [
+        ("not-the-token", wire::encode_upload(&upload).unwrap()),
+        (token.as_str(), b"not an upload".to_vec()),
+    ] {
+        let before = refused();
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(TOKEN_HEADER, token);
+        headers.insert(UPLOAD_HEADER, "1");
+        js.publish_with_headers(names.upload(store), headers, body.into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        let answer = tokio::time::timeout(Duration::from_secs(3), answers.next()).await;
+        if token == "not-the-token" {
+            assert!(answer.is_err(), "no answer to a stranger");
+        } else {
+            let why = answer.expect("an answer").unwrap().headers.unwrap();
+            let why = why.get("Ferry-Refused").unwrap().to_string();
+            assert!(why.contains("not filed"), "{why}");
+        }
+        assert_eq!(refused(), before + 1, "the refusal is counted");
+    }
     assert_eq!(server_sales(&pool).await.len(), 200);
 
     // A publish repeated under its upload id is dropped by JetStream's deduplication.
@@ -335,7 +335,7 @@ async fn frames_not_taken_come_back_after_a_crash_and_from_where_the_replica_sta
         shop.passes().await;
     }
     let url = nats.url();
-    let (given, again, turns, taken) = tokio::task::spawn_blocking(move || {
+    let (given, again, turns, taken, restored) = tokio::task::spawn_blocking(move || {
         // Where a replica that took every frame handed stands: after the last.
         let after = |frames: &[Vec<u8>]| match frames.last() {
             None => Position {
@@ -363,6 +363,7 @@ async fn frames_not_taken_come_back_after_a_crash_and_from_where_the_replica_sta
         let mut first = NatsLink::new(&url, names.clone(), store, &token).unwrap();
         let given = fetch_all(&mut first);
         drop(first);
+        let names_again = names.clone();
         let mut second = NatsLink::new(&url, names, store, &token).unwrap();
         let wait = Duration::from_millis(200);
         // It stood after frame 8 when it stopped (its file is not part of this test).
@@ -374,7 +375,12 @@ async fn frames_not_taken_come_back_after_a_crash_and_from_where_the_replica_sta
             .map(|_| second.fetch(after(&given[..8]), 64, wait).unwrap().len())
             .collect();
         let taken = second.fetch(after(&given), 64, wait).unwrap();
-        (given, again, turns, taken)
+        drop(second);
+        // A store whose file was restored from an older copy stands after frame 5, before
+        // the acknowledgement floor: its frames from there are read again, first.
+        let mut third = NatsLink::new(&url, names_again, store, &token).unwrap();
+        let restored = third.fetch(after(&given[..5]), 64, wait).unwrap();
+        (given, again, turns, taken, restored)
     })
     .await
     .unwrap();
@@ -394,6 +400,11 @@ async fn frames_not_taken_come_back_after_a_crash_and_from_where_the_replica_sta
         taken.is_empty(),
         "once taken, nothing comes again: {}",
         taken.len()
+    );
+    assert_eq!(
+        restored,
+        given[5..].to_vec(),
+        "a restored store gets what it lacks"
     );
     let _ = stop_tx.send(true);
     shop.finish().await;
@@ -546,6 +557,67 @@ async fn a_nats_server_killed_mid_traffic_loses_nothing_either_way() {
     for l in loops {
         l.join().unwrap();
     }
+    let _ = stop_tx.send(true);
+    shop.finish().await;
+}
+
+/// Reports keep their order (docs/sync-nats.md §4): the reports stream keeps the latest
+/// per replica, so of two reports waiting for a bridge only the newer is stored. An
+/// older one stored after a newer would read to the relay as a replica restored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn of_two_reports_waiting_only_the_newer_is_stored() {
+    let shop = Shop::new("nats_reports").await;
+    let scratch = ferry_testkit::Scratch::new("sync-nats-reports");
+    let nats = PrivateNats::start(scratch.path());
+    let names = Names::new("rep.sync").unwrap();
+    let (store, token) = enrolled(&shop, "north").await;
+    let pool = sqlx::PgPool::connect(&shop.db.url).await.unwrap();
+    let serve = Serve::new(pool, Arc::new(RelayStats::default()))
+        .await
+        .unwrap();
+    // Connected (its streams made), not yet running.
+    let bridge = Bridge::connect(serve, &nats.url(), names.clone())
+        .await
+        .unwrap();
+    let replica = Replica::open(
+        &scratch.path().join("store.db"),
+        wire::seal_key(token.as_bytes()),
+    )
+    .unwrap();
+    let report = wire::encode_up(&replica.up().unwrap());
+    drop(replica);
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    for _ in 0..2 {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(TOKEN_HEADER, token.as_str());
+        js.publish_with_headers(names.report(store), headers, report.clone().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let stats = bridge.stats.clone();
+    tokio::spawn(async move { bridge.run(stop).await.unwrap() });
+    let stored = || async {
+        sqlx::query_scalar::<_, i64>("SELECT n FROM ferry_sync.reports WHERE replica = $1")
+            .bind(store)
+            .fetch_optional(&shop.db.pool)
+            .await
+            .unwrap()
+    };
+    let start = Instant::now();
+    while stored().await.is_none() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the report was never stored"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(stored().await, Some(1), "only the newer report was stored");
+    assert_eq!(stats.reports.load(Ordering::Relaxed), 1);
     let _ = stop_tx.send(true);
     shop.finish().await;
 }

@@ -571,7 +571,22 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
             })
             .await
     });
-    crate::terminated().await;
+    // A bridge that fails stops the process with its error (a serve that no longer
+    // carries NATS traffic must not pass for one that does); SIGTERM stops it cleanly.
+    let mut nats_task = nats_task;
+    let bridge_failed = tokio::select! {
+        _ = crate::terminated() => None,
+        r = async { nats_task.as_mut().expect("only polled with a bridge").await },
+            if nats_task.is_some() =>
+        {
+            nats_task = None;
+            Some(match r {
+                Ok(Ok(())) => anyhow!("--nats: the bridge stopped"),
+                Ok(Err(e)) => anyhow!("--nats: {e}"),
+                Err(e) => anyhow!("--nats: {e}"),
+            })
+        }
+    };
     let _ = stop_tx.send(true);
     if let Some(t) = relay_task {
         t.await??;
@@ -580,6 +595,10 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         t.await?.map_err(|e| anyhow!("--nats: {e}"))?;
     }
     http.await??;
+    if let Some(e) = bridge_failed {
+        tracing::error!(error = %e, "ferry sync serve: stopping");
+        return Err(e);
+    }
     tracing::info!("ferry sync serve: stopped");
     Ok(())
 }

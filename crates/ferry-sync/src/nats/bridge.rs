@@ -111,6 +111,7 @@ pub struct Bridge {
     js: jetstream::Context,
     down: stream::Stream,
     up: stream::Stream,
+    reports: stream::Stream,
     /// The most one message carries; a frame or `Filed` over it goes in parts.
     part_max: usize,
     /// Counted into the serve process's own (its /metrics shows them).
@@ -168,10 +169,24 @@ impl Bridge {
             url,
             stream::Config {
                 name: names.up_stream(),
-                subjects: names.up_subjects(),
+                subjects: vec![names.up_subjects()],
                 retention: stream::RetentionPolicy::WorkQueue,
                 max_age: super::KEPT_FOR,
                 duplicate_window: Duration::from_secs(120),
+                ..Default::default()
+            },
+        )
+        .await?;
+        let reports = ensure_stream(
+            &js,
+            url,
+            stream::Config {
+                name: names.reports_stream(),
+                subjects: vec![names.report_subjects()],
+                retention: stream::RetentionPolicy::WorkQueue,
+                max_messages_per_subject: 1,
+                discard: stream::DiscardPolicy::Old,
+                max_age: super::KEPT_FOR,
                 ..Default::default()
             },
         )
@@ -185,6 +200,7 @@ impl Bridge {
             js,
             down,
             up,
+            reports,
             part_max: max_payload - super::HEADROOM.min(max_payload / 2),
         })
     }
@@ -192,14 +208,35 @@ impl Bridge {
     /// Publishes and files until `stop` turns true.
     pub async fn run(self, stop: watch::Receiver<bool>) -> Result<(), String> {
         let this = Arc::new(self);
-        let down = tokio::spawn({
+        let mut down = tokio::spawn({
             let (this, stop) = (this.clone(), stop.clone());
             async move { this.publish_loop(stop).await }
         });
-        let up = this.clone().file_loop(stop).await;
-        down.await
-            .map_err(|e| format!("the publisher panicked: {e}"))??;
-        up
+        let mut up = tokio::spawn({
+            let (this, stop) = (this.clone(), stop.clone());
+            async move {
+                let reports = tokio::spawn({
+                    let (this, stop) = (this.clone(), stop.clone());
+                    async move { this.take_loop(Up::Report, stop).await }
+                });
+                let uploads = this.take_loop(Up::Upload, stop).await;
+                reports.await.map_err(|e| format!("panicked: {e}"))??;
+                uploads
+            }
+        });
+        // Either half failing ends the bridge at once, with its error: a bridge that
+        // files but no longer publishes (or the other way) must not pass for one that runs.
+        let panicked = |e: tokio::task::JoinError| format!("the bridge panicked: {e}");
+        tokio::select! {
+            r = &mut down => {
+                r.map_err(panicked)?.map_err(|e| format!("publishing frames: {e}"))?;
+                up.await.map_err(panicked)?.map_err(|e| format!("filing: {e}"))
+            }
+            r = &mut up => {
+                r.map_err(panicked)?.map_err(|e| format!("filing: {e}"))?;
+                down.await.map_err(panicked)?.map_err(|e| format!("publishing frames: {e}"))
+            }
+        }
     }
 
     async fn publish_loop(&self, mut stop: watch::Receiver<bool>) -> Result<(), String> {
@@ -324,7 +361,11 @@ impl Bridge {
                 return Ok(()); // not enrolled (any more): nothing to publish
             }
             if found.frames.is_empty() {
-                at.epoch = Some(found.epoch);
+                if at.epoch != Some(found.epoch) {
+                    // A new epoch numbers from 1 again: nothing of it is published yet.
+                    at.epoch = Some(found.epoch);
+                    at.after = 0;
+                }
                 known.insert(id, at);
                 return Ok(());
             }
@@ -333,7 +374,7 @@ impl Bridge {
                 let Some((epoch, seq, nonce, prev)) = head_fields(frame) else {
                     return Err("an outbox frame is shorter than its head".into());
                 };
-                let mut first_part = 0;
+                let (mut first_part, mut fresh) = (0, false);
                 for (i, n, part) in super::chunks(frame, self.part_max) {
                     let mut headers = async_nats::HeaderMap::new();
                     headers.insert(
@@ -363,12 +404,18 @@ impl Bridge {
                     };
                     match ack {
                         Ok(ack) if ack.duplicate => {
-                            // Published before, its acknowledgement lost: where the subject
-                            // stands is read again next time.
-                            return Ok(());
+                            // This part went before (its acknowledgement lost, a frame cut
+                            // short published again, or another bridge was first): go on
+                            // after the subject's last message.
+                            at.last = self.read_published(id).await?.last;
+                            if i == 1 {
+                                first_part = ack.sequence;
+                            }
+                            continue;
                         }
                         Ok(ack) => {
                             at.last = ack.sequence;
+                            fresh = true;
                             if i == 1 {
                                 first_part = ack.sequence;
                             }
@@ -386,7 +433,9 @@ impl Bridge {
                     }
                     self.stats.messages.fetch_add(1, Relaxed);
                 }
-                self.stats.frames.fetch_add(1, Relaxed);
+                if fresh {
+                    self.stats.frames.fetch_add(1, Relaxed);
+                }
                 at.epoch = Some(epoch);
                 at.after = seq;
                 if prev == 0 {
@@ -420,33 +469,39 @@ impl Bridge {
         }
     }
 
-    async fn file_loop(self: Arc<Self>, mut stop: watch::Receiver<bool>) -> Result<(), String> {
-        let consumer: consumer::PullConsumer = self
-            .up
-            .get_or_create_consumer(
-                &self.names.filer(),
-                consumer::pull::Config {
-                    durable_name: Some(self.names.filer()),
-                    ack_policy: consumer::AckPolicy::Explicit,
-                    ack_wait: Duration::from_secs(30),
-                    max_ack_pending: 10_000,
-                    ..Default::default()
-                },
-            )
-            .await
-            .map_err(|e| {
-                format!(
-                    "cannot make the consumer {} on NATS at {}: {e}",
-                    self.names.filer(),
-                    self.url
-                )
-            })?;
+    /// Takes one kind of message up until `stop`: through the bridges' shared durable
+    /// consumer, made again whenever it fails (deleted, the stream made again).
+    async fn take_loop(
+        self: Arc<Self>,
+        kind: Up,
+        mut stop: watch::Receiver<bool>,
+    ) -> Result<(), String> {
+        let (stream, name) = match kind {
+            Up::Upload => (&self.up, self.names.filer()),
+            Up::Report => (&self.reports, self.names.reporter()),
+        };
         loop {
-            let mut messages = match consumer.messages().await {
+            let messages = match stream
+                .get_or_create_consumer::<consumer::pull::Config>(
+                    &name,
+                    consumer::pull::Config {
+                        durable_name: Some(name.clone()),
+                        ack_policy: consumer::AckPolicy::Explicit,
+                        ack_wait: Duration::from_secs(30),
+                        max_ack_pending: 10_000,
+                        ..Default::default()
+                    },
+                )
+                .await
+            {
+                Ok(consumer) => consumer.messages().await.map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            let mut messages = match messages {
                 Ok(m) => m,
                 Err(e) => {
                     self.stats.errors.fetch_add(1, Relaxed);
-                    tracing::warn!(error = %e, "nats: cannot take messages up; trying again");
+                    tracing::warn!(consumer = %name, nats = %self.url, error = %e, "nats: cannot take messages up; trying again in 1 s");
                     tokio::select! {
                         _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
                         _ = stopped(&mut stop) => return Ok(()),
@@ -458,7 +513,9 @@ impl Bridge {
                     m = messages.next() => match m {
                         Some(Ok(m)) => self.take_up(m).await,
                         Some(Err(e)) => {
-                            tracing::debug!(error = %e, "nats: the up consumer's stream");
+                            self.stats.errors.fetch_add(1, Relaxed);
+                            tracing::warn!(consumer = %name, error = %e, "nats: taking messages up failed; starting again");
+                            break;
                         }
                         None => break,
                     },
@@ -487,7 +544,9 @@ impl Bridge {
         let seal_key = match self.serve.check_token(id, &token).await {
             Ok(key) => key,
             Err(TokenRefused::Wrong) => {
-                self.refuse(
+                // Not answered on the replica's subject: whoever sent it is not known to
+                // be the replica, and an answer could make it set rows aside.
+                self.refuse_as(
                     id,
                     kind,
                     upload_id.as_deref(),
@@ -495,6 +554,7 @@ impl Bridge {
                         "wrong {} header for replica {id}, or no such replica enrolled; nothing was filed or stored: use the token `ferry sync enroll --replica {id}` gave this replica",
                         super::TOKEN_HEADER
                     ),
+                    false,
                 )
                 .await;
                 return ack(AckKind::Term).await;
@@ -505,6 +565,11 @@ impl Bridge {
                 return ack(AckKind::Nak(Some(Duration::from_secs(1)))).await;
             }
         };
+        if kind == Up::Report && !self.latest_report(&m).await {
+            // A newer report of this replica came meanwhile (the stream keeps one each):
+            // storing this one late would put an older position over a newer one.
+            return ack(AckKind::Ack).await;
+        }
         match kind {
             Up::Report => {
                 match crate::serve::store_report(&self.serve.pool, id, &m.payload).await {
@@ -546,6 +611,18 @@ impl Bridge {
         }
     }
 
+    /// Whether report `m` is still its replica's latest: the reports stream keeps one
+    /// per replica, so a newer one removed it.
+    async fn latest_report(&self, m: &jetstream::Message) -> bool {
+        let Ok(info) = m.info() else {
+            return true;
+        };
+        match self.reports.get_raw_message(info.stream_sequence).await {
+            Ok(_) => true,
+            Err(e) => e.kind() != jetstream::stream::LastRawMessageErrorKind::NoMessageFound,
+        }
+    }
+
     /// Files one upload and publishes its answer (a `Filed`, or why not). `Err`: it
     /// passes (the database, NATS); the upload should come again.
     async fn file(
@@ -572,9 +649,12 @@ impl Bridge {
             }
         };
         let Ok(seal_key) = <[u8; 32]>::try_from(seal_key) else {
-            return Err(format!(
-                "replica {id} has no seal key; enroll it again with `ferry sync enroll --replica {id}`"
-            ));
+            let why = format!(
+                "replica {id} has no seal key; nothing was filed: enroll it again with `ferry sync enroll --replica {id}`"
+            );
+            // Not answered: the answer could not be sealed for it anyway.
+            self.refuse_as(id, Up::Upload, upload_id, why, false).await;
+            return Ok(());
         };
         let (records, shape) = self.serve.filing();
         let filed = match crate::file::file(&self.serve.pool, records, shape, id, &upload).await {
@@ -617,12 +697,24 @@ impl Bridge {
         Ok(())
     }
 
-    /// Says why a message up was refused: in the log and the count, and for an upload
-    /// to its replica, on its filed subject.
+    /// Says why a message up was refused: in the log and the count, and, for an upload
+    /// whose token matched (`kind` Upload), to its replica on its filed subject.
     async fn refuse(&self, id: Uuid, kind: Up, upload_id: Option<&str>, why: String) {
+        self.refuse_as(id, kind, upload_id, why, kind == Up::Upload)
+            .await
+    }
+
+    async fn refuse_as(
+        &self,
+        id: Uuid,
+        kind: Up,
+        upload_id: Option<&str>,
+        why: String,
+        answer: bool,
+    ) {
         self.stats.refused.fetch_add(1, Relaxed);
         tracing::warn!(replica = %id, ?kind, reason = %why, "nats: refused a message up");
-        if kind != Up::Upload {
+        if !answer {
             return;
         }
         let mut headers = async_nats::HeaderMap::new();

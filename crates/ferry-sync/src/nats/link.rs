@@ -76,6 +76,10 @@ pub struct NatsLink {
     /// The stream sequence of the newest frame the replica took (at start: the
     /// consumer's acknowledgement floor): nothing before it is handed.
     taken_at: u64,
+    /// At start: the consumer's acknowledgement floor, checked against the replica's
+    /// position at the first fetch (a replica restored from an older copy stands before
+    /// it).
+    floor: Option<u64>,
     /// Where the replica stood at the last reading again: standing there still, it goes
     /// to the consumer instead.
     replayed_at: Option<(Option<[u8; 16]>, u64)>,
@@ -144,6 +148,7 @@ impl NatsLink {
             handed: VecDeque::new(),
             replayed_at: None,
             taken_at: 0,
+            floor: None,
             filed: None,
         })
     }
@@ -203,6 +208,7 @@ impl NatsLink {
             .map_err(|e| self.away(format!("cannot read the consumer {name}: {e}")))?
             .clone();
         self.taken_at = self.taken_at.max(info.ack_floor.stream_sequence);
+        self.floor = Some(info.ack_floor.stream_sequence);
         if info.num_ack_pending > 0 {
             let subject = self.names.down(self.id);
             let mut seq = info.ack_floor.stream_sequence + 1;
@@ -243,6 +249,9 @@ impl NatsLink {
     ) -> Result<Vec<Vec<u8>>, TransportError> {
         self.connected().await?;
         let consumer = self.consumer().await?;
+        if let Some(floor) = self.floor.take() {
+            self.rewind(position, floor).await;
+        }
         self.took(position).await;
         if !self.recovered.is_empty() {
             let n = max.min(self.recovered.len());
@@ -262,7 +271,14 @@ impl NatsLink {
                 .messages()
                 .await
         };
-        let mut batch = batch.map_err(|e| self.away(format!("fetching: {e}")))?;
+        let mut batch = match batch {
+            Ok(batch) => batch,
+            Err(e) => {
+                // Made again at the next fetch (deleted, or its stream made again).
+                self.down = None;
+                return Err(self.away(format!("fetching: {e}")));
+            }
+        };
         let mut frames = Vec::new();
         while let Some(m) = batch.next().await {
             let m = match m {
@@ -299,6 +315,9 @@ impl NatsLink {
     async fn took(&mut self, position: Position) {
         let taken =
             |h: &Handed| Some(*h.epoch.as_bytes()) == position.epoch && h.seq <= position.seq;
+        if let Some(at) = self.handed.iter().filter(|h| taken(h)).map(|h| h.at).max() {
+            self.taken_at = self.taken_at.max(at);
+        }
         let newest = self
             .handed
             .iter()
@@ -312,8 +331,74 @@ impl NatsLink {
             // as already applied.
             tracing::debug!(error = %e, "nats: acknowledging frames");
         }
+        // Whatever its epoch, nothing at or before the newest frame taken is of use.
         let taken_at = self.taken_at;
         self.handed.retain(|h| !taken(h) && h.at > taken_at);
+    }
+
+    /// A replica standing before the frame at the acknowledgement floor (its file was
+    /// restored from an older copy) is handed, first, the frames of its epoch after its
+    /// position still in the stream: the relay leaves such a gap to it when its outbox
+    /// still holds them (docs/sync.md §7.6 step 5). Otherwise nothing changes.
+    async fn rewind(&mut self, position: Position, floor: u64) {
+        let (Some(epoch), Some((stream, _))) = (position.epoch, &self.down) else {
+            return;
+        };
+        let stream = stream.clone();
+        let Ok(at_floor) = stream.get_raw_message(floor).await else {
+            return; // gone (an abandoned chain's, or expired): the relay catches it up
+        };
+        let header = |m: &jetstream::message::StreamMessage, name: &str| {
+            m.headers.get(name).map(|v| v.as_str().to_string())
+        };
+        let same_epoch = |m: &jetstream::message::StreamMessage| {
+            header(m, super::EPOCH_HEADER).and_then(|e| e.parse::<Uuid>().ok())
+                == Some(Uuid::from_bytes(epoch))
+        };
+        let seq_of = |m: &jetstream::message::StreamMessage| {
+            header(m, super::SEQ_HEADER)
+                .and_then(|s| s.parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        if !same_epoch(&at_floor) || seq_of(&at_floor) <= position.seq {
+            return;
+        }
+        let subject = self.names.down(self.id);
+        let (mut seq, mut first) = (1, 1);
+        let mut parts = Assembler::default();
+        let mut behind = Vec::new();
+        while seq <= floor {
+            let Ok(m) = stream
+                .raw_message_builder()
+                .sequence(seq)
+                .next_by_subject(subject.clone())
+                .send()
+                .await
+            else {
+                break;
+            };
+            if m.sequence > floor {
+                break;
+            }
+            seq = m.sequence + 1;
+            if super::chunk_of(Some(&m.headers)).is_some_and(|(i, _)| i == 1) {
+                first = m.sequence;
+            }
+            if same_epoch(&m)
+                && seq_of(&m) > position.seq
+                && let Some(frame) = assemble(&mut parts, Some(&m.headers), &m.payload)
+            {
+                behind.push((frame, first, m.headers.clone()));
+            }
+        }
+        tracing::info!(replica = %self.id, frames = behind.len(), "nats: the replica stands before what its consumer acknowledged (restored from an older copy?): its frames from there are read again");
+        self.taken_at = 0;
+        let recovered = std::mem::take(&mut self.recovered);
+        for (frame, at, headers) in behind {
+            self.hand(Some(&headers), at, None);
+            self.recovered.push_back(frame);
+        }
+        self.recovered.extend(recovered);
     }
 
     /// Remembers a frame about to be handed out, by the headers of its last part; `false`:
@@ -414,7 +499,14 @@ impl NatsLink {
     ) -> Result<(), TransportError> {
         let max = self.client.server_info().max_payload;
         if payload.len() + super::HEADROOM > max {
-            return Err(TransportError::Refused(format!(
+            // An upload refused is halved until the row that makes it large is set
+            // aside; a report cannot be, so it waits for the operator (and the replica
+            // keeps running, saying why).
+            let refusal = match what {
+                "upload" => TransportError::Refused,
+                _ => TransportError::Unavailable,
+            };
+            return Err(refusal(format!(
                 "the {what} of {} bytes is over what NATS at {} takes in one message (max_payload {max} bytes, less {} for headers); nothing was sent: raise max_payload on the server (8 MiB carries everything a replica sends)",
                 payload.len(),
                 self.url,

@@ -111,10 +111,15 @@ impl Names {
         format!("{}_DOWN", self.stream_base())
     }
 
-    /// The stream of what replicas publish up (`<prefix>.*.up`, `<prefix>.*.report`),
-    /// a work queue the bridges share.
+    /// The stream of replicas' uploads (`<prefix>.*.up`), a work queue the bridges share.
     pub fn up_stream(&self) -> String {
         format!("{}_UP", self.stream_base())
+    }
+
+    /// The stream of replicas' reports (`<prefix>.*.report`), a work queue keeping the
+    /// latest per replica only: a report stored late can never replace a newer one.
+    pub fn reports_stream(&self) -> String {
+        format!("{}_REPORTS", self.stream_base())
     }
 
     /// Replica `id`'s durable consumer of its frames.
@@ -129,6 +134,14 @@ impl Names {
     pub fn filer(&self) -> String {
         format!(
             "{}-filer",
+            self.stream_base().to_ascii_lowercase().replace('_', "-")
+        )
+    }
+
+    /// The bridges' shared durable consumer of the reports stream.
+    pub fn reporter(&self) -> String {
+        format!(
+            "{}-reports",
             self.stream_base().to_ascii_lowercase().replace('_', "-")
         )
     }
@@ -149,11 +162,12 @@ impl Names {
         format!("{}.*.down", self.prefix)
     }
 
-    fn up_subjects(&self) -> Vec<String> {
-        vec![
-            format!("{}.*.up", self.prefix),
-            format!("{}.*.report", self.prefix),
-        ]
+    fn up_subjects(&self) -> String {
+        format!("{}.*.up", self.prefix)
+    }
+
+    fn report_subjects(&self) -> String {
+        format!("{}.*.report", self.prefix)
     }
 }
 
@@ -186,6 +200,10 @@ pub struct Assembler {
     key: String,
 }
 
+/// The most a whole put together from parts may be: a frame's limit (docs/sync.md §11),
+/// which is above a `Filed`'s. Parts past it drop the whole.
+pub const WHOLE_BYTES_MAX: usize = crate::wire::FRAME_BYTES_MAX;
+
 impl Assembler {
     /// `key` names the whole (its frame or upload); the whole, once its last part came.
     pub fn push(&mut self, key: &str, (i, n): (usize, usize), bytes: &[u8]) -> Option<Vec<u8>> {
@@ -198,8 +216,9 @@ impl Assembler {
             self.key = key.to_string();
             self.next = 1;
         }
-        if self.next != i || self.key != key {
+        if self.next != i || self.key != key || self.buf.len() + bytes.len() > WHOLE_BYTES_MAX {
             self.next = 0;
+            self.buf = Vec::new();
             return None;
         }
         self.buf.extend_from_slice(bytes);
@@ -255,6 +274,7 @@ mod tests {
         let id = Uuid::from_u128(7);
         assert_eq!(names.down_stream(), "SHOP_SYNC_DOWN");
         assert_eq!(names.up_stream(), "SHOP_SYNC_UP");
+        assert_eq!(names.reports_stream(), "SHOP_SYNC_REPORTS");
         assert_eq!(
             names.consumer(id),
             "shop-sync-00000000-0000-0000-0000-000000000007"
