@@ -35,13 +35,7 @@ impl HttpLink {
                 "must start with http:// or https://",
             ));
         }
-        if token.is_empty() || token.chars().any(|c| c.is_control() || c == ' ') {
-            return Err(ferry_core::ConfigError::new(
-                "token",
-                "(not shown)",
-                "is empty or holds spaces or control characters",
-            ));
-        }
+        check_token_text(token)?;
         let agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .timeout_connect(Some(CONNECT_TIMEOUT))
@@ -56,6 +50,18 @@ impl HttpLink {
             auth: format!("Bearer {token}"),
         })
     }
+}
+
+/// A token a transport can carry: not empty, no spaces or control characters.
+pub(crate) fn check_token_text(token: &str) -> Result<(), ferry_core::ConfigError> {
+    if token.is_empty() || token.chars().any(|c| c.is_control() || c == ' ') {
+        return Err(ferry_core::ConfigError::new(
+            "token",
+            "(not shown)",
+            "is empty or holds spaces or control characters",
+        ));
+    }
+    Ok(())
 }
 
 fn status_error(status: u16, text: &str) -> TransportError {

@@ -82,6 +82,23 @@ async fn passes_until(
     panic!("{what}: not within {limit:?}");
 }
 
+/// Ten sales by `store`, amounts `batch * 10 ..`, in one transaction of its app's.
+fn sell(app: &rusqlite::Connection, store: Uuid, batch: i64) {
+    app.execute_batch("BEGIN").unwrap();
+    for i in 0..10 {
+        app.execute(
+            "INSERT INTO sales (id, store_id, amount) VALUES (?1, ?2, ?3)",
+            rusqlite::params![
+                Uuid::new_v4().to_string(),
+                store.to_string(),
+                batch * 10 + i
+            ],
+        )
+        .unwrap();
+    }
+    app.execute_batch("COMMIT").unwrap();
+}
+
 fn count(db: &std::path::Path, sql: &str) -> i64 {
     let Ok(conn) = rusqlite::Connection::open(db) else {
         return -1;
@@ -175,19 +192,7 @@ async fn a_store_over_jetstream_is_provisioned_and_its_sales_are_filed_once_each
     let app = rusqlite::Connection::open(&db).unwrap();
     app.busy_timeout(Duration::from_secs(5)).unwrap();
     for batch in 0..20 {
-        app.execute_batch("BEGIN").unwrap();
-        for i in 0..10 {
-            app.execute(
-                "INSERT INTO sales (id, store_id, amount) VALUES (?1, ?2, ?3)",
-                rusqlite::params![
-                    Uuid::new_v4().to_string(),
-                    store.to_string(),
-                    batch * 10 + i
-                ],
-            )
-            .unwrap();
-        }
-        app.execute_batch("COMMIT").unwrap();
+        sell(&app, store, batch);
     }
     let pool = shop.db.pool.clone();
     let start = Instant::now();
@@ -479,21 +484,7 @@ async fn a_nats_server_killed_mid_traffic_loses_nothing_either_way() {
     .await;
     let app = rusqlite::Connection::open(&db).unwrap();
     app.busy_timeout(Duration::from_secs(5)).unwrap();
-    let sell = |batch: i64| {
-        app.execute_batch("BEGIN").unwrap();
-        for i in 0..10 {
-            app.execute(
-                "INSERT INTO sales (id, store_id, amount) VALUES (?1, ?2, ?3)",
-                rusqlite::params![
-                    Uuid::new_v4().to_string(),
-                    store.to_string(),
-                    batch * 10 + i
-                ],
-            )
-            .unwrap();
-        }
-        app.execute_batch("COMMIT").unwrap();
-    };
+    let sell = |batch: i64| sell(&app, store, batch);
     for batch in 0..3 {
         sell(batch);
         shop.db

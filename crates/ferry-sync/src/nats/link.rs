@@ -112,13 +112,7 @@ impl NatsLink {
                 "a NATS server must be given as nats://HOST:PORT or tls://HOST:PORT",
             ));
         }
-        if token.is_empty() || token.chars().any(|c| c.is_control() || c == ' ') {
-            return Err(ferry_core::ConfigError::new(
-                "token",
-                "(not shown)",
-                "is empty or holds spaces or control characters",
-            ));
-        }
+        crate::client::check_token_text(token)?;
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("ferry-sync-nats")
@@ -211,28 +205,11 @@ impl NatsLink {
         self.floor = Some(info.ack_floor.stream_sequence);
         if info.num_ack_pending > 0 {
             let subject = self.names.down(self.id);
-            let mut seq = info.ack_floor.stream_sequence + 1;
-            let mut parts = Assembler::default();
-            let mut first = seq;
-            while seq <= info.delivered.stream_sequence {
-                let m = match stream
-                    .raw_message_builder()
-                    .sequence(seq)
-                    .next_by_subject(subject.clone())
-                    .send()
-                    .await
-                {
-                    Ok(m) if m.sequence <= info.delivered.stream_sequence => m,
-                    _ => break,
-                };
-                seq = m.sequence + 1;
-                if super::chunk_of(Some(&m.headers)).is_some_and(|(i, _)| i == 1) {
-                    first = m.sequence;
-                }
-                if let Some(frame) = assemble(&mut parts, Some(&m.headers), &m.payload)
-                    && self.hand(Some(&m.headers), first, None)
-                {
-                    self.recovered.push_back(frame);
+            let from = info.ack_floor.stream_sequence + 1;
+            let to = info.delivered.stream_sequence;
+            for f in read_frames(&stream, &subject, from, to, usize::MAX).await {
+                if self.hand(Some(&f.headers), f.at, None) {
+                    self.recovered.push_back(f.frame);
                 }
             }
             tracing::info!(replica = %self.id, frames = self.recovered.len(), "nats: frames delivered to an earlier run and never acknowledged, read back");
@@ -348,55 +325,30 @@ impl NatsLink {
         let Ok(at_floor) = stream.get_raw_message(floor).await else {
             return; // gone (an abandoned chain's, or expired): the relay catches it up
         };
-        let header = |m: &jetstream::message::StreamMessage, name: &str| {
-            m.headers.get(name).map(|v| v.as_str().to_string())
-        };
-        let same_epoch = |m: &jetstream::message::StreamMessage| {
-            header(m, super::EPOCH_HEADER).and_then(|e| e.parse::<Uuid>().ok())
+        // Of the replica's epoch, and after its position.
+        let lacking = |h: &async_nats::HeaderMap| {
+            let header = |name| h.get(name).map(|v| v.as_str().to_string());
+            header(super::EPOCH_HEADER).and_then(|e| e.parse::<Uuid>().ok())
                 == Some(Uuid::from_bytes(epoch))
+                && header(super::SEQ_HEADER)
+                    .and_then(|s| s.parse::<u64>().ok())
+                    .is_some_and(|s| s > position.seq)
         };
-        let seq_of = |m: &jetstream::message::StreamMessage| {
-            header(m, super::SEQ_HEADER)
-                .and_then(|s| s.parse::<u64>().ok())
-                .unwrap_or(0)
-        };
-        if !same_epoch(&at_floor) || seq_of(&at_floor) <= position.seq {
+        if !lacking(&at_floor.headers) {
             return;
         }
         let subject = self.names.down(self.id);
-        let (mut seq, mut first) = (1, 1);
-        let mut parts = Assembler::default();
-        let mut behind = Vec::new();
-        while seq <= floor {
-            let Ok(m) = stream
-                .raw_message_builder()
-                .sequence(seq)
-                .next_by_subject(subject.clone())
-                .send()
-                .await
-            else {
-                break;
-            };
-            if m.sequence > floor {
-                break;
-            }
-            seq = m.sequence + 1;
-            if super::chunk_of(Some(&m.headers)).is_some_and(|(i, _)| i == 1) {
-                first = m.sequence;
-            }
-            if same_epoch(&m)
-                && seq_of(&m) > position.seq
-                && let Some(frame) = assemble(&mut parts, Some(&m.headers), &m.payload)
-            {
-                behind.push((frame, first, m.headers.clone()));
-            }
-        }
+        let behind: Vec<Read> = read_frames(&stream, &subject, 1, floor, usize::MAX)
+            .await
+            .into_iter()
+            .filter(|f| lacking(&f.headers))
+            .collect();
         tracing::info!(replica = %self.id, frames = behind.len(), "nats: the replica stands before what its consumer acknowledged (restored from an older copy?): its frames from there are read again");
         self.taken_at = 0;
         let recovered = std::mem::take(&mut self.recovered);
-        for (frame, at, headers) in behind {
-            self.hand(Some(&headers), at, None);
-            self.recovered.push_back(frame);
+        for f in behind {
+            self.hand(Some(&f.headers), f.at, None);
+            self.recovered.push_back(f.frame);
         }
         self.recovered.extend(recovered);
     }
@@ -462,28 +414,10 @@ impl NatsLink {
         let stream = stream.clone();
         self.replayed_at = Some(here);
         let subject = self.names.down(self.id);
-        let mut parts = Assembler::default();
-        let (mut seq, mut first) = (start, start);
         let mut frames = Vec::new();
-        while frames.len() < max {
-            let m = match stream
-                .raw_message_builder()
-                .sequence(seq)
-                .next_by_subject(subject.clone())
-                .send()
-                .await
-            {
-                Ok(m) => m,
-                Err(_) => break, // nothing more (or the stream away: the consumer's turn)
-            };
-            seq = m.sequence + 1;
-            if super::chunk_of(Some(&m.headers)).is_some_and(|(i, _)| i == 1) {
-                first = m.sequence;
-            }
-            if let Some(frame) = assemble(&mut parts, Some(&m.headers), &m.payload)
-                && self.hand(Some(&m.headers), first, None)
-            {
-                frames.push(frame);
+        for f in read_frames(&stream, &subject, start, u64::MAX, max).await {
+            if self.hand(Some(&f.headers), f.at, None) {
+                frames.push(f.frame);
             }
         }
         frames
@@ -603,6 +537,54 @@ impl Drop for NatsLink {
             rt.shutdown_background();
         }
     }
+}
+
+/// A frame read from the stream directly: its bytes, the stream sequence of its first
+/// part, and its last part's headers.
+struct Read {
+    frame: Vec<u8>,
+    at: u64,
+    headers: async_nats::HeaderMap,
+}
+
+/// Up to `max` frames on `subject` whose parts lie in the stream sequences `from..=to`,
+/// in order (the stream away, or nothing more: fewer).
+async fn read_frames(
+    stream: &stream::Stream,
+    subject: &str,
+    from: u64,
+    to: u64,
+    max: usize,
+) -> Vec<Read> {
+    let mut parts = Assembler::default();
+    let (mut seq, mut first) = (from, from);
+    let mut frames = Vec::new();
+    while seq <= to && frames.len() < max {
+        let Ok(m) = stream
+            .raw_message_builder()
+            .sequence(seq)
+            .next_by_subject(subject.to_string())
+            .send()
+            .await
+        else {
+            break;
+        };
+        if m.sequence > to {
+            break;
+        }
+        seq = m.sequence + 1;
+        if super::chunk_of(Some(&m.headers)).is_some_and(|(i, _)| i == 1) {
+            first = m.sequence;
+        }
+        if let Some(frame) = assemble(&mut parts, Some(&m.headers), &m.payload) {
+            frames.push(Read {
+                frame,
+                at: first,
+                headers: m.headers,
+            });
+        }
+    }
+    frames
 }
 
 /// Adds one message to `parts`; the whole frame or answer once complete.
