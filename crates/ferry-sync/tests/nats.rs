@@ -612,3 +612,56 @@ async fn of_two_reports_waiting_only_the_newer_is_stored() {
     let _ = stop_tx.send(true);
     shop.finish().await;
 }
+
+/// A fetch waiting for frames returns at the first one, as HTTP's long poll does, not
+/// when its wait ends: a pull asking JetStream for a whole window waits out its expiry
+/// unless the window fills, which held every change back by the replica's wait (20 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_fetch_returns_at_the_first_frame() {
+    let mut shop = Shop::new("nats_poll").await;
+    let scratch = ferry_testkit::Scratch::new("sync-nats-poll");
+    let nats = PrivateNats::start(scratch.path());
+    let names = Names::new("poll.sync").unwrap();
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    start_bridge(&shop, &nats.url(), &names, stop).await;
+    let (store, token) = enrolled(&shop, "north").await;
+    shop.db
+        .exec("INSERT INTO products VALUES (1, 'nut', 1, 'north')")
+        .await;
+    shop.passes().await;
+    let url = nats.url();
+    let waiting = tokio::task::spawn_blocking(move || {
+        let mut link = NatsLink::new(&url, names, store, &token).unwrap();
+        let none = Position {
+            epoch: None,
+            seq: 0,
+            nonce: 0,
+        };
+        let mut snapshot = Vec::new();
+        while snapshot.is_empty() {
+            snapshot = link.fetch(none, 64, Duration::from_millis(200)).unwrap();
+        }
+        let last = snapshot.last().unwrap();
+        let after = Position {
+            epoch: Some(last[24..40].try_into().unwrap()),
+            seq: u64::from_be_bytes(last[40..48].try_into().unwrap()),
+            nonce: u64::from_be_bytes(last[48..56].try_into().unwrap()),
+        };
+        let start = Instant::now();
+        let frames = link.fetch(after, 64, Duration::from_secs(20)).unwrap();
+        (frames.len(), start.elapsed())
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    shop.db
+        .exec("UPDATE products SET price = 2 WHERE id = 1")
+        .await;
+    shop.passes().await;
+    let (frames, took) = waiting.await.unwrap();
+    assert_eq!(frames, 1, "the change's frame");
+    assert!(
+        took < Duration::from_secs(10),
+        "returned at the frame, not at the wait's end: {took:?}"
+    );
+    let _ = stop_tx.send(true);
+    shop.finish().await;
+}

@@ -4,7 +4,8 @@
 //! `ferry-bench-sync replicas --server URL --stores FILE --dir D --products N --orders-per-store K`
 //!
 //! One thread per replica runs ferry's own replica loop ([`Replica::run`], default
-//! settings but a 1 s long poll so a stop is quick) over the built-in HTTP transport,
+//! settings but a 1 s long poll so a stop is quick) over the built-in HTTP transport
+//! (or NATS JetStream when `URL` is `nats://…`, prefix `ferry.sync`),
 //! through a [`Downlink`] that counts bytes and measures lag when the loop fetches
 //! again (right after each applied batch): every product or order row whose `at_ns` is new is a
 //! sample `now - at_ns`. `FILE` has `uuid token` per line. Prints one JSON object per
@@ -22,8 +23,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ferry_sync::client::HttpLink;
+use ferry_sync::nats::{Names, PREFIX_DEFAULT, link::NatsLink};
 use ferry_sync::replica::{
-    Downlink, Position, Replica, RunSettings, TransportError, UpSettings, Uploader,
+    Downlink, Position, Replica, RunSettings, TransportError, UpSettings, Uplink, Uploader,
 };
 use uuid::Uuid;
 
@@ -40,9 +42,58 @@ struct Totals {
     samples: Mutex<Vec<(i64, i64)>>,
 }
 
-/// The HTTP link, counting and measuring.
+/// A replica's link, by its server's scheme.
+enum Link {
+    Http(HttpLink),
+    Nats(Box<NatsLink>),
+}
+
+impl Link {
+    fn new(base: &str, id: Uuid, token: &str) -> Link {
+        if base.starts_with("nats://") {
+            let names = Names::new(PREFIX_DEFAULT).expect("the default prefix");
+            Link::Nats(Box::new(
+                NatsLink::new(base, names, id, token).expect("a link"),
+            ))
+        } else {
+            Link::Http(HttpLink::new(base, id, token).expect("a link"))
+        }
+    }
+}
+
+impl Downlink for Link {
+    fn fetch(
+        &mut self,
+        position: Position,
+        max: usize,
+        wait: Duration,
+    ) -> Result<Vec<Vec<u8>>, TransportError> {
+        match self {
+            Link::Http(l) => l.fetch(position, max, wait),
+            Link::Nats(l) => l.fetch(position, max, wait),
+        }
+    }
+
+    fn report(&mut self, up: &[u8]) -> Result<(), TransportError> {
+        match self {
+            Link::Http(l) => l.report(up),
+            Link::Nats(l) => l.report(up),
+        }
+    }
+}
+
+impl Uplink for Link {
+    fn upload(&mut self, upload: &[u8]) -> Result<Vec<u8>, TransportError> {
+        match self {
+            Link::Http(l) => l.upload(upload),
+            Link::Nats(l) => l.upload(upload),
+        }
+    }
+}
+
+/// The link, counting and measuring.
 struct Measured {
-    inner: HttpLink,
+    inner: Link,
     db: rusqlite::Connection,
     seen: HashMap<(u8, i64), i64>,
     provisioned: bool,
@@ -185,7 +236,7 @@ fn follow(
     let db = rusqlite::Connection::open(&file).expect("a reader opens the replica's file");
     db.busy_timeout(Duration::from_secs(5)).unwrap();
     let mut link = Measured {
-        inner: HttpLink::new(&base, id, &token).expect("a link"),
+        inner: Link::new(&base, id, &token),
         db,
         seen: HashMap::new(),
         provisioned: false,
@@ -201,7 +252,7 @@ fn follow(
     // and link, default settings.
     let mut uploader = Uploader::open(&file, ferry_sync::wire::seal_key(token.as_bytes()), id)
         .expect("the uploader opens the replica's file");
-    let mut uplink = HttpLink::new(&base, id, &token).expect("a link");
+    let mut uplink = Link::new(&base, id, &token);
     let link_back = Arc::new(ferry_sync::replica::LinkBack::default());
     uploader.set_link_back(link_back.clone());
     replica.set_link_back(link_back);

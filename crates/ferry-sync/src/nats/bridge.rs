@@ -36,6 +36,8 @@ use crate::wire;
 /// How often every replica's outbox is compared with what was published, whatever the
 /// notifications said.
 pub const SWEEP_EVERY: Duration = Duration::from_secs(5);
+/// Replicas whose frames are published at once.
+const PUBLISH_AT_ONCE: usize = 32;
 /// Frames read from the outbox per look while publishing.
 const LOOK_FRAMES: usize = 64;
 /// The least `max_payload` a NATS server must take: a report, an upload or a frame
@@ -252,15 +254,32 @@ impl Bridge {
         let mut sweep = tokio::time::interval(SWEEP_EVERY);
         loop {
             // A replica whose publishing failed stays due, for the next sweep's turn.
+            // Replicas go at once (each one's frames in order): one publish waits for
+            // its acknowledgement, and a snapshot to many replicas would queue behind it.
             let mut failed = BTreeSet::new();
-            for id in std::mem::take(&mut due) {
-                if *stop.borrow() {
-                    return Ok(());
-                }
-                if let Err(e) = self.publish(id, &mut known).await {
-                    self.stats.errors.fetch_add(1, Relaxed);
-                    tracing::warn!(replica = %id, error = %e, "nats: publishing frames failed; trying again at the next sweep");
-                    failed.insert(id);
+            if *stop.borrow() {
+                return Ok(());
+            }
+            let batch: Vec<(Uuid, Option<Published>)> = std::mem::take(&mut due)
+                .into_iter()
+                .map(|id| (id, known.remove(&id)))
+                .collect();
+            let done: Vec<_> = futures_util::stream::iter(batch)
+                .map(|(id, from)| async move { (id, self.publish(id, from).await) })
+                .buffer_unordered(PUBLISH_AT_ONCE)
+                .collect()
+                .await;
+            for (id, result) in done {
+                match result {
+                    Ok(Some(at)) => {
+                        known.insert(id, at);
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        self.stats.errors.fetch_add(1, Relaxed);
+                        tracing::warn!(replica = %id, error = %e, "nats: publishing frames failed; trying again at the next sweep");
+                        failed.insert(id);
+                    }
                 }
             }
             tokio::select! {
@@ -339,9 +358,15 @@ impl Bridge {
         }
     }
 
-    /// Publishes every frame of replica `id`'s outbox past what its subject holds.
-    async fn publish(&self, id: Uuid, known: &mut HashMap<Uuid, Published>) -> Result<(), String> {
-        let mut at = match known.remove(&id) {
+    /// Publishes every frame of replica `id`'s outbox past what its subject holds (from
+    /// `from` when this bridge knows it). `Ok(Some)`: where the subject stands now;
+    /// `Ok(None)`: read it from the stream next time (another bridge published).
+    async fn publish(
+        &self,
+        id: Uuid,
+        from: Option<Published>,
+    ) -> Result<Option<Published>, String> {
+        let mut at = match from {
             Some(p) => p,
             None => self.read_published(id).await?,
         };
@@ -358,7 +383,7 @@ impl Bridge {
                 .pop()
                 .unwrap_or_default();
             if found.token_hash.is_none() {
-                return Ok(()); // not enrolled (any more): nothing to publish
+                return Ok(None); // not enrolled (any more): nothing to publish
             }
             if found.frames.is_empty() {
                 if at.epoch != Some(found.epoch) {
@@ -366,8 +391,7 @@ impl Bridge {
                     at.epoch = Some(found.epoch);
                     at.after = 0;
                 }
-                known.insert(id, at);
-                return Ok(());
+                return Ok(Some(at));
             }
             let more = found.frames.len() == LOOK_FRAMES || found.cut;
             for frame in &found.frames {
@@ -425,7 +449,7 @@ impl Bridge {
                                 == jetstream::context::PublishErrorKind::WrongLastSequence =>
                         {
                             // Another bridge published meanwhile; its frames are there.
-                            return Ok(());
+                            return Ok(None);
                         }
                         Err(e) => {
                             return Err(format!("publishing to NATS at {}: {e}", self.url));
@@ -443,8 +467,7 @@ impl Bridge {
                 }
             }
             if !more {
-                known.insert(id, at);
-                return Ok(());
+                return Ok(Some(at));
             }
         }
     }

@@ -238,15 +238,38 @@ impl NatsLink {
         if !again.is_empty() {
             return Ok(again);
         }
-        let batch = if wait < Duration::from_millis(10) {
-            consumer.fetch().max_messages(max).messages().await
-        } else {
-            consumer
-                .batch()
-                .max_messages(max)
-                .expires(wait)
-                .messages()
-                .await
+        // What is there now, without waiting; with nothing there, a long poll that ends
+        // at the first message (as HTTP's does), then whatever followed it. A pull asking
+        // for a whole window would wait out `wait` unless the window filled.
+        let mut frames = self.pull(&consumer, max, None).await?;
+        if frames.is_empty() && wait >= Duration::from_millis(10) {
+            frames = self.pull(&consumer, 1, Some(wait)).await?;
+            if !frames.is_empty() && frames.len() < max {
+                let more = self.pull(&consumer, max - frames.len(), None).await?;
+                frames.extend(more);
+            }
+        }
+        Ok(frames)
+    }
+
+    /// Up to `max` messages from the consumer: at once (`wait` None: what is there), or
+    /// waiting up to `wait` for them; the frames they complete.
+    async fn pull(
+        &mut self,
+        consumer: &consumer::PullConsumer,
+        max: usize,
+        wait: Option<Duration>,
+    ) -> Result<Vec<Vec<u8>>, TransportError> {
+        let batch = match wait {
+            None => consumer.fetch().max_messages(max).messages().await,
+            Some(wait) => {
+                consumer
+                    .batch()
+                    .max_messages(max)
+                    .expires(wait)
+                    .messages()
+                    .await
+            }
         };
         let mut batch = match batch {
             Ok(batch) => batch,
