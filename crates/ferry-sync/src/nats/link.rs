@@ -50,6 +50,10 @@ const ACK_WAIT: Duration = Duration::from_secs(30);
 const ACK_PENDING_MAX: i64 = super::DOWN_KEPT_PER_REPLICA + 1_000;
 /// Frames handed out that the link remembers (to read them again).
 const HANDED_KEPT: usize = 4_096;
+/// How long a pull of what is there stays open for more.
+const PULL_AT_ONCE: Duration = Duration::from_millis(20);
+/// How long past its own wait a pull is given before it is given up on.
+const PULL_SLACK: Duration = Duration::from_secs(2);
 /// How long a fetch, report or upload waits for a connection under way.
 const CONNECT_WAIT: Duration = Duration::from_secs(2);
 /// How long a publish waits for JetStream's acknowledgement.
@@ -261,7 +265,17 @@ impl NatsLink {
         wait: Option<Duration>,
     ) -> Result<Vec<Vec<u8>>, TransportError> {
         let batch = match wait {
-            None => consumer.fetch().max_messages(max).messages().await,
+            // "No wait" only means "say so at once when there is nothing": with fewer
+            // messages than asked for, nats-server keeps the pull open until more come
+            // or it expires, so it is given a short expiry.
+            None => {
+                consumer
+                    .fetch()
+                    .max_messages(max)
+                    .expires(PULL_AT_ONCE)
+                    .messages()
+                    .await
+            }
             Some(wait) => {
                 consumer
                     .batch()
@@ -280,7 +294,11 @@ impl NatsLink {
             }
         };
         let mut frames = Vec::new();
-        while let Some(m) = batch.next().await {
+        // The pull ends when the server ends it; a request the server never ends (seen
+        // here: a pull hanging past its expiry) is given up on after this, keeping what
+        // came. A message on its way then comes again after the acknowledgement wait.
+        let deadline = tokio::time::Instant::now() + wait.unwrap_or(PULL_AT_ONCE) + PULL_SLACK;
+        while let Ok(Some(m)) = tokio::time::timeout_at(deadline, batch.next()).await {
             let m = match m {
                 Ok(m) => m,
                 Err(e) => {
