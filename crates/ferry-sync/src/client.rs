@@ -189,3 +189,57 @@ impl crate::replica::Uplink for HttpLink {
         Err(status_error(status, &String::from_utf8_lossy(&body)))
     }
 }
+
+/// A replica's link by its server's scheme: `http(s)://` a `ferry sync serve`,
+/// `nats://` or `tls://` the NATS server a `ferry sync serve --nats` bridges to
+/// (subjects under `prefix`; docs/sync-nats.md).
+pub enum Link {
+    Http(HttpLink),
+    Nats(Box<crate::nats::link::NatsLink>),
+}
+
+impl Link {
+    pub fn new(
+        server: &str,
+        prefix: &str,
+        id: uuid::Uuid,
+        token: &str,
+    ) -> Result<Link, ferry_core::ConfigError> {
+        if server.starts_with("nats://") || server.starts_with("tls://") {
+            let names = crate::nats::Names::new(prefix)?;
+            let link = crate::nats::link::NatsLink::new(server, names, id, token)?;
+            return Ok(Link::Nats(Box::new(link)));
+        }
+        Ok(Link::Http(HttpLink::new(server, id, token)?))
+    }
+}
+
+impl Downlink for Link {
+    fn fetch(
+        &mut self,
+        position: Position,
+        max: usize,
+        wait: Duration,
+    ) -> Result<Vec<Vec<u8>>, TransportError> {
+        match self {
+            Link::Http(l) => l.fetch(position, max, wait),
+            Link::Nats(l) => l.fetch(position, max, wait),
+        }
+    }
+
+    fn report(&mut self, up: &[u8]) -> Result<(), TransportError> {
+        match self {
+            Link::Http(l) => l.report(up),
+            Link::Nats(l) => l.report(up),
+        }
+    }
+}
+
+impl crate::replica::Uplink for Link {
+    fn upload(&mut self, upload: &[u8]) -> Result<Vec<u8>, TransportError> {
+        match self {
+            Link::Http(l) => l.upload(upload),
+            Link::Nats(l) => l.upload(upload),
+        }
+    }
+}

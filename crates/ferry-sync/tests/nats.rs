@@ -99,6 +99,23 @@ fn sell(app: &rusqlite::Connection, store: Uuid, batch: i64) {
     app.execute_batch("COMMIT").unwrap();
 }
 
+/// Where a replica that took every one of `frames` stands: after the last (docs/sync.md
+/// §7.1 has the head's offsets).
+fn after(frames: &[Vec<u8>]) -> Position {
+    match frames.last() {
+        None => Position {
+            epoch: None,
+            seq: 0,
+            nonce: 0,
+        },
+        Some(f) => Position {
+            epoch: Some(f[24..40].try_into().unwrap()),
+            seq: u64::from_be_bytes(f[40..48].try_into().unwrap()),
+            nonce: u64::from_be_bytes(f[48..56].try_into().unwrap()),
+        },
+    }
+}
+
 fn count(db: &std::path::Path, sql: &str) -> i64 {
     let Ok(conn) = rusqlite::Connection::open(db) else {
         return -1;
@@ -342,18 +359,6 @@ async fn frames_not_taken_come_back_after_a_crash_and_from_where_the_replica_sta
     let url = nats.url();
     let (given, again, turns, taken, restored) = tokio::task::spawn_blocking(move || {
         // Where a replica that took every frame handed stands: after the last.
-        let after = |frames: &[Vec<u8>]| match frames.last() {
-            None => Position {
-                epoch: None,
-                seq: 0,
-                nonce: 0,
-            },
-            Some(f) => Position {
-                epoch: Some(f[24..40].try_into().unwrap()),
-                seq: u64::from_be_bytes(f[40..48].try_into().unwrap()),
-                nonce: u64::from_be_bytes(f[48..56].try_into().unwrap()),
-            },
-        };
         let fetch_all = |link: &mut NatsLink| {
             let mut frames = Vec::new();
             let start = Instant::now();
@@ -632,23 +637,15 @@ async fn a_waiting_fetch_returns_at_the_first_frame() {
     let url = nats.url();
     let waiting = tokio::task::spawn_blocking(move || {
         let mut link = NatsLink::new(&url, names, store, &token).unwrap();
-        let none = Position {
-            epoch: None,
-            seq: 0,
-            nonce: 0,
-        };
+        let none = after(&[]);
         let mut snapshot = Vec::new();
         while snapshot.is_empty() {
             snapshot = link.fetch(none, 64, Duration::from_millis(200)).unwrap();
         }
-        let last = snapshot.last().unwrap();
-        let after = Position {
-            epoch: Some(last[24..40].try_into().unwrap()),
-            seq: u64::from_be_bytes(last[40..48].try_into().unwrap()),
-            nonce: u64::from_be_bytes(last[48..56].try_into().unwrap()),
-        };
         let start = Instant::now();
-        let frames = link.fetch(after, 64, Duration::from_secs(20)).unwrap();
+        let frames = link
+            .fetch(after(&snapshot), 64, Duration::from_secs(20))
+            .unwrap();
         (frames.len(), start.elapsed())
     });
     tokio::time::sleep(Duration::from_millis(500)).await;

@@ -733,7 +733,7 @@ fn replica(a: ReplicaArgs) -> anyhow::Result<()> {
         a.id.ok_or_else(|| anyhow!("--id is required (this replica's uuid)"))?;
     let token = crate::read_token(&a.token_file)?
         .ok_or_else(|| anyhow!("--token-file is required (from `ferry sync enroll`)"))?;
-    let mut link = Link::new(&server, &a.nats_prefix, id, &token)?;
+    let mut link = open_link(&server, &a.nats_prefix, id, &token)?;
     let mut replica = Replica::open(&db, ferry_sync::wire::seal_key(token.as_bytes()))
         .with_context(|| format!("cannot open --db {}", db.display()))?;
     let settings = RunSettings {
@@ -774,7 +774,7 @@ fn replica(a: ReplicaArgs) -> anyhow::Result<()> {
     let mut uploader =
         ferry_sync::replica::Uploader::open(&db, ferry_sync::wire::seal_key(token.as_bytes()), id)
             .with_context(|| format!("cannot open --db {}", db.display()))?;
-    let mut uplink = Link::new(&server, &a.nats_prefix, id, &token)?;
+    let mut uplink = open_link(&server, &a.nats_prefix, id, &token)?;
     // One network under both: when either hears the server again, the other stops
     // waiting out its backoff.
     let link_back = Arc::new(ferry_sync::replica::LinkBack::default());
@@ -813,54 +813,15 @@ const REPLICA_FLAGS: crate::grammar::Flags = crate::grammar::Flags(&[
 /// /status (its file read on a connection of its own, with `live`) and /healthz, on a
 /// thread of its own: the replica's loop is synchronous and must not wait on a scrape.
 /// A replica's transport, by its server's scheme.
-enum Link {
-    Http(ferry_sync::client::HttpLink),
-    Nats(Box<ferry_sync::nats::link::NatsLink>),
-}
-
-impl Link {
-    fn new(server: &str, prefix: &str, id: uuid::Uuid, token: &str) -> anyhow::Result<Link> {
-        if server.starts_with("nats://") || server.starts_with("tls://") {
-            let names = ferry_sync::nats::Names::new(prefix).map_err(|e| anyhow!("{e}"))?;
-            let link = ferry_sync::nats::link::NatsLink::new(server, names, id, token)
-                .map_err(|e| anyhow!("{e}"))?;
-            return Ok(Link::Nats(Box::new(link)));
-        }
-        let link = ferry_sync::client::HttpLink::new(server, id, token).map_err(|e| {
-            anyhow!("{e} (or nats:// for a NATS server a `ferry sync serve --nats` bridges to)")
-        })?;
-        Ok(Link::Http(link))
-    }
-}
-
-impl ferry_sync::replica::Downlink for Link {
-    fn fetch(
-        &mut self,
-        position: ferry_sync::replica::Position,
-        max: usize,
-        wait: Duration,
-    ) -> Result<Vec<Vec<u8>>, ferry_sync::replica::TransportError> {
-        match self {
-            Link::Http(l) => l.fetch(position, max, wait),
-            Link::Nats(l) => l.fetch(position, max, wait),
-        }
-    }
-
-    fn report(&mut self, up: &[u8]) -> Result<(), ferry_sync::replica::TransportError> {
-        match self {
-            Link::Http(l) => l.report(up),
-            Link::Nats(l) => l.report(up),
-        }
-    }
-}
-
-impl ferry_sync::replica::Uplink for Link {
-    fn upload(&mut self, upload: &[u8]) -> Result<Vec<u8>, ferry_sync::replica::TransportError> {
-        match self {
-            Link::Http(l) => l.upload(upload),
-            Link::Nats(l) => l.upload(upload),
-        }
-    }
+fn open_link(
+    server: &str,
+    prefix: &str,
+    id: uuid::Uuid,
+    token: &str,
+) -> anyhow::Result<ferry_sync::client::Link> {
+    ferry_sync::client::Link::new(server, prefix, id, token).map_err(|e| {
+        anyhow!("{e} (the server is http(s):// for a `ferry sync serve`, nats:// for the NATS server one bridges to)")
+    })
 }
 
 fn serve_replica_metrics(

@@ -22,10 +22,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ferry_sync::client::HttpLink;
-use ferry_sync::nats::{Names, PREFIX_DEFAULT, link::NatsLink};
+use ferry_sync::client::Link;
+use ferry_sync::nats::PREFIX_DEFAULT;
 use ferry_sync::replica::{
-    Downlink, Position, Replica, RunSettings, TransportError, UpSettings, Uplink, Uploader,
+    Downlink, Position, Replica, RunSettings, TransportError, UpSettings, Uploader,
 };
 use uuid::Uuid;
 
@@ -42,53 +42,9 @@ struct Totals {
     samples: Mutex<Vec<(i64, i64)>>,
 }
 
-/// A replica's link, by its server's scheme.
-enum Link {
-    Http(HttpLink),
-    Nats(Box<NatsLink>),
-}
-
-impl Link {
-    fn new(base: &str, id: Uuid, token: &str) -> Link {
-        if base.starts_with("nats://") {
-            let names = Names::new(PREFIX_DEFAULT).expect("the default prefix");
-            Link::Nats(Box::new(
-                NatsLink::new(base, names, id, token).expect("a link"),
-            ))
-        } else {
-            Link::Http(HttpLink::new(base, id, token).expect("a link"))
-        }
-    }
-}
-
-impl Downlink for Link {
-    fn fetch(
-        &mut self,
-        position: Position,
-        max: usize,
-        wait: Duration,
-    ) -> Result<Vec<Vec<u8>>, TransportError> {
-        match self {
-            Link::Http(l) => l.fetch(position, max, wait),
-            Link::Nats(l) => l.fetch(position, max, wait),
-        }
-    }
-
-    fn report(&mut self, up: &[u8]) -> Result<(), TransportError> {
-        match self {
-            Link::Http(l) => l.report(up),
-            Link::Nats(l) => l.report(up),
-        }
-    }
-}
-
-impl Uplink for Link {
-    fn upload(&mut self, upload: &[u8]) -> Result<Vec<u8>, TransportError> {
-        match self {
-            Link::Http(l) => l.upload(upload),
-            Link::Nats(l) => l.upload(upload),
-        }
-    }
+/// A replica's link, by its server's scheme (subjects under the default prefix).
+fn open_link(base: &str, id: Uuid, token: &str) -> Link {
+    Link::new(base, PREFIX_DEFAULT, id, token).expect("a link")
 }
 
 /// The link, counting and measuring.
@@ -236,7 +192,7 @@ fn follow(
     let db = rusqlite::Connection::open(&file).expect("a reader opens the replica's file");
     db.busy_timeout(Duration::from_secs(5)).unwrap();
     let mut link = Measured {
-        inner: Link::new(&base, id, &token),
+        inner: open_link(&base, id, &token),
         db,
         seen: HashMap::new(),
         provisioned: false,
@@ -252,7 +208,7 @@ fn follow(
     // and link, default settings.
     let mut uploader = Uploader::open(&file, ferry_sync::wire::seal_key(token.as_bytes()), id)
         .expect("the uploader opens the replica's file");
-    let mut uplink = Link::new(&base, id, &token);
+    let mut uplink = open_link(&base, id, &token);
     let link_back = Arc::new(ferry_sync::replica::LinkBack::default());
     uploader.set_link_back(link_back.clone());
     replica.set_link_back(link_back);

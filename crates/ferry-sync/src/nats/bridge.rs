@@ -44,6 +44,27 @@ const LOOK_FRAMES: usize = 64;
 /// larger than one message is carried in parts, but parts this small would be absurd.
 const MAX_PAYLOAD_LEAST: usize = 64 * 1024;
 
+/// Why a bridge could not start or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum BridgeError {
+    /// NATS or the database is away, or failed in a way that passes: start again later.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The NATS server is set up in a way ferry cannot use (its `max_payload`, a stream
+    /// that does not take the subjects): the message says what to change.
+    #[error("{0}")]
+    Unsuitable(String),
+}
+
+impl ferry_core::Classify for BridgeError {
+    fn class(&self) -> ferry_core::Class {
+        match self {
+            BridgeError::Unavailable(_) => ferry_core::Class::Transient,
+            BridgeError::Unsuitable(_) => ferry_core::Class::Permanent,
+        }
+    }
+}
+
 /// What the bridge did, for `/metrics`.
 #[derive(Debug, Default)]
 pub struct BridgeStats {
@@ -133,8 +154,10 @@ struct Published {
 impl Bridge {
     /// Connects, and makes the two streams where they are missing. An existing stream is
     /// used as its operator set it, as long as it takes the subjects.
-    pub async fn connect(serve: Serve, url: &str, names: Names) -> Result<Bridge, String> {
-        let client = super::connect(url, "ferry sync serve").await?;
+    pub async fn connect(serve: Serve, url: &str, names: Names) -> Result<Bridge, BridgeError> {
+        let client = super::connect(url, "ferry sync serve")
+            .await
+            .map_err(BridgeError::Unavailable)?;
         // retry_on_initial_connect: wait for the first connection here, so a wrong
         // address is said at start-up rather than as silence.
         tokio::time::timeout(Duration::from_secs(10), async {
@@ -143,12 +166,12 @@ impl Bridge {
             }
         })
         .await
-        .map_err(|_| format!("no connection to NATS at {url} within 10 s: is nats-server running there (with -js)?"))?;
+        .map_err(|_| BridgeError::Unavailable(format!("no connection to NATS at {url} within 10 s: is nats-server running there (with -js)?")))?;
         let max_payload = client.server_info().max_payload;
         if max_payload < MAX_PAYLOAD_LEAST {
-            return Err(format!(
+            return Err(BridgeError::Unsuitable(format!(
                 "NATS at {url} takes messages of at most {max_payload} bytes (max_payload); ferry sync needs {MAX_PAYLOAD_LEAST} at least: raise max_payload (1 MiB, the default, is fine)"
-            ));
+            )));
         }
         let js = jetstream::new(client.clone());
         let down = ensure_stream(
@@ -208,7 +231,11 @@ impl Bridge {
     }
 
     /// Publishes and files until `stop` turns true.
-    pub async fn run(self, stop: watch::Receiver<bool>) -> Result<(), String> {
+    pub async fn run(self, stop: watch::Receiver<bool>) -> Result<(), BridgeError> {
+        self.run_loops(stop).await.map_err(BridgeError::Unavailable)
+    }
+
+    async fn run_loops(self, stop: watch::Receiver<bool>) -> Result<(), String> {
         let this = Arc::new(self);
         let mut down = tokio::spawn({
             let (this, stop) = (this.clone(), stop.clone());
@@ -782,23 +809,26 @@ async fn ensure_stream(
     js: &jetstream::Context,
     url: &str,
     config: stream::Config,
-) -> Result<stream::Stream, String> {
+) -> Result<stream::Stream, BridgeError> {
+    use BridgeError::{Unavailable, Unsuitable};
     match js.get_stream(&config.name).await {
         Ok(mut existing) => {
-            let info = existing
-                .info()
-                .await
-                .map_err(|e| format!("reading stream {} on NATS at {url}: {e}", config.name))?;
+            let info = existing.info().await.map_err(|e| {
+                Unavailable(format!(
+                    "reading stream {} on NATS at {url}: {e}",
+                    config.name
+                ))
+            })?;
             let missing: Vec<&String> = config
                 .subjects
                 .iter()
                 .filter(|s| !info.config.subjects.contains(s))
                 .collect();
             if !missing.is_empty() {
-                return Err(format!(
+                return Err(Unsuitable(format!(
                     "stream {} on NATS at {url} does not take {missing:?} (its subjects: {:?}); add them, or delete the stream for ferry to make it",
                     config.name, info.config.subjects
-                ));
+                )));
             }
             Ok(existing)
         }
@@ -807,13 +837,13 @@ async fn ensure_stream(
                 if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND) =>
         {
             let name = config.name.clone();
-            js.create_stream(config)
-                .await
-                .map_err(|e| format!("cannot make stream {name} on NATS at {url}: {e}"))
+            js.create_stream(config).await.map_err(|e| {
+                Unavailable(format!("cannot make stream {name} on NATS at {url}: {e}"))
+            })
         }
-        Err(e) => Err(format!(
+        Err(e) => Err(Unavailable(format!(
             "cannot read stream {} on NATS at {url}: {e} (is JetStream on? start nats-server with -js)",
             config.name
-        )),
+        ))),
     }
 }
