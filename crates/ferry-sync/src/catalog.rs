@@ -55,10 +55,13 @@ pub struct Catalog {
     pub indexes: BTreeMap<Relation, Vec<Vec<String>>>,
 }
 
-/// One mirrored table.
+/// One mirrored table: one entry of the rules (a Postgres table mirrored for two
+/// audiences is two).
 #[derive(Clone, Debug)]
 pub struct CatalogTable {
     pub relation: Relation,
+    /// The entry's audience ([`crate::rules::Table::audience`]).
+    pub audience: Option<String>,
     /// The mirrored columns, in the order of the table (or of its `from` view).
     pub columns: Vec<CatalogColumn>,
     /// The primary key's columns, in key order.
@@ -104,12 +107,15 @@ pub struct CatalogReplicas {
     pub relation: Relation,
     pub id: String,
     pub partition: Option<String>,
+    pub audience: Option<String>,
 }
 
 /// A grouped table's two group tables, with the key kinds of their columns.
 #[derive(Clone, Debug)]
 pub struct CatalogGroup {
     pub table: Relation,
+    /// The entry's audience: a table may be grouped once per audience.
+    pub audience: Option<String>,
     pub members: Relation,
     pub row: String,
     pub row_kind: KeyKind,
@@ -123,6 +129,8 @@ pub struct CatalogGroup {
 #[derive(Clone, Debug)]
 pub struct CatalogRoute {
     pub table: Relation,
+    /// The entry's audience: a table may be routed once per audience.
+    pub audience: Option<String>,
     pub view: Relation,
     /// Tables (not views) the view reads, directly or through other views.
     pub reads: Vec<Relation>,
@@ -149,7 +157,7 @@ impl Catalog {
         for table in &rules.tables {
             let catalog_table = tables
                 .iter()
-                .find(|t| t.relation == table.relation)
+                .find(|t| t.entry() == table.entry())
                 .expect("every rules table was loaded");
             match &table.route {
                 Route::Grouped(_) => groups.push(loader.group(table, catalog_table).await?),
@@ -184,13 +192,48 @@ impl Catalog {
         })
     }
 
-    /// The table mirrored as `relation`.
-    pub fn table(&self, relation: &Relation) -> Option<&CatalogTable> {
-        self.tables.iter().find(|t| &t.relation == relation)
+    /// The entry named `entry` ([`crate::rules::Table::entry`]).
+    pub fn entry(&self, entry: &str) -> Option<&CatalogTable> {
+        self.tables.iter().find(|t| t.entry() == entry)
+    }
+
+    /// Each mirrored Postgres table once, with its entries (one, or one per audience), in
+    /// the order of `tables`.
+    pub fn relations(&self) -> Vec<(&Relation, Vec<&CatalogTable>)> {
+        let mut out: Vec<(&Relation, Vec<&CatalogTable>)> = Vec::new();
+        for t in &self.tables {
+            match out.iter_mut().find(|(r, _)| *r == &t.relation) {
+                Some((_, entries)) => entries.push(t),
+                None => out.push((&t.relation, vec![t])),
+            }
+        }
+        out
     }
 }
 
+/// The entry a foreign key of an entry of `audience` points at among `tables`: the parent
+/// table's entry for the same audience, or its entry for every audience.
+pub fn parent_entry<'a, I>(entries: I, parent: &Relation, audience: Option<&str>) -> Option<usize>
+where
+    I: Iterator<Item = (&'a Relation, Option<&'a str>)> + Clone,
+{
+    let at = |a: Option<&str>| entries.clone().position(|e| e == (parent, a));
+    audience.and_then(|a| at(Some(a))).or_else(|| at(None))
+}
+
+/// Each catalog table as (relation, audience), for [`parent_entry`].
+pub fn entries_of(
+    tables: &[CatalogTable],
+) -> impl Iterator<Item = (&Relation, Option<&str>)> + Clone {
+    tables.iter().map(|t| (&t.relation, t.audience.as_deref()))
+}
+
 impl CatalogTable {
+    /// How the server's state names this entry ([`crate::rules::entry_name`]).
+    pub fn entry(&self) -> String {
+        crate::rules::entry_name(&self.relation, self.audience.as_deref())
+    }
+
     /// The key parts as `(kind, column)`.
     pub fn key_parts(&self) -> impl Iterator<Item = (KeyKind, &str)> {
         self.key_kinds
@@ -202,7 +245,9 @@ impl CatalogTable {
 
 /// `[tables.NAME] in FILE`: where in the rules a table comes from, for messages.
 fn place(rules: &Rules, table: &Table) -> String {
-    let key = if table.relation.schema == "public" {
+    let key = if !table.label.is_empty() {
+        table.label.clone()
+    } else if table.relation.schema == "public" {
         table.relation.name.clone()
     } else {
         table.relation.to_string()
@@ -328,6 +373,7 @@ impl Loader<'_> {
         }
         Ok(CatalogTable {
             relation: table.relation.clone(),
+            audience: table.audience.clone(),
             columns,
             key,
             key_kinds,
@@ -341,6 +387,8 @@ impl Loader<'_> {
     async fn record(&mut self, record: &RecordTable) -> Result<CatalogTable, CheckError> {
         let as_table = Table {
             relation: record.relation.clone(),
+            audience: None,
+            label: String::new(),
             replica_name: record.replica_name.clone(),
             route: Route::Closure,
             columns: record.columns.clone(),
@@ -586,10 +634,22 @@ impl Loader<'_> {
             .execute(&mut *self.conn)
             .await
             .doing(|| format!("checking the live condition of {here} (`{sql}`)"))?;
+        if let Some(a) = &r.audience {
+            let c = info
+                .column(a)
+                .ok_or_else(|| missing_column(&r.relation, a, &here, "audience"))?;
+            if KeyKind::of(&c.type_name) != Some(KeyKind::Text) {
+                return Err(CheckError::Mismatch(format!(
+                    "column {}.{a} (audience of {here}) has type {}; an audience is named by text: make it text (or a varchar)",
+                    r.relation, c.display
+                )));
+            }
+        }
         Ok(CatalogReplicas {
             relation: r.relation.clone(),
             id: r.id.clone(),
             partition: r.partition.clone(),
+            audience: r.audience.clone(),
         })
     }
 }
@@ -675,33 +735,54 @@ fn missing_column(relation: &Relation, column: &str, here: &str, role: &str) -> 
 }
 
 /// Step 5: each table's foreign keys into mirrored tables whose columns are mirrored on
-/// both sides; `follows` must be one of them.
+/// both sides; `follows` must be one of them. A foreign key of an entry for one audience
+/// points at the parent's entry for that audience, else at its entry for every audience
+/// ([`parent_entry`]); an entry for every audience cannot point at a table mirrored only
+/// per audience (which of its shapes would the rows point at?).
 async fn link_parents(
     rules: &Rules,
     tables: &mut [CatalogTable],
     loader: &mut Loader<'_>,
 ) -> Result<(), CheckError> {
-    let mirrored: BTreeMap<Relation, BTreeSet<String>> = tables
+    let mirrored: Vec<(Relation, Option<String>, BTreeSet<String>)> = tables
         .iter()
         .map(|t| {
             let names = t.columns.iter().map(|c| c.name.clone()).collect();
-            (t.relation.clone(), names)
+            (t.relation.clone(), t.audience.clone(), names)
         })
         .collect();
+    let entries = mirrored.iter().map(|m| (&m.0, m.1.as_deref()));
     for (table, rule) in tables.iter_mut().zip(&rules.tables) {
-        debug_assert_eq!(table.relation, rule.relation);
+        debug_assert_eq!(table.entry(), rule.entry());
         let fks = loader.foreign_keys(&table.relation).await?;
-        let own = &mirrored[&table.relation];
-        table.parents = fks
-            .iter()
-            .filter(|fk| {
-                mirrored.get(&fk.parent).is_some_and(|parent| {
-                    fk.columns.iter().all(|c| own.contains(c))
-                        && fk.parent_columns.iter().all(|c| parent.contains(c))
-                })
-            })
-            .cloned()
-            .collect();
+        let own =
+            &mirrored[parent_entry(entries.clone(), &table.relation, table.audience.as_deref())
+                .expect("its own entry")]
+            .2;
+        let mut parents = Vec::new();
+        for fk in &fks {
+            let Some(p) = parent_entry(entries.clone(), &fk.parent, table.audience.as_deref())
+            else {
+                if table.audience.is_none() && rules.mirrors(&fk.parent) {
+                    return Err(CheckError::Mismatch(format!(
+                        "{} goes to every audience and its foreign key {} points at {}, which is mirrored only per audience; give {} an entry per audience too, or {} one without an audience",
+                        place(rules, rule),
+                        fk.name,
+                        fk.parent,
+                        place(rules, rule),
+                        fk.parent
+                    )));
+                }
+                continue;
+            };
+            let parent = &mirrored[p].2;
+            if fk.columns.iter().all(|c| own.contains(c))
+                && fk.parent_columns.iter().all(|c| parent.contains(c))
+            {
+                parents.push(fk.clone());
+            }
+        }
+        table.parents = parents;
         if let Route::Follows { columns } = &rule.route {
             check_follows(rules, rule, columns, &fks, &table.parents)?;
         }
@@ -728,10 +809,20 @@ fn check_follows(
             "`follows` of {here} names ({list}), which is not a foreign key of {}; follows needs a foreign key into a mirrored table: add it, or fix the rules file",
             rule.relation
         ),
-        Some(fk) if rules.table(&fk.parent).is_none() => format!(
+        Some(fk) if !rules.mirrors(&fk.parent) => format!(
             "`follows` of {here} names ({list}), a foreign key into {}, which the rules do not mirror; add [tables.{}] to the rules",
             fk.parent, fk.parent.name
         ),
+        Some(fk)
+            if !rules
+                .entries(&fk.parent)
+                .any(|p| p.reaches(rule.audience.as_deref())) =>
+        {
+            format!(
+                "`follows` of {here} names ({list}), a foreign key into {}, which is not mirrored for this entry's audience; give {} an entry for it",
+                fk.parent, fk.parent
+            )
+        }
         Some(fk) => format!(
             "`follows` of {here} names ({list}), a foreign key into {}, but its columns are not mirrored on both sides; add them to `columns` of both tables",
             fk.parent
@@ -741,45 +832,60 @@ fn check_follows(
 
 /// Orders tables parents first (Kahn), refusing a cycle.
 fn parents_first(tables: Vec<CatalogTable>) -> Result<Vec<CatalogTable>, CheckError> {
-    let mut left: BTreeMap<Relation, CatalogTable> = tables
-        .into_iter()
-        .map(|t| (t.relation.clone(), t))
+    // Each entry's parents, as indexes into `tables`.
+    let parents: Vec<Vec<usize>> = tables
+        .iter()
+        .map(|t| {
+            t.parents
+                .iter()
+                .filter_map(|fk| {
+                    parent_entry(entries_of(&tables), &fk.parent, t.audience.as_deref())
+                })
+                .collect()
+        })
         .collect();
-    let mut ordered = Vec::new();
+    let mut left: BTreeSet<usize> = (0..tables.len()).collect();
+    let mut order = Vec::new();
     while !left.is_empty() {
-        let ready: Vec<Relation> = left
-            .values()
-            .filter(|t| t.parents.iter().all(|fk| !left.contains_key(&fk.parent)))
-            .map(|t| t.relation.clone())
+        let ready: Vec<usize> = left
+            .iter()
+            .copied()
+            .filter(|i| parents[*i].iter().all(|p| !left.contains(p)))
             .collect();
         if ready.is_empty() {
             return Err(CheckError::Cycle {
-                cycle: find_cycle(&left),
+                cycle: find_cycle(&tables, &parents, &left),
             });
         }
-        for r in ready {
-            ordered.push(left.remove(&r).expect("ready tables are left"));
+        for i in ready {
+            left.remove(&i);
+            order.push(i);
         }
     }
-    Ok(ordered)
+    let mut slots: Vec<Option<CatalogTable>> = tables.into_iter().map(Some).collect();
+    Ok(order
+        .into_iter()
+        .map(|i| slots[i].take().expect("each entry is ordered once"))
+        .collect())
 }
 
-/// A cycle among `left` (every table there has a parent there): follow parents until a
-/// table repeats.
-fn find_cycle(left: &BTreeMap<Relation, CatalogTable>) -> Vec<String> {
-    let mut path: Vec<Relation> = vec![left.keys().next().expect("a cycle has tables").clone()];
+/// A cycle among `left` (every entry there has a parent there): follow parents until an
+/// entry repeats.
+fn find_cycle(
+    tables: &[CatalogTable],
+    parents: &[Vec<usize>],
+    left: &BTreeSet<usize>,
+) -> Vec<String> {
+    let mut path: Vec<usize> = vec![*left.iter().next().expect("a cycle has tables")];
     loop {
-        let here = &left[path.last().expect("path starts with one")];
-        let next = here
-            .parents
+        let here = *path.last().expect("path starts with one");
+        let next = *parents[here]
             .iter()
-            .map(|fk| &fk.parent)
-            .find(|p| left.contains_key(*p))
-            .expect("every table left has a parent left")
-            .clone();
+            .find(|p| left.contains(*p))
+            .expect("every table left has a parent left");
         if let Some(i) = path.iter().position(|r| *r == next) {
-            let mut cycle: Vec<String> = path[i..].iter().map(|r| r.to_string()).collect();
-            cycle.push(next.to_string());
+            let mut cycle: Vec<String> = path[i..].iter().map(|r| tables[*r].entry()).collect();
+            cycle.push(tables[next].entry());
             return cycle;
         }
         path.push(next);

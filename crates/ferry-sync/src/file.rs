@@ -65,6 +65,9 @@ pub struct RecordSpec {
 pub struct TwoWaySpec {
     /// The columns the server sends, as messages down carry them.
     pub down: Vec<wire::Column>,
+    /// The audience whose replicas hold the table (docs/sync.md §3.3); `None`: every
+    /// replica.
+    pub audience: Option<String>,
 }
 
 /// Why a two-way edit was dropped, as the `Filed` says it.
@@ -83,6 +86,17 @@ pub struct FileColumn {
 }
 
 impl RecordSpec {
+    /// Whether a replica of `audience` holds this table: a record table every replica
+    /// does, a two-way table those of its audience.
+    pub fn reaches(&self, audience: Option<&str>) -> bool {
+        match &self.two_way {
+            Some(TwoWaySpec {
+                audience: Some(a), ..
+            }) => Some(a.as_str()) == audience,
+            _ => true,
+        }
+    }
+
     /// The columns as a message down names them, so the replica creates the table.
     pub fn wire_columns(&self) -> Vec<wire::Column> {
         self.columns
@@ -472,6 +486,7 @@ async fn holds(
                        WHERE h.replica = $1 AND h.relation = $2 AND h.key = k)
             OR (EXISTS (SELECT 1 FROM ferry_sync.rows r JOIN ferry_sync.replicas p ON p.id = $1
                         WHERE r.relation = $2 AND r.part = coalesce(p.partition, '')
+                          AND ($4::text IS NULL OR p.audience = $4)
                           AND r.key = k AND NOT r.gone)
                 AND NOT EXISTS (SELECT 1 FROM ferry_sync.quarantine q
                                 WHERE q.replica = $1 AND q.relation = $2 AND q.key = k))",
@@ -479,6 +494,12 @@ async fn holds(
     .bind(sender)
     .bind(&plan.spec.relation)
     .bind(&keys)
+    .bind(
+        plan.spec
+            .two_way
+            .as_ref()
+            .and_then(|t| t.audience.as_deref()),
+    )
     .fetch_all(&mut *conn)
     .await?;
     Ok(rows.iter().map(|r| r.get(0)).collect())

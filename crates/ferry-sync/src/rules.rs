@@ -75,6 +75,11 @@ pub struct Replicas {
     /// The column that puts each replica in a partition (`broadcast` sends a row to the
     /// replicas of its partition only).
     pub partition: Option<String>,
+    /// The column naming each replica's audience (docs/sync.md §3.3): a table entry with
+    /// an audience goes to that audience's replicas only. Left out of the digest's JSON
+    /// when `None`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub audience: Option<String>,
 }
 
 /// A schema-qualified relation name, as written (quoted as written in SQL).
@@ -84,10 +89,19 @@ pub struct Relation {
     pub name: String,
 }
 
-/// One mirrored table.
+/// One mirrored table: one entry of the rules. A Postgres table has one entry, or one per
+/// audience (docs/sync.md §3.3).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Table {
+    /// The Postgres table.
     pub relation: Relation,
+    /// The audience whose replicas hold this entry; `None`: every replica. Left out of the
+    /// digest's JSON when `None`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub audience: Option<String>,
+    /// The entry's key in the rules file, for messages (not part of the digest).
+    #[serde(skip)]
+    pub label: String,
     /// The table's name on the replicas (no schema there). Unique among the tables.
     pub replica_name: String,
     pub route: Route,
@@ -233,9 +247,25 @@ impl Rules {
         hash.iter().map(|b| format!("{b:02x}")).collect()
     }
 
-    /// The table mirrored as `relation`, if any.
+    /// The first entry that mirrors `relation` (its only one, unless it has one per
+    /// audience), if any.
     pub fn table(&self, relation: &Relation) -> Option<&Table> {
         self.tables.iter().find(|t| &t.relation == relation)
+    }
+
+    /// The entry named `entry` ([`Table::entry`]), if any.
+    pub fn entry(&self, entry: &str) -> Option<&Table> {
+        self.tables.iter().find(|t| t.entry() == entry)
+    }
+
+    /// The entries that mirror `relation`: one, one per audience, or none.
+    pub fn entries<'a>(&'a self, relation: &'a Relation) -> impl Iterator<Item = &'a Table> {
+        self.tables.iter().filter(move |t| &t.relation == relation)
+    }
+
+    /// Whether some entry mirrors `relation`.
+    pub fn mirrors(&self, relation: &Relation) -> bool {
+        self.entries(relation).next().is_some()
     }
 
     /// Whether any table is a setting table (so the rules mirror the wishes).
@@ -277,7 +307,27 @@ impl fmt::Display for Relation {
     }
 }
 
+/// How the server's state names the entry of `relation` for `audience`: `schema.name`,
+/// or `schema.name@audience` (docs/sync.md §3.3).
+pub fn entry_name(relation: &Relation, audience: Option<&str>) -> String {
+    match audience {
+        None => relation.to_string(),
+        Some(a) => format!("{relation}@{a}"),
+    }
+}
+
 impl Table {
+    /// The name the server's state keeps this entry under ([`entry_name`]): notes
+    /// name the Postgres table, held state the entry.
+    pub fn entry(&self) -> String {
+        entry_name(&self.relation, self.audience.as_deref())
+    }
+
+    /// Whether a replica of `audience` holds this entry.
+    pub fn reaches(&self, audience: Option<&str>) -> bool {
+        self.audience.is_none() || self.audience.as_deref() == audience
+    }
+
     /// The columns the route reads on the table itself (they decide who holds a row, so a
     /// change of any of them must be noted even when they are not mirrored).
     pub fn route_columns(&self) -> Vec<&str> {
@@ -351,6 +401,7 @@ struct RawReplicas {
     id: String,
     live: Option<String>,
     partition: Option<String>,
+    audience: Option<String>,
 }
 
 fn default_id() -> String {
@@ -374,6 +425,8 @@ struct RawTable {
     lane: Option<String>,
     replica_writes: Option<Vec<String>>,
     desired: Option<Vec<String>>,
+    table: Option<String>,
+    audience: Option<String>,
 }
 
 #[derive(Deserialize, Default, Clone, Copy, PartialEq, Eq, Debug)]
@@ -456,44 +509,42 @@ fn build(raw: RawRules, path: PathBuf) -> Result<Rules, RulesError> {
     let replicas = build_replicas(raw.replicas).map_err(|m| invalid("[replicas]", m))?;
     let mut tables: Vec<Table> = Vec::new();
     let mut records: Vec<RecordTable> = Vec::new();
-    let mut seen_relations: BTreeMap<Relation, String> = BTreeMap::new();
-    let mut seen_replica_names: BTreeMap<String, String> = BTreeMap::new();
+    // (relation, audience, replica-side name, writes back, key) of every entry.
+    let mut seen: Vec<(Relation, Option<String>, String, bool, String)> = Vec::new();
     for (key, raw_table) in raw.tables {
         let place = format!("[tables.{key}]");
-        let (relation, replica_name) =
-            if matches!(raw_table.mirror, Mirror::Record | Mirror::Setting) {
-                let record = build_record(&key, raw_table).map_err(|m| invalid(&place, m))?;
-                let names = (record.relation.clone(), record.replica_name.clone());
-                records.push(record);
-                names
-            } else {
-                let table = build_table(&key, raw_table, replicas.partition.is_some())
-                    .map_err(|m| invalid(&place, m))?;
-                let names = (table.relation.clone(), table.replica_name.clone());
-                tables.push(table);
-                names
-            };
-        if let Some(other) = seen_relations.insert(relation.clone(), key.clone()) {
-            return Err(invalid(
-                &place,
-                format!(
-                    "names table {relation}, which another entry names too ([tables.{other}]); keep one"
-                ),
-            ));
+        let entry = if matches!(raw_table.mirror, Mirror::Record | Mirror::Setting) {
+            let record = build_record(&key, raw_table).map_err(|m| invalid(&place, m))?;
+            let entry = (
+                record.relation.clone(),
+                None,
+                record.replica_name.clone(),
+                true,
+                key.clone(),
+            );
+            records.push(record);
+            entry
+        } else {
+            let table = build_table(&key, raw_table, &replicas).map_err(|m| invalid(&place, m))?;
+            let entry = (
+                table.relation.clone(),
+                table.audience.clone(),
+                table.replica_name.clone(),
+                table.two_way.is_some(),
+                key.clone(),
+            );
+            tables.push(table);
+            entry
+        };
+        if let Some(m) = clash(&seen, &entry) {
+            return Err(invalid(&place, m));
         }
-        if let Some(other) = seen_replica_names.insert(replica_name.clone(), key.clone()) {
-            return Err(invalid(
-                &place,
-                format!(
-                    "the replica-side name {replica_name:?} is taken by [tables.{other}]; give one of them another with `as = \"...\"`"
-                ),
-            ));
-        }
+        seen.push(entry);
     }
     if records.iter().any(RecordTable::is_setting) {
         tables.push(wishes_table());
     }
-    tables.sort_by(|a, b| a.relation.cmp(&b.relation));
+    tables.sort_by(|a, b| (&a.relation, &a.audience).cmp(&(&b.relation, &b.audience)));
     records.sort_by(|a, b| a.relation.cmp(&b.relation));
     Ok(Rules {
         replicas,
@@ -503,11 +554,46 @@ fn build(raw: RawRules, path: PathBuf) -> Result<Rules, RulesError> {
     })
 }
 
+/// Why entry `e` cannot stand beside the entries `seen`, if it cannot: a Postgres table
+/// is mirrored by one entry, or by one per audience; a replica-side name names one table
+/// for every replica that holds it, and one that replicas write back names one table.
+fn clash(
+    seen: &[(Relation, Option<String>, String, bool, String)],
+    e: &(Relation, Option<String>, String, bool, String),
+) -> Option<String> {
+    let (relation, audience, name, writes, _) = e;
+    for (r, a, n, w, other) in seen {
+        let overlap = a.is_none() || audience.is_none() || a == audience;
+        if r == relation && overlap {
+            return Some(match (a, audience) {
+                (Some(a), Some(_)) => format!(
+                    "names table {relation} for audience {a:?}, which [tables.{other}] does too; keep one"
+                ),
+                (None, None) => format!(
+                    "names table {relation}, which another entry names too ([tables.{other}]); keep one"
+                ),
+                _ => format!(
+                    "names table {relation}, which [tables.{other}] names too, and one of them has no `audience` (it goes to every replica); give each entry of a table its own audience"
+                ),
+            });
+        }
+        if n == name && (overlap || *w || *writes) {
+            return Some(format!(
+                "the replica-side name {name:?} is taken by [tables.{other}]; give one of them another with `as = \"...\"`"
+            ));
+        }
+    }
+    None
+}
+
 fn build_replicas(raw: RawReplicas) -> Result<Replicas, String> {
     let relation = Relation::parse(&raw.relation).map_err(|e| format!("relation {e}"))?;
     check_ident(&raw.id).map_err(|e| format!("id: {e}"))?;
     if let Some(p) = &raw.partition {
         check_ident(p).map_err(|e| format!("partition: {e}"))?;
+    }
+    if let Some(a) = &raw.audience {
+        check_ident(a).map_err(|e| format!("audience: {e}"))?;
     }
     if raw.live.as_deref().is_some_and(|l| l.trim().is_empty()) {
         return Err(
@@ -520,11 +606,27 @@ fn build_replicas(raw: RawReplicas) -> Result<Replicas, String> {
         id: raw.id,
         live: raw.live,
         partition: raw.partition,
+        audience: raw.audience,
     })
 }
 
-fn build_table(key: &str, raw: RawTable, partitioned: bool) -> Result<Table, String> {
-    let relation = Relation::parse(key).map_err(|e| format!("table {e}"))?;
+fn build_table(key: &str, raw: RawTable, replicas: &Replicas) -> Result<Table, String> {
+    let relation =
+        Relation::parse(raw.table.as_deref().unwrap_or(key)).map_err(|e| format!("table {e}"))?;
+    let audience = match raw.audience {
+        Some(a) if replicas.audience.is_none() => {
+            return Err(format!(
+                "`audience = {a:?}` needs the replicas' audience: add `audience = \"COLUMN\"` to [replicas], naming the column that says each replica's audience"
+            ));
+        }
+        Some(a) => Some(
+            check_ident(&a)
+                .map(|_| a)
+                .map_err(|e| format!("audience: {e}"))?,
+        ),
+        None => None,
+    };
+    let partitioned = replicas.partition.is_some();
     for (what, given) in [
         ("replica", raw.replica.is_some()),
         ("version", raw.version.is_some()),
@@ -600,6 +702,8 @@ fn build_table(key: &str, raw: RawTable, partitioned: bool) -> Result<Table, Str
         from: view("from", raw.from)?,
         active: view("active", raw.active)?,
         relation,
+        audience,
+        label: key.to_string(),
         replica_name,
         route,
         columns,
@@ -615,6 +719,8 @@ fn wishes_table() -> Table {
             schema: WISHES_RELATION.0.into(),
             name: WISHES_RELATION.1.into(),
         },
+        audience: None,
+        label: format!("{}.{}", WISHES_RELATION.0, WISHES_RELATION.1),
         replica_name: WISHES_TABLE.into(),
         route: Route::Assigned {
             column: "replica".into(),
@@ -659,10 +765,12 @@ fn build_record(key: &str, raw: RawTable) -> Result<RecordTable, String> {
         ("from", raw.from.is_some()),
         ("active", raw.active.is_some()),
         ("replica_writes", raw.replica_writes.is_some()),
+        ("table", raw.table.is_some()),
+        ("audience", raw.audience.is_some()),
     ] {
         if given {
             return Err(format!(
-                "`{what}` routes rows down, and the replicas write a record table: remove it, or make the table a catalog table"
+                "`{what}` routes rows down (or picks whose copy of them), and the replicas write a record table, whichever replica it is: remove it, or make the table a catalog table"
             ));
         }
     }

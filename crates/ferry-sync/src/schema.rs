@@ -176,6 +176,14 @@ pub async fn install(pool: &PgPool, rules: &Rules) -> Result<Report, CheckError>
     }
     let catalog = Catalog::load(&mut tx, rules).await?;
     let report = compare(&mut tx, rules, &catalog, &schema).await?;
+    let entries_before: Vec<String> = match schema {
+        Some(_) => sqlx::query_scalar("SELECT entries FROM ferry_sync.meta")
+            .fetch_optional(&mut *tx)
+            .await
+            .doing(doing)?
+            .unwrap_or_default(),
+        None => Vec::new(),
+    };
     for item in report.pending() {
         if matches!(item.object, Some(Object::Schema)) {
             continue;
@@ -228,6 +236,41 @@ pub async fn install(pool: &PgPool, rules: &Rules) -> Result<Report, CheckError>
             .doing(|| format!("noting that {table} is to be sent whole"))?;
         }
     }
+    // An entry new to a table already mirrored (an audience added, or an entry renamed
+    // by one) has no held state yet: its rows are sent whole, as a new table's are. A
+    // table whose trigger was missing was noted whole above, every entry of it.
+    let noted_whole: Vec<&Relation> = report
+        .pending()
+        .filter_map(|item| match &item.object {
+            Some(Object::Trigger {
+                table,
+                notes_table: true,
+                ..
+            }) if item.state == State::Missing => Some(table),
+            _ => None,
+        })
+        .collect();
+    let entries: Vec<String> = rules.tables.iter().map(|t| t.entry()).collect();
+    if schema.is_some() {
+        for t in &rules.tables {
+            let entry = t.entry();
+            if entries_before.contains(&entry) || noted_whole.contains(&&t.relation) {
+                continue;
+            }
+            sqlx::query(
+                "INSERT INTO ferry_sync.notes (relation, key, kind) VALUES ($1, '', 'table')",
+            )
+            .bind(&entry)
+            .execute(&mut *tx)
+            .await
+            .doing(|| format!("noting that {entry} is to be sent whole"))?;
+        }
+    }
+    sqlx::query("UPDATE ferry_sync.meta SET entries = $1")
+        .bind(&entries)
+        .execute(&mut *tx)
+        .await
+        .doing(|| "recording the entries the rules mirror".to_string())?;
     tx.commit().await.doing(doing)?;
     Ok(report)
 }

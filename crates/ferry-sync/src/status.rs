@@ -108,6 +108,10 @@ pub struct WishCounts {
 pub struct ReplicaStanding {
     pub id: String,
     pub partition: Option<String>,
+    /// Its audience (docs/sync.md §3.3), when the rules name audiences: it holds the
+    /// tables of its audience and those of every audience.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub audience: Option<String>,
     pub standing: &'static str,
     pub last_seq: i64,
     pub confirmed_seq: i64,
@@ -182,7 +186,8 @@ pub async fn read(pool: &PgPool, partition: Option<&str>) -> Result<Status, sqlx
            (SELECT count(*) FROM ferry_sync.quarantine q WHERE q.replica = c.id),
            c.confirmed_pass,
            (SELECT coalesce(max(n), 0) FROM ferry_sync.filings f WHERE f.replica = c.id),
-           (SELECT count(*) FROM ferry_sync.inbox i WHERE i.replica = c.id)
+           (SELECT count(*) FROM ferry_sync.inbox i WHERE i.replica = c.id),
+           c.audience
          FROM ferry_sync.replicas c WHERE $1::text IS NULL OR c.partition = $1 ORDER BY c.id",
     )
     .bind(partition)
@@ -266,15 +271,18 @@ pub async fn read(pool: &PgPool, partition: Option<&str>) -> Result<Status, sqlx
             let outbox: i64 = r.get(7);
             let heard: Option<i64> = r.get(10);
             let confirmed_pass: i64 = r.get(12);
+            let audience: Option<String> = r.get(15);
             let standing = judge(&standing, enrolled, outbox, heard);
             let tables = if standing == "retired" {
                 Vec::new()
             } else {
-                progress.of(&id, partition.as_deref().unwrap_or(""), confirmed_pass)
+                let part = partition.as_deref().unwrap_or("");
+                progress.of(&id, part, audience.as_deref(), confirmed_pass)
             };
             ReplicaStanding {
                 held_rows: progress.held_rows(&id),
                 partition,
+                audience,
                 standing,
                 last_seq: r.get(4),
                 confirmed_seq: r.get(5),
@@ -422,8 +430,13 @@ impl Progress {
             .map(|((_, rel), n)| (rel.as_str(), *n))
     }
 
-    /// Replica `id`'s tables, for its partition and mark.
-    fn of(&self, id: &str, part: &str, mark: i64) -> Vec<TableProgress> {
+    /// Replica `id`'s tables, for its partition, audience and mark.
+    fn of(&self, id: &str, part: &str, audience: Option<&str>, mark: i64) -> Vec<TableProgress> {
+        // An audience's entry is kept as `schema.table@audience` (docs/sync.md §3.3).
+        let reaches = |rel: &str| match rel.split_once('@') {
+            Some((_, a)) => Some(a) == audience,
+            None => true,
+        };
         let quarantine = |rel: &str| {
             self.quarantine
                 .get(&(id.to_string(), rel.to_string()))
@@ -431,7 +444,11 @@ impl Progress {
                 .unwrap_or_default()
         };
         let mut out = Vec::new();
-        for ((_, rel), &(live, latest)) in self.parts.iter().filter(|((p, _), _)| p == part) {
+        for ((_, rel), &(live, latest)) in self
+            .parts
+            .iter()
+            .filter(|((p, rel), _)| p == part && reaches(rel))
+        {
             let changed = self
                 .since
                 .get(&(part.to_string(), mark, rel.clone()))

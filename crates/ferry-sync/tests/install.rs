@@ -10,7 +10,7 @@
 
 use ferry_core::Classify;
 use ferry_sync::catalog::{Catalog, CheckError};
-use ferry_sync::rules::{Relation, Rules};
+use ferry_sync::rules::Rules;
 use ferry_sync::schema::{self, State};
 use ferry_sync::value::Affinity;
 use sqlx::{Connection, PgConnection, PgPool};
@@ -403,9 +403,7 @@ async fn the_shop_loads_parents_first_with_its_foreign_keys() {
     assert!(at("public.customers") < at("public.orders"));
     assert!(at("public.orders") < at("public.order_lines"));
     assert!(at("public.products") < at("public.order_lines"));
-    let lines = catalog
-        .table(&Relation::parse("order_lines").unwrap())
-        .unwrap();
+    let lines = catalog.entry("public.order_lines").unwrap();
     assert_eq!(lines.key, ["order_id", "line"]);
     let parents: Vec<(String, Vec<String>)> = lines
         .parents

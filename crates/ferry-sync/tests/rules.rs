@@ -460,3 +460,106 @@ fn a_rules_error_is_permanent() {
     let e = parse("nonsense").unwrap_err();
     assert!(!e.is_transient());
 }
+
+/// Audiences (docs/sync.md §3.3): one Postgres table mirrored once per audience, in two
+/// shapes, each entry kept apart in the server's state; every way two entries could
+/// claim one table or one replica-side name is refused, naming both.
+#[test]
+fn a_table_is_mirrored_once_or_once_per_audience_and_names_stay_unique_per_audience() {
+    const AUDIENCES: &str = "[replicas]\nrelation = \"stores\"\naudience = \"kind\"\n";
+    let rules = parse(&format!(
+        "{AUDIENCES}
+[tables.till_products]
+table = \"products\"
+audience = \"till\"
+sync = \"broadcast\"
+columns = [\"id\", \"name\", \"price\"]
+active = \"products_on_sale\"
+
+[tables.office_products]
+table = \"products\"
+audience = \"office\"
+sync = \"broadcast\"
+
+[tables.orders]
+audience = \"till\"
+sync = {{ assigned = \"store_id\" }}
+
+[tables.customers]
+"
+    ))
+    .unwrap();
+    assert_eq!(rules.replicas.audience.as_deref(), Some("kind"));
+    let entries: Vec<(String, String)> = rules
+        .entries(&rel("products"))
+        .map(|t| (t.entry(), t.replica_name.clone()))
+        .collect();
+    assert_eq!(
+        entries,
+        [
+            ("public.products@office".to_string(), "products".to_string()),
+            ("public.products@till".to_string(), "products".to_string())
+        ]
+    );
+    let till = rules.entry("public.products@till").unwrap();
+    assert!(till.reaches(Some("till")) && !till.reaches(Some("office")) && !till.reaches(None));
+    let customers = rules.entry("public.customers").unwrap();
+    assert!(customers.reaches(Some("till")) && customers.reaches(None));
+    // Adding audiences to rules that had none leaves the digest of rules without them.
+    let plain = "[replicas]\nrelation = \"stores\"\n[tables.customers]\n";
+    let with_column =
+        "[replicas]\nrelation = \"stores\"\naudience = \"kind\"\n[tables.customers]\n";
+    assert_ne!(
+        parse(plain).unwrap().digest(),
+        parse(with_column).unwrap().digest()
+    );
+    assert_eq!(
+        parse(plain).unwrap().digest(),
+        parse("[replicas]\nrelation = \"stores\"\n\n[tables.customers]\nmirror = \"catalog\"\n")
+            .unwrap()
+            .digest()
+    );
+
+    for (tables, needle) in [
+        (
+            "[tables.a]\ntable = \"products\"\naudience = \"till\"\n[tables.b]\ntable = \"products\"\naudience = \"till\"\nas = \"p2\"\n",
+            "names table public.products for audience \"till\", which [tables.a] does too",
+        ),
+        (
+            "[tables.products]\n[tables.b]\ntable = \"products\"\naudience = \"till\"\nas = \"p2\"\n",
+            "one of them has no `audience`",
+        ),
+        (
+            "[tables.products]\naudience = \"till\"\n[tables.goods]\nas = \"products\"\n",
+            "the replica-side name \"products\" is taken by [tables.",
+        ),
+        (
+            "[tables.products]\naudience = \"till\"\nmirror = \"both\"\nreplica_writes = [\"shelf\"]\n[tables.goods]\naudience = \"office\"\nas = \"products\"\n",
+            "the replica-side name \"products\" is taken by [tables.",
+        ),
+        (
+            "[tables.sales]\nmirror = \"record\"\naudience = \"till\"\n",
+            "`audience` routes rows down",
+        ),
+        (
+            "[tables.products]\naudience = \"a b\"\n",
+            "audience: name \"a b\" is not an identifier",
+        ),
+    ] {
+        let e = invalid(&format!("{AUDIENCES}{tables}"));
+        assert!(e.contains(needle), "{tables}: {e}");
+    }
+    let e = invalid(&format!(
+        "{REPLICAS}[tables.products]\naudience = \"till\"\n"
+    ));
+    assert!(
+        e.contains("needs the replicas' audience: add `audience = \"COLUMN\"` to [replicas]"),
+        "{e}"
+    );
+    // Two audiences may share a replica-side name; an entry for one audience and the
+    // table's own name elsewhere may not.
+    parse(&format!(
+        "{AUDIENCES}[tables.a]\ntable = \"products\"\naudience = \"till\"\n[tables.b]\ntable = \"goods\"\naudience = \"office\"\nas = \"products\"\n"
+    ))
+    .unwrap();
+}

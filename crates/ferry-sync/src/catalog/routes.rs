@@ -69,6 +69,7 @@ impl Loader<'_> {
         self.require_uuid(&g.assigned, &g.replica, &here, "grouped.replica")?;
         Ok(CatalogGroup {
             table: table.relation.clone(),
+            audience: table.audience.clone(),
             members: g.members.clone(),
             row: g.row.clone(),
             row_kind,
@@ -143,6 +144,7 @@ impl Loader<'_> {
             .doing(|| format!("reading which tables the routed view {} reads", r.view))?;
         Ok(CatalogRoute {
             table: table.relation.clone(),
+            audience: table.audience.clone(),
             view: r.view.clone(),
             reads: reads
                 .into_iter()

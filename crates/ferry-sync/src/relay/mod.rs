@@ -547,34 +547,41 @@ impl Relay {
                 continue;
             }
             ids.push(n.get(0));
-            let Some(t) = self.spec.table(&relation) else {
-                continue;
-            };
-            match kind.as_str() {
-                "row" => planner.note(t, key),
-                "table" => {
-                    let rows =
-                        read::rows(conn, &self.spec, &self.spec.tables[t], read::Filter::All)
-                            .await?;
-                    for row in rows {
-                        planner.note(t, row.key);
+            // A note names a Postgres table; each entry of it (one, or one per audience)
+            // plans it.
+            let entries: Vec<usize> = self.spec.noted(&relation).collect();
+            for t in entries {
+                match kind.as_str() {
+                    "row" => planner.note(t, key.clone()),
+                    "table" => {
+                        let rows =
+                            read::rows(conn, &self.spec, &self.spec.tables[t], read::Filter::All)
+                                .await?;
+                        for row in rows {
+                            planner.note(t, row.key);
+                        }
                     }
-                }
-                "group" => {
-                    for k in route::keys_in_group(conn, &self.spec, t, &key).await? {
-                        planner.note(t, k);
+                    "group"
+                        if matches!(self.spec.tables[t].route, spec::RouteSpec::Grouped { .. }) =>
+                    {
+                        for k in route::keys_in_group(conn, &self.spec, t, &key).await? {
+                            planner.note(t, k);
+                        }
                     }
-                }
-                "routed" => {
-                    for k in route::keys_routed(conn, &self.spec, t).await? {
-                        planner.note(t, k);
+                    "routed"
+                        if matches!(self.spec.tables[t].route, spec::RouteSpec::Routed { .. }) =>
+                    {
+                        for k in route::keys_routed(conn, &self.spec, t).await? {
+                            planner.note(t, k);
+                        }
                     }
+                    "group" | "routed" => {}
+                    other => tracing::warn!(
+                        kind = other,
+                        relation,
+                        "relay: unknown kind of note; dropped"
+                    ),
                 }
-                other => tracing::warn!(
-                    kind = other,
-                    relation,
-                    "relay: unknown kind of note; dropped"
-                ),
             }
         }
         report.notes = ids.len();
@@ -616,40 +623,47 @@ impl Relay {
     /// Compares the live replicas with the known ones; returns those to provision.
     async fn members(&self, conn: &mut PgConnection) -> Result<Vec<Uuid>, RelayError> {
         let live = read::live_replicas(conn, &self.spec).await?;
-        let known: HashMap<Uuid, (Option<String>, String, bool)> = sqlx::query(
-            "SELECT id, partition, standing, seal_key IS NOT NULL FROM ferry_sync.replicas",
+        type Known = (Option<String>, Option<String>, String, bool);
+        let known: HashMap<Uuid, Known> = sqlx::query(
+            "SELECT id, partition, audience, standing, seal_key IS NOT NULL FROM ferry_sync.replicas",
         )
         .fetch_all(&mut *conn)
         .await?
         .iter()
-        .map(|r| (r.get(0), (r.get(1), r.get(2), r.get(3))))
+        .map(|r| (r.get(0), (r.get(1), r.get(2), r.get(3), r.get(4))))
         .collect();
         let mut provision = Vec::new();
         let mut seen = HashSet::new();
-        for (id, partition) in live {
+        for (id, partition, audience) in live {
             let Ok(id) = Uuid::parse_str(&id) else {
                 continue;
             };
             seen.insert(id);
             match known.get(&id) {
                 None => {
-                    sqlx::query("INSERT INTO ferry_sync.replicas (id, partition) VALUES ($1, $2) ON CONFLICT DO NOTHING")
+                    sqlx::query("INSERT INTO ferry_sync.replicas (id, partition, audience) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING")
                         .bind(id)
                         .bind(&partition)
+                        .bind(&audience)
                         .execute(&mut *conn)
                         .await?;
                 }
-                Some((old, standing, enrolled)) => {
-                    let moved = old.as_deref() != Some(partition.as_str());
+                Some((old, old_audience, standing, enrolled)) => {
+                    // A replica that changes audience holds other tables, or the same
+                    // tables in another shape: it starts again, as one that changes
+                    // partition does.
+                    let moved =
+                        old.as_deref() != Some(partition.as_str()) || *old_audience != audience;
                     if moved || standing == "retired" {
                         // The mark counts passes of the partition it held (and a retired
                         // replica's tombstones were not kept for it): it says nothing of
                         // the rows it must now hold. A catch-up before it confirms its new
                         // snapshot (its outbox dropped) would start from it and miss rows;
                         // no mark makes that catch-up a full provisioning.
-                        sqlx::query("UPDATE ferry_sync.replicas SET partition = $2, standing = 'new', confirmed_pass = 0 WHERE id = $1")
+                        sqlx::query("UPDATE ferry_sync.replicas SET partition = $2, audience = $3, standing = 'new', confirmed_pass = 0 WHERE id = $1")
                             .bind(id)
                             .bind(&partition)
+                            .bind(&audience)
                             .execute(&mut *conn)
                             .await?;
                     }
@@ -659,7 +673,7 @@ impl Relay {
                 }
             }
         }
-        for (id, (_, standing, _)) in &known {
+        for (id, (_, _, standing, _)) in &known {
             if !seen.contains(id) && standing != "retired" {
                 for sql in [
                     "UPDATE ferry_sync.replicas SET standing = 'retired' WHERE id = $1",
@@ -768,7 +782,7 @@ async fn following(
     conn: &mut PgConnection,
 ) -> Result<(Following, HashMap<Uuid, Chain>), RelayError> {
     let rows = sqlx::query(
-        "SELECT id, coalesce(partition, ''), last_seq, last_nonce, seal_key FROM ferry_sync.replicas
+        "SELECT id, coalesce(partition, ''), last_seq, last_nonce, seal_key, audience FROM ferry_sync.replicas
          WHERE standing <> 'retired' AND seal_key IS NOT NULL",
     )
     .fetch_all(&mut *conn)
@@ -781,7 +795,7 @@ async fn following(
         let Ok(seal_key) = <[u8; 32]>::try_from(key) else {
             continue;
         };
-        following.insert(id, row.get(1));
+        following.insert(id, row.get(1), row.get(5));
         chains.insert(
             id,
             Chain {

@@ -63,6 +63,9 @@ pub struct ReplicaOut {
     /// The first message names the tables the replica writes, as a chain start does:
     /// the rules changed them (docs/sync-up.md §4.1).
     pub announce: bool,
+    /// The replica's audience: which two-way tables a chain start announces
+    /// (`Planner::run` sets it).
+    pub audience: Option<String>,
     pub tables: BTreeMap<usize, TableOut>,
 }
 
@@ -80,6 +83,13 @@ impl ReplicaOut {
     pub fn signature(&self) -> Vec<usize> {
         let mut sig = Vec::new();
         sig.push(self.chain_start as usize | (self.announce as usize) << 1);
+        if let Some(a) = &self.audience {
+            // Announcements differ by audience; so must the bodies' identity.
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            a.hash(&mut h);
+            sig.push(h.finish() as usize);
+        }
         for (t, out) in &self.tables {
             sig.push(*t);
             sig.push(out.sweep_start as usize | (out.sweep_end as usize) << 1);

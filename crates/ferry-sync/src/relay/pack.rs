@@ -47,6 +47,7 @@ pub fn pack(spec: &Spec, out: &ReplicaOut, budget: Budget) -> Vec<Vec<TablePart>
     let mut current: Vec<TablePart> = if announce {
         spec.records
             .iter()
+            .filter(|r| r.reaches(out.audience.as_deref()))
             .map(crate::file::RecordSpec::announce)
             .collect()
     } else {

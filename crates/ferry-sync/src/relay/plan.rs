@@ -20,23 +20,48 @@ use uuid::Uuid;
 
 use super::out::{ReplicaOut, RowRef};
 use super::read::{self, Fetched, Filter};
-use super::spec::{RouteSpec, Spec, split_key_text};
+use super::spec::{RouteSpec, Spec, TableSpec, split_key_text};
 use crate::value::{Affinity, Value};
 
-/// The replicas a pass sends to, by id and by partition.
+/// The replicas a pass sends to, by id and by partition, and their audiences.
 #[derive(Clone, Debug, Default)]
 pub struct Following {
     pub partition_of: HashMap<Uuid, String>,
     pub by_partition: HashMap<String, Vec<Uuid>>,
+    /// Only replicas that have an audience.
+    pub audience_of: HashMap<Uuid, String>,
 }
 
 impl Following {
-    pub fn insert(&mut self, id: Uuid, partition: String) {
+    pub fn insert(&mut self, id: Uuid, partition: String, audience: Option<String>) {
         self.by_partition
             .entry(partition.clone())
             .or_default()
             .push(id);
         self.partition_of.insert(id, partition);
+        if let Some(a) = audience {
+            self.audience_of.insert(id, a);
+        }
+    }
+
+    /// Whether replica `r` is followed and holds `table` (its audience's, or every
+    /// audience's).
+    pub fn receives(&self, r: &Uuid, table: &TableSpec) -> bool {
+        self.partition_of.contains_key(r)
+            && table.reaches(self.audience_of.get(r).map(String::as_str))
+    }
+
+    /// The replicas of partition `part` that hold `table`.
+    pub fn in_partition<'a>(
+        &'a self,
+        part: &str,
+        table: &'a TableSpec,
+    ) -> impl Iterator<Item = &'a Uuid> + 'a {
+        self.by_partition
+            .get(part)
+            .into_iter()
+            .flatten()
+            .filter(move |r| table.reaches(self.audience_of.get(*r).map(String::as_str)))
     }
 }
 
@@ -102,10 +127,11 @@ impl<'a> Planner<'a> {
         self.release(conn).await?;
         // A row a heal or a provisioning sent from the held state at the start of the
         // pass, and that a note then took away, must not stay: the last decision wins.
-        for out in self.out.values_mut() {
+        for (r, out) in self.out.iter_mut() {
             for (t, table_out) in out.tables.iter_mut() {
                 table_out.settle(&self.spec.tables[*t].key_columns());
             }
+            out.audience = self.following.audience_of.get(r).cloned();
         }
         Ok(())
     }
@@ -190,7 +216,7 @@ impl<'a> Planner<'a> {
         for (part, (deletes, upserts)) in parts {
             let deletes = Arc::new(deletes);
             let upserts = Arc::new(upserts);
-            for r in self.following.by_partition.get(&part).into_iter().flatten() {
+            for r in self.following.in_partition(&part, table) {
                 let o = self.out.entry(*r).or_default().table(t);
                 o.upserts.extend(upserts.iter().cloned());
                 for k in deletes.iter() {
@@ -247,13 +273,7 @@ impl<'a> Planner<'a> {
             tombstone(conn, &table.relation, part, key, self.pass).await?;
         }
         for row in rows.iter().filter(|r| r.shown) {
-            for r in self
-                .following
-                .by_partition
-                .get(&row.partition)
-                .into_iter()
-                .flatten()
-            {
+            for r in self.following.in_partition(&row.partition, table) {
                 if !self.spec.tables[t].parents.is_empty() {
                     self.sent.push((*r, t, row.clone()));
                 }
@@ -350,7 +370,7 @@ impl<'a> Planner<'a> {
                 .assigned
                 .as_deref()
                 .and_then(|a| Uuid::parse_str(a).ok())
-                .filter(|r| self.following.partition_of.contains_key(r))
+                .filter(|r| self.following.receives(r, table))
                 .into_iter()
                 .collect(),
             RouteSpec::Follows { parent } => {
@@ -368,14 +388,7 @@ impl<'a> Planner<'a> {
                     .await?;
                     parts
                         .iter()
-                        .flat_map(|part| {
-                            self.following
-                                .by_partition
-                                .get(part)
-                                .into_iter()
-                                .flatten()
-                                .copied()
-                        })
+                        .flat_map(|part| self.following.in_partition(part, table).copied())
                         .collect()
                 } else {
                     let ids: Vec<Uuid> = sqlx::query_scalar(
@@ -386,7 +399,7 @@ impl<'a> Planner<'a> {
                     .fetch_all(&mut *conn)
                     .await?;
                     ids.into_iter()
-                        .filter(|r| self.following.partition_of.contains_key(r))
+                        .filter(|r| self.following.receives(r, table))
                         .collect()
                 }
             }
@@ -394,7 +407,7 @@ impl<'a> Planner<'a> {
                 super::route::replicas_of(conn, self.spec, t, &row.key)
                     .await?
                     .into_iter()
-                    .filter(|r| self.following.partition_of.contains_key(r))
+                    .filter(|r| self.following.receives(r, table))
                     .collect()
             }
             RouteSpec::Closure | RouteSpec::Broadcast { .. } => BTreeSet::new(),
@@ -773,6 +786,9 @@ impl Planner<'_> {
         let mut by_rule: Vec<Vec<String>> = vec![Vec::new(); self.spec.tables.len()];
         for t in 0..self.spec.tables.len() {
             let table = &self.spec.tables[t];
+            if !self.following.receives(&r, table) {
+                continue;
+            }
             if let (RouteSpec::Broadcast { .. }, Provision::CatchUp { since }) = (&table.route, how)
             {
                 self.catch_up_broadcast(conn, r, t, &partition, since)
@@ -842,9 +858,15 @@ impl Planner<'_> {
         sent: &[String],
     ) -> Result<(), sqlx::Error> {
         if !self.pending.contains_key(relation) {
+            // Notes name the Postgres table, or this entry alone (`Spec::noted`).
+            let noted_as = self
+                .spec
+                .table(relation)
+                .map_or(relation, |t| self.spec.tables[t].noted_as.as_str());
             let notes: Vec<(String, String)> = sqlx::query_as(
-                "SELECT DISTINCT kind, key FROM ferry_sync.notes WHERE relation = $1",
+                "SELECT DISTINCT kind, key FROM ferry_sync.notes WHERE relation IN ($1, $2)",
             )
+            .bind(noted_as)
             .bind(relation)
             .fetch_all(&mut *conn)
             .await?;

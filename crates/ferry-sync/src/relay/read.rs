@@ -229,18 +229,22 @@ fn decode(row: &sqlx::postgres::PgRow, table: &TableSpec) -> Result<Fetched, sql
     })
 }
 
-/// The replicas the rules call live now: id (text) and partition (text, `""` when none).
+/// The replicas the rules call live now: id (text), partition (text, `""` when none) and
+/// audience (none when the rules name no audiences or the replica's is null).
 pub async fn live_replicas(
     conn: &mut PgConnection,
     spec: &Spec,
-) -> Result<Vec<(String, String)>, sqlx::Error> {
+) -> Result<Vec<(String, String, Option<String>)>, sqlx::Error> {
     let r = &spec.replicas;
     let sql = format!(
-        "SELECT t.{}::text, {} FROM {} t{}",
+        "SELECT t.{}::text, {}, {} FROM {} t{}",
         r.id,
         r.partition
             .as_ref()
             .map_or("''".to_string(), |c| format!("coalesce(t.{c}::text, '')")),
+        r.audience
+            .as_ref()
+            .map_or("NULL::text".to_string(), |c| format!("t.{c}::text")),
         r.relation,
         r.live
             .as_ref()
@@ -250,6 +254,6 @@ pub async fn live_replicas(
         .fetch_all(&mut *conn)
         .await?;
     rows.iter()
-        .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
+        .map(|row| Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?)))
         .collect()
 }

@@ -46,7 +46,7 @@ pub async fn handle(
     // REPEATABLE READ pass that updated one of them concurrently would fail whole. What
     // the pass handled is recorded in `replicas.handled_n`, which only the relay writes.
     let reports = sqlx::query(
-        "SELECT r.replica, r.up, r.n FROM ferry_sync.reports r JOIN ferry_sync.replicas c ON c.id = r.replica
+        "SELECT r.replica, r.up, r.n, c.audience FROM ferry_sync.reports r JOIN ferry_sync.replicas c ON c.id = r.replica
          WHERE r.n > c.handled_n",
     )
     .fetch_all(&mut *conn)
@@ -64,14 +64,33 @@ pub async fn handle(
     for row in reports {
         let r: Uuid = row.get(0);
         let bytes: Vec<u8> = row.get(1);
+        let audience: Option<String> = row.get(3);
+        let audience = audience.as_deref();
         let Ok(up) = wire::decode_up(&bytes, &wire::Limits::default()) else {
             tracing::warn!(replica = %r, "a stored report no longer decodes; ignored");
             continue;
         };
-        one(conn, spec, epoch, r, &up, &mut decisions).await?;
-        compare_digests(conn, spec, r, &up, digest_every, &mut reads, &mut decisions).await?;
+        one(conn, spec, epoch, r, audience, &up, &mut decisions).await?;
+        let to = Replica { id: r, audience };
+        compare_digests(
+            conn,
+            spec,
+            to,
+            &up,
+            digest_every,
+            &mut reads,
+            &mut decisions,
+        )
+        .await?;
     }
     Ok(decisions)
+}
+
+/// The replica a report came from, and its audience (which tables its names mean).
+#[derive(Clone, Copy)]
+struct Replica<'a> {
+    id: Uuid,
+    audience: Option<&'a str>,
 }
 
 async fn one(
@@ -79,6 +98,7 @@ async fn one(
     spec: &Spec,
     epoch: &Epoch,
     r: Uuid,
+    audience: Option<&str>,
     up: &wire::Up,
     decisions: &mut Decisions,
 ) -> Result<(), sqlx::Error> {
@@ -160,7 +180,7 @@ async fn one(
                 .await?;
         decisions.provision.insert(r, Provision::CatchUp { since });
     }
-    quarantine_rejections(conn, spec, r, up).await
+    quarantine_rejections(conn, spec, Replica { id: r, audience }, up).await
 }
 
 /// Whether the replica's outbox holds a chain start it has not confirmed yet.
@@ -242,13 +262,15 @@ async fn confirm(
 async fn quarantine_rejections(
     conn: &mut PgConnection,
     spec: &Spec,
-    r: Uuid,
+    replica: Replica<'_>,
     up: &wire::Up,
 ) -> Result<(), sqlx::Error> {
+    let r = replica.id;
     for rejection in &up.rejections {
-        let Some(table) = spec.tables.iter().find(|t| t.name == rejection.table) else {
+        let Some(t) = spec.named(&rejection.table, replica.audience) else {
             continue;
         };
+        let table = &spec.tables[t];
         let key_cols: Vec<usize> = (0..rejection.key.len()).collect();
         sqlx::query(
             "INSERT INTO ferry_sync.quarantine (replica, relation, key, cause, reason) VALUES ($1, $2, $3, 'replica', $4)
@@ -296,12 +318,13 @@ struct Reads {
 async fn compare_digests(
     conn: &mut PgConnection,
     spec: &Spec,
-    r: Uuid,
+    replica: Replica<'_>,
     up: &wire::Up,
     every: std::time::Duration,
     reads: &mut Reads,
     decisions: &mut Decisions,
 ) -> Result<(), sqlx::Error> {
+    let r = replica.id;
     if up.digests.is_empty() || decisions.new_epoch || decisions.provision.contains_key(&r) {
         return Ok(());
     }
@@ -328,10 +351,11 @@ async fn compare_digests(
     };
     let mut compared = false;
     for digest in &up.digests {
-        let Some(t) = spec.tables.iter().position(|t| t.name == digest.table) else {
+        let Some(t) = spec.named(&digest.table, replica.audience) else {
             continue;
         };
-        if deferred.contains(&spec.tables[t].relation) {
+        let table = &spec.tables[t];
+        if deferred.contains(&table.noted_as) || deferred.contains(&table.relation) {
             continue;
         }
         compared = true;

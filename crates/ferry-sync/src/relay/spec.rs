@@ -17,6 +17,8 @@ pub struct ReplicaSetSpec {
     pub live: Option<String>,
     /// Quoted partition column, if replicas are partitioned.
     pub partition: Option<String>,
+    /// Quoted audience column, if the rules name audiences.
+    pub audience: Option<String>,
 }
 
 /// One column as the relay reads it and the replica declares it.
@@ -79,11 +81,16 @@ pub enum RouteSpec {
     Closure,
 }
 
-/// One mirrored table.
+/// One mirrored table: one entry of the rules (docs/sync.md §3.3).
 #[derive(Clone, Debug)]
 pub struct TableSpec {
-    /// The name notes carry (`public.products`).
+    /// The name the server's held state keeps the entry under: `public.products`, or
+    /// `public.products@till` for an audience's entry.
     pub relation: String,
+    /// The name notes carry: the Postgres table (`public.products`).
+    pub noted_as: String,
+    /// The audience whose replicas hold it; `None`: every replica.
+    pub audience: Option<String>,
     /// Quoted relation rows are read from: the `from` view, or the table.
     pub source: String,
     /// Quoted `active` view, if any: rows it hides are not sent for their own sake.
@@ -98,6 +105,11 @@ pub struct TableSpec {
 }
 
 impl TableSpec {
+    /// Whether a replica of `audience` holds this table.
+    pub fn reaches(&self, audience: Option<&str>) -> bool {
+        self.audience.is_none() || self.audience.as_deref() == audience
+    }
+
     pub fn is_broadcast(&self) -> bool {
         matches!(self.route, RouteSpec::Broadcast { .. })
     }
@@ -143,8 +155,27 @@ pub struct Spec {
 }
 
 impl Spec {
+    /// The table whose held state is kept as `relation` ([`TableSpec::relation`]).
     pub fn table(&self, relation: &str) -> Option<usize> {
         self.tables.iter().position(|t| t.relation == relation)
+    }
+
+    /// The tables a note on `noted` is planned for: every entry of a Postgres table
+    /// (`public.products`), or the one entry a note names (`public.products@till`, which
+    /// install notes for an entry new to a mirrored table).
+    pub fn noted(&self, noted: &str) -> impl Iterator<Item = usize> + '_ {
+        let noted = noted.to_string();
+        (0..self.tables.len()).filter(move |t| {
+            let table = &self.tables[*t];
+            table.noted_as == noted || table.relation == noted
+        })
+    }
+
+    /// The table a replica of `audience` knows as `name`.
+    pub fn named(&self, name: &str, audience: Option<&str>) -> Option<usize> {
+        self.tables
+            .iter()
+            .position(|t| t.name == name && t.reaches(audience))
     }
 
     /// Tables that follow table `parent` (index into `tables`), with the parent slot.
@@ -227,13 +258,15 @@ impl Spec {
             id: quote_ident(&r.id),
             live: r.live.clone(),
             partition: r.partition.as_deref().map(quote_ident),
+            audience: r.audience.as_deref().map(quote_ident),
         };
-        let position = |relation: &crate::rules::Relation| {
-            catalog.tables.iter().position(|t| &t.relation == relation)
+        let position = |relation: &crate::rules::Relation, audience: Option<&str>| {
+            let entries = crate::catalog::entries_of(&catalog.tables);
+            crate::catalog::parent_entry(entries, relation, audience)
         };
         let mut tables = Vec::with_capacity(catalog.tables.len());
         for ct in &catalog.tables {
-            let rt = rules.table(&ct.relation).ok_or_else(|| {
+            let rt = rules.entry(&ct.entry()).ok_or_else(|| {
                 format!(
                     "table {} is in the catalog but not in the rules",
                     ct.relation
@@ -254,7 +287,7 @@ impl Spec {
             let mut parents = Vec::new();
             let mut follows_slot = None;
             for fk in &ct.parents {
-                let Some(p) = position(&fk.parent) else {
+                let Some(p) = position(&fk.parent, ct.audience.as_deref()) else {
                     continue;
                 };
                 let parent = &catalog.tables[p];
@@ -320,7 +353,9 @@ impl Spec {
                 })
                 .collect();
             tables.push(TableSpec {
-                relation: ct.relation.to_string(),
+                relation: ct.entry(),
+                noted_as: ct.relation.to_string(),
+                audience: ct.audience.clone(),
                 source: rt.from.as_ref().unwrap_or(&ct.relation).quoted(),
                 active: rt.active.as_ref().map(|a| a.quoted()),
                 name: rt.replica_name.clone(),
@@ -349,7 +384,7 @@ impl Spec {
             .map(|(r, ct)| record_spec(r, ct))
             .collect();
         for (table, ct) in tables.iter().zip(&catalog.tables) {
-            let rt = rules.table(&ct.relation).expect("checked above");
+            let rt = rules.entry(&ct.entry()).expect("checked above");
             if let Some(two_way) = &rt.two_way {
                 records.push(two_way_spec(table, ct, &two_way.lane));
             }
@@ -389,7 +424,7 @@ fn two_way_spec(
         .chain(catalog.owned.iter().map(file_column))
         .collect();
     crate::file::RecordSpec {
-        relation: catalog.relation.to_string(),
+        relation: table.relation.clone(),
         quoted: catalog.relation.quoted(),
         name: table.name.clone(),
         key: (0..key_sorted.len()).collect(),
@@ -399,6 +434,7 @@ fn two_way_spec(
         columns,
         two_way: Some(crate::file::TwoWaySpec {
             down: table.wire_columns(),
+            audience: table.audience.clone(),
         }),
         restate: table.name == crate::rules::WISHES_TABLE,
     }

@@ -180,6 +180,7 @@ pub(crate) fn ensure_with(
             .map(|n| n.map(|n| n.to_lowercase()))
             .collect::<rusqlite::Result<_>>()?
     };
+    shed(conn, part)?;
     for c in part
         .columns
         .iter()
@@ -198,6 +199,48 @@ pub(crate) fn ensure_with(
          ON CONFLICT(name) DO UPDATE SET columns = excluded.columns",
         params![part.table, columns_json(&part.columns[..recorded])],
     )?;
+    Ok(())
+}
+
+/// Drops the server's columns the table had in its last part and `part` lacks: the rules
+/// stopped sending them (a column left out, or the replica moved to an audience that
+/// holds the table in another shape, docs/sync.md §3.3), and the values they hold are
+/// the server's from before, which nothing would ever correct. A column SQLite will not
+/// drop (an index or a view of the app's names it) is emptied instead. Columns the
+/// replica added itself were never recorded and stay as they are.
+fn shed(conn: &Connection, part: &TablePart) -> rusqlite::Result<()> {
+    let recorded: Option<String> = conn
+        .query_row(
+            "SELECT columns FROM _ferry_sync_tables WHERE name = ?1",
+            [&part.table],
+            |r| r.get(0),
+        )
+        .map(Some)
+        .or_else(|e| match e {
+            rusqlite::Error::QueryReturnedNoRows => Ok(None),
+            e => Err(e),
+        })?;
+    let Some(recorded) = recorded.as_deref().and_then(parse_columns) else {
+        return Ok(());
+    };
+    let now: HashSet<String> = part.columns.iter().map(|c| c.name.to_lowercase()).collect();
+    for c in recorded
+        .iter()
+        .filter(|c| c.key_part == 0 && !now.contains(&c.name.to_lowercase()))
+    {
+        let drop = format!(
+            "ALTER TABLE {} DROP COLUMN {}",
+            quote(&part.table),
+            quote(&c.name)
+        );
+        if conn.execute_batch(&drop).is_err() {
+            conn.execute_batch(&format!(
+                "UPDATE {} SET {} = NULL",
+                quote(&part.table),
+                quote(&c.name)
+            ))?;
+        }
+    }
     Ok(())
 }
 

@@ -77,22 +77,25 @@ pub fn ddl(rules: &Rules, catalog: &Catalog) -> Vec<Statement> {
     let names = Names::new(catalog);
     let mut out = vec![schema_statement(), refuse_truncate_function()];
     let mut truncate_guarded = BTreeSet::new();
-    for t in &catalog.tables {
-        let rule = rules
-            .table(&t.relation)
-            .expect("the catalog holds the rules' tables");
-        let function = names.function("note_", &t.relation);
+    // One capture trigger per Postgres table, whatever the number of its entries: notes
+    // name the table, and the relay plans each note for every entry of it.
+    for (relation, entries) in catalog.relations() {
+        let rules_entries: Vec<&Table> = entries
+            .iter()
+            .map(|t| {
+                rules
+                    .entry(&t.entry())
+                    .expect("the catalog holds the rules' tables")
+            })
+            .collect();
+        let function = names.function("note_", relation);
         out.push(function_statement(
             &function,
-            &format!("the capture function of {}", t.relation),
-            &table_note_body(rule, t),
+            &format!("the capture function of {relation}"),
+            &table_note_body(&rules_entries, &entries),
         ));
-        out.push(row_trigger(&t.relation, "ferry_sync_note", &function, true));
-        out.extend(refuse_truncate(
-            &t.relation,
-            "mirrors",
-            &mut truncate_guarded,
-        ));
+        out.push(row_trigger(relation, "ferry_sync_note", &function, true));
+        out.extend(refuse_truncate(relation, "mirrors", &mut truncate_guarded));
     }
     for g in &catalog.groups {
         out.extend(group_statements(g, &names, &mut truncate_guarded));
@@ -257,19 +260,23 @@ fn trigger(
     }
 }
 
-/// The body of a mirrored table's capture function.
-fn table_note_body(rule: &Table, t: &CatalogTable) -> String {
+/// The body of a mirrored table's capture function, for all its entries: it notes a
+/// change of any column some entry mirrors or routes by.
+fn table_note_body(rules: &[&Table], entries: &[&CatalogTable]) -> String {
+    let t = entries[0];
     let watch = |row: &str| -> String {
-        if rule.from.is_some() || rule.active.is_some() {
+        if rules.iter().any(|r| r.from.is_some() || r.active.is_some()) {
             return format!("{row}::text");
         }
-        let mut exprs: Vec<String> = t
-            .columns
-            .iter()
-            .map(|c| c.mapping.expr(&format!("{row}.{}", quote_ident(&c.name))))
-            .collect();
-        for col in rule.route_columns() {
-            if !t.columns.iter().any(|c| c.name == col) {
+        let mut seen: BTreeSet<&str> = BTreeSet::new();
+        let mut exprs: Vec<String> = Vec::new();
+        for c in entries.iter().flat_map(|e| &e.columns) {
+            if seen.insert(&c.name) {
+                exprs.push(c.mapping.expr(&format!("{row}.{}", quote_ident(&c.name))));
+            }
+        }
+        for col in rules.iter().flat_map(|r| r.route_columns()) {
+            if seen.insert(col) {
                 exprs.push(format!("{row}.{}::text", quote_ident(col)));
             }
         }
@@ -373,10 +380,11 @@ fn group_statements(
     names: &Names,
     guarded: &mut BTreeSet<Relation>,
 ) -> Vec<Statement> {
-    let members_fn = names.function("members_", &g.table);
-    let groups_fn = names.function("groups_", &g.table);
-    let members_trigger = names.trigger("ferry_sync_members_", &g.table);
-    let groups_trigger = names.trigger("ferry_sync_groups_", &g.table);
+    let a = g.audience.as_deref();
+    let members_fn = names.of_entry("members_", &g.table, a);
+    let groups_fn = names.of_entry("groups_", &g.table, a);
+    let members_trigger = names.of_entry("ferry_sync_members_", &g.table, a);
+    let groups_trigger = names.of_entry("ferry_sync_groups_", &g.table, a);
     let mut out = vec![
         function_statement(
             &members_fn,
@@ -403,8 +411,9 @@ fn group_statements(
 }
 
 fn route_statements(r: &CatalogRoute, names: &Names) -> Vec<Statement> {
-    let function = names.function("routed_", &r.table);
-    let trigger_name = names.trigger("ferry_sync_routed_", &r.table);
+    let a = r.audience.as_deref();
+    let function = names.of_entry("routed_", &r.table, a);
+    let trigger_name = names.of_entry("ferry_sync_routed_", &r.table, a);
     let body = format!(
         "
 BEGIN
@@ -564,21 +573,21 @@ impl Names {
                 format!("{}__{}", r.schema, r.name)
             }
         };
+        let relations = catalog.relations();
         let mut count: BTreeMap<String, usize> = BTreeMap::new();
-        for t in &catalog.tables {
-            *count.entry(plain(&t.relation)).or_default() += 1;
+        for (relation, _) in &relations {
+            *count.entry(plain(relation)).or_default() += 1;
         }
-        let bases = catalog
-            .tables
+        let bases = relations
             .iter()
-            .map(|t| {
-                let base = plain(&t.relation);
+            .map(|(relation, _)| {
+                let base = plain(relation);
                 let base = if count[&base] > 1 {
-                    format!("{base}_{}", short_hash(&t.relation.to_string()))
+                    format!("{base}_{}", short_hash(&relation.to_string()))
                 } else {
                     base
                 };
-                (t.relation.clone(), base)
+                ((*relation).clone(), base)
             })
             .collect();
         Names { bases }
@@ -588,8 +597,18 @@ impl Names {
         self.derived(prefix, relation)
     }
 
-    fn trigger(&self, prefix: &str, relation: &Relation) -> String {
-        self.derived(prefix, relation)
+    /// A name for one entry of `relation`: an entry for an audience gets `__<audience>`.
+    fn of_entry(&self, prefix: &str, relation: &Relation, audience: Option<&str>) -> String {
+        match audience {
+            None => self.derived(prefix, relation),
+            Some(a) => {
+                let base = &self.bases[relation];
+                fit(
+                    format!("{prefix}{base}__{a}"),
+                    &format!("{prefix}{relation}@{a}"),
+                )
+            }
+        }
     }
 
     fn derived(&self, prefix: &str, relation: &Relation) -> String {
