@@ -13,6 +13,7 @@ CREATE TABLE ferry_sync.meta (
     declared   text NOT NULL DEFAULT '',
     restores   integer NOT NULL DEFAULT 0,   -- new epochs taken after a restore (the alarm)
     entries    text[] NOT NULL DEFAULT '{}', -- the entries the installed rules mirror (docs/sync.md §3.3)
+    shards     integer NOT NULL DEFAULT 1 CHECK (shards >= 1), -- relay shards (docs/sync.md §6.5)
     installed_at timestamptz NOT NULL DEFAULT now()
 );
 
@@ -21,6 +22,7 @@ CREATE TABLE ferry_sync.meta (
 -- parked. A delete, a key change or a move notes the old key first (lower id).
 CREATE TABLE ferry_sync.notes (
     id        bigserial PRIMARY KEY,
+    shard     integer NOT NULL DEFAULT 0,  -- the relay shard that plans it: one note per shard
     relation  text NOT NULL,          -- 'schema.table' as the rules name it
     key       text NOT NULL,          -- canonical key text (docs/sync.md, "Keys")
     kind      text NOT NULL DEFAULT 'row' CHECK (kind IN ('row', 'group', 'routed', 'replica', 'table', 'announce')),
@@ -29,7 +31,15 @@ CREATE TABLE ferry_sync.notes (
     attempts  integer NOT NULL DEFAULT 0,
     last_error text
 );
-CREATE INDEX notes_pending ON ferry_sync.notes (id) WHERE parked_at IS NULL;
+CREATE INDEX notes_pending ON ferry_sync.notes (shard, id) WHERE parked_at IS NULL;
+
+-- The relay shard a replica belongs to, of `shards`: its id's first four bytes, as an
+-- unsigned big-endian integer, modulo `shards` (the relay computes the same in Rust).
+CREATE FUNCTION ferry_sync.shard_of(id uuid, shards integer) RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT ((((get_byte(uuid_send(id), 0)::int8 << 24) | (get_byte(uuid_send(id), 1)::int8 << 16))
+            | ((get_byte(uuid_send(id), 2)::int8 << 8) | get_byte(uuid_send(id), 3)::int8)) % shards)::integer
+$$;
 
 -- The replicas the relay knows: their chain, their seal key, what they confirmed.
 -- `last_*` is the newest message recorded for the replica; `confirmed_*` the newest it
@@ -59,15 +69,16 @@ CREATE TABLE ferry_sync.replicas (
 -- change sets rv to the recording pass's number; a delete or a move out of the
 -- partition keeps the row as a tombstone (gone) until every replica's mark passed it.
 CREATE TABLE ferry_sync.rows (
+    shard     integer NOT NULL DEFAULT 0,   -- each relay shard keeps its own versions
     relation  text NOT NULL,
     part      text NOT NULL DEFAULT '',
     key       text NOT NULL,
     rv        bigint NOT NULL,
     gone      boolean NOT NULL DEFAULT false,
-    PRIMARY KEY (relation, part, key)
+    PRIMARY KEY (shard, relation, part, key)
 );
-CREATE INDEX rows_since ON ferry_sync.rows (relation, part, rv);
-CREATE INDEX rows_gone ON ferry_sync.rows (rv) WHERE gone;
+CREATE INDEX rows_since ON ferry_sync.rows (shard, relation, part, rv);
+CREATE INDEX rows_gone ON ferry_sync.rows (shard, rv) WHERE gone;
 
 -- Pass numbers: a broadcast row's rv is the pass that recorded it. Only the relay that
 -- holds the lock records, so rv rises in commit order.

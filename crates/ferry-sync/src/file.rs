@@ -485,7 +485,8 @@ async fn holds(
          WHERE EXISTS (SELECT 1 FROM ferry_sync.held h
                        WHERE h.replica = $1 AND h.relation = $2 AND h.key = k)
             OR (EXISTS (SELECT 1 FROM ferry_sync.rows r JOIN ferry_sync.replicas p ON p.id = $1
-                        WHERE r.relation = $2 AND r.part = coalesce(p.partition, '')
+                        WHERE r.shard = ferry_sync.shard_of(p.id, (SELECT shards FROM ferry_sync.meta))
+                          AND r.relation = $2 AND r.part = coalesce(p.partition, '')
                           AND ($4::text IS NULL OR p.audience = $4)
                           AND r.key = k AND NOT r.gone)
                 AND NOT EXISTS (SELECT 1 FROM ferry_sync.quarantine q

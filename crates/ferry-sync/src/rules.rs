@@ -59,6 +59,11 @@ pub struct Rules {
     /// digest they were installed with.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub records: Vec<RecordTable>,
+    /// Relay shards (docs/sync.md §6.5): the replicas are spread over this many relays,
+    /// each under its own lock, and every note is written once per shard. Left out of the
+    /// digest's JSON when 1.
+    #[serde(skip_serializing_if = "is_one")]
+    pub shards: u32,
     /// The file the rules came from, for messages (not part of the digest).
     #[serde(skip)]
     pub path: PathBuf,
@@ -391,7 +396,21 @@ struct RawRules {
     replicas: RawReplicas,
     #[serde(default)]
     tables: BTreeMap<String, RawTable>,
+    relay: Option<RawRelay>,
 }
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRelay {
+    shards: u32,
+}
+
+fn is_one(n: &u32) -> bool {
+    *n == 1
+}
+
+/// The most relay shards the rules may name: each writes every note once more.
+pub const SHARDS_MAX: u32 = 64;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -546,10 +565,24 @@ fn build(raw: RawRules, path: PathBuf) -> Result<Rules, RulesError> {
     }
     tables.sort_by(|a, b| (&a.relation, &a.audience).cmp(&(&b.relation, &b.audience)));
     records.sort_by(|a, b| a.relation.cmp(&b.relation));
+    let shards = match raw.relay {
+        None => 1,
+        Some(r) if (1..=SHARDS_MAX).contains(&r.shards) => r.shards,
+        Some(r) => {
+            return Err(invalid(
+                "[relay]",
+                format!(
+                    "shards = {} is out of range; name 1 to {SHARDS_MAX} (each shard is a relay of its own, and every change is noted once per shard)",
+                    r.shards
+                ),
+            ));
+        }
+    };
     Ok(Rules {
         replicas,
         tables,
         records,
+        shards,
         path,
     })
 }

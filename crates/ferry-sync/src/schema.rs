@@ -176,13 +176,13 @@ pub async fn install(pool: &PgPool, rules: &Rules) -> Result<Report, CheckError>
     }
     let catalog = Catalog::load(&mut tx, rules).await?;
     let report = compare(&mut tx, rules, &catalog, &schema).await?;
-    let entries_before: Vec<String> = match schema {
-        Some(_) => sqlx::query_scalar("SELECT entries FROM ferry_sync.meta")
+    let (entries_before, shards_before): (Vec<String>, i32) = match schema {
+        Some(_) => sqlx::query_as("SELECT entries, shards FROM ferry_sync.meta")
             .fetch_optional(&mut *tx)
             .await
             .doing(doing)?
             .unwrap_or_default(),
-        None => Vec::new(),
+        None => (Vec::new(), 1),
     };
     for item in report.pending() {
         if matches!(item.object, Some(Object::Schema)) {
@@ -266,6 +266,25 @@ pub async fn install(pool: &PgPool, rules: &Rules) -> Result<Report, CheckError>
             .doing(|| format!("noting that {entry} is to be sent whole"))?;
         }
     }
+    if schema.is_some() {
+        // Entries the rules no longer name leave no state behind. One whose table is
+        // still mirrored, by other entries (a table split into audiences, or merged back),
+        // held rows the new entries' replicas may not be owed: every replica starts again.
+        let removed: Vec<&String> = entries_before
+            .iter()
+            .filter(|e| !entries.contains(e))
+            .collect();
+        forget(&mut tx, &removed).await?;
+        let reshaped = removed.iter().any(|e| {
+            let table = e.split_once('@').map_or(e.as_str(), |(t, _)| t);
+            rules.tables.iter().any(|t| t.relation.to_string() == table)
+        });
+        if shards_before != rules.shards as i32 {
+            reshard(&mut tx, rules).await?;
+        } else if reshaped {
+            provision_all(&mut tx).await?;
+        }
+    }
     sqlx::query("UPDATE ferry_sync.meta SET entries = $1")
         .bind(&entries)
         .execute(&mut *tx)
@@ -273,6 +292,77 @@ pub async fn install(pool: &PgPool, rules: &Rules) -> Result<Report, CheckError>
         .doing(|| "recording the entries the rules mirror".to_string())?;
     tx.commit().await.doing(doing)?;
     Ok(report)
+}
+
+/// The number of relay shards changed (docs/sync.md §6.5): replicas belong to other
+/// shards now, and a shard's broadcast versions (`rows`) cover only what it planned. So
+/// every shard's state starts again, as after a restore: versions are rebuilt from a
+/// whole-table note per mirrored table (copied for every shard), and every replica is
+/// provisioned again by the shard it now belongs to. Notes for shards that are gone go.
+async fn reshard(tx: &mut PgConnection, rules: &Rules) -> Result<(), CheckError> {
+    let doing = || format!("spreading the replicas over {} relay shards", rules.shards);
+    let tables: Vec<String> = rules
+        .tables
+        .iter()
+        .map(|t| t.relation.to_string())
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    for sql in [
+        "DELETE FROM ferry_sync.notes WHERE shard >= $1",
+        "DELETE FROM ferry_sync.rows WHERE $1 > 0",
+    ] {
+        sqlx::query(sql)
+            .bind(rules.shards as i32)
+            .execute(&mut *tx)
+            .await
+            .doing(doing)?;
+    }
+    sqlx::query(
+        "INSERT INTO ferry_sync.notes (relation, key, kind) SELECT t, '', 'table' FROM unnest($1::text[]) AS t",
+    )
+    .bind(&tables)
+    .execute(&mut *tx)
+    .await
+    .doing(doing)?;
+    provision_all(tx).await
+}
+
+/// Every replica starts again: no held state, no mark, provisioned from nothing by the
+/// relay (a `replica` note has running relays look).
+async fn provision_all(tx: &mut PgConnection) -> Result<(), CheckError> {
+    for sql in [
+        "DELETE FROM ferry_sync.held",
+        "DELETE FROM ferry_sync.points",
+        "UPDATE ferry_sync.replicas SET standing = 'new', confirmed_pass = 0 WHERE standing <> 'retired'",
+        "INSERT INTO ferry_sync.notes (relation, key, kind) VALUES ('', '', 'replica')",
+    ] {
+        sqlx::query(sql)
+            .execute(&mut *tx)
+            .await
+            .doing(|| "provisioning every replica again".to_string())?;
+    }
+    Ok(())
+}
+
+/// Deletes the server's state of entries the rules no longer name (docs/sync.md §3.3).
+async fn forget(tx: &mut PgConnection, entries: &[&String]) -> Result<(), CheckError> {
+    if entries.is_empty() {
+        return Ok(());
+    }
+    for sql in [
+        "DELETE FROM ferry_sync.rows WHERE relation = ANY($1)",
+        "DELETE FROM ferry_sync.held WHERE relation = ANY($1)",
+        "DELETE FROM ferry_sync.points WHERE relation = ANY($1) OR child_relation = ANY($1)",
+        "DELETE FROM ferry_sync.quarantine WHERE relation = ANY($1)",
+    ] {
+        sqlx::query(sql)
+            .bind(entries)
+            .execute(&mut *tx)
+            .await
+            .doing(|| "forgetting the tables the rules no longer mirror".to_string())?;
+    }
+    Ok(())
 }
 
 /// What the relay runs at start: refuses (permanently) while anything differs from

@@ -187,7 +187,7 @@ pub async fn read(pool: &PgPool, partition: Option<&str>) -> Result<Status, sqlx
            c.confirmed_pass,
            (SELECT coalesce(max(n), 0) FROM ferry_sync.filings f WHERE f.replica = c.id),
            (SELECT count(*) FROM ferry_sync.inbox i WHERE i.replica = c.id),
-           c.audience
+           c.audience, ferry_sync.shard_of(c.id, (SELECT shards FROM ferry_sync.meta))
          FROM ferry_sync.replicas c WHERE $1::text IS NULL OR c.partition = $1 ORDER BY c.id",
     )
     .bind(partition)
@@ -272,12 +272,14 @@ pub async fn read(pool: &PgPool, partition: Option<&str>) -> Result<Status, sqlx
             let heard: Option<i64> = r.get(10);
             let confirmed_pass: i64 = r.get(12);
             let audience: Option<String> = r.get(15);
+            let shard: i32 = r.get(16);
             let standing = judge(&standing, enrolled, outbox, heard);
             let tables = if standing == "retired" {
                 Vec::new()
             } else {
-                let part = partition.as_deref().unwrap_or("");
-                progress.of(&id, part, audience.as_deref(), confirmed_pass)
+                // Broadcast versions are kept per relay shard (docs/sync.md §6.5).
+                let part = format!("{shard}:{}", partition.as_deref().unwrap_or(""));
+                progress.of(&id, &part, audience.as_deref(), confirmed_pass)
             };
             ReplicaStanding {
                 held_rows: progress.held_rows(&id),
@@ -339,9 +341,9 @@ fn judge(standing: &str, enrolled: bool, outbox: i64, heard_ago_ms: Option<i64>)
 struct Progress {
     /// (replica, relation) → (held entries, confirmed ones).
     held: BTreeMap<(String, String), (i64, i64)>,
-    /// (partition, relation) → (live broadcast rows, newest rv).
+    /// (`shard:partition`, relation) → (live broadcast rows, newest rv).
     parts: BTreeMap<(String, String), (i64, i64)>,
-    /// (partition, mark, relation) → live broadcast rows changed after the mark.
+    /// (`shard:partition`, mark, relation) → live broadcast rows changed after the mark.
     since: HashMap<(String, i64, String), i64>,
     /// (replica, relation) → quarantined live broadcast rows at or below its mark, above
     /// it, and quarantined rows that are not broadcast rows of its partition.
@@ -366,9 +368,10 @@ impl Progress {
             p.held.insert((r.get(0), r.get(1)), (r.get(2), r.get(3)));
         }
         for r in sqlx::query(
-            "SELECT part, relation, count(*) FILTER (WHERE NOT gone), max(rv) FROM ferry_sync.rows
-             WHERE part IN (SELECT coalesce(partition, '') FROM ferry_sync.replicas
-                            WHERE standing <> 'retired' AND ($1::text IS NULL OR partition = $1))
+            "SELECT shard::text || ':' || part, relation, count(*) FILTER (WHERE NOT gone), max(rv) FROM ferry_sync.rows
+             WHERE (shard, part) IN (SELECT ferry_sync.shard_of(id, (SELECT shards FROM ferry_sync.meta)), coalesce(partition, '')
+                                     FROM ferry_sync.replicas
+                                     WHERE standing <> 'retired' AND ($1::text IS NULL OR partition = $1))
              GROUP BY 1, 2",
         )
         .bind(partition)
@@ -384,13 +387,14 @@ impl Progress {
             v
         };
         for r in sqlx::query(
-            "SELECT m.part, m.mark, rel, s.live
-             FROM (SELECT DISTINCT coalesce(partition, '') AS part, confirmed_pass AS mark
+            "SELECT m.shard::text || ':' || m.part, m.mark, rel, s.live
+             FROM (SELECT DISTINCT ferry_sync.shard_of(id, (SELECT shards FROM ferry_sync.meta)) AS shard,
+                          coalesce(partition, '') AS part, confirmed_pass AS mark
                    FROM ferry_sync.replicas
                    WHERE standing <> 'retired' AND ($1::text IS NULL OR partition = $1)) m
              CROSS JOIN unnest($2::text[]) AS rel
              CROSS JOIN LATERAL (SELECT count(*) FILTER (WHERE NOT r.gone) AS live FROM ferry_sync.rows r
-                                 WHERE r.relation = rel AND r.part = m.part AND r.rv > m.mark) s",
+                                 WHERE r.shard = m.shard AND r.relation = rel AND r.part = m.part AND r.rv > m.mark) s",
         )
         .bind(partition)
         .bind(&relations)
@@ -405,7 +409,8 @@ impl Progress {
                count(*) FILTER (WHERE r.key IS NOT NULL AND r.rv > c.confirmed_pass),
                count(*) FILTER (WHERE r.key IS NULL)
              FROM ferry_sync.quarantine q JOIN ferry_sync.replicas c ON c.id = q.replica
-             LEFT JOIN ferry_sync.rows r ON r.relation = q.relation AND r.part = coalesce(c.partition, '')
+             LEFT JOIN ferry_sync.rows r ON r.shard = ferry_sync.shard_of(c.id, (SELECT shards FROM ferry_sync.meta))
+               AND r.relation = q.relation AND r.part = coalesce(c.partition, '')
                AND r.key = q.key AND NOT r.gone
              WHERE $1::text IS NULL OR c.partition = $1 GROUP BY 1, 2",
         )

@@ -258,3 +258,59 @@ async fn a_till_and_a_back_office_hold_the_same_tables_in_their_own_shapes_from_
     assert_eq!(audience.as_deref(), Some("till"));
     shop.finish().await;
 }
+
+/// A table every replica held is split into an entry per audience by a rules change: the
+/// old entry's state goes, and every replica starts again in its audience's shape (a till
+/// must not keep a row its entry's `active` view hides).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_split_into_audiences_leaves_no_row_or_state_of_the_old_entry() {
+    let before = RULES
+        .split("[tables.till_products]")
+        .next()
+        .unwrap()
+        .to_string()
+        + "[tables.products]\nsync = \"broadcast\"\npartition = \"region\"\n";
+    let mut shop = Shop::new_with("audience_split", &schema(), &before).await;
+    let till = store(&mut shop, "north", "till").await;
+    shop.db
+        .exec("INSERT INTO products (id, name, price, region, cost) VALUES (1, 'tea', 2.50, 'north', 1.10), (2, 'rice', NULL, 'north', 0.50)")
+        .await;
+    shop.settle().await;
+    assert_eq!(
+        held(&shop, till)["products(id,name,price,region,cost)"].len(),
+        2
+    );
+
+    let rules = ferry_sync::rules::Rules::parse(RULES, "rules.toml").unwrap();
+    ferry_sync::schema::install(&shop.db.pool, &rules)
+        .await
+        .unwrap();
+    let mut conn = shop.db.pool.acquire().await.unwrap();
+    let catalog = ferry_sync::catalog::Catalog::load(&mut conn, &rules)
+        .await
+        .unwrap();
+    drop(conn);
+    shop.spec =
+        std::sync::Arc::new(ferry_sync::relay::spec::Spec::build(&rules, &catalog).unwrap());
+    shop.relay = ferry_sync::relay::Relay::new(shop.spec.clone(), Default::default());
+    shop.settle().await;
+    assert_eq!(
+        held(&shop, till)["products(id,name,price,region)"],
+        BTreeSet::from(["1|tea|2.50|north".to_string()])
+    );
+    let status = ferry_sync::status::read(&shop.db.pool, None).await.unwrap();
+    let tables: Vec<&str> = status.replicas[0]
+        .tables
+        .iter()
+        .map(|t| t.table.as_str())
+        .collect();
+    assert!(!tables.contains(&"public.products"), "{tables:?}");
+    let old: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM ferry_sync.rows WHERE relation = 'public.products'",
+    )
+    .fetch_one(&shop.db.pool)
+    .await
+    .unwrap();
+    assert_eq!(old, 0);
+    shop.finish().await;
+}

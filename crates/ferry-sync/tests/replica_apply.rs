@@ -713,6 +713,136 @@ fn a_new_column_in_a_later_part_is_added() {
     assert_eq!(replica.up().unwrap().digests[0].rows, 2);
 }
 
+/// Guards: a server column the rules stopped sending is dropped from the replica's table
+/// (its old values were the server's, and nothing would correct them: docs/sync.md
+/// §3.3); one the app's index holds is emptied instead; a NOT NULL one the index holds is
+/// left as it was, and the message still applies (rows it cannot take are rejections). A table the replica writes is never
+/// shed: its columns hold the app's own writes.
+#[test]
+fn a_column_the_server_stops_sending_is_dropped_or_emptied_and_never_blocks_a_message() {
+    let scratch = Scratch::new("replica-shed");
+    let mut replica = open(&db(&scratch));
+    let mut chain = Chain::new(1);
+    let mut wide = item_columns();
+    wide.push(col("cost", Affinity::Text, 0, false));
+    wide.push(col("shelf", Affinity::Text, 0, false));
+    let row = |id: i64, cost: &str, shelf: &str| {
+        vec![
+            Value::Int(id),
+            Value::Text("nut".into()),
+            Value::Int(1),
+            Value::Text(cost.into()),
+            Value::Text(shelf.into()),
+        ]
+    };
+    applied(
+        replica
+            .receive_down(chain.start(vec![part(
+                "items",
+                wide,
+                vec![row(1, "0.10", "A1")],
+                vec![],
+            )]))
+            .unwrap(),
+    );
+    replica
+        .conn()
+        .execute_batch(
+            "CREATE INDEX app_shelf ON items(shelf); CREATE INDEX app_name ON items(name);",
+        )
+        .unwrap();
+    // The next shape keeps the key and qty only.
+    let narrow = vec![
+        col("id", Affinity::Integer, 1, true),
+        col("qty", Affinity::Integer, 0, false),
+    ];
+    applied(
+        replica
+            .receive_down(chain.next(vec![part(
+                "items",
+                narrow,
+                vec![vec![Value::Int(1), Value::Int(5)]],
+                vec![],
+            )]))
+            .unwrap(),
+    );
+    let columns: Vec<String> = replica
+        .conn()
+        .prepare("SELECT name FROM pragma_table_info('items') ORDER BY cid")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(
+        columns,
+        ["id", "name", "qty", "shelf"],
+        "cost dropped; indexed ones kept"
+    );
+    // Shelf emptied. Name is NOT NULL and the app's index holds it, so it stays, and a
+    // row of the new shape (no name) is one the replica's own schema refuses: set aside
+    // and reported, as any such row is, while the message applies.
+    assert_eq!(
+        rows(replica.conn(), "SELECT id, name, qty, shelf FROM items"),
+        vec![vec![
+            Value::Int(1),
+            Value::Text("nut".into()),
+            Value::Int(1),
+            Value::Null
+        ]],
+    );
+    let up = replica.up().unwrap();
+    assert!(
+        up.rejections
+            .iter()
+            .any(|r| r.table == "items" && r.reason.contains("NOT NULL")),
+        "{:?}",
+        up.rejections
+    );
+
+    // A record table's columns are the app's: announced narrower, it keeps them.
+    let writes = wire::Writes {
+        lane: "main".into(),
+        owned: 0,
+        restate: false,
+    };
+    let visits = |columns: Vec<Column>| TablePart {
+        writes: Some(writes.clone()),
+        ..part("visits", columns, vec![], vec![])
+    };
+    let both = vec![
+        col("id", Affinity::Integer, 1, true),
+        col("note", Affinity::Text, 0, false),
+        col("extra", Affinity::Text, 0, false),
+    ];
+    applied(
+        replica
+            .receive_down(chain.next(vec![visits(both)]))
+            .unwrap(),
+    );
+    replica
+        .conn()
+        .execute(
+            "INSERT INTO visits (id, note, extra) VALUES (1, 'hi', 'kept')",
+            [],
+        )
+        .unwrap();
+    let fewer = vec![
+        col("id", Affinity::Integer, 1, true),
+        col("note", Affinity::Text, 0, false),
+    ];
+    applied(
+        replica
+            .receive_down(chain.next(vec![visits(fewer)]))
+            .unwrap(),
+    );
+    let extra: String = replica
+        .conn()
+        .query_row("SELECT extra FROM visits WHERE id = 1", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(extra, "kept");
+}
+
 // ---- storage, readers, crashes -----------------------------------------------------
 
 /// Guards: a full disk mid-apply rolls the whole message back (a transient error, the

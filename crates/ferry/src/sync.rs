@@ -180,6 +180,11 @@ pub struct ServeArgs {
     /// Serve replicas only; never take the relay lock.
     #[arg(long)]
     pub no_relay: bool,
+    /// With relay shards (`[relay] shards = N` in the rules, docs/sync.md §6.5): the
+    /// shard this serve's relay records for, 0 to N-1. Run one serve per shard (and a
+    /// standby of each anywhere); every serve serves every replica.
+    #[arg(long, default_value_t = 0)]
+    pub shard: u32,
     /// Also carry replicas' traffic over NATS JetStream at this server
     /// (nats://HOST:PORT): publish their frames, file their uploads (docs/sync-nats.md).
     #[arg(long)]
@@ -504,6 +509,7 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
             role: a.file_role.clone(),
         },
         retry_every: Duration::from_millis(a.retry_every_ms),
+        shard: a.shard,
         ..RelaySettings::default()
     };
     for (flag, zero) in [
@@ -517,6 +523,14 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         }
     }
     let rules = load_rules(&a.rules)?;
+    if a.shard >= rules.shards {
+        bail!(
+            "--shard {} is not a shard of these rules, which spread replicas over {} relay shard(s) ([relay] shards): name 0 to {}",
+            a.shard,
+            rules.shards,
+            rules.shards - 1
+        );
+    }
     // No ping before each use of a pooled connection: serve makes a few statements per
     // request, and the ping was one more round trip each time. A connection the database
     // dropped fails its request (the replica sends it again) and leaves the pool.
@@ -562,7 +576,7 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
             Some(tokio::spawn(async move { bridge.run(stop).await }))
         }
     };
-    tracing::info!(listen = %a.listen, db = %redact(&a.db), relay = !a.no_relay, "ferry sync serve: serving replicas");
+    tracing::info!(listen = %a.listen, db = %redact(&a.db), relay = !a.no_relay, shard = a.shard, "ferry sync serve: serving replicas");
     let mut stop_http = stop_rx.clone();
     let http = tokio::spawn(async move {
         axum::serve(listener, serve.router())

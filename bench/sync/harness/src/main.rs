@@ -21,6 +21,7 @@ use sqlx::{Connection, PgConnection, PgPool};
 use uuid::Uuid;
 
 mod replicas;
+mod shards;
 
 const SCHEMA: &str = "
 CREATE TABLE stores (id uuid PRIMARY KEY);
@@ -59,6 +60,10 @@ struct Bench {
 
 impl Bench {
     async fn new() -> Bench {
+        Bench::with(SCHEMA, RULES).await
+    }
+
+    async fn with(schema: &str, rules: &str) -> Bench {
         let base = std::env::var("FERRY_TEST_PG")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
         let base = base.trim_end_matches('/').to_string();
@@ -80,8 +85,11 @@ impl Bench {
             .connect(&url)
             .await
             .unwrap();
-        sqlx::raw_sql(SCHEMA).execute(&pool).await.unwrap();
-        let rules = Rules::parse(RULES, "bench.toml").unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(schema.to_string()))
+            .execute(&pool)
+            .await
+            .unwrap();
+        let rules = Rules::parse(rules, "bench.toml").unwrap();
         ferry_sync::schema::install(&pool, &rules).await.unwrap();
         let mut conn = pool.acquire().await.unwrap();
         let catalog = Catalog::load(&mut conn, &rules).await.unwrap();
@@ -255,8 +263,22 @@ async fn held(rows: u64, replicas: u64, sample_replicas: u64) {
     b.drop_db().await;
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() {
+fn main() {
+    // Two workers, like the peers' harnesses; relay shards get one per CPU, since each
+    // shard is meant to be a process of its own.
+    let workers = match std::env::args().nth(1).as_deref() {
+        Some("shards") => std::thread::available_parallelism().map_or(2, |n| n.get().max(2)),
+        _ => 2,
+    };
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+        .block_on(run());
+}
+
+async fn run() {
     match std::env::args().nth(1).as_deref() {
         Some("held") => {
             held(
@@ -267,8 +289,17 @@ async fn main() {
             .await
         }
         Some("replicas") => replicas::main().await,
+        Some("shards") => {
+            shards::main(
+                arg("--shards", 1) as u32,
+                arg("--replicas", 400),
+                arg("--changes", 20_000),
+                std::env::args().any(|a| a == "--broadcast"),
+            )
+            .await
+        }
         _ => eprintln!(
-            "usage: ferry-bench-sync held [--rows N] [--replicas R] | replicas --server URL --stores FILE --dir D --products N --orders-per-store K"
+            "usage: ferry-bench-sync held [--rows N] [--replicas R] | shards --shards N [--replicas R] [--changes C] [--broadcast] | replicas --server URL --stores FILE --dir D --products N --orders-per-store K"
         ),
     }
 }

@@ -41,8 +41,20 @@ use spec::Spec;
 /// What the relay says when its transactions run on another backend than its lock.
 pub const POOLER: &str = "the relay's transactions do not run on the backend that holds its lock: --db goes through a pooler in transaction mode (pgbouncer pool_mode=transaction, or similar). The relay needs a direct connection or session pooling; other processes (serve --no-relay, status) may use the pooler";
 
-/// The advisory lock key of the relay: "FERRYSYC".
+/// The advisory lock key of the relay: "FERRYSYC". Relay shard `k` locks `LOCK_KEY + k`.
 pub const LOCK_KEY: i64 = 0x4645_5252_5953_5943;
+
+/// The advisory lock key of relay shard `shard`.
+pub fn lock_key(shard: u32) -> i64 {
+    LOCK_KEY + i64::from(shard)
+}
+
+/// The relay shard replica `id` belongs to, of `shards`: its first four bytes as an
+/// unsigned big-endian integer, modulo `shards` (`ferry_sync.shard_of` in SQL).
+pub fn shard_of(id: &Uuid, shards: u32) -> u32 {
+    let b = id.as_bytes();
+    u32::from_be_bytes([b[0], b[1], b[2], b[3]]) % shards.max(1)
+}
 
 /// The relay's settings; `RelaySettings::default()` documents each.
 #[derive(Clone, Debug)]
@@ -82,6 +94,9 @@ pub struct RelaySettings {
     /// How the inbox's rows are filed again when parked items are retried (at start and
     /// every `retry_every`): as serve files uploads.
     pub file_shape: crate::file::Shape,
+    /// The relay shard this relay records for, below the rules' `shards`
+    /// (docs/sync.md §6.5): its replicas, its notes, its lock.
+    pub shard: u32,
 }
 
 impl Default for RelaySettings {
@@ -97,6 +112,7 @@ impl Default for RelaySettings {
             digest_every: Duration::from_secs(600),
             outbox_bytes_max: 256 << 20,
             file_shape: crate::file::Shape::default(),
+            shard: 0,
             budget: pack::Budget {
                 bytes: crate::wire::BODY_TARGET_BYTES,
                 rows: crate::wire::ROWS_PER_MESSAGE_MAX,
@@ -183,6 +199,9 @@ pub struct Relay {
     catch_up: Vec<(Uuid, i64)>,
     /// What the pass in progress dropped; becomes `catch_up` only if it commits.
     dropped_now: Vec<(Uuid, i64)>,
+    /// The epoch the last pass ran under: another shard's new epoch (a restore it
+    /// detected) has this one provision its replicas too.
+    epoch_seen: Option<Uuid>,
 }
 
 impl Relay {
@@ -202,7 +221,13 @@ impl Relay {
             refile_due: false,
             catch_up: Vec::new(),
             dropped_now: Vec::new(),
+            epoch_seen: None,
         }
+    }
+
+    /// This relay's shard and the number of shards.
+    fn shards(&self) -> (i32, i32) {
+        (self.settings.shard as i32, self.spec.shards as i32)
     }
 
     /// Steps 1–4 until `stop` turns true.
@@ -248,7 +273,7 @@ impl Relay {
         let mut conn = PgConnection::connect(url).await?;
         loop {
             let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-                .bind(LOCK_KEY)
+                .bind(lock_key(self.settings.shard))
                 .fetch_one(&mut conn)
                 .await?;
             if got {
@@ -423,7 +448,7 @@ impl Relay {
             hook().await;
             // The lock is checked again at the commit's door: a connection cut meanwhile
             // fails here or at the COMMIT, and nothing is recorded.
-            if let Err(e) = check_lock(conn).await {
+            if let Err(e) = check_lock(conn, self.settings.shard).await {
                 result = Err(e);
             }
         }
@@ -461,30 +486,44 @@ impl Relay {
     }
 
     async fn pass_inside(&mut self, conn: &mut PgConnection) -> Result<PassReport, RelayError> {
-        check_lock(conn).await?;
+        check_lock(conn, self.settings.shard).await?;
         let mut report = PassReport::default();
         if self
             .retried_at
             .is_none_or(|t| t.elapsed() >= self.settings.retry_every)
         {
-            retry_set_aside(conn).await?;
+            retry_set_aside(conn, self.shards()).await?;
             self.retried_at = Some(Instant::now());
             self.refile_due = true;
         }
         let mut epoch = load_epoch(conn).await?;
+        if self.epoch_seen.is_some_and(|seen| seen != epoch.id) {
+            // Another shard took a new epoch (a restore it detected): every chain starts
+            // again, this shard's too.
+            self.members_checked = false;
+            self.catch_up.clear();
+        }
         let pass: i64 = sqlx::query_scalar("SELECT nextval('ferry_sync.passes')")
             .fetch_one(&mut *conn)
             .await?;
-        let decisions =
-            reports::handle(conn, &self.spec, &epoch, self.settings.digest_every).await?;
+        let decisions = reports::handle(
+            conn,
+            &self.spec,
+            &epoch,
+            self.settings.digest_every,
+            self.shards(),
+        )
+        .await?;
         report.confirmed = decisions.confirmed;
         if decisions.new_epoch {
             epoch = new_epoch(conn).await?;
+            self.catch_up.clear();
             self.stats.new_epochs.fetch_add(1, Ordering::Relaxed);
             self.members_checked = false;
         }
-        let notes = sqlx::query("SELECT id, relation, key, kind FROM ferry_sync.notes WHERE parked_at IS NULL ORDER BY id LIMIT $1")
+        let notes = sqlx::query("SELECT id, relation, key, kind FROM ferry_sync.notes WHERE parked_at IS NULL AND shard = $2 ORDER BY id LIMIT $1")
             .bind(self.batch_now as i64 + 1)
+            .bind(self.shards().0)
             .fetch_all(&mut *conn)
             .await?;
         report.more = notes.len() > self.batch_now;
@@ -502,7 +541,7 @@ impl Relay {
             }
             self.members_checked = true;
         }
-        let (following, mut chains) = following(conn).await?;
+        let (following, mut chains) = following(conn, self.shards()).await?;
         let mut planner = Planner::new(&self.spec, pass, &following);
         for (r, how) in &provision {
             if following.partition_of.contains_key(r) {
@@ -607,21 +646,28 @@ impl Relay {
             conn,
             self.settings.outbox_messages_max,
             self.settings.outbox_bytes_max,
+            self.shards(),
         )
         .await?;
-        prune_tombstones(conn).await?;
-        if self
-            .swept_at
-            .is_none_or(|t| t.elapsed() >= HOUSEKEEPING_EVERY)
+        prune_tombstones(conn, self.shards()).await?;
+        // Bodies are shared by every shard: shard 0 sweeps them (a pass of another shard
+        // touches each body it names, so a sweep racing it fails instead).
+        if self.settings.shard == 0
+            && self
+                .swept_at
+                .is_none_or(|t| t.elapsed() >= HOUSEKEEPING_EVERY)
         {
             sweep_bodies(conn).await?;
             self.swept_at = Some(Instant::now());
         }
+        self.epoch_seen = Some(epoch.id);
         Ok(report)
     }
 
     /// Compares the live replicas with the known ones; returns those to provision.
     async fn members(&self, conn: &mut PgConnection) -> Result<Vec<Uuid>, RelayError> {
+        let (shard, shards) = (self.settings.shard, self.spec.shards);
+        let mine = |id: &Uuid| shard_of(id, shards) == shard;
         let live = read::live_replicas(conn, &self.spec).await?;
         type Known = (Option<String>, Option<String>, String, bool);
         let known: HashMap<Uuid, Known> = sqlx::query(
@@ -631,6 +677,7 @@ impl Relay {
         .await?
         .iter()
         .map(|r| (r.get(0), (r.get(1), r.get(2), r.get(3), r.get(4))))
+        .filter(|(id, _)| mine(id))
         .collect();
         let mut provision = Vec::new();
         let mut seen = HashSet::new();
@@ -638,6 +685,9 @@ impl Relay {
             let Ok(id) = Uuid::parse_str(&id) else {
                 continue;
             };
+            if !mine(&id) {
+                continue;
+            }
             seen.insert(id);
             match known.get(&id) {
                 None => {
@@ -697,12 +747,13 @@ impl Relay {
         e: &RelayError,
     ) -> Result<Option<i64>, RelayError> {
         let mut tx = conn.begin().await?;
-        check_lock(&mut tx).await?;
+        check_lock(&mut tx, self.settings.shard).await?;
         let id: Option<i64> = sqlx::query_scalar(
             "UPDATE ferry_sync.notes SET parked_at = now(), attempts = attempts + 1, last_error = $1
-             WHERE id = (SELECT id FROM ferry_sync.notes WHERE parked_at IS NULL ORDER BY id LIMIT 1) RETURNING id",
+             WHERE id = (SELECT id FROM ferry_sync.notes WHERE parked_at IS NULL AND shard = $2 ORDER BY id LIMIT 1) RETURNING id",
         )
         .bind(e.to_string())
+        .bind(self.shards().0)
         .fetch_optional(&mut *tx)
         .await?;
         tx.commit().await?;
@@ -719,14 +770,16 @@ impl Relay {
     }
 }
 
-/// Fails with `LockLost` unless this backend holds the relay lock (docs/sync.md §6.1).
-pub async fn check_lock(conn: &mut PgConnection) -> Result<(), RelayError> {
+/// Fails with `LockLost` unless this backend holds relay shard `shard`'s lock
+/// (docs/sync.md §6.1).
+pub async fn check_lock(conn: &mut PgConnection, shard: u32) -> Result<(), RelayError> {
+    let key = lock_key(shard);
     let held: bool = sqlx::query_scalar(
         "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted AND pid = pg_backend_pid()
          AND classid = $1::int8::oid AND objid = $2::int8::oid AND objsubid = 1)",
     )
-    .bind((LOCK_KEY >> 32) & 0xffff_ffff)
-    .bind(LOCK_KEY & 0xffff_ffff)
+    .bind((key >> 32) & 0xffff_ffff)
+    .bind(key & 0xffff_ffff)
     .fetch_one(&mut *conn)
     .await?;
     if held {
@@ -780,14 +833,20 @@ async fn new_epoch(conn: &mut PgConnection) -> Result<Epoch, RelayError> {
 /// The replicas this pass sends to (enrolled, not retired), and their chains.
 async fn following(
     conn: &mut PgConnection,
+    (shard, shards): (i32, i32),
 ) -> Result<(Following, HashMap<Uuid, Chain>), RelayError> {
     let rows = sqlx::query(
         "SELECT id, coalesce(partition, ''), last_seq, last_nonce, seal_key, audience FROM ferry_sync.replicas
-         WHERE standing <> 'retired' AND seal_key IS NOT NULL",
+         WHERE standing <> 'retired' AND seal_key IS NOT NULL AND ($2 = 1 OR ferry_sync.shard_of(id, $2) = $1)",
     )
+    .bind(shard)
+    .bind(shards)
     .fetch_all(&mut *conn)
     .await?;
-    let mut following = Following::default();
+    let mut following = Following {
+        shard,
+        ..Following::default()
+    };
     let mut chains = HashMap::new();
     for row in rows {
         let id: Uuid = row.get(0);
@@ -808,17 +867,26 @@ async fn following(
     Ok((following, chains))
 }
 
-/// Parked notes go back to pending; quarantined rows are noted again.
-async fn retry_set_aside(conn: &mut PgConnection) -> Result<(), RelayError> {
-    sqlx::query("UPDATE ferry_sync.notes SET parked_at = NULL WHERE parked_at IS NOT NULL")
-        .execute(&mut *conn)
-        .await?;
-    sqlx::query("INSERT INTO ferry_sync.notes (relation, key) SELECT DISTINCT relation, key FROM ferry_sync.quarantine")
-        .execute(&mut *conn)
-        .await?;
-    sqlx::query("DELETE FROM ferry_sync.quarantine")
-        .execute(&mut *conn)
-        .await?;
+/// Parked notes go back to pending; quarantined rows are noted again: this shard's
+/// (`(shard, shards)`), as its own notes, not fanned out to the others.
+async fn retry_set_aside(
+    conn: &mut PgConnection,
+    (shard, shards): (i32, i32),
+) -> Result<(), RelayError> {
+    sqlx::query(
+        "UPDATE ferry_sync.notes SET parked_at = NULL WHERE parked_at IS NOT NULL AND shard = $1",
+    )
+    .bind(shard)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query(
+        "WITH mine AS (DELETE FROM ferry_sync.quarantine WHERE ($2 = 1 OR ferry_sync.shard_of(replica, $2) = $1) RETURNING relation, key)
+         INSERT INTO ferry_sync.notes (shard, relation, key) SELECT DISTINCT $1, relation, key FROM mine",
+    )
+    .bind(shard)
+    .bind(shards)
+    .execute(&mut *conn)
+    .await?;
     Ok(())
 }
 
@@ -828,15 +896,19 @@ async fn drop_overflowing(
     conn: &mut PgConnection,
     messages_max: i64,
     bytes_max: i64,
+    (shard, shards): (i32, i32),
 ) -> Result<Vec<(Uuid, i64)>, RelayError> {
     let over: Vec<(Uuid, i64)> = sqlx::query(
-        "WITH over AS (SELECT replica FROM ferry_sync.outbox GROUP BY replica HAVING count(*) > $1 OR sum(bytes) > $2),
+        "WITH over AS (SELECT replica FROM ferry_sync.outbox WHERE ($4 = 1 OR ferry_sync.shard_of(replica, $4) = $3)
+                       GROUP BY replica HAVING count(*) > $1 OR sum(bytes) > $2),
               gone AS (DELETE FROM ferry_sync.outbox o USING over WHERE o.replica = over.replica RETURNING o.replica)
          UPDATE ferry_sync.replicas c SET dropped = dropped + 1 FROM (SELECT DISTINCT replica FROM gone) g
          WHERE c.id = g.replica RETURNING c.id, c.confirmed_pass",
     )
     .bind(messages_max)
     .bind(bytes_max)
+    .bind(shard)
+    .bind(shards)
     .fetch_all(&mut *conn)
     .await?
     .iter()
@@ -889,10 +961,16 @@ impl Relay {
 }
 
 /// Tombstones every replica's confirmed mark has passed are no longer needed.
-async fn prune_tombstones(conn: &mut PgConnection) -> Result<(), RelayError> {
+async fn prune_tombstones(
+    conn: &mut PgConnection,
+    (shard, shards): (i32, i32),
+) -> Result<(), RelayError> {
     sqlx::query(
-        "DELETE FROM ferry_sync.rows WHERE gone AND rv <= (SELECT coalesce(min(confirmed_pass), 0) FROM ferry_sync.replicas WHERE standing = 'following')",
+        "DELETE FROM ferry_sync.rows WHERE shard = $1 AND gone AND rv <= (SELECT coalesce(min(confirmed_pass), 0) FROM ferry_sync.replicas
+         WHERE standing = 'following' AND ($2 = 1 OR ferry_sync.shard_of(id, $2) = $1))",
     )
+    .bind(shard)
+    .bind(shards)
     .execute(&mut *conn)
     .await?;
     Ok(())

@@ -23,9 +23,12 @@ use super::read::{self, Fetched, Filter};
 use super::spec::{RouteSpec, Spec, TableSpec, split_key_text};
 use crate::value::{Affinity, Value};
 
-/// The replicas a pass sends to, by id and by partition, and their audiences.
+/// The replicas a pass sends to (its relay shard's), by id and by partition, and their
+/// audiences.
 #[derive(Clone, Debug, Default)]
 pub struct Following {
+    /// The relay shard planning (docs/sync.md §6.5): whose `rows` versions it keeps.
+    pub shard: i32,
     pub partition_of: HashMap<Uuid, String>,
     pub by_partition: HashMap<String, Vec<Uuid>>,
     /// Only replicas that have an audience.
@@ -151,10 +154,11 @@ impl<'a> Planner<'a> {
             .map(|r| (r.key.as_str(), r))
             .collect();
         let before: Vec<(String, String)> = sqlx::query(
-            "SELECT part, key FROM ferry_sync.rows WHERE relation = $1 AND key = ANY($2) AND NOT gone",
+            "SELECT part, key FROM ferry_sync.rows WHERE shard = $3 AND relation = $1 AND key = ANY($2) AND NOT gone",
         )
         .bind(&table.relation)
         .bind(keys)
+        .bind(self.following.shard)
         .fetch_all(&mut *conn)
         .await?
         .iter()
@@ -185,20 +189,21 @@ impl<'a> Planner<'a> {
             w_gone.push(false);
         }
         sqlx::query(
-            "INSERT INTO ferry_sync.rows (relation, part, key, rv, gone)
-             SELECT $1, p, k, $2, g FROM unnest($3::text[], $4::text[], $5::bool[]) AS x(p, k, g)
-             ON CONFLICT (relation, part, key) DO UPDATE SET rv = excluded.rv, gone = excluded.gone",
+            "INSERT INTO ferry_sync.rows (shard, relation, part, key, rv, gone)
+             SELECT $6, $1, p, k, $2, g FROM unnest($3::text[], $4::text[], $5::bool[]) AS x(p, k, g)
+             ON CONFLICT (shard, relation, part, key) DO UPDATE SET rv = excluded.rv, gone = excluded.gone",
         )
         .bind(&table.relation)
         .bind(self.pass)
         .bind(&w_part)
         .bind(&w_key)
         .bind(&w_gone)
+        .bind(self.following.shard)
         .execute(&mut *conn)
         .await?;
         // Replicas that hold some of these rows per row, because their own rows point at
         // them (closure across partitions), and the pointers that keep them.
-        let holders = held_of(conn, &table.relation, keys).await?;
+        let holders = held_of(conn, self.following, &table.relation, keys).await?;
         let pointed: HashSet<(Uuid, String)> = sqlx::query(
             "SELECT replica, key FROM ferry_sync.points WHERE relation = $1 AND key = ANY($2)",
         )
@@ -270,7 +275,8 @@ impl<'a> Planner<'a> {
         }
         write_held(conn, &table.relation, &kept, &dropped).await?;
         for (part, key) in &taken_back {
-            tombstone(conn, &table.relation, part, key, self.pass).await?;
+            let at = (self.following.shard, self.pass);
+            tombstone(conn, &table.relation, part, key, at).await?;
         }
         for row in rows.iter().filter(|r| r.shown) {
             for r in self.following.in_partition(&row.partition, table) {
@@ -294,7 +300,7 @@ impl<'a> Planner<'a> {
         let table = &self.spec.tables[t];
         let rows = read::rows(conn, self.spec, table, Filter::Keys(keys)).await?;
         let by_key: HashMap<&str, &Fetched> = rows.iter().map(|r| (r.key.as_str(), r)).collect();
-        let held = held_of(conn, &table.relation, keys).await?;
+        let held = held_of(conn, self.following, &table.relation, keys).await?;
         let mut moved: Vec<String> = Vec::new();
         let mut held_set: Vec<(Uuid, String, bool)> = Vec::new();
         let mut held_drop: Vec<(Uuid, String)> = Vec::new();
@@ -380,10 +386,11 @@ impl<'a> Planner<'a> {
                 let p = &self.spec.tables[table.parents[*parent].table];
                 if p.is_broadcast() {
                     let parts: Vec<String> = sqlx::query_scalar(
-                        "SELECT part FROM ferry_sync.rows WHERE relation = $1 AND key = $2 AND NOT gone",
+                        "SELECT part FROM ferry_sync.rows WHERE shard = $3 AND relation = $1 AND key = $2 AND NOT gone",
                     )
                     .bind(&p.relation)
                     .bind(pk)
+                    .bind(self.following.shard)
                     .fetch_all(&mut *conn)
                     .await?;
                     parts
@@ -548,11 +555,12 @@ impl<'a> Planner<'a> {
                     .cloned()
                     .unwrap_or_default();
                 let by_rule: bool = sqlx::query_scalar(
-                    "SELECT EXISTS (SELECT 1 FROM ferry_sync.rows WHERE relation = $1 AND part = $2 AND key = $3 AND NOT gone)",
+                    "SELECT EXISTS (SELECT 1 FROM ferry_sync.rows WHERE shard = $4 AND relation = $1 AND part = $2 AND key = $3 AND NOT gone)",
                 )
                 .bind(relation)
                 .bind(&part)
                 .bind(key)
+                .bind(self.following.shard)
                 .fetch_one(&mut *conn)
                 .await?;
                 if by_rule {
@@ -561,7 +569,8 @@ impl<'a> Planner<'a> {
                 // A catch-up of the replica's partition sends that partition's tombstones
                 // only: without one here, a take-back in a dropped outbox is never resent.
                 if !part.is_empty() {
-                    tombstone(conn, relation, &part, key, self.pass).await?;
+                    let at = (self.following.shard, self.pass);
+                    tombstone(conn, relation, &part, key, at).await?;
                 }
             }
             if let Some(k) = key_values(self.spec, p, key) {
@@ -594,8 +603,11 @@ pub fn key_values(spec: &Spec, t: usize, key: &str) -> Option<RowRef> {
     Some(Arc::new(values))
 }
 
+/// The holders of these keys among `following`'s replicas: another relay shard's are its
+/// own to plan (docs/sync.md §6.5).
 async fn held_of(
     conn: &mut PgConnection,
+    following: &Following,
     relation: &str,
     keys: &[String],
 ) -> Result<HashMap<String, Vec<(Uuid, bool)>>, sqlx::Error> {
@@ -608,6 +620,10 @@ async fn held_of(
     .await?;
     let mut out: HashMap<String, Vec<(Uuid, bool)>> = HashMap::new();
     for row in rows {
+        let r: Uuid = row.get(1);
+        if !following.partition_of.contains_key(&r) {
+            continue;
+        }
         out.entry(row.get(0))
             .or_default()
             .push((row.get(1), row.get(2)));
@@ -691,16 +707,17 @@ async fn tombstone(
     relation: &str,
     part: &str,
     key: &str,
-    pass: i64,
+    (shard, pass): (i32, i64),
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
-        "INSERT INTO ferry_sync.rows (relation, part, key, rv, gone) VALUES ($1, $2, $3, $4, true)
-         ON CONFLICT (relation, part, key) DO UPDATE SET rv = excluded.rv, gone = true",
+        "INSERT INTO ferry_sync.rows (shard, relation, part, key, rv, gone) VALUES ($5, $1, $2, $3, $4, true)
+         ON CONFLICT (shard, relation, part, key) DO UPDATE SET rv = excluded.rv, gone = true",
     )
     .bind(relation)
     .bind(part)
     .bind(key)
     .bind(pass)
+    .bind(shard)
     .execute(&mut *conn)
     .await?;
     Ok(())
@@ -887,15 +904,16 @@ impl Planner<'_> {
             return Ok(());
         }
         sqlx::query(
-            "INSERT INTO ferry_sync.rows (relation, part, key, rv, gone)
-             SELECT $1, $2, k, $3, false FROM unnest($4::text[]) AS k
-             ON CONFLICT (relation, part, key) DO UPDATE SET rv = excluded.rv, gone = false
+            "INSERT INTO ferry_sync.rows (shard, relation, part, key, rv, gone)
+             SELECT $5, $1, $2, k, $3, false FROM unnest($4::text[]) AS k
+             ON CONFLICT (shard, relation, part, key) DO UPDATE SET rv = excluded.rv, gone = false
              WHERE ferry_sync.rows.gone",
         )
         .bind(relation)
         .bind(partition)
         .bind(self.pass)
         .bind(&keys)
+        .bind(self.following.shard)
         .execute(&mut *conn)
         .await?;
         Ok(())
@@ -912,11 +930,12 @@ impl Planner<'_> {
     ) -> Result<(), sqlx::Error> {
         let table = &self.spec.tables[t];
         let changed: Vec<(String, bool)> = sqlx::query(
-            "SELECT key, gone FROM ferry_sync.rows WHERE relation = $1 AND part = $2 AND rv > $3",
+            "SELECT key, gone FROM ferry_sync.rows WHERE shard = $4 AND relation = $1 AND part = $2 AND rv > $3",
         )
         .bind(&table.relation)
         .bind(partition)
         .bind(since)
+        .bind(self.following.shard)
         .fetch_all(&mut *conn)
         .await?
         .iter()

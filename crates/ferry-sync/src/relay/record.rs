@@ -219,7 +219,10 @@ pub async fn record(
     recorded.bodies = new_bodies.len();
     let (b_hash, b_body): (Vec<Vec<u8>>, Vec<Vec<u8>>) =
         new_bodies.into_iter().map(|(h, b)| (h.to_vec(), b)).unzip();
-    sqlx::query("INSERT INTO ferry_sync.bodies (hash, body) SELECT * FROM unnest($1::bytea[], $2::bytea[]) ON CONFLICT DO NOTHING")
+    // A body already there is touched, not skipped: the row lock makes another relay
+    // shard's sweep of it (which did not see this pass's messages) fail and retry instead
+    // of deleting a body this pass's messages name (docs/sync.md §6.5).
+    sqlx::query("INSERT INTO ferry_sync.bodies (hash, body) SELECT * FROM unnest($1::bytea[], $2::bytea[]) ON CONFLICT (hash) DO UPDATE SET hash = excluded.hash")
         .bind(&b_hash)
         .bind(&b_body)
         .execute(&mut *conn)

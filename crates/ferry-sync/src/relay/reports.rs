@@ -39,6 +39,7 @@ pub async fn handle(
     spec: &Spec,
     epoch: &Epoch,
     digest_every: std::time::Duration,
+    (shard, shards): (i32, i32),
 ) -> Result<Decisions, sqlx::Error> {
     let mut decisions = Decisions::default();
     let mut reads = Reads::default();
@@ -47,8 +48,10 @@ pub async fn handle(
     // the pass handled is recorded in `replicas.handled_n`, which only the relay writes.
     let reports = sqlx::query(
         "SELECT r.replica, r.up, r.n, c.audience FROM ferry_sync.reports r JOIN ferry_sync.replicas c ON c.id = r.replica
-         WHERE r.n > c.handled_n",
+         WHERE r.n > c.handled_n AND ($2 = 1 OR ferry_sync.shard_of(r.replica, $2) = $1)",
     )
+    .bind(shard)
+    .bind(shards)
     .fetch_all(&mut *conn)
     .await?;
     let handled: Vec<(Uuid, i64)> = reports.iter().map(|r| (r.get(0), r.get(2))).collect();

@@ -152,6 +152,8 @@ pub struct Spec {
     pub records: Vec<crate::file::RecordSpec>,
     /// The digest of the rules this was built from ([`crate::rules::Rules::digest`]).
     pub digest: String,
+    /// Relay shards (docs/sync.md §6.5).
+    pub shards: u32,
 }
 
 impl Spec {
@@ -394,6 +396,7 @@ impl Spec {
             tables,
             records,
             digest: rules.digest(),
+            shards: rules.shards,
         })
     }
 }

@@ -148,6 +148,7 @@ pub(crate) fn key_positions(columns: &[Column]) -> Vec<usize> {
 /// Creates the table, adds the columns it lacks, records the part's columns. Inside the
 /// apply transaction: a crash leaves the table as it was.
 pub(crate) fn ensure(conn: &Connection, part: &TablePart) -> rusqlite::Result<()> {
+    shed(conn, part)?;
     ensure_with(conn, part, part.columns.len())
 }
 
@@ -180,7 +181,6 @@ pub(crate) fn ensure_with(
             .map(|n| n.map(|n| n.to_lowercase()))
             .collect::<rusqlite::Result<_>>()?
     };
-    shed(conn, part)?;
     for c in part
         .columns
         .iter()
@@ -202,12 +202,14 @@ pub(crate) fn ensure_with(
     Ok(())
 }
 
-/// Drops the server's columns the table had in its last part and `part` lacks: the rules
-/// stopped sending them (a column left out, or the replica moved to an audience that
-/// holds the table in another shape, docs/sync.md §3.3), and the values they hold are
-/// the server's from before, which nothing would ever correct. A column SQLite will not
-/// drop (an index or a view of the app's names it) is emptied instead. Columns the
-/// replica added itself were never recorded and stay as they are.
+/// Drops the server's columns a table the server sends had in its last part and `part`
+/// lacks: the rules stopped sending them (a column left out, or the replica moved to an
+/// audience that holds the table in another shape, docs/sync.md §3.3), and the values
+/// they hold are the server's from before, which nothing would ever correct. A column
+/// SQLite will not drop (an index or a view of the app's names it) is emptied instead,
+/// and one that cannot be emptied either (NOT NULL) is left as it is. Columns the replica
+/// added itself were never recorded and stay; tables the replica writes are announced,
+/// never sent, so their columns are never shed.
 fn shed(conn: &Connection, part: &TablePart) -> rusqlite::Result<()> {
     let recorded: Option<String> = conn
         .query_row(
@@ -233,12 +235,17 @@ fn shed(conn: &Connection, part: &TablePart) -> rusqlite::Result<()> {
             quote(&part.table),
             quote(&c.name)
         );
-        if conn.execute_batch(&drop).is_err() {
-            conn.execute_batch(&format!(
-                "UPDATE {} SET {} = NULL",
-                quote(&part.table),
-                quote(&c.name)
-            ))?;
+        if conn.execute_batch(&drop).is_ok() {
+            continue;
+        }
+        let empty = format!(
+            "UPDATE {} SET {} = NULL",
+            quote(&part.table),
+            quote(&c.name)
+        );
+        if let Err(e) = conn.execute_batch(&empty) {
+            tracing::warn!(table = %part.table, column = %c.name, error = %e,
+                "replica: a column the server no longer sends can be neither dropped nor emptied; its old values stay (drop the app's index or view that holds it)");
         }
     }
     Ok(())

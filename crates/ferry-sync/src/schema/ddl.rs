@@ -104,13 +104,17 @@ pub fn ddl(rules: &Rules, catalog: &Catalog) -> Vec<Statement> {
         out.extend(route_statements(r, &names));
     }
     out.extend(replica_statements(catalog, &mut truncate_guarded));
+    if rules.shards > 1 {
+        out.extend(fan_out_statements(rules.shards));
+    }
     out.extend(indexes(rules, catalog));
     let digest = rules.digest();
     out.push(Statement {
         what: "the rules' digest in ferry_sync.meta.declared".into(),
         sql: format!(
-            "UPDATE ferry_sync.meta SET declared = {};\n{}",
+            "UPDATE ferry_sync.meta SET declared = {}, shards = {};\n{}",
             quote_literal(&digest),
+            rules.shards,
             settings_sql(rules, catalog)
         ),
         object: Object::Declared { digest },
@@ -481,6 +485,48 @@ END
     out
 }
 
+/// With relay shards (docs/sync.md §6.5), every note is planned by every shard: a note
+/// written for shard 0, as every writer writes it, is copied for the others in the same
+/// transaction.
+fn fan_out_statements(shards: u32) -> Vec<Statement> {
+    let body = format!(
+        "
+BEGIN
+    IF NEW.shard <> 0 THEN
+        RETURN NULL;
+    END IF;
+    INSERT INTO ferry_sync.notes (shard, relation, key, kind)
+    SELECT s, NEW.relation, NEW.key, NEW.kind FROM generate_series(1, {}) AS s;
+    RETURN NULL;
+END
+",
+        shards - 1
+    );
+    let notes = Relation {
+        schema: "ferry_sync".into(),
+        name: "notes".into(),
+    };
+    vec![
+        function_statement(
+            "notes_fan_out",
+            &format!(
+                "the function copying each note for relay shards 1 to {}",
+                shards - 1
+            ),
+            &body,
+        ),
+        trigger(
+            &notes,
+            "ferry_sync_fan_out",
+            "notes_fan_out",
+            &[],
+            TG_ROW | TG_INSERT,
+            false,
+            format!("the trigger copying each note for {shards} relay shards"),
+        ),
+    ]
+}
+
 /// The indexes the relay's lookups need, unless a plain index already leads with the
 /// same columns.
 fn indexes(rules: &Rules, catalog: &Catalog) -> Vec<Statement> {
@@ -597,16 +643,16 @@ impl Names {
         self.derived(prefix, relation)
     }
 
-    /// A name for one entry of `relation`: an entry for an audience gets `__<audience>`.
+    /// A name for one entry of `relation`: an entry for an audience gets `__<audience>`
+    /// and a hash of the entry, so it never meets another table's name (`orders` for
+    /// audience `east` and a table `orders__east`).
     fn of_entry(&self, prefix: &str, relation: &Relation, audience: Option<&str>) -> String {
         match audience {
             None => self.derived(prefix, relation),
             Some(a) => {
                 let base = &self.bases[relation];
-                fit(
-                    format!("{prefix}{base}__{a}"),
-                    &format!("{prefix}{relation}@{a}"),
-                )
+                let seed = format!("{prefix}{relation}@{a}");
+                fit(format!("{prefix}{base}__{a}_{}", short_hash(&seed)), &seed)
             }
         }
     }
