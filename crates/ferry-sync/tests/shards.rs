@@ -40,41 +40,6 @@ async fn shard(shop: &Shop, spec: &std::sync::Arc<Spec>, shard: u32) -> (Relay, 
     (Relay::new(spec.clone(), settings), lock)
 }
 
-/// Passes of every shard until none has a note left.
-async fn passes(relays: &mut [(Relay, PgConnection)]) {
-    for _ in 0..100 {
-        let mut left = false;
-        for (relay, lock) in relays.iter_mut() {
-            let report = relay.pass(lock).await.expect("pass");
-            left |= report.more || report.notes > 0;
-        }
-        if !left {
-            return;
-        }
-    }
-    panic!("notes never ran out");
-}
-
-/// Delivers, reports and runs every shard's passes until nothing moves.
-async fn settle(shop: &mut Shop, relays: &mut [(Relay, PgConnection)]) {
-    for _ in 0..50 {
-        passes(relays).await;
-        let mut moved = false;
-        for id in shop.replicas.keys().copied().collect::<Vec<_>>() {
-            moved |= shop.deliver(id).await;
-        }
-        passes(relays).await;
-        let waiting: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry_sync.outbox")
-            .fetch_one(&shop.db.pool)
-            .await
-            .unwrap();
-        if !moved && waiting == 0 {
-            return;
-        }
-    }
-    panic!("delivery never settled");
-}
-
 /// Stores in `regions`, `per_shard` of them in each of `shards` shards.
 async fn stores(shop: &mut Shop, shards: u32, per_shard: usize) -> Vec<Uuid> {
     let mut counts = vec![0; shards as usize];
@@ -115,19 +80,9 @@ async fn write_the_shop(shop: &Shop, stores: &[Uuid]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_shard_records_for_its_own_replicas_from_every_note_and_all_converge() {
+    // The shop runs shard 0's relay and shard 1's, each holding its own lock.
     let mut shop = Shop::new_with("shards", SHOP_SCHEMA, &sharded(2)).await;
-    let spec = shop.spec.clone();
-    assert_eq!(spec.shards, 2);
-    // Shop holds shard 0's lock; shard 1 is a relay of its own.
-    let zero = std::mem::replace(
-        &mut shop.relay,
-        Relay::new(spec.clone(), RelaySettings::default()),
-    );
-    let zero_lock = std::mem::replace(
-        &mut shop.lock,
-        PgConnection::connect(&shop.db.url).await.unwrap(),
-    );
-    let mut relays = vec![(zero, zero_lock), shard(&shop, &spec, 1).await];
+    assert_eq!((shop.spec.shards, shop.shards.len()), (2, 1));
     let stores = stores(&mut shop, 2, 3).await;
 
     // The SQL and the Rust idea of a replica's shard agree.
@@ -155,7 +110,7 @@ async fn each_shard_records_for_its_own_replicas_from_every_note_and_all_converg
     assert_eq!(per_shard[0].1, per_shard[1].1, "{per_shard:?}");
 
     // One shard's pass records for its own replicas only, and leaves the other's notes.
-    let (relay, lock) = &mut relays[1];
+    let (relay, lock) = &mut shop.shards[0];
     while relay.pass(lock).await.unwrap().more {}
     let recorded_for: BTreeSet<u32> =
         sqlx::query_scalar::<_, Uuid>("SELECT DISTINCT replica FROM ferry_sync.outbox")
@@ -173,7 +128,7 @@ async fn each_shard_records_for_its_own_replicas_from_every_note_and_all_converg
             .unwrap();
     assert!(zero_left > 0);
 
-    settle(&mut shop, &mut relays).await;
+    shop.settle().await;
     shop.assert_converged().await;
     // Each shard keeps its own versions of the broadcast rows.
     let kept: Vec<(i32, i64)> = sqlx::query_as(
@@ -198,7 +153,7 @@ async fn each_shard_records_for_its_own_replicas_from_every_note_and_all_converg
              DELETE FROM order_lines WHERE product_id = 4; DELETE FROM products WHERE id = 4;"
         ))
         .await;
-    settle(&mut shop, &mut relays).await;
+    shop.settle().await;
     shop.assert_converged().await;
 
     // Status counts each replica's broadcast rows from its own shard's versions.
@@ -223,6 +178,7 @@ async fn each_shard_records_for_its_own_replicas_from_every_note_and_all_converg
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shards_running_side_by_side_converge_and_a_shards_standby_takes_over() {
     let mut shop = Shop::new_with("shards_run", SHOP_SCHEMA, &sharded(2)).await;
+    shop.shards.clear();
     sqlx::query("SELECT pg_advisory_unlock($1)")
         .bind(ferry_sync::relay::LOCK_KEY)
         .execute(&mut shop.lock)
@@ -307,21 +263,11 @@ async fn settle_running(shop: &mut Shop) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_change_of_the_number_of_shards_provisions_every_replica_again_by_its_new_shard() {
     let mut shop = Shop::new_with("reshard", SHOP_SCHEMA, &sharded(2)).await;
-    let spec = shop.spec.clone();
-    let zero = std::mem::replace(
-        &mut shop.relay,
-        Relay::new(spec.clone(), RelaySettings::default()),
-    );
-    let zero_lock = std::mem::replace(
-        &mut shop.lock,
-        PgConnection::connect(&shop.db.url).await.unwrap(),
-    );
-    let mut relays = vec![(zero, zero_lock), shard(&shop, &spec, 1).await];
     let stores = stores(&mut shop, 3, 2).await;
     write_the_shop(&shop, &stores).await;
-    settle(&mut shop, &mut relays).await;
+    shop.settle().await;
     shop.assert_converged().await;
-    drop(relays);
+    shop.shards.clear();
 
     // Three shards now: installed while nothing runs, then a write nobody has seen.
     let rules = Rules::parse(&sharded(3), "rules.toml").unwrap();
@@ -335,12 +281,10 @@ async fn a_change_of_the_number_of_shards_provisions_every_replica_again_by_its_
     shop.db
         .exec("UPDATE products SET region = 'north' WHERE id < 10; DELETE FROM order_lines WHERE product_id = 20")
         .await;
-    let mut relays = vec![
-        shard(&shop, &spec, 0).await,
-        shard(&shop, &spec, 1).await,
-        shard(&shop, &spec, 2).await,
-    ];
-    settle(&mut shop, &mut relays).await;
+    shop.relay = Relay::new(spec.clone(), RelaySettings::default());
+    shop.spec = spec.clone();
+    shop.shards = vec![shard(&shop, &spec, 1).await, shard(&shop, &spec, 2).await];
+    shop.settle().await;
     shop.assert_converged().await;
     let shards: Vec<i32> =
         sqlx::query_scalar("SELECT DISTINCT shard FROM ferry_sync.rows ORDER BY 1")

@@ -50,7 +50,19 @@ use uuid::Uuid;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_store_converges_on_its_rules_through_a_seeded_random_walk() {
-    walks(false, 6, 400).await;
+    walks(false, 1, 6, 400).await;
+}
+
+/// The same walk with the replicas spread over three relay shards (docs/sync.md §6.5):
+/// every pass step runs one shard's pass, picked at random, so the shards fall behind
+/// and catch up on each other's notes; shard 0's relay is the one killed mid-pass.
+/// `FERRY_SYNC_WALK_SHARDS_SEEDS`, `FERRY_SYNC_WALK_SHARDS_STEPS`; `FERRY_SYNC_WALK_SEED`
+/// picks one here too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_store_converges_with_relay_shards_through_the_same_walk() {
+    let seeds = env_u64("FERRY_SYNC_WALK_SHARDS_SEEDS").unwrap_or(2);
+    let steps = env_u64("FERRY_SYNC_WALK_SHARDS_STEPS").unwrap_or(300);
+    walks(false, 3, seeds, steps).await;
 }
 
 /// The same walk with NATS JetStream carrying frames, reports and uploads (docs/sync-nats.md): a bridge publishes the outbox and files what comes up; each store fetches
@@ -63,31 +75,26 @@ async fn every_store_converges_on_its_rules_through_a_seeded_random_walk() {
 async fn every_store_converges_over_nats_jetstream_through_the_same_walk() {
     let seeds = env_u64("FERRY_SYNC_WALK_NATS_SEEDS").unwrap_or(2);
     let steps = env_u64("FERRY_SYNC_WALK_NATS_STEPS").unwrap_or(300);
-    walks(true, seeds, steps).await;
+    walks(true, 1, seeds, steps).await;
 }
 
-async fn walks(nats: bool, default_seeds: u64, default_steps: u64) {
+async fn walks(nats: bool, shards: u32, default_seeds: u64, default_steps: u64) {
+    let which = match (nats, shards) {
+        (true, _) => "NATS_",
+        (false, 1) => "",
+        (false, _) => "SHARDS_",
+    };
     let seeds: Vec<u64> = match env_u64("FERRY_SYNC_WALK_SEED") {
         Some(seed) => vec![seed],
-        None => (0..env_u64(if nats {
-            "FERRY_SYNC_WALK_NATS_SEEDS"
-        } else {
-            "FERRY_SYNC_WALK_SEEDS"
-        })
-        .unwrap_or(default_seeds))
+        None => (0..env_u64(&format!("FERRY_SYNC_WALK_{which}SEEDS")).unwrap_or(default_seeds))
             .collect(),
     };
-    let steps = env_u64(if nats {
-        "FERRY_SYNC_WALK_NATS_STEPS"
-    } else {
-        "FERRY_SYNC_WALK_STEPS"
-    })
-    .unwrap_or(default_steps) as usize;
+    let steps = env_u64(&format!("FERRY_SYNC_WALK_{which}STEPS")).unwrap_or(default_steps) as usize;
     let started = Instant::now();
     for seed in seeds {
         let one = Instant::now();
-        let guard = Replay(seed, nats);
-        walk(seed, steps, nats).await;
+        let guard = Replay(seed, nats, shards);
+        walk(seed, steps, nats, shards).await;
         drop(guard);
         eprintln!(
             "walk seed {seed} (nats: {nats}): {steps} steps in {:?}",
@@ -98,7 +105,7 @@ async fn walks(nats: bool, default_seeds: u64, default_steps: u64) {
 }
 
 /// Names a failing seed and the way to replay it, as the panic unwinds.
-struct Replay(u64, bool);
+struct Replay(u64, bool, u32);
 
 impl Drop for Replay {
     fn drop(&mut self) {
@@ -107,10 +114,10 @@ impl Drop for Replay {
                 "walk seed {seed} failed; replay it alone with FERRY_SYNC_WALK_SEED={seed} \
                  cargo test -p ferry-sync --test walk {which} -- --nocapture",
                 seed = self.0,
-                which = if self.1 {
-                    "over_nats"
-                } else {
-                    "seeded_random_walk"
+                which = match (self.1, self.2) {
+                    (true, _) => "over_nats",
+                    (false, 1) => "seeded_random_walk",
+                    (false, _) => "with_relay_shards",
                 },
             );
         }
@@ -332,10 +339,20 @@ struct Ids {
     orders: Vec<Uuid>,
 }
 
-async fn walk(seed: u64, steps: usize, nats: bool) {
+async fn walk(seed: u64, steps: usize, nats: bool, shards: u32) {
     let mut rng = Rng(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ 0x5EED);
+    let relay = if shards > 1 {
+        format!("\n[relay]\nshards = {shards}\n")
+    } else {
+        String::new()
+    };
     let mut shop = if std::env::var_os("FERRY_SYNC_WALK_NO_RECORDS").is_some() {
-        Shop::new(&format!("walk{seed}")).await
+        Shop::new_with(
+            &format!("walk{seed}"),
+            SHOP_SCHEMA,
+            &format!("{SHOP_RULES}{relay}"),
+        )
+        .await
     } else {
         // Orders become two-way: the stores write their `status`.
         let rules = SHOP_RULES.replace(
@@ -347,7 +364,7 @@ async fn walk(seed: u64, steps: usize, nats: bool) {
             &format!(
                 "{SHOP_SCHEMA}{RECORDS_SCHEMA}{SETTINGS_SCHEMA}ALTER TABLE orders ADD COLUMN status text;"
             ),
-            &format!("{rules}{RECORDS_RULES}{SETTINGS_RULES}"),
+            &format!("{rules}{RECORDS_RULES}{SETTINGS_RULES}{relay}"),
         )
         .await
     };
@@ -412,9 +429,21 @@ async fn walk(seed: u64, steps: usize, nats: bool) {
                 ups.insert(id, up);
             }
             45..=59 => {
-                let report = shop
-                    .relay
-                    .pass(&mut shop.lock)
+                // One shard's pass (with shards, a random one: the others fall behind).
+                let k = if shop.shards.is_empty() {
+                    0
+                } else {
+                    rng.below(1 + shop.shards.len() as u64) as usize
+                };
+                let (relay, lock) = match k {
+                    0 => (&mut shop.relay, &mut shop.lock),
+                    _ => {
+                        let (r, l) = &mut shop.shards[k - 1];
+                        (r, l)
+                    }
+                };
+                let report = relay
+                    .pass(lock)
                     .await
                     .unwrap_or_else(|e| panic!("seed {seed} step {step}: pass: {e}"));
                 if trace() {
@@ -487,17 +516,9 @@ async fn walk(seed: u64, steps: usize, nats: bool) {
     assert_eq!(status.notes_parked, 0, "seed {seed}: no note was parked");
     // The converged replicas' digests agree with what the server says they hold: with
     // everything delivered, a digest now that asks for a heal is a fingerprint bug.
-    let before = shop
-        .relay
-        .stats
-        .heals
-        .load(std::sync::atomic::Ordering::Relaxed);
+    let before = shop.heals();
     shop.settle().await;
-    let after = shop
-        .relay
-        .stats
-        .heals
-        .load(std::sync::atomic::Ordering::Relaxed);
+    let after = shop.heals();
     assert_eq!(
         after, before,
         "seed {seed}: converged replicas' digests differ"

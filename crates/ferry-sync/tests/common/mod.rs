@@ -105,8 +105,11 @@ sync = { follows = "order_id" }
 pub struct Shop {
     pub db: TestDb,
     pub spec: Arc<Spec>,
+    /// The relay of shard 0 (the only one, unless the rules name `[relay] shards`).
     pub relay: Relay,
     pub lock: PgConnection,
+    /// Relay shards 1.. (docs/sync.md §6.5), each with a connection holding its lock.
+    pub shards: Vec<(Relay, PgConnection)>,
     pub dir: PathBuf,
     pub replicas: BTreeMap<Uuid, Replica>,
     /// Each replica's seal key, kept so a killed replica can be opened again.
@@ -141,6 +144,21 @@ impl Shop {
             .unwrap();
         assert!(got);
         let relay = Relay::new(spec.clone(), RelaySettings::default());
+        let mut shards = Vec::new();
+        for shard in 1..spec.shards {
+            let mut lock = PgConnection::connect(&db.url).await.unwrap();
+            let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+                .bind(ferry_sync::relay::lock_key(shard))
+                .fetch_one(&mut lock)
+                .await
+                .unwrap();
+            assert!(got);
+            let settings = RelaySettings {
+                shard,
+                ..RelaySettings::default()
+            };
+            shards.push((Relay::new(spec.clone(), settings), lock));
+        }
         let dir = std::env::temp_dir().join(format!("ferry-sync-{}", db.name));
         std::fs::create_dir_all(&dir).unwrap();
         Shop {
@@ -148,6 +166,7 @@ impl Shop {
             spec,
             relay,
             lock,
+            shards,
             dir,
             replicas: BTreeMap::new(),
             seal_keys: BTreeMap::new(),
@@ -190,15 +209,31 @@ impl Shop {
         Replica::open(&self.dir.join(format!("{id}.db")), self.seal_keys[&id]).unwrap()
     }
 
-    /// Runs passes until no note is left.
+    /// Runs passes (of every relay shard) until no note is left.
     pub async fn passes(&mut self) {
         for _ in 0..100 {
             let report = self.relay.pass(&mut self.lock).await.expect("pass");
-            if !report.more && report.notes == 0 {
+            let mut left = report.more || report.notes > 0;
+            for (relay, lock) in &mut self.shards {
+                let report = relay.pass(lock).await.expect("pass");
+                left |= report.more || report.notes > 0;
+            }
+            if !left {
                 return;
             }
         }
         panic!("notes never ran out");
+    }
+
+    /// Tables healed by a digest, over every relay shard.
+    pub fn heals(&self) -> u64 {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.relay.stats.heals.load(Relaxed)
+            + self
+                .shards
+                .iter()
+                .map(|(r, _)| r.stats.heals.load(Relaxed))
+                .sum::<u64>()
     }
 
     /// As [`Shop::passes`], through the relay's own answer to a pass that fails on a
@@ -206,12 +241,28 @@ impl Shop {
     /// running relay does. Returns the ids of the notes parked.
     pub async fn steps(&mut self) -> Vec<i64> {
         let mut parked = Vec::new();
+        let mut done = vec![false; 1 + self.shards.len()];
         for _ in 0..1000 {
-            match self.relay.step(&mut self.lock).await.expect("step") {
-                Step::Passed(report) if !report.more && report.notes == 0 => return parked,
-                Step::Passed(_) | Step::Narrowed { .. } => {}
-                Step::Parked(Some(id)) => parked.push(id),
-                Step::Parked(None) => panic!("a pass failed on data with no note to park"),
+            for (i, flag) in done.iter_mut().enumerate() {
+                let (relay, lock) = match i {
+                    0 => (&mut self.relay, &mut self.lock),
+                    _ => {
+                        let (r, l) = &mut self.shards[i - 1];
+                        (r, l)
+                    }
+                };
+                *flag = match relay.step(lock).await.expect("step") {
+                    Step::Passed(report) => !report.more && report.notes == 0,
+                    Step::Narrowed { .. } => false,
+                    Step::Parked(Some(id)) => {
+                        parked.push(id);
+                        false
+                    }
+                    Step::Parked(None) => panic!("a pass failed on data with no note to park"),
+                };
+            }
+            if done.iter().all(|d| *d) {
+                return parked;
             }
         }
         panic!("notes never ran out");
