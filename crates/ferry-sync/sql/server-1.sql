@@ -104,8 +104,10 @@ CREATE INDEX held_by_key ON ferry_sync.held (relation, key);
 
 -- Bodies shared by every replica a message goes to (a broadcast change is stored once).
 CREATE TABLE ferry_sync.bodies (
-    hash  bytea PRIMARY KEY,      -- SHA-256 of body
-    body  bytea NOT NULL
+    hash  bytea NOT NULL,         -- SHA-256 of body
+    shard integer NOT NULL DEFAULT 0,  -- the relay shard that wrote (and sweeps) it
+    body  bytea NOT NULL,
+    PRIMARY KEY (hash, shard)
 );
 
 -- Each replica's recorded, unconfirmed messages, in chain order. A message leaves when

@@ -308,9 +308,15 @@ async fn reshard(tx: &mut PgConnection, rules: &Rules) -> Result<(), CheckError>
         .collect::<BTreeSet<_>>()
         .into_iter()
         .collect();
+    // Every shard starts from shard 0's versions (each shard plans every note, so its
+    // copy is as complete as any): two-way filing, which reads them, keeps working while
+    // the whole-table notes rebuild them.
     for sql in [
         "DELETE FROM ferry_sync.notes WHERE shard >= $1",
-        "DELETE FROM ferry_sync.rows WHERE $1 > 0",
+        "DELETE FROM ferry_sync.rows WHERE shard <> 0",
+        "INSERT INTO ferry_sync.rows (shard, relation, part, key, rv, gone)
+         SELECT s, relation, part, key, rv, gone FROM ferry_sync.rows, generate_series(1, $1 - 1) AS s
+         WHERE shard = 0",
     ] {
         sqlx::query(sql)
             .bind(rules.shards as i32)
@@ -328,12 +334,11 @@ async fn reshard(tx: &mut PgConnection, rules: &Rules) -> Result<(), CheckError>
     provision_all(tx).await
 }
 
-/// Every replica starts again: no held state, no mark, provisioned from nothing by the
-/// relay (a `replica` note has running relays look).
+/// Every replica starts again: no mark, provisioned from nothing by the relay (a
+/// `replica` note has running relays look), which rebuilds its held state. Until then
+/// the held state stays, so two-way filing keeps finding the rows a replica holds.
 async fn provision_all(tx: &mut PgConnection) -> Result<(), CheckError> {
     for sql in [
-        "DELETE FROM ferry_sync.held",
-        "DELETE FROM ferry_sync.points",
         "UPDATE ferry_sync.replicas SET standing = 'new', confirmed_pass = 0 WHERE standing <> 'retired'",
         "INSERT INTO ferry_sync.notes (relation, key, kind) VALUES ('', '', 'replica')",
     ] {

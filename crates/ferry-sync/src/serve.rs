@@ -630,7 +630,9 @@ pub async fn look(pool: &PgPool, asks: &[Ask]) -> Result<Vec<Found>, sqlx::Error
          LEFT JOIN ferry_sync.replicas r ON r.id = q.replica
          LEFT JOIN LATERAL (
              SELECT o.seq, o.head, o.body_hash, b.body
-             FROM ferry_sync.outbox o JOIN ferry_sync.bodies b ON b.hash = o.body_hash
+             FROM ferry_sync.outbox o
+             -- One copy of the body: each relay shard keeps its own (docs/sync.md §6.5).
+             JOIN LATERAL (SELECT body FROM ferry_sync.bodies WHERE hash = o.body_hash LIMIT 1) b ON true
              WHERE o.replica = q.replica
                AND o.seq > CASE WHEN q.epoch = (SELECT epoch FROM ferry_sync.meta)
                                 THEN q.after ELSE 0 END

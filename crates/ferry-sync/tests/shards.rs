@@ -294,3 +294,109 @@ async fn a_change_of_the_number_of_shards_provisions_every_replica_again_by_its_
     assert_eq!(shards, [0, 1, 2]);
     shop.finish().await;
 }
+
+/// A restore one shard detects is every shard's: the other shard's replicas are
+/// provisioned again even by a relay that just started (no memory of the old epoch) and
+/// whose first passes fail on a bad note.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_epoch_taken_by_one_shard_provisions_the_other_shards_replicas() {
+    let mut shop = Shop::new_with("shards_epoch", SHOP_SCHEMA, &sharded(2)).await;
+    let stores = stores(&mut shop, 2, 1).await;
+    let (a, b) = if shard_of(&stores[0], 2) == 0 {
+        (stores[0], stores[1])
+    } else {
+        (stores[1], stores[0])
+    };
+    let order = Uuid::new_v4();
+    shop.db
+        .exec(&format!(
+            "INSERT INTO orders (id, store_id, note) VALUES ('{order}', '{b}', 'b''s')"
+        ))
+        .await;
+    shop.settle().await;
+    shop.assert_converged().await;
+
+    // Shard 0 hears store a confirm a message the server has no record of: a restore.
+    shop.db
+        .exec(&format!(
+            "UPDATE ferry_sync.replicas SET last_seq = 0 WHERE id = '{a}'"
+        ))
+        .await;
+    shop.deliver(a).await;
+    shop.relay.pass(&mut shop.lock).await.unwrap();
+    let restores: i32 = sqlx::query_scalar("SELECT restores FROM ferry_sync.meta")
+        .fetch_one(&shop.db.pool)
+        .await
+        .unwrap();
+    assert_eq!(restores, 1);
+
+    // Shard 1's relay is new, and its first passes fail on a note it cannot plan.
+    let spec = shop.spec.clone();
+    shop.shards[0].0 = Relay::new(
+        spec,
+        RelaySettings {
+            shard: 1,
+            ..RelaySettings::default()
+        },
+    );
+    shop.db
+        .exec("INSERT INTO ferry_sync.notes (shard, relation, key) VALUES (1, 'public.products', 'not a number')")
+        .await;
+    let (relay, lock) = &mut shop.shards[0];
+    for _ in 0..20 {
+        relay.step(lock).await.unwrap();
+    }
+    shop.db
+        .exec(&format!("DELETE FROM orders WHERE id = '{order}'"))
+        .await;
+    shop.settle_parking().await;
+    shop.assert_converged().await;
+    shop.finish().await;
+}
+
+/// Two shards record the same broadcast change at the same moment: each writes its own
+/// copy of the shared body, so neither pass fails on the other's (docs/sync.md §6.5).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_shards_recording_one_broadcast_change_at_once_both_commit() {
+    let mut shop = Shop::new_with("shards_bodies", SHOP_SCHEMA, &sharded(2)).await;
+    stores(&mut shop, 2, 2).await;
+    shop.db
+        .exec("INSERT INTO products VALUES (1, 'tea', 1, 'north'), (2, 'rice', 1, 'south')")
+        .await;
+    shop.settle().await;
+    shop.db.exec("UPDATE products SET price = 99").await;
+    let spec = shop.spec.clone();
+    let mut zero = std::mem::replace(
+        &mut shop.relay,
+        Relay::new(spec.clone(), RelaySettings::default()),
+    );
+    let mut zero_lock = std::mem::replace(
+        &mut shop.lock,
+        PgConnection::connect(&shop.db.url).await.unwrap(),
+    );
+    zero.before_commit = Some(Box::new(|| {
+        Box::pin(tokio::time::sleep(Duration::from_millis(1500)))
+    }));
+    let first = tokio::spawn(async move {
+        let report = zero.pass(&mut zero_lock).await;
+        (report.map(|r| r.messages), zero, zero_lock)
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (one, one_lock) = &mut shop.shards[0];
+    let second = one.pass(one_lock).await.map(|r| r.messages);
+    let (first, mut zero, zero_lock) = first.await.unwrap();
+    assert!(matches!(first, Ok(2)), "{first:?}");
+    assert!(matches!(second, Ok(2)), "{second:?}");
+    zero.before_commit = None;
+    shop.relay = zero;
+    shop.lock = zero_lock;
+    shop.settle().await;
+    shop.assert_converged().await;
+    let copies: Vec<i32> =
+        sqlx::query_scalar("SELECT DISTINCT shard FROM ferry_sync.bodies ORDER BY 1")
+            .fetch_all(&shop.db.pool)
+            .await
+            .unwrap();
+    assert!(copies.len() <= 2, "{copies:?}");
+    shop.finish().await;
+}

@@ -199,9 +199,13 @@ pub struct Relay {
     catch_up: Vec<(Uuid, i64)>,
     /// What the pass in progress dropped; becomes `catch_up` only if it commits.
     dropped_now: Vec<(Uuid, i64)>,
-    /// The epoch the last pass ran under: another shard's new epoch (a restore it
-    /// detected) has this one provision its replicas too.
+    /// The epoch the last committed pass ran under: another shard's new epoch (a restore
+    /// it detected) has this one provision its replicas too.
     epoch_seen: Option<Uuid>,
+    /// What the pass in progress checked: membership, and the epoch it ran under. They
+    /// count once it commits.
+    members_now: bool,
+    epoch_now: Option<Uuid>,
 }
 
 impl Relay {
@@ -222,6 +226,8 @@ impl Relay {
             catch_up: Vec::new(),
             dropped_now: Vec::new(),
             epoch_seen: None,
+            members_now: false,
+            epoch_now: None,
         }
     }
 
@@ -371,7 +377,11 @@ impl Relay {
     /// (docs/sync-up.md §5.2), outside any pass's transaction. A failure is logged; the
     /// next retry tries again.
     async fn refile(&mut self, conn: &mut PgConnection) {
-        if !std::mem::take(&mut self.refile_due) || self.spec.records.is_empty() {
+        // The inbox is everyone's: shard 0 files it again.
+        if !std::mem::take(&mut self.refile_due)
+            || self.spec.records.is_empty()
+            || self.settings.shard != 0
+        {
             return;
         }
         match crate::file::refile(conn, &self.spec.records, &self.settings.file_shape).await {
@@ -466,6 +476,12 @@ impl Relay {
             Ok(report) => {
                 sqlx::query("COMMIT").execute(&mut *conn).await?;
                 self.catch_up = std::mem::take(&mut self.dropped_now);
+                if std::mem::take(&mut self.members_now) {
+                    self.members_checked = true;
+                }
+                if let Some(epoch) = self.epoch_now.take() {
+                    self.epoch_seen = Some(epoch);
+                }
                 self.stats.passes.fetch_add(1, Ordering::Relaxed);
                 self.stats
                     .notes
@@ -480,6 +496,8 @@ impl Relay {
             }
             Err(e) => {
                 let _ = sqlx::query("ROLLBACK").execute(&mut *conn).await;
+                self.members_now = false;
+                self.epoch_now = None;
                 Err(e)
             }
         }
@@ -496,7 +514,7 @@ impl Relay {
             self.retried_at = Some(Instant::now());
             self.refile_due = true;
         }
-        let mut epoch = load_epoch(conn).await?;
+        let mut epoch = load_epoch(conn, self.spec.shards).await?;
         if self.epoch_seen.is_some_and(|seen| seen != epoch.id) {
             // Another shard took a new epoch (a restore it detected): every chain starts
             // again, this shard's too.
@@ -539,7 +557,8 @@ impl Relay {
             for r in self.members(conn).await? {
                 provision.insert(r, Provision::Full);
             }
-            self.members_checked = true;
+            // Checked once this pass commits: a pass that fails must look again.
+            self.members_now = true;
         }
         let (following, mut chains) = following(conn, self.shards()).await?;
         let mut planner = Planner::new(&self.spec, pass, &following);
@@ -629,7 +648,7 @@ impl Relay {
             conn,
             &self.spec,
             &epoch,
-            pass,
+            (self.shards().0, pass),
             planner.out,
             &mut chains,
             self.settings.budget,
@@ -650,17 +669,14 @@ impl Relay {
         )
         .await?;
         prune_tombstones(conn, self.shards()).await?;
-        // Bodies are shared by every shard: shard 0 sweeps them (a pass of another shard
-        // touches each body it names, so a sweep racing it fails instead).
-        if self.settings.shard == 0
-            && self
-                .swept_at
-                .is_none_or(|t| t.elapsed() >= HOUSEKEEPING_EVERY)
+        if self
+            .swept_at
+            .is_none_or(|t| t.elapsed() >= HOUSEKEEPING_EVERY)
         {
-            sweep_bodies(conn).await?;
+            sweep_bodies(conn, self.shards().0).await?;
             self.swept_at = Some(Instant::now());
         }
-        self.epoch_seen = Some(epoch.id);
+        self.epoch_now = Some(epoch.id);
         Ok(report)
     }
 
@@ -789,8 +805,8 @@ pub async fn check_lock(conn: &mut PgConnection, shard: u32) -> Result<(), Relay
     }
 }
 
-async fn load_epoch(conn: &mut PgConnection) -> Result<Epoch, RelayError> {
-    let row = sqlx::query("SELECT epoch, secret FROM ferry_sync.meta")
+async fn load_epoch(conn: &mut PgConnection, shards: u32) -> Result<Epoch, RelayError> {
+    let row = sqlx::query("SELECT epoch, secret, shards FROM ferry_sync.meta")
         .fetch_optional(&mut *conn)
         .await?;
     let Some(row) = row else {
@@ -799,6 +815,14 @@ async fn load_epoch(conn: &mut PgConnection) -> Result<Epoch, RelayError> {
         ));
     };
     let secret: Vec<u8> = row.get(1);
+    let installed: i32 = row.get(2);
+    if installed != shards as i32 {
+        // An install changed the number of shards under this relay: its replicas and
+        // notes are no longer the ones it would plan for. It must not record.
+        return Err(RelayError::Setup(format!(
+            "the installed rules spread replicas over {installed} relay shard(s), and this relay runs rules with {shards}: restart it with the installed rules"
+        )));
+    }
     Ok(Epoch {
         id: row.get(0),
         secret: secret
@@ -824,6 +848,8 @@ async fn new_epoch(conn: &mut PgConnection) -> Result<Epoch, RelayError> {
         "DELETE FROM ferry_sync.points",
         "UPDATE ferry_sync.replicas SET last_seq = 0, last_nonce = 0, confirmed_seq = 0, confirmed_nonce = 0,
          confirmed_pass = 0, standing = 'new' WHERE standing <> 'retired'",
+        // Every relay shard looks at its replicas again, whatever it remembers.
+        "INSERT INTO ferry_sync.notes (relation, key, kind) VALUES ('', '', 'replica')",
     ] {
         sqlx::query(sql).execute(&mut *conn).await?;
     }
@@ -868,7 +894,8 @@ async fn following(
 }
 
 /// Parked notes go back to pending; quarantined rows are noted again: this shard's
-/// (`(shard, shards)`), as its own notes, not fanned out to the others.
+/// (`(shard, shards)`), as its own notes (shard 0's are copied to the others by the
+/// fan-out trigger, which costs them a plan of rows they have, nothing more).
 async fn retry_set_aside(
     conn: &mut PgConnection,
     (shard, shards): (i32, i32),
@@ -926,10 +953,12 @@ const HOUSEKEEPING_EVERY: Duration = Duration::from_secs(2);
 /// Deletes bodies no outbox row names, in the pass (fenced, like every write): one
 /// anti-join over two small tables every few seconds, instead of an index on
 /// `outbox.body_hash` maintained for every message and a delete per confirmation.
-async fn sweep_bodies(conn: &mut PgConnection) -> Result<(), RelayError> {
+async fn sweep_bodies(conn: &mut PgConnection, shard: i32) -> Result<(), RelayError> {
     sqlx::query(
-        "DELETE FROM ferry_sync.bodies b WHERE NOT EXISTS (SELECT 1 FROM ferry_sync.outbox o WHERE o.body_hash = b.hash)",
+        "DELETE FROM ferry_sync.bodies b WHERE b.shard = $1
+         AND NOT EXISTS (SELECT 1 FROM ferry_sync.outbox o WHERE o.body_hash = b.hash)",
     )
+    .bind(shard)
     .execute(&mut *conn)
     .await?;
     Ok(())

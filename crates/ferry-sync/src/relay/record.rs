@@ -55,7 +55,7 @@ pub async fn record(
     conn: &mut PgConnection,
     spec: &Spec,
     epoch: &Epoch,
-    pass: i64,
+    (shard, pass): (i32, i64),
     mut outs: BTreeMap<Uuid, ReplicaOut>,
     chains: &mut HashMap<Uuid, Chain>,
     budget: Budget,
@@ -219,12 +219,12 @@ pub async fn record(
     recorded.bodies = new_bodies.len();
     let (b_hash, b_body): (Vec<Vec<u8>>, Vec<Vec<u8>>) =
         new_bodies.into_iter().map(|(h, b)| (h.to_vec(), b)).unzip();
-    // A body already there is touched, not skipped: the row lock makes another relay
-    // shard's sweep of it (which did not see this pass's messages) fail and retry instead
-    // of deleting a body this pass's messages name (docs/sync.md §6.5).
-    sqlx::query("INSERT INTO ferry_sync.bodies (hash, body) SELECT * FROM unnest($1::bytea[], $2::bytea[]) ON CONFLICT (hash) DO UPDATE SET hash = excluded.hash")
+    // Each relay shard writes and sweeps its own copy of a body (docs/sync.md §6.5): two
+    // shards recording the same broadcast change never write one row.
+    sqlx::query("INSERT INTO ferry_sync.bodies (shard, hash, body) SELECT $3, * FROM unnest($1::bytea[], $2::bytea[]) ON CONFLICT DO NOTHING")
         .bind(&b_hash)
         .bind(&b_body)
+        .bind(shard)
         .execute(&mut *conn)
         .await?;
     sqlx::query(

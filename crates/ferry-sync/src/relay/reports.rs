@@ -42,7 +42,10 @@ pub async fn handle(
     (shard, shards): (i32, i32),
 ) -> Result<Decisions, sqlx::Error> {
     let mut decisions = Decisions::default();
-    let mut reads = Reads::default();
+    let mut reads = Reads {
+        shard,
+        ..Reads::default()
+    };
     // Read, not updated: serve processes update these rows as reports arrive, and a
     // REPEATABLE READ pass that updated one of them concurrently would fail whole. What
     // the pass handled is recorded in `replicas.handled_n`, which only the relay writes.
@@ -314,6 +317,8 @@ async fn quarantine_rejections(
 /// pending, and broadcast tables' rows by rule.
 #[derive(Default)]
 struct Reads {
+    /// The relay shard comparing.
+    shard: i32,
     deferred: Option<HashSet<String>>,
     by_rule: super::plan::ByRule,
 }
@@ -350,7 +355,9 @@ async fn compare_digests(
     };
     let deferred = match &mut reads.deferred {
         Some(noted) => noted,
-        None => reads.deferred.insert(noted_relations(conn).await?),
+        None => reads
+            .deferred
+            .insert(noted_relations(conn, reads.shard).await?),
     };
     let mut compared = false;
     for digest in &up.digests {
@@ -386,9 +393,14 @@ async fn compare_digests(
 /// The relations with a note pending or parked: their digests wait (`compare_digests`).
 /// Read once per pass, and only when some replica's digests are due: the notes table is
 /// small between passes, but holds a whole bulk load while one is planned.
-async fn noted_relations(conn: &mut PgConnection) -> Result<HashSet<String>, sqlx::Error> {
+async fn noted_relations(
+    conn: &mut PgConnection,
+    shard: i32,
+) -> Result<HashSet<String>, sqlx::Error> {
+    // This shard's notes: another shard's backlog is no note this one has yet to plan.
     let relations: Vec<String> =
-        sqlx::query_scalar("SELECT DISTINCT relation FROM ferry_sync.notes")
+        sqlx::query_scalar("SELECT DISTINCT relation FROM ferry_sync.notes WHERE shard = $1")
+            .bind(shard)
             .fetch_all(&mut *conn)
             .await?;
     Ok(relations.into_iter().collect())
