@@ -281,17 +281,7 @@ async fn a_table_split_into_audiences_leaves_no_row_or_state_of_the_old_entry() 
         2
     );
 
-    let rules = ferry_sync::rules::Rules::parse(RULES, "rules.toml").unwrap();
-    ferry_sync::schema::install(&shop.db.pool, &rules)
-        .await
-        .unwrap();
-    let mut conn = shop.db.pool.acquire().await.unwrap();
-    let catalog = ferry_sync::catalog::Catalog::load(&mut conn, &rules)
-        .await
-        .unwrap();
-    drop(conn);
-    shop.spec =
-        std::sync::Arc::new(ferry_sync::relay::spec::Spec::build(&rules, &catalog).unwrap());
+    shop.spec = shop.install(RULES).await;
     shop.relay = ferry_sync::relay::Relay::new(shop.spec.clone(), Default::default());
     shop.settle().await;
     assert_eq!(

@@ -302,15 +302,7 @@ async fn fault_12_a_column_and_a_table_the_stores_write_reach_them_without_provi
     let rules_text = format!(
         "{SHOP_RULES}{RECORDS_RULES}\n[tables.returns]\nmirror = \"record\"\nreplica = \"store_id\"\n"
     );
-    let rules = ferry_sync::rules::Rules::parse(&rules_text, "rules.toml").unwrap();
-    ferry_sync::schema::install(&shop.db.pool, &rules)
-        .await
-        .unwrap();
-    let mut conn = shop.db.pool.acquire().await.unwrap();
-    let catalog = ferry_sync::catalog::Catalog::load(&mut conn, &rules)
-        .await
-        .unwrap();
-    drop(conn);
+    let spec = shop.install(&rules_text).await;
     // A relay still running the old rules leaves the announcement to the new one.
     let stale = shop.relay.pass(&mut shop.lock).await.unwrap();
     let waiting: i64 =
@@ -320,8 +312,7 @@ async fn fault_12_a_column_and_a_table_the_stores_write_reach_them_without_provi
             .unwrap();
     assert_eq!((stale.messages, waiting), (0, 1));
     // The serve process restarts with the installed rules.
-    shop.spec =
-        std::sync::Arc::new(ferry_sync::relay::spec::Spec::build(&rules, &catalog).unwrap());
+    shop.spec = spec;
     shop.relay = ferry_sync::relay::Relay::new(shop.spec.clone(), Default::default());
     let pass = shop.relay.pass(&mut shop.lock).await.unwrap();
     assert_eq!(

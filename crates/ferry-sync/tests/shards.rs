@@ -13,10 +13,8 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use common::{SHOP_RULES, SHOP_SCHEMA, Shop};
-use ferry_sync::catalog::Catalog;
 use ferry_sync::relay::spec::Spec;
 use ferry_sync::relay::{Relay, RelaySettings, lock_key, shard_of};
-use ferry_sync::rules::Rules;
 use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
@@ -270,14 +268,7 @@ async fn a_change_of_the_number_of_shards_provisions_every_replica_again_by_its_
     shop.shards.clear();
 
     // Three shards now: installed while nothing runs, then a write nobody has seen.
-    let rules = Rules::parse(&sharded(3), "rules.toml").unwrap();
-    ferry_sync::schema::install(&shop.db.pool, &rules)
-        .await
-        .unwrap();
-    let mut conn = shop.db.pool.acquire().await.unwrap();
-    let catalog = Catalog::load(&mut conn, &rules).await.unwrap();
-    drop(conn);
-    let spec = std::sync::Arc::new(Spec::build(&rules, &catalog).unwrap());
+    let spec = shop.install(&sharded(3)).await;
     shop.db
         .exec("UPDATE products SET region = 'north' WHERE id < 10; DELETE FROM order_lines WHERE product_id = 20")
         .await;

@@ -174,6 +174,18 @@ impl Shop {
         }
     }
 
+    /// Installs other rules over the shop's (as `ferry sync install` would) and returns
+    /// the spec a relay runs them with; the shop's relays are left as they are.
+    pub async fn install(&self, rules_text: &str) -> Arc<Spec> {
+        let rules = Rules::parse(rules_text, "rules.toml").expect("the rules parse");
+        ferry_sync::schema::install(&self.db.pool, &rules)
+            .await
+            .expect("install");
+        let mut conn = self.db.pool.acquire().await.unwrap();
+        let catalog = Catalog::load(&mut conn, &rules).await.expect("catalog");
+        Arc::new(Spec::build(&rules, &catalog).expect("spec"))
+    }
+
     /// A store (a replica) in `region`, enrolled, with its SQLite file.
     pub async fn store(&mut self, region: &str) -> Uuid {
         self.store_as(Uuid::new_v4(), region).await
