@@ -850,7 +850,8 @@ async fn metrics(State(serve): State<Serve>) -> Response {
     let s = &serve.stats;
     let looks = &serve.fetcher.counts;
     let text = format!(
-        "# TYPE ferry_sync_relay_holding gauge\nferry_sync_relay_holding {}\n\
+        "# HELP ferry_sync_relay_holding Whether this serve's relay holds its shard's lock (1) or stands by.\n\
+         # TYPE ferry_sync_relay_holding gauge\nferry_sync_relay_holding{{shard=\"{}\"}} {}\n\
          # TYPE ferry_sync_passes_total counter\nferry_sync_passes_total {}\n\
          # TYPE ferry_sync_notes_total counter\nferry_sync_notes_total {}\n\
          # TYPE ferry_sync_messages_total counter\nferry_sync_messages_total {}\n\
@@ -865,6 +866,7 @@ async fn metrics(State(serve): State<Serve>) -> Response {
          # TYPE ferry_sync_serve_look_statements_total counter\nferry_sync_serve_look_statements_total {}\n\
          # HELP ferry_sync_serve_looks_skipped_total Looks skipped: the poll's position was known to be the newest.\n\
          # TYPE ferry_sync_serve_looks_skipped_total counter\nferry_sync_serve_looks_skipped_total {}\n",
+        s.shard.load(Relaxed),
         s.holding.load(Relaxed) as u8,
         s.passes.load(Relaxed),
         s.notes.load(Relaxed),

@@ -125,6 +125,8 @@ impl Default for RelaySettings {
 #[derive(Debug, Default)]
 pub struct RelayStats {
     pub holding: AtomicBool,
+    /// The relay shard it records for (docs/sync.md §6.5).
+    pub shard: std::sync::atomic::AtomicU32,
     pub passes: AtomicU64,
     pub notes: AtomicU64,
     pub messages: AtomicU64,
@@ -243,6 +245,9 @@ impl Relay {
         stop: tokio::sync::watch::Receiver<bool>,
     ) -> Result<(), RelayError> {
         let mut stop = stop;
+        self.stats
+            .shard
+            .store(self.settings.shard, Ordering::Relaxed);
         while !*stop.borrow() {
             let mut conn = match self.acquire(url, &mut stop).await {
                 Ok(Some(c)) => c,
