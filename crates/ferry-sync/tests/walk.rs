@@ -29,7 +29,7 @@
 
 mod common;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use common::up::{
@@ -50,7 +50,53 @@ use uuid::Uuid;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_store_converges_on_its_rules_through_a_seeded_random_walk() {
-    walks(false, 1, 6, 400).await;
+    walks(Mode::default(), 6, 400).await;
+}
+
+/// How a walk runs besides its seed: over NATS, over relay shards, with audiences.
+#[derive(Clone, Copy, Debug)]
+struct Mode {
+    nats: bool,
+    shards: u32,
+    audiences: bool,
+}
+
+impl Default for Mode {
+    fn default() -> Mode {
+        Mode {
+            nats: false,
+            shards: 1,
+            audiences: false,
+        }
+    }
+}
+
+impl Mode {
+    /// The walk's test, and its environment variables' infix.
+    fn names(self) -> (&'static str, &'static str) {
+        match self {
+            Mode { nats: true, .. } => ("over_nats", "NATS_"),
+            Mode {
+                audiences: true, ..
+            } => ("with_audiences", "AUDIENCES_"),
+            Mode { shards: 2.., .. } => ("with_relay_shards", "SHARDS_"),
+            _ => ("seeded_random_walk", ""),
+        }
+    }
+}
+
+/// The same walk with two audiences (docs/sync.md §3.3): tills hold products without
+/// their cost, back offices with it (a column Postgres computes from the price), and a
+/// step now and then turns a store from one into the other, which must leave it the
+/// other's shape (no cost on a till) with nothing stale.
+/// `FERRY_SYNC_WALK_AUDIENCES_SEEDS`, `FERRY_SYNC_WALK_AUDIENCES_STEPS`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_store_converges_with_audiences_through_the_same_walk() {
+    let mode = Mode {
+        audiences: true,
+        ..Mode::default()
+    };
+    walks(mode, 2, 300).await;
 }
 
 /// The same walk with the replicas spread over three relay shards (docs/sync.md §6.5):
@@ -62,7 +108,11 @@ async fn every_store_converges_on_its_rules_through_a_seeded_random_walk() {
 async fn every_store_converges_with_relay_shards_through_the_same_walk() {
     let seeds = env_u64("FERRY_SYNC_WALK_SHARDS_SEEDS").unwrap_or(2);
     let steps = env_u64("FERRY_SYNC_WALK_SHARDS_STEPS").unwrap_or(300);
-    walks(false, 3, seeds, steps).await;
+    let mode = Mode {
+        shards: 3,
+        ..Mode::default()
+    };
+    walks(mode, seeds, steps).await;
 }
 
 /// The same walk with NATS JetStream carrying frames, reports and uploads (docs/sync-nats.md): a bridge publishes the outbox and files what comes up; each store fetches
@@ -75,15 +125,15 @@ async fn every_store_converges_with_relay_shards_through_the_same_walk() {
 async fn every_store_converges_over_nats_jetstream_through_the_same_walk() {
     let seeds = env_u64("FERRY_SYNC_WALK_NATS_SEEDS").unwrap_or(2);
     let steps = env_u64("FERRY_SYNC_WALK_NATS_STEPS").unwrap_or(300);
-    walks(true, 1, seeds, steps).await;
+    let mode = Mode {
+        nats: true,
+        ..Mode::default()
+    };
+    walks(mode, seeds, steps).await;
 }
 
-async fn walks(nats: bool, shards: u32, default_seeds: u64, default_steps: u64) {
-    let which = match (nats, shards) {
-        (true, _) => "NATS_",
-        (false, 1) => "",
-        (false, _) => "SHARDS_",
-    };
+async fn walks(mode: Mode, default_seeds: u64, default_steps: u64) {
+    let which = mode.names().1;
     let seeds: Vec<u64> = match env_u64("FERRY_SYNC_WALK_SEED") {
         Some(seed) => vec![seed],
         None => (0..env_u64(&format!("FERRY_SYNC_WALK_{which}SEEDS")).unwrap_or(default_seeds))
@@ -93,11 +143,11 @@ async fn walks(nats: bool, shards: u32, default_seeds: u64, default_steps: u64) 
     let started = Instant::now();
     for seed in seeds {
         let one = Instant::now();
-        let guard = Replay(seed, nats, shards);
-        walk(seed, steps, nats, shards).await;
+        let guard = Replay(seed, mode);
+        walk(seed, steps, mode).await;
         drop(guard);
         eprintln!(
-            "walk seed {seed} (nats: {nats}): {steps} steps in {:?}",
+            "walk seed {seed} ({mode:?}): {steps} steps in {:?}",
             one.elapsed()
         );
     }
@@ -105,7 +155,7 @@ async fn walks(nats: bool, shards: u32, default_seeds: u64, default_steps: u64) 
 }
 
 /// Names a failing seed and the way to replay it, as the panic unwinds.
-struct Replay(u64, bool, u32);
+struct Replay(u64, Mode);
 
 impl Drop for Replay {
     fn drop(&mut self) {
@@ -114,11 +164,7 @@ impl Drop for Replay {
                 "walk seed {seed} failed; replay it alone with FERRY_SYNC_WALK_SEED={seed} \
                  cargo test -p ferry-sync --test walk {which} -- --nocapture",
                 seed = self.0,
-                which = match (self.1, self.2) {
-                    (true, _) => "over_nats",
-                    (false, 1) => "seeded_random_walk",
-                    (false, _) => "with_relay_shards",
-                },
+                which = self.1.names().0,
             );
         }
     }
@@ -339,30 +385,55 @@ struct Ids {
     orders: Vec<Uuid>,
 }
 
-async fn walk(seed: u64, steps: usize, nats: bool, shards: u32) {
+async fn walk(seed: u64, steps: usize, mode: Mode) {
+    let Mode {
+        nats,
+        shards,
+        audiences,
+    } = mode;
     let mut rng = Rng(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ 0x5EED);
     let relay = if shards > 1 {
         format!("\n[relay]\nshards = {shards}\n")
     } else {
         String::new()
     };
+    let (shop_schema, shop_rules) = if audiences {
+        (
+            format!("{SHOP_SCHEMA}{AUDIENCES_SCHEMA}"),
+            SHOP_RULES
+                .replace(
+                    "relation = \"stores\"\n",
+                    "relation = \"stores\"\naudience = \"kind\"\n",
+                )
+                .replace(
+                    "[tables.products]\nsync = \"broadcast\"\npartition = \"region\"\n",
+                    AUDIENCES_PRODUCTS,
+                )
+                .replace(
+                    "[tables.order_lines]\nsync = { follows = \"order_id\" }\n",
+                    AUDIENCES_LINES,
+                ),
+        )
+    } else {
+        (SHOP_SCHEMA.to_string(), SHOP_RULES.to_string())
+    };
     let mut shop = if std::env::var_os("FERRY_SYNC_WALK_NO_RECORDS").is_some() {
         Shop::new_with(
             &format!("walk{seed}"),
-            SHOP_SCHEMA,
-            &format!("{SHOP_RULES}{relay}"),
+            &shop_schema,
+            &format!("{shop_rules}{relay}"),
         )
         .await
     } else {
         // Orders become two-way: the stores write their `status`.
-        let rules = SHOP_RULES.replace(
+        let rules = shop_rules.replace(
             "[tables.orders]\n",
             "[tables.orders]\nmirror = \"both\"\nreplica_writes = [\"status\"]\nlane = \"orders\"\n",
         );
         Shop::new_with(
             &format!("walk{seed}"),
             &format!(
-                "{SHOP_SCHEMA}{RECORDS_SCHEMA}{SETTINGS_SCHEMA}ALTER TABLE orders ADD COLUMN status text;"
+                "{shop_schema}{RECORDS_SCHEMA}{SETTINGS_SCHEMA}ALTER TABLE orders ADD COLUMN status text;"
             ),
             &format!("{rules}{RECORDS_RULES}{SETTINGS_RULES}{relay}"),
         )
@@ -475,6 +546,19 @@ async fn walk(seed: u64, steps: usize, nats: bool, shards: u32) {
                     .load(std::sync::atomic::Ordering::Relaxed);
                 kill_relay_mid_pass(&mut shop, &mut rng, plan.digests).await;
             }
+            _ if audiences && rng.chance(50) => {
+                // A store turns from a till into a back office or back: it is
+                // provisioned in the other audience's shape.
+                let id = *rng.pick(&ids.stores).expect("a store exists");
+                if trace() {
+                    eprintln!("  store {id} changes audience");
+                }
+                shop.db
+                    .exec(&format!(
+                        "UPDATE stores SET kind = CASE kind WHEN 'till' THEN 'office' ELSE 'till' END WHERE id = '{id}'"
+                    ))
+                    .await;
+            }
             _ => {
                 // A store moves region: it is provisioned for its new partition.
                 let id = *rng.pick(&ids.stores).expect("a store exists");
@@ -502,6 +586,9 @@ async fn walk(seed: u64, steps: usize, nats: bool, shards: u32) {
         shop.replicas.remove(&id);
     }
     shop.assert_converged().await;
+    if audiences {
+        each_audience_has_its_shape(&shop, seed).await;
+    }
     the_way_up_is_exactly_once(&shop, seed, &mut ups).await;
     wishes_are_answered_and_two_way_rows_agree(&mut shop, seed, &mut ups, &book).await;
     let status = ferry_sync::status::read(&shop.db.pool, None).await.unwrap();
@@ -530,6 +617,92 @@ async fn walk(seed: u64, steps: usize, nats: bool, shards: u32) {
         plan.digests
     );
     shop.finish().await;
+}
+
+/// Stores are tills or back offices; a product's cost (half its price, computed by
+/// Postgres) is the back offices' alone.
+const AUDIENCES_SCHEMA: &str = "
+ALTER TABLE stores ADD COLUMN kind text NOT NULL DEFAULT 'till';
+ALTER TABLE products ADD COLUMN cost numeric GENERATED ALWAYS AS (price / 2) STORED;
+";
+
+const AUDIENCES_PRODUCTS: &str = r#"[tables.till_products]
+table = "products"
+audience = "till"
+sync = "broadcast"
+partition = "region"
+columns = ["id", "name", "price", "region"]
+
+[tables.office_products]
+table = "products"
+audience = "office"
+sync = "broadcast"
+partition = "region"
+"#;
+
+/// Order lines point at products, which each audience has in its own shape: so they
+/// have an entry per audience too (docs/sync.md §3.3, foreign keys stay inside one).
+const AUDIENCES_LINES: &str = r#"[tables.till_lines]
+table = "order_lines"
+audience = "till"
+sync = { follows = "order_id" }
+
+[tables.office_lines]
+table = "order_lines"
+audience = "office"
+sync = { follows = "order_id" }
+"#;
+
+/// A till's products have no cost column; a back office's have each product's cost.
+/// (Which rows each holds, the walk's shared check has compared already.)
+async fn each_audience_has_its_shape(shop: &Shop, seed: u64) {
+    for (id, replica) in &shop.replicas {
+        let kind: String = sqlx::query_scalar("SELECT kind FROM stores WHERE id = $1")
+            .bind(id)
+            .fetch_one(&shop.db.pool)
+            .await
+            .unwrap();
+        let conn = replica.conn();
+        let has_cost: bool = conn
+            .query_row(
+                "SELECT count(*) > 0 FROM pragma_table_info('products') WHERE name = 'cost'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        if kind == "till" {
+            assert!(!has_cost, "seed {seed}: till {id} holds the cost column");
+            continue;
+        }
+        assert!(
+            has_cost,
+            "seed {seed}: back office {id} lacks the cost column"
+        );
+        let held: BTreeSet<String> = conn
+            .prepare("SELECT id || '|' || coalesce(cost, 'NULL') FROM products")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        let keys: Vec<i64> = conn
+            .prepare("SELECT id FROM products")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        let expected: BTreeSet<String> = sqlx::query_scalar(
+            "SELECT id::text || '|' || coalesce(cost::text, 'NULL') FROM products WHERE id = ANY($1)",
+        )
+        .bind(&keys)
+        .fetch_all(&shop.db.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+        assert_eq!(held, expected, "seed {seed}: back office {id}'s costs");
+    }
 }
 
 /// One store's way up: its uploader (a process of its own) and the lossy transport.
