@@ -161,8 +161,10 @@ pub(super) async fn get(port: u16, path: &'static str) -> Option<String> {
 /// Whether the serve on `port` holds the relay lock, from its /metrics.
 pub(super) async fn holding(port: u16) -> Option<bool> {
     let text = get(port, "/metrics").await?;
+    // `ferry_sync_relay_holding{shard="0"} 1`
     text.lines()
-        .find_map(|l| l.strip_prefix("ferry_sync_relay_holding "))
+        .find(|l| l.starts_with("ferry_sync_relay_holding"))
+        .and_then(|l| l.rsplit(' ').next())
         .map(|v| v.trim() == "1")
 }
 
