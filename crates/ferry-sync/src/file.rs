@@ -89,12 +89,8 @@ impl RecordSpec {
     /// Whether a replica of `audience` holds this table: a record table every replica
     /// does, a two-way table those of its audience.
     pub fn reaches(&self, audience: Option<&str>) -> bool {
-        match &self.two_way {
-            Some(TwoWaySpec {
-                audience: Some(a), ..
-            }) => Some(a.as_str()) == audience,
-            _ => true,
-        }
+        let entry = self.two_way.as_ref().and_then(|t| t.audience.as_deref());
+        crate::rules::reaches(entry, audience)
     }
 
     /// The columns as a message down names them, so the replica creates the table.

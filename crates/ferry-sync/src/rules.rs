@@ -321,6 +321,12 @@ pub fn entry_name(relation: &Relation, audience: Option<&str>) -> String {
     }
 }
 
+/// Whether a replica of audience `replica` holds an entry for audience `entry`: an entry
+/// without one goes to every replica, an entry for one to that audience's replicas.
+pub fn reaches(entry: Option<&str>, replica: Option<&str>) -> bool {
+    entry.is_none() || entry == replica
+}
+
 impl Table {
     /// The name the server's state keeps this entry under ([`entry_name`]): notes
     /// name the Postgres table, held state the entry.
@@ -330,7 +336,7 @@ impl Table {
 
     /// Whether a replica of `audience` holds this entry.
     pub fn reaches(&self, audience: Option<&str>) -> bool {
-        self.audience.is_none() || self.audience.as_deref() == audience
+        reaches(self.audience.as_deref(), audience)
     }
 
     /// The columns the route reads on the table itself (they decide who holds a row, so a

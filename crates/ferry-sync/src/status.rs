@@ -438,10 +438,8 @@ impl Progress {
     /// Replica `id`'s tables, for its partition, audience and mark.
     fn of(&self, id: &str, part: &str, audience: Option<&str>, mark: i64) -> Vec<TableProgress> {
         // An audience's entry is kept as `schema.table@audience` (docs/sync.md §3.3).
-        let reaches = |rel: &str| match rel.split_once('@') {
-            Some((_, a)) => Some(a) == audience,
-            None => true,
-        };
+        let reaches =
+            |rel: &str| crate::rules::reaches(rel.split_once('@').map(|(_, a)| a), audience);
         let quarantine = |rel: &str| {
             self.quarantine
                 .get(&(id.to_string(), rel.to_string()))

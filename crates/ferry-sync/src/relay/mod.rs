@@ -201,13 +201,8 @@ pub struct Relay {
     catch_up: Vec<(Uuid, i64)>,
     /// What the pass in progress dropped; becomes `catch_up` only if it commits.
     dropped_now: Vec<(Uuid, i64)>,
-    /// The epoch the last committed pass ran under: another shard's new epoch (a restore
-    /// it detected) has this one provision its replicas too.
-    epoch_seen: Option<Uuid>,
-    /// What the pass in progress checked: membership, and the epoch it ran under. They
-    /// count once it commits.
+    /// The pass in progress checked membership: it counts once the pass commits.
     members_now: bool,
-    epoch_now: Option<Uuid>,
 }
 
 impl Relay {
@@ -227,9 +222,7 @@ impl Relay {
             refile_due: false,
             catch_up: Vec::new(),
             dropped_now: Vec::new(),
-            epoch_seen: None,
             members_now: false,
-            epoch_now: None,
         }
     }
 
@@ -484,9 +477,6 @@ impl Relay {
                 if std::mem::take(&mut self.members_now) {
                     self.members_checked = true;
                 }
-                if let Some(epoch) = self.epoch_now.take() {
-                    self.epoch_seen = Some(epoch);
-                }
                 self.stats.passes.fetch_add(1, Ordering::Relaxed);
                 self.stats
                     .notes
@@ -502,7 +492,6 @@ impl Relay {
             Err(e) => {
                 let _ = sqlx::query("ROLLBACK").execute(&mut *conn).await;
                 self.members_now = false;
-                self.epoch_now = None;
                 Err(e)
             }
         }
@@ -520,12 +509,6 @@ impl Relay {
             self.refile_due = true;
         }
         let mut epoch = load_epoch(conn, self.spec.shards).await?;
-        if self.epoch_seen.is_some_and(|seen| seen != epoch.id) {
-            // Another shard took a new epoch (a restore it detected): every chain starts
-            // again, this shard's too.
-            self.members_checked = false;
-            self.catch_up.clear();
-        }
         let pass: i64 = sqlx::query_scalar("SELECT nextval('ferry_sync.passes')")
             .fetch_one(&mut *conn)
             .await?;
@@ -681,7 +664,6 @@ impl Relay {
             sweep_bodies(conn, self.shards().0).await?;
             self.swept_at = Some(Instant::now());
         }
-        self.epoch_now = Some(epoch.id);
         Ok(report)
     }
 

@@ -107,7 +107,7 @@ pub struct TableSpec {
 impl TableSpec {
     /// Whether a replica of `audience` holds this table.
     pub fn reaches(&self, audience: Option<&str>) -> bool {
-        self.audience.is_none() || self.audience.as_deref() == audience
+        crate::rules::reaches(self.audience.as_deref(), audience)
     }
 
     pub fn is_broadcast(&self) -> bool {
