@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Recording throughput of ferry-sync's relay with 1, 2 and 4 relay shards
-(docs/sync.md §6.5): `ferry-bench-sync shards` per point, three runs each, medians as
+(docs/sync-scale.md §2): `ferry-bench-sync shards` per point, three runs each, medians as
 ratios to one shard, written to bench/results/sync-shards.md and sync-shards.png.
 
 Usage: python3 bench/sync/shards.py [--runs 3] [--replicas 400] [--changes 20000]

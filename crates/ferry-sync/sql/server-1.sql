@@ -12,8 +12,8 @@ CREATE TABLE ferry_sync.meta (
     secret     bytea NOT NULL CHECK (length(secret) = 32),
     declared   text NOT NULL DEFAULT '',
     restores   integer NOT NULL DEFAULT 0,   -- new epochs taken after a restore (the alarm)
-    entries    text[] NOT NULL DEFAULT '{}', -- the entries the installed rules mirror (docs/sync.md §3.3)
-    shards     integer NOT NULL DEFAULT 1 CHECK (shards >= 1), -- relay shards (docs/sync.md §6.5)
+    entries    text[] NOT NULL DEFAULT '{}', -- the entries the installed rules mirror (docs/sync-scale.md §1)
+    shards     integer NOT NULL DEFAULT 1 CHECK (shards >= 1), -- relay shards (docs/sync-scale.md §2)
     installed_at timestamptz NOT NULL DEFAULT now()
 );
 
@@ -47,7 +47,7 @@ $$;
 CREATE TABLE ferry_sync.replicas (
     id              uuid PRIMARY KEY,
     partition       text,                 -- the replica's partition value, as text
-    audience        text,                 -- its audience (docs/sync.md §3.3), or NULL
+    audience        text,                 -- its audience (docs/sync-scale.md §1), or NULL
     token_hash      bytea,                -- SHA-256 of its bearer token
     seal_key        bytea,                -- HMAC key the replica checks seals with
     epoch           uuid,                 -- the epoch its chain belongs to

@@ -65,7 +65,7 @@ pub struct RecordSpec {
 pub struct TwoWaySpec {
     /// The columns the server sends, as messages down carry them.
     pub down: Vec<wire::Column>,
-    /// The audience whose replicas hold the table (docs/sync.md §3.3); `None`: every
+    /// The audience whose replicas hold the table (docs/sync-scale.md §1); `None`: every
     /// replica.
     pub audience: Option<String>,
 }

@@ -59,7 +59,7 @@ pub struct Rules {
     /// digest they were installed with.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub records: Vec<RecordTable>,
-    /// Relay shards (docs/sync.md §6.5): the replicas are spread over this many relays,
+    /// Relay shards (docs/sync-scale.md §2): the replicas are spread over this many relays,
     /// each under its own lock, and every note is written once per shard. Left out of the
     /// digest's JSON when 1.
     #[serde(skip_serializing_if = "is_one")]
@@ -80,7 +80,7 @@ pub struct Replicas {
     /// The column that puts each replica in a partition (`broadcast` sends a row to the
     /// replicas of its partition only).
     pub partition: Option<String>,
-    /// The column naming each replica's audience (docs/sync.md §3.3): a table entry with
+    /// The column naming each replica's audience (docs/sync-scale.md §1): a table entry with
     /// an audience goes to that audience's replicas only. Left out of the digest's JSON
     /// when `None`.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -95,7 +95,7 @@ pub struct Relation {
 }
 
 /// One mirrored table: one entry of the rules. A Postgres table has one entry, or one per
-/// audience (docs/sync.md §3.3).
+/// audience (docs/sync-scale.md §1).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Table {
     /// The Postgres table.
@@ -313,7 +313,7 @@ impl fmt::Display for Relation {
 }
 
 /// How the server's state names the entry of `relation` for `audience`: `schema.name`,
-/// or `schema.name@audience` (docs/sync.md §3.3).
+/// or `schema.name@audience` (docs/sync-scale.md §1).
 pub fn entry_name(relation: &Relation, audience: Option<&str>) -> String {
     match audience {
         None => relation.to_string(),

@@ -294,7 +294,7 @@ pub async fn install(pool: &PgPool, rules: &Rules) -> Result<Report, CheckError>
     Ok(report)
 }
 
-/// The number of relay shards changed (docs/sync.md §6.5): replicas belong to other
+/// The number of relay shards changed (docs/sync-scale.md §2): replicas belong to other
 /// shards now, and a shard's broadcast versions (`rows`) cover only what it planned. So
 /// every shard's state starts again, as after a restore: versions are rebuilt from a
 /// whole-table note per mirrored table (copied for every shard), and every replica is
@@ -350,7 +350,7 @@ async fn provision_all(tx: &mut PgConnection) -> Result<(), CheckError> {
     Ok(())
 }
 
-/// Deletes the server's state of entries the rules no longer name (docs/sync.md §3.3).
+/// Deletes the server's state of entries the rules no longer name (docs/sync-scale.md §1).
 async fn forget(tx: &mut PgConnection, entries: &[&String]) -> Result<(), CheckError> {
     if entries.is_empty() {
         return Ok(());

@@ -631,7 +631,7 @@ pub async fn look(pool: &PgPool, asks: &[Ask]) -> Result<Vec<Found>, sqlx::Error
          LEFT JOIN LATERAL (
              SELECT o.seq, o.head, o.body_hash, b.body
              FROM ferry_sync.outbox o
-             -- One copy of the body: each relay shard keeps its own (docs/sync.md §6.5).
+             -- One copy of the body: each relay shard keeps its own (docs/sync-scale.md §2).
              JOIN LATERAL (SELECT body FROM ferry_sync.bodies WHERE hash = o.body_hash LIMIT 1) b ON true
              WHERE o.replica = q.replica
                AND o.seq > CASE WHEN q.epoch = (SELECT epoch FROM ferry_sync.meta)

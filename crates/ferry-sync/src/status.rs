@@ -108,7 +108,7 @@ pub struct WishCounts {
 pub struct ReplicaStanding {
     pub id: String,
     pub partition: Option<String>,
-    /// Its audience (docs/sync.md §3.3), when the rules name audiences: it holds the
+    /// Its audience (docs/sync-scale.md §1), when the rules name audiences: it holds the
     /// tables of its audience and those of every audience.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub audience: Option<String>,
@@ -277,7 +277,7 @@ pub async fn read(pool: &PgPool, partition: Option<&str>) -> Result<Status, sqlx
             let tables = if standing == "retired" {
                 Vec::new()
             } else {
-                // Broadcast versions are kept per relay shard (docs/sync.md §6.5).
+                // Broadcast versions are kept per relay shard (docs/sync-scale.md §2).
                 let part = format!("{shard}:{}", partition.as_deref().unwrap_or(""));
                 progress.of(&id, &part, audience.as_deref(), confirmed_pass)
             };
@@ -437,7 +437,7 @@ impl Progress {
 
     /// Replica `id`'s tables, for its partition, audience and mark.
     fn of(&self, id: &str, part: &str, audience: Option<&str>, mark: i64) -> Vec<TableProgress> {
-        // An audience's entry is kept as `schema.table@audience` (docs/sync.md §3.3).
+        // An audience's entry is kept as `schema.table@audience` (docs/sync-scale.md §1).
         let reaches =
             |rel: &str| crate::rules::reaches(rel.split_once('@').map(|(_, a)| a), audience);
         let quarantine = |rel: &str| {

@@ -1,4 +1,4 @@
-//! Audiences (docs/sync.md §3.3): two kinds of replica, a shop's till and its region's
+//! Audiences (docs/sync-scale.md §1): two kinds of replica, a shop's till and its region's
 //! back office, hold the same Postgres tables in different shapes from one relay. The
 //! till holds the products on sale without their cost, its own orders with their lines
 //! and customers; the back office holds every product of its region with its cost, and

@@ -461,7 +461,7 @@ fn a_rules_error_is_permanent() {
     assert!(!e.is_transient());
 }
 
-/// Audiences (docs/sync.md §3.3): one Postgres table mirrored once per audience, in two
+/// Audiences (docs/sync-scale.md §1): one Postgres table mirrored once per audience, in two
 /// shapes, each entry kept apart in the server's state; every way two entries could
 /// claim one table or one replica-side name is refused, naming both.
 #[test]

@@ -1,4 +1,4 @@
-//! Relay shards (docs/sync.md §6.5): the replicas are spread over N relays, each under
+//! Relay shards (docs/sync-scale.md §2): the replicas are spread over N relays, each under
 //! its own lock, with Postgres as the one shared system. Every shard plans every note for
 //! its own replicas and keeps its own broadcast versions.
 //!
@@ -346,7 +346,7 @@ async fn a_new_epoch_taken_by_one_shard_provisions_the_other_shards_replicas() {
 }
 
 /// Two shards record the same broadcast change at the same moment: each writes its own
-/// copy of the shared body, so neither pass fails on the other's (docs/sync.md §6.5).
+/// copy of the shared body, so neither pass fails on the other's (docs/sync-scale.md §2).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_shards_recording_one_broadcast_change_at_once_both_commit() {
     let mut shop = Shop::new_with("shards_bodies", SHOP_SCHEMA, &sharded(2)).await;

@@ -85,7 +85,7 @@ impl Mode {
     }
 }
 
-/// The same walk with two audiences (docs/sync.md §3.3): tills hold products without
+/// The same walk with two audiences (docs/sync-scale.md §1): tills hold products without
 /// their cost, back offices with it (a column Postgres computes from the price), and a
 /// step now and then turns a store from one into the other, which must leave it the
 /// other's shape (no cost on a till) with nothing stale.
@@ -99,7 +99,7 @@ async fn every_store_converges_with_audiences_through_the_same_walk() {
     walks(mode, 2, 300).await;
 }
 
-/// The same walk with the replicas spread over three relay shards (docs/sync.md §6.5):
+/// The same walk with the replicas spread over three relay shards (docs/sync-scale.md §2):
 /// every pass step runs one shard's pass, picked at random, so the shards fall behind
 /// and catch up on each other's notes; shard 0's relay is the one killed mid-pass.
 /// `FERRY_SYNC_WALK_SHARDS_SEEDS`, `FERRY_SYNC_WALK_SHARDS_STEPS`; `FERRY_SYNC_WALK_SEED`
@@ -641,7 +641,7 @@ partition = "region"
 "#;
 
 /// Order lines point at products, which each audience has in its own shape: so they
-/// have an entry per audience too (docs/sync.md §3.3, foreign keys stay inside one).
+/// have an entry per audience too (docs/sync-scale.md §1, foreign keys stay inside one).
 const AUDIENCES_LINES: &str = r#"[tables.till_lines]
 table = "order_lines"
 audience = "till"

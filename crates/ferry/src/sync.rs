@@ -180,7 +180,7 @@ pub struct ServeArgs {
     /// Serve replicas only; never take the relay lock.
     #[arg(long)]
     pub no_relay: bool,
-    /// With relay shards (`[relay] shards = N` in the rules, docs/sync.md §6.5): the
+    /// With relay shards (`[relay] shards = N` in the rules, docs/sync-scale.md §2): the
     /// shard this serve's relay records for, 0 to N-1. Run one serve per shard (and a
     /// standby of each anywhere); every serve serves every replica.
     #[arg(long, default_value_t = 0)]

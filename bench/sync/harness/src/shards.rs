@@ -1,5 +1,5 @@
 //! `shards --shards N --replicas R --changes C [--broadcast]`: recording throughput with
-//! N relay shards (docs/sync.md §6.5). R replicas are enrolled and provisioned; then one
+//! N relay shards (docs/sync-scale.md §2). R replicas are enrolled and provisioned; then one
 //! transaction writes C changes (C orders spread over the replicas, or with
 //! `--broadcast` C updates of a table every replica holds) and the N shards, each a relay
 //! of its own under its own lock in this process, record them. Measured: from the

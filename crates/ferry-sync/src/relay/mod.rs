@@ -95,7 +95,7 @@ pub struct RelaySettings {
     /// every `retry_every`): as serve files uploads.
     pub file_shape: crate::file::Shape,
     /// The relay shard this relay records for, below the rules' `shards`
-    /// (docs/sync.md §6.5): its replicas, its notes, its lock.
+    /// (docs/sync-scale.md §2): its replicas, its notes, its lock.
     pub shard: u32,
 }
 
@@ -125,7 +125,7 @@ impl Default for RelaySettings {
 #[derive(Debug, Default)]
 pub struct RelayStats {
     pub holding: AtomicBool,
-    /// The relay shard it records for (docs/sync.md §6.5).
+    /// The relay shard it records for (docs/sync-scale.md §2).
     pub shard: std::sync::atomic::AtomicU32,
     pub passes: AtomicU64,
     pub notes: AtomicU64,

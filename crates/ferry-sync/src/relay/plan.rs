@@ -27,7 +27,7 @@ use crate::value::{Affinity, Value};
 /// audiences.
 #[derive(Clone, Debug, Default)]
 pub struct Following {
-    /// The relay shard planning (docs/sync.md §6.5): whose `rows` versions it keeps.
+    /// The relay shard planning (docs/sync-scale.md §2): whose `rows` versions it keeps.
     pub shard: i32,
     pub partition_of: HashMap<Uuid, String>,
     pub by_partition: HashMap<String, Vec<Uuid>>,
@@ -604,7 +604,7 @@ pub fn key_values(spec: &Spec, t: usize, key: &str) -> Option<RowRef> {
 }
 
 /// The holders of these keys among `following`'s replicas: another relay shard's are its
-/// own to plan (docs/sync.md §6.5).
+/// own to plan (docs/sync-scale.md §2).
 async fn held_of(
     conn: &mut PgConnection,
     following: &Following,

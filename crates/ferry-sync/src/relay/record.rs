@@ -219,7 +219,7 @@ pub async fn record(
     recorded.bodies = new_bodies.len();
     let (b_hash, b_body): (Vec<Vec<u8>>, Vec<Vec<u8>>) =
         new_bodies.into_iter().map(|(h, b)| (h.to_vec(), b)).unzip();
-    // Each relay shard writes and sweeps its own copy of a body (docs/sync.md §6.5): two
+    // Each relay shard writes and sweeps its own copy of a body (docs/sync-scale.md §2): two
     // shards recording the same broadcast change never write one row.
     sqlx::query("INSERT INTO ferry_sync.bodies (shard, hash, body) SELECT $3, * FROM unnest($1::bytea[], $2::bytea[]) ON CONFLICT DO NOTHING")
         .bind(&b_hash)

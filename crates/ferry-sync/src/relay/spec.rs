@@ -81,7 +81,7 @@ pub enum RouteSpec {
     Closure,
 }
 
-/// One mirrored table: one entry of the rules (docs/sync.md §3.3).
+/// One mirrored table: one entry of the rules (docs/sync-scale.md §1).
 #[derive(Clone, Debug)]
 pub struct TableSpec {
     /// The name the server's held state keeps the entry under: `public.products`, or
@@ -152,7 +152,7 @@ pub struct Spec {
     pub records: Vec<crate::file::RecordSpec>,
     /// The digest of the rules this was built from ([`crate::rules::Rules::digest`]).
     pub digest: String,
-    /// Relay shards (docs/sync.md §6.5).
+    /// Relay shards (docs/sync-scale.md §2).
     pub shards: u32,
 }
 

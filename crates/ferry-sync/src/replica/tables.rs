@@ -204,7 +204,7 @@ pub(crate) fn ensure_with(
 
 /// Drops the server's columns a table the server sends had in its last part and `part`
 /// lacks: the rules stopped sending them (a column left out, or the replica moved to an
-/// audience that holds the table in another shape, docs/sync.md §3.3), and the values
+/// audience that holds the table in another shape, docs/sync-scale.md §1), and the values
 /// they hold are the server's from before, which nothing would ever correct. A column
 /// SQLite will not drop (an index or a view of the app's names it) is emptied instead,
 /// and one that cannot be emptied either (NOT NULL) is left as it is. Columns the replica

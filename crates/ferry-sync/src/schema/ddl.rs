@@ -485,7 +485,7 @@ END
     out
 }
 
-/// With relay shards (docs/sync.md §6.5), every note is planned by every shard: a note
+/// With relay shards (docs/sync-scale.md §2), every note is planned by every shard: a note
 /// written for shard 0, as every writer writes it, is copied for the others in the same
 /// transaction.
 fn fan_out_statements(shards: u32) -> Vec<Statement> {

@@ -108,7 +108,7 @@ pub struct Shop {
     /// The relay of shard 0 (the only one, unless the rules name `[relay] shards`).
     pub relay: Relay,
     pub lock: PgConnection,
-    /// Relay shards 1.. (docs/sync.md §6.5), each with a connection holding its lock.
+    /// Relay shards 1.. (docs/sync-scale.md §2), each with a connection holding its lock.
     pub shards: Vec<(Relay, PgConnection)>,
     pub dir: PathBuf,
     pub replicas: BTreeMap<Uuid, Replica>,
