@@ -949,6 +949,13 @@ fn kill_message(chain: &mut Chain) -> Down {
 /// when fetched again.
 #[test]
 fn a_replica_killed_mid_apply_reopens_at_the_previous_state() {
+    // The same test binary, run again with these set, is the child the test kills.
+    if let (Ok(path), Ok(marker)) = (
+        std::env::var("FERRY_REPLICA_KILL_DB"),
+        std::env::var("FERRY_REPLICA_KILL_MARKER"),
+    ) {
+        apply_until_killed(Path::new(&path), Path::new(&marker));
+    }
     let scratch = Scratch::new("replica-kill");
     let path = db(&scratch);
     {
@@ -966,9 +973,8 @@ fn a_replica_killed_mid_apply_reopens_at_the_previous_state() {
         &std::env::current_exe().unwrap(),
         &[
             "--exact",
-            "killed_child_applies_until_killed",
+            "a_replica_killed_mid_apply_reopens_at_the_previous_state",
             "--nocapture",
-            "--include-ignored",
         ],
         &[
             ("FERRY_REPLICA_KILL_DB", path.to_str().unwrap()),
@@ -1001,16 +1007,9 @@ fn a_replica_killed_mid_apply_reopens_at_the_previous_state() {
 
 /// The child of the test above: applies the message and parks itself mid-apply (in the
 /// update hook, inside the transaction) until it is killed.
-#[test]
-#[ignore = "run by a_replica_killed_mid_apply_reopens_at_the_previous_state"]
-fn killed_child_applies_until_killed() {
-    let (Ok(path), Ok(marker)) = (
-        std::env::var("FERRY_REPLICA_KILL_DB"),
-        std::env::var("FERRY_REPLICA_KILL_MARKER"),
-    ) else {
-        return;
-    };
-    let mut replica = open(Path::new(&path));
+fn apply_until_killed(path: &Path, marker: &Path) -> ! {
+    let marker = marker.to_path_buf();
+    let mut replica = open(path);
     let mut written = 0;
     replica
         .conn()

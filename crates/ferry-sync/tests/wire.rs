@@ -11,8 +11,9 @@
 //! from the layout table with the hmac and sha2 crates), so a layout mistake shared by
 //! encoder and decoder cannot hide.
 //!
-//! Regenerate the golden files (only when the protocol changes, with a new PROTOCOL):
-//! `cargo test -p ferry-sync --test wire -- --ignored regenerate_golden`.
+//! The golden files must be what today's encoders write (`golden_files_are_what_the_encoders_write`);
+//! rewrite them only when the protocol changes, with a new PROTOCOL:
+//! `FERRY_GOLDEN_WRITE=1 cargo test -p ferry-sync --test wire golden_files`.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -1838,14 +1839,15 @@ fn malformed_corpus_covers_every_rule() {
     }
 }
 
+/// Guards the golden files against an encoder that drifts: each is compared with what the
+/// encoders write today. With `FERRY_GOLDEN_WRITE=1` they are rewritten instead.
 #[test]
-#[ignore = "regenerates tests/golden/; run only when the protocol changes"]
-fn regenerate_golden() {
+fn golden_files_are_what_the_encoders_write() {
     let mut down = String::from(
         "# ferry-sync protocol v1, messages down: name, what open() gives, the frame in hex.\n\
          # Keys: epoch secret [7; 32], opened with seal_key(b\"token-1\"); replica 0x11 x 16,\n\
          # epoch e0..ef. Built by golden_downs() in tests/wire.rs; regenerate with\n\
-         # cargo test -p ferry-sync --test wire -- --ignored regenerate_golden\n",
+         # FERRY_GOLDEN_WRITE=1 cargo test -p ferry-sync --test wire golden_files\n",
     );
     for message in golden_downs() {
         let (frame, _) = encode_down(
@@ -1895,11 +1897,27 @@ fn regenerate_golden() {
     for (name, kind, bytes) in malformed_cases() {
         writeln!(malformed, "{name} {kind} {}", hex(&bytes)).unwrap();
     }
-    std::fs::write(golden_path("down.txt"), down).unwrap();
-    std::fs::write(golden_path("up.txt"), up).unwrap();
-    std::fs::write(golden_path("upload.txt"), upload).unwrap();
-    std::fs::write(golden_path("filed.txt"), filed).unwrap();
-    std::fs::write(golden_path("malformed.txt"), malformed).unwrap();
+    let write = std::env::var_os("FERRY_GOLDEN_WRITE").is_some();
+    for (file, text) in [
+        ("down.txt", down),
+        ("up.txt", up),
+        ("upload.txt", upload),
+        ("filed.txt", filed),
+        ("malformed.txt", malformed),
+    ] {
+        let path = golden_path(file);
+        if write {
+            std::fs::write(&path, text).unwrap();
+            continue;
+        }
+        let stored = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(
+            stored == text,
+            "{} is not what the encoders write now: an encoding changed. If the protocol \
+             changed on purpose (with a new PROTOCOL), rewrite it with FERRY_GOLDEN_WRITE=1",
+            path.display()
+        );
+    }
 }
 
 /// One malformed message per rule (some rules twice, from both ends of a range).
@@ -2511,7 +2529,7 @@ fn golden_lines(file: &str) -> Vec<(String, String, Vec<u8>)> {
     let path = golden_path(file);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
         panic!(
-            "reading {}: {e}; regenerate_golden writes it",
+            "reading {}: {e}; golden_files_are_what_the_encoders_write writes it",
             path.display()
         )
     });
