@@ -23,11 +23,18 @@ then two seconds to drain. Server CPU = the engine's server process plus every P
 process (user + system, from /proc), over the stream. WAL from pg_current_wal_lsn. Wire
 bytes are what the host's transport carried (frames down, reports up), over the stream.
 Each point runs RUNS times per engine, engines interleaved; medians are reported.
+
+To look into one engine (not for results): SIDE_ENGINE=ferry runs it alone;
+SIDE_UP_SECS=N writes for N seconds at the way-up points; SIDE_PERF=FILE records a
+system-wide `perf` profile of the write phase into FILE, `strace -c` of the server over
+5 s idle and 5 s writing into FILE.strace-idle and FILE.strace-writes, and logs each
+Postgres table's scans and writes over both stretches.
 """
 
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import statistics
@@ -51,6 +58,9 @@ ORDERS_PER_STORE = 10
 # How long past its last offline write a store stays away in the offline point.
 OFFLINE_AWAY_S = 20
 ENGINES = ["ferry", "magic_sync 0.5.1"]
+# One engine alone, to profile it: SIDE_ENGINE=ferry (a run for the results keeps both).
+if os.environ.get("SIDE_ENGINE"):
+    ENGINES = [e for e in ENGINES if e.startswith(os.environ["SIDE_ENGINE"])]
 
 SCHEMA = """
 CREATE TABLE stores (id uuid PRIMARY KEY, live boolean NOT NULL DEFAULT false);
@@ -491,12 +501,39 @@ def write_stream(db, server, host, rate, secs, replicas):
     expected = rate * secs * replicas
     tick = os.sysconf("SC_CLK_TCK")
     session = Session(db)
+    def pg_counts():
+        return psql(db, """SELECT 'xact', xact_commit, xact_rollback, tup_returned, tup_fetched FROM pg_stat_database WHERE datname = current_database()
+            UNION ALL SELECT schemaname || '.' || relname, seq_scan, coalesce(idx_scan, 0), n_tup_ins + n_tup_upd + n_tup_del, n_tup_hot_upd
+            FROM pg_stat_all_tables WHERE schemaname IN ('public', 'ferry_sync') ORDER BY 1""", "-At")
+    def log_counts(label, c0):
+        time.sleep(1)  # the statistics collector's flush
+        before = {l.split("|")[0]: [int(x) for x in l.split("|")[1:]] for l in c0.split()}
+        for l in pg_counts().split():
+            name, *vals = l.split("|")
+            delta = [int(v) - b for v, b in zip(vals, before.get(name, [0] * len(vals)))]
+            if any(delta):
+                log(f"  {label} {name}: {delta}")
+
+    profiling = bool(os.environ.get("SIDE_PERF"))
+    idle_counts = pg_counts() if profiling else None
+    strace = lambda out: (subprocess.Popen(["timeout", "5", "strace", "-c", "-f", "-p", str(server.pid), "-o", out],
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                          if profiling and shutil.which("strace") else None)
+    strace(os.environ["SIDE_PERF"] + ".strace-idle") if profiling else None
     idle_cpu0, idle_pg0, idle_t0 = cpu_ticks([server.pid]), postgres_ticks(), time.time()
     time.sleep(min(secs, 10))
     idle_cpu1, idle_pg1 = cpu_ticks([server.pid]), postgres_ticks()
+    if profiling:
+        log_counts("idle", idle_counts)
     idle_s = ((idle_cpu1 - idle_cpu0) + sum(t - idle_pg0.get(pid, 0) for pid, t in idle_pg1.items())) / tick
     idle_per_s = idle_s / (time.time() - idle_t0)
     cpu0, pg0 = cpu_ticks([server.pid]), postgres_ticks()
+    # SIDE_PERF=FILE: a system-wide profile of the write phase, to see where filing goes.
+    perf = (subprocess.Popen(["perf", "record", "-a", "-F", "999", "-g", "-o", os.environ["SIDE_PERF"],
+                              "--", "sleep", str(secs)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            if os.environ.get("SIDE_PERF") else None)
+    counts0 = pg_counts() if perf else None
+    strace(os.environ["SIDE_PERF"] + ".strace-writes") if profiling else None
     t0 = time.time()
     host.say(f"write {rate} {secs}")
     host.read("written", secs + 120)
@@ -508,6 +545,9 @@ def write_stream(db, server, host, rate, secs, replicas):
         time.sleep(0.05)
     took = time.time() - t0
     cpu1, pg1 = cpu_ticks([server.pid]), postgres_ticks()
+    if perf:
+        perf.wait()
+        log_counts("writes", counts0)
     session.close()
     engine_s = (cpu1 - cpu0) / os.sysconf("SC_CLK_TCK")
     pg_s = sum(t - pg0.get(pid, 0) for pid, t in pg1.items()) / os.sysconf("SC_CLK_TCK")
@@ -595,7 +635,7 @@ def plan(quick):
     pts += [dict(products=10_000, replicas=r, streams=streams, seconds=4 if quick else 8) for r in [1, 10, 100]]
     pts.append(dict(products=10_000, replicas=1, heal=True))
     # The way up: R replicas writing W sales a second each.
-    up_secs = 5 if quick else 10
+    up_secs = int(os.environ.get("SIDE_UP_SECS", 5 if quick else 10))
     pts += [dict(products=1_000, replicas=r, writes=[(w, up_secs)]) for r, w in [(1, 100), (10, 10), (100, 1)]]
     # A store offline for a day of writes: 10,000 sales (a busy till's day), then back.
     pts.append(dict(products=1_000, replicas=1, offline=[(500, 4 if quick else 20)]))
