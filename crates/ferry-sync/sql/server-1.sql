@@ -182,7 +182,7 @@ CREATE TABLE ferry_sync.inbox (
     replica   uuid NOT NULL REFERENCES ferry_sync.replicas ON DELETE CASCADE,
     relation  text NOT NULL,          -- 'schema.table' as the rules name it
     key       text NOT NULL,          -- canonical key text
-    row       bytea NOT NULL,         -- a body (docs/sync.md §7.1): one part, one upsert
+    row       bytea NOT NULL,         -- a body (docs/sync-protocol.md §1.1): one part, one upsert
     reason    text NOT NULL,
     tries     integer NOT NULL DEFAULT 1,
     at        timestamptz NOT NULL DEFAULT now(),

@@ -1,5 +1,5 @@
 //! The built-in transport, replica side: fetches frames after the replica's position
-//! and posts reports (docs/sync.md §8.1), over HTTP with ureq on the replica's thread.
+//! and posts reports (docs/sync-protocol.md §2.1), over HTTP with ureq on the replica's thread.
 
 use std::time::Duration;
 

@@ -1,4 +1,4 @@
-//! The built-in transport, server side (docs/sync.md §8.1): every `ferry sync serve`
+//! The built-in transport, server side (docs/sync-protocol.md §2.1): every `ferry sync serve`
 //! process answers replicas from the committed outbox, relay or not.
 //!
 //! 1. A replica authenticates with its own bearer token: its SHA-256 must equal

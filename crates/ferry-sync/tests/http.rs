@@ -1,4 +1,4 @@
-//! The built-in transport's refusals over real HTTP (docs/sync.md §8.1): a real `serve`
+//! The built-in transport's refusals over real HTTP (docs/sync-protocol.md §2.1): a real `serve`
 //! router on a loopback port, a real Postgres, requests as a replica's client or a
 //! stranger would send them.
 //!

@@ -99,8 +99,8 @@ fn sell(app: &rusqlite::Connection, store: Uuid, batch: i64) {
     app.execute_batch("COMMIT").unwrap();
 }
 
-/// Where a replica that took every one of `frames` stands: after the last (docs/sync.md
-/// §7.1 has the head's offsets).
+/// Where a replica that took every one of `frames` stands: after the last (docs/sync-protocol.md
+/// §1.1 has the head's offsets).
 fn after(frames: &[Vec<u8>]) -> Position {
     match frames.last() {
         None => Position {

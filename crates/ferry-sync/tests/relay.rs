@@ -1,6 +1,6 @@
 //! The relay end to end on a real Postgres and real SQLite files: every store holds
 //! exactly what the rules say, in content, after writes, moves and deletes
-//! (docs/sync.md §1 guarantee 1, §6.3).
+//! (docs/sync.md §1 guarantee 1, docs/sync-relay.md §1.3).
 
 mod common;
 

@@ -1,5 +1,5 @@
 //! The relay under faults: two relays racing, a lock connection cut mid-pass, a pooler
-//! in transaction mode (docs/sync.md §6.1, guarantees 6 and 7); and its pacing (§6.2).
+//! in transaction mode (docs/sync-relay.md §1.1, guarantees 6 and 7); and its pacing (§6.2).
 
 mod common;
 
@@ -146,7 +146,7 @@ async fn two_relays_race_exactly_one_records_and_the_standby_takes_over() {
     shop.finish().await;
 }
 
-/// Pacing (docs/sync.md §6.2): a change to an idle relay passes at once; changes that
+/// Pacing (docs/sync-relay.md §1.2): a change to an idle relay passes at once; changes that
 /// come while the previous pass's fan-out paces the relay share one pass, and each
 /// replica gets one message for all of them. Nothing is delivered meanwhile, so no report
 /// wakes a pass; the pace is seconds long so a slow machine cannot split the burst.

@@ -301,7 +301,7 @@ fn redelivery_is_already_applied_and_changes_nothing() {
 
 /// Guards: a message that does not follow is a gap: it applies nothing and the report
 /// says so (no digests meanwhile); the message that does follow still applies, and
-/// clears the gap, so a redelivery heals it (docs/sync.md §7.2).
+/// clears the gap, so a redelivery heals it (docs/sync-protocol.md §1.2).
 #[test]
 fn a_gap_applies_nothing_and_the_missing_message_heals_it() {
     let scratch = Scratch::new("replica-gap");

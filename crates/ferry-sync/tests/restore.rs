@@ -1,4 +1,4 @@
-//! A server restored from an older copy (docs/sync.md §7.6 step 2, guarantee 10): a real
+//! A server restored from an older copy (docs/sync-protocol.md §1.6 step 2, guarantee 10): a real
 //! Postgres of the test's own is stopped, its data directory copied, changes made and
 //! confirmed, then the copy put back. A replica's confirmation of a message the restored
 //! server stamped but has no record of makes it take a new epoch and provision every

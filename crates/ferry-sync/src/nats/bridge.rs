@@ -795,7 +795,7 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|s| *s).await;
 }
 
-/// A frame's epoch, seq, nonce and prev, from its head (docs/sync.md §7.1).
+/// A frame's epoch, seq, nonce and prev, from its head (docs/sync-protocol.md §1.1).
 fn head_fields(frame: &[u8]) -> Option<(Uuid, u64, u64, u64)> {
     let epoch = Uuid::from_bytes(frame.get(24..40)?.try_into().ok()?);
     let seq = u64::from_be_bytes(frame.get(40..48)?.try_into().ok()?);

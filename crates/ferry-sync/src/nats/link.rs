@@ -6,7 +6,7 @@
 //!   before it. A frame handed and not taken stays unacknowledged. A replica that
 //!   stopped finds, when it starts, every frame after the last it took read back from
 //!   the stream before anything newer, so neither a crash nor a frame it could not take
-//!   then costs a gap the relay would leave to it (docs/sync.md §7.6 step 5).
+//!   then costs a gap the relay would leave to it (docs/sync-protocol.md §1.6 step 5).
 //! - **Never backwards.** The stream holds a replica's frames in the order the server
 //!   issued them, across chains and epochs, so nothing before the newest frame the
 //!   replica took can be of use to it, and an older epoch's snapshot handed again would
@@ -14,7 +14,7 @@
 //!   before that point, whether the consumer redelivers it or a reading again finds it.
 //! - **Fetching honours the position**, as over HTTP: the relay counts on a replica
 //!   that saw a gap the outbox can fill to fetch it again from where it stands
-//!   (docs/sync.md §7.6 step 5). When the replica asks from before a frame it was
+//!   (docs/sync-protocol.md §1.6 step 5). When the replica asks from before a frame it was
 //!   handed (it did not take it: cut short, out of order, refused), the frames from
 //!   there are read again from the stream. A reading again that moved the replica
 //!   nowhere gives the next fetch to the consumer, so frames it can never take (an
@@ -357,7 +357,7 @@ impl NatsLink {
     /// A replica standing before the frame at the acknowledgement floor (its file was
     /// restored from an older copy) is handed, first, the frames of its epoch after its
     /// position still in the stream: the relay leaves such a gap to it when its outbox
-    /// still holds them (docs/sync.md §7.6 step 5). Otherwise nothing changes.
+    /// still holds them (docs/sync-protocol.md §1.6 step 5). Otherwise nothing changes.
     async fn rewind(&mut self, position: Position, floor: u64) {
         let (Some(epoch), Some((stream, _))) = (position.epoch, &self.down) else {
             return;

@@ -1,5 +1,5 @@
 //! The relay: one process at a time turns notes into each replica's numbered messages.
-//! `docs/sync.md` §6 is the contract.
+//! `docs/sync-relay.md` §1 is the contract.
 //!
 //! 1. Take the relay lock on a dedicated connection (`pg_try_advisory_lock`); until then,
 //!    stand by and retry every `standby / 5`.
@@ -68,7 +68,7 @@ pub struct RelaySettings {
     pub standby: Duration,
     /// Without a notification, the relay looks for notes this often.
     pub idle: Duration,
-    /// Pacing (docs/sync.md §6.2): a pass woken by a notification waits until
+    /// Pacing (docs/sync-relay.md §1.2): a pass woken by a notification waits until
     /// `pace_per_message` times the messages the previous pass recorded, at most
     /// `pace_max`, has passed since that pass began. What a pass costs downstream (per
     /// replica: an outbox row, a look, a fetch, an apply and its fsync, a confirmation)
@@ -83,7 +83,7 @@ pub struct RelaySettings {
     /// What one message may carry when packing.
     pub budget: pack::Budget,
     /// A replica's outbox past this many messages, or `outbox_bytes_max` bytes, is
-    /// dropped and the replica caught up by a new chain (docs/sync.md §6.4): 10,000
+    /// dropped and the replica caught up by a new chain (docs/sync-relay.md §1.4): 10,000
     /// messages of a few rows each is days of changes for a shop, and bounds what one
     /// replica that never comes back costs the server.
     pub outbox_messages_max: i64,
@@ -406,7 +406,7 @@ impl Relay {
             .min(self.settings.pace_max)
     }
 
-    /// One pass, and what a failure of it on data does next (docs/sync.md §6.4): the
+    /// One pass, and what a failure of it on data does next (docs/sync-relay.md §1.4): the
     /// batch is halved until a pass of one note fails, and that note is parked; a pass
     /// that commits grows the batch back. Transient errors are returned for the caller to
     /// back off. `hold` runs the relay on it; tests step it deterministically.
@@ -434,7 +434,7 @@ impl Relay {
         }
     }
 
-    /// One pass (docs/sync.md §6.2). Public for tests and `ferry sync pass`.
+    /// One pass (docs/sync-relay.md §1.2). Public for tests and `ferry sync pass`.
     pub async fn pass(&mut self, conn: &mut PgConnection) -> Result<PassReport, RelayError> {
         // The pass's statements look rows up by key lists of every size; a generic plan
         // (chosen after five runs) may scan whole tables for them, which made a pass cost
@@ -774,7 +774,7 @@ impl Relay {
 }
 
 /// Fails with `LockLost` unless this backend holds relay shard `shard`'s lock
-/// (docs/sync.md §6.1).
+/// (docs/sync-relay.md §1.1).
 pub async fn check_lock(conn: &mut PgConnection, shard: u32) -> Result<(), RelayError> {
     let key = lock_key(shard);
     let held: bool = sqlx::query_scalar(
@@ -818,7 +818,7 @@ async fn load_epoch(conn: &mut PgConnection, shards: u32) -> Result<Epoch, Relay
     })
 }
 
-/// A new epoch: new secret, every chain starts again (docs/sync.md §7.6 step 2).
+/// A new epoch: new secret, every chain starts again (docs/sync-protocol.md §1.6 step 2).
 async fn new_epoch(conn: &mut PgConnection) -> Result<Epoch, RelayError> {
     let mut secret = [0u8; 32];
     getrandom::getrandom(&mut secret).expect("the operating system's random source is available");

@@ -769,7 +769,7 @@ pub enum Provision {
 }
 
 impl Planner<'_> {
-    /// Starts a new chain for replica `r` (docs/sync.md §7.4, §7.5). Its held state is
+    /// Starts a new chain for replica `r` (docs/sync-protocol.md §1.4, §7.5). Its held state is
     /// rebuilt from what the chain sends.
     pub async fn provision(
         &mut self,
@@ -1026,7 +1026,7 @@ pub async fn should_rows(
 
 impl Planner<'_> {
     /// Resends one table to replica `r` inside its chain, with a sweep, so the replica ends
-    /// with exactly what the server records it holding (docs/sync.md §7.3).
+    /// with exactly what the server records it holding (docs/sync-protocol.md §1.3).
     pub async fn heal_table(
         &mut self,
         conn: &mut PgConnection,

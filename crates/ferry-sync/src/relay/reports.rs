@@ -1,4 +1,4 @@
-//! Handling what replicas reported (docs/sync.md §7.6), inside the pass.
+//! Handling what replicas reported (docs/sync-protocol.md §1.6), inside the pass.
 //!
 //! 1. Take every report not yet handled (a rolled-back pass leaves them unhandled).
 //! 2. Check the stamp of the message the replica says it applied last, then decide:

@@ -63,7 +63,7 @@ pub enum TransportError {
     Unavailable(String),
     /// The server refused this replica (401: a wrong token or another replica's id; 413:
     /// a report over its limit). Retrying cannot help.
-    /// The server's own words say what to do (serve's refusals do: docs/sync.md §8.1).
+    /// The server's own words say what to do (serve's refusals do: docs/sync-protocol.md §2.1).
     #[error("the sync server refused this replica's request: {0}")]
     Refused(String),
 }
@@ -81,7 +81,7 @@ impl Classify for TransportError {
 #[derive(Clone, Debug)]
 pub struct RunSettings {
     /// Frames per fetch: 16 apply in well under a second, and the server serves at most
-    /// 64 (`docs/sync.md` §8.1).
+    /// 64 (`docs/sync-protocol.md` §2.1).
     pub window: usize,
     /// Long-poll wait per fetch; the server waits at most 30 s.
     pub wait: Duration,

@@ -185,7 +185,7 @@ pub(crate) enum Step {
 ///    old snapshot delivered again must not roll the replica back.
 /// 2. `prev == 0`: a chain start, always applicable.
 /// 3. same epoch, `prev == S` and `prev_nonce == N`: it follows; apply (and forget any
-///    gap recorded: the chain continues from where the replica stands, docs/sync.md §7.2).
+///    gap recorded: the chain continues from where the replica stands, docs/sync-protocol.md §1.2).
 /// 4. anything else is a gap: nothing applies, and the next report says so; the server
 ///    resends from the replica's position, or starts a new chain.
 pub(crate) fn follow(state: &State, head: &ChainHead) -> Step {
