@@ -15,6 +15,7 @@
 //!   [`read_journal`]), `checkpoint` and `upkeep` (compaction, the status file and the
 //!   request inbox; `admin` is their file protocol), `metrics`.
 //! - `builder` (settings, `open`) and `engine` ([`Engine`], [`RunHandle`]) on top.
+//! - `remote`: server mode's protocol (docs/flow-server.md), pure.
 //!
 //! ferry-log's types an application may need (its settings, errors, storage seam) are
 //! re-exported here, so an app depends on ferry-flow alone.
@@ -33,6 +34,7 @@ mod lifecycle;
 mod metrics;
 mod recovery;
 mod registry;
+pub mod remote;
 pub mod replay;
 mod run;
 mod shard;
