@@ -158,7 +158,14 @@ fn any_frame(rng: &mut SplitMix64, ty: u64) -> Frame {
             record_max: rng.next_u64() as u32,
             grants: granted(rng),
         }),
-        8 => Body::Pong,
+        8 => Body::Pong(
+            (0..rng.below(4))
+                .map(|_| Held {
+                    shard: rng.next_u64() as u32,
+                    epoch: rng.next_u64(),
+                })
+                .collect(),
+        ),
         9 => Body::Grant(granted(rng)),
         10 => Body::Revoke {
             shard,
@@ -215,9 +222,9 @@ fn every_frame_round_trips() {
 fn the_layout_is_the_documented_one() {
     let pong = encode(&Frame {
         id: 7,
-        body: Body::Pong,
+        body: Body::Pong(vec![]),
     });
-    assert_eq!(pong, [0, 0, 0, 9, 65, 0, 0, 0, 0, 0, 0, 0, 7]);
+    assert_eq!(pong, [0, 0, 0, 13, 65, 0, 0, 0, 0, 0, 0, 0, 7, 0, 0, 0, 0]);
     let append = encode(&Frame {
         id: 2,
         body: Body::Append(Append {
@@ -246,7 +253,7 @@ fn the_layout_is_the_documented_one() {
 fn bytes_that_are_not_a_frame_are_refused_by_name() {
     let pong = encode(&Frame {
         id: 1,
-        body: Body::Pong,
+        body: Body::Pong(vec![]),
     });
     let cases: Vec<(Vec<u8>, &str)> = vec![
         (vec![0, 0], "4 bytes needed"),

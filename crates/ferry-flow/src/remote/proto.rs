@@ -89,6 +89,14 @@ pub struct Turns {
     pub turns: u64,
 }
 
+/// A shard the server still counts as the session's, at this epoch: what a `Pong`
+/// confirms (docs/flow-server.md §5.3).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Held {
+    pub shard: u32,
+    pub epoch: u64,
+}
+
 /// One journal record: its ferry-log kind and bytes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Rec {
@@ -197,7 +205,8 @@ pub enum Body {
     },
     // Server → worker or client.
     Welcome(Welcome),
-    Pong,
+    /// The answer to a `Ping`: the shards the server still counts as the session's.
+    Pong(Vec<Held>),
     Grant(Vec<Granted>),
     Revoke {
         shard: u32,
@@ -367,7 +376,7 @@ fn type_of(body: &Body) -> u8 {
         Body::Call(_) => CALL,
         Body::Answer { .. } => ANSWER,
         Body::Welcome(_) => WELCOME,
-        Body::Pong => PONG,
+        Body::Pong(_) => PONG,
         Body::Grant(_) => GRANT,
         Body::Revoke { .. } => REVOKE,
         Body::Drain { .. } => DRAIN,
@@ -476,7 +485,10 @@ fn fields(w: &mut W, body: &Body) {
             w.u32(wl.record_max);
             w.list(&wl.grants, granted);
         }
-        Body::Pong => {}
+        Body::Pong(held) => w.list(held, |w, h| {
+            w.u32(h.shard);
+            w.u64(h.epoch);
+        }),
         Body::Grant(grants) => w.list(grants, granted),
         Body::Revoke {
             shard,
@@ -775,7 +787,12 @@ pub fn decode(buf: &[u8]) -> Result<Frame, DecodeError> {
             record_max: r.u32("record_max")?,
             grants: r.list("the grants", 28, R::granted)?,
         }),
-        PONG => Body::Pong,
+        PONG => Body::Pong(r.list("the shards held", 12, |r| {
+            Ok(Held {
+                shard: r.u32("a shard's number")?,
+                epoch: r.u64("a shard's epoch")?,
+            })
+        })?),
         GRANT => Body::Grant(r.list("the grants", 28, R::granted)?),
         REVOKE => Body::Revoke {
             shard: r.u32("the shard")?,
