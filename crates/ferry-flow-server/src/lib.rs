@@ -1,6 +1,13 @@
 //! ferry-flow's server mode, the server's side (docs/flow-server.md is the contract).
 //!
-//! Built so far: `lease`, the lease table, pure (§5.1). The server around it (the log,
-//! epochs, appends, recovery pages, checkpoints per shard) comes next (§14).
+//! - `lease`: the lease table, pure (§5.1).
+//! - `store`: the server's log, every shard's records and every grant's epoch in one
+//!   ferry-log, with each shard's positions (§6).
+//! - `server`: connections, the table and the store driven by them, and the task that
+//!   answers `Durable` once a sync covers an append (§4–§8).
+//!
+//! Not built yet (§14): checkpoints per shard, calls across shards, the HTTP API.
 
 pub mod lease;
+pub mod server;
+pub mod store;

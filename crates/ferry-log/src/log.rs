@@ -272,7 +272,16 @@ impl Log {
     /// Call `f` with every durable record that starts at or after `from`, in order;
     /// returns the durable position read up to. `from` below the oldest segment still
     /// kept (see [`Log::retire_below`]) is an error.
-    pub fn read(&self, from: Lsn, f: impl FnMut(Record<'_>)) -> Result<Lsn, Error> {
+    pub fn read(&self, from: Lsn, mut f: impl FnMut(Record<'_>)) -> Result<Lsn, Error> {
+        read::read(&self.inner, from, |r| {
+            f(r);
+            true
+        })
+    }
+
+    /// [`Log::read`], stopping after the first record for which `f` answers false;
+    /// returns the position read up to (the end of that record, if it stopped).
+    pub fn read_while(&self, from: Lsn, f: impl FnMut(Record<'_>) -> bool) -> Result<Lsn, Error> {
         read::read(&self.inner, from, f)
     }
 

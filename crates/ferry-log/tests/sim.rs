@@ -528,3 +528,32 @@ fn on_durable_calls_once_durable_at_once_if_already_and_with_the_error_if_never(
     assert_eq!(n, 4);
     assert!(r.is_err(), "a poisoned log reports at once");
 }
+
+/// Guards `Log::read_while`: it hands records in order from a position, across segments,
+/// stops after the first one it is told to, and says where it stopped.
+#[test]
+fn read_while_stops_where_it_is_told_and_says_where() {
+    let sim = Arc::new(SimStorage::new(7));
+    let (log, _) = Log::open_driven(sim, config()).unwrap();
+    let mut ends = Vec::new();
+    for i in 0..40u64 {
+        ends.push(log.append(1, &payload(i, 100)).unwrap());
+        log.write_pending();
+    }
+    assert!(log.stats().segments > 1, "the records span segments");
+    let mut seen = Vec::new();
+    let upto = log
+        .read_while(ends[9], |r| {
+            seen.push(u64::from_le_bytes(r.payload[..8].try_into().unwrap()));
+            seen.len() < 5
+        })
+        .unwrap();
+    assert_eq!(seen, vec![10, 11, 12, 13, 14]);
+    assert_eq!(upto, ends[14]);
+    let mut all = 0;
+    let upto = log.read_while(0, |_| {
+        all += 1;
+        true
+    });
+    assert_eq!((all, upto.unwrap()), (40, log.durable_lsn()));
+}

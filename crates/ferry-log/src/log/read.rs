@@ -20,8 +20,12 @@ pub struct Record<'a> {
     pub payload: &'a [u8],
 }
 
-/// See `Log::read`.
-pub(super) fn read(inner: &Inner, from: Lsn, mut f: impl FnMut(Record<'_>)) -> Result<Lsn, Error> {
+/// See `Log::read_while`.
+pub(super) fn read(
+    inner: &Inner,
+    from: Lsn,
+    mut f: impl FnMut(Record<'_>) -> bool,
+) -> Result<Lsn, Error> {
     let (segments, durable) = {
         let s = lock(&inner.shared);
         (s.segments.clone(), inner.durable.load(Ordering::SeqCst))
@@ -72,12 +76,16 @@ pub(super) fn read(inner: &Inner, from: Lsn, mut f: impl FnMut(Record<'_>)) -> R
             for fr in format::frames(&frames).expect("read_batch checked the frames") {
                 let lsn = batch_lsn + BATCH_HEADER_BYTES + fr.at as u64;
                 if lsn >= from {
-                    f(Record {
+                    let end = batch_lsn + BATCH_HEADER_BYTES + fr.end as u64;
+                    let more = f(Record {
                         lsn,
-                        end: batch_lsn + BATCH_HEADER_BYTES + fr.end as u64,
+                        end,
                         kind: fr.kind,
                         payload: &frames[fr.payload],
                     });
+                    if !more {
+                        return Ok(end);
+                    }
                 }
             }
             off += extent;

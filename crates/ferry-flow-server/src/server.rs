@@ -1,0 +1,705 @@
+//! The server (docs/flow-server.md): connections from workers over TCP or a Unix socket,
+//! the lease table driven by their hellos, pings, releases and a timer, and the store
+//! taking their appends, with one task that turns the log's durability into `Durable`
+//! answers and sends grants once their epochs are durable.
+//!
+//! Locking: one mutex over the table, the store and the open connections; every frame
+//! is handled under it, briefly (an append copies into the log's open batch and
+//! returns). Nothing waits for the disk under it: the durability task waits outside and
+//! takes it to hand out what a sync covered.
+
+use crate::lease::{Action, LeaseTable, SessionId};
+use crate::store::{AppendError, Store};
+use ferry_core::ConfigError;
+use ferry_flow::log::{Config as LogConfig, Error as LogError, Log, Lsn};
+use ferry_flow::remote::proto::{
+    self, Body, Frame, Granted, Hello, PROTOCOL, Refused, Role, ShardPos, Welcome,
+};
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{Notify, mpsc, watch};
+
+/// The server's settings (docs/flow-server.md §3, §13).
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub shards: u32,
+    pub lease: Duration,
+    pub ping_every: Duration,
+    pub stuck_after: Duration,
+    /// SHA-256 of each token a worker or client may present; empty: no token asked (the
+    /// socket's own permissions are the guard).
+    pub tokens: Vec<[u8; 32]>,
+    /// The largest record taken, in bytes.
+    pub record_max: u32,
+}
+
+pub const SHARDS_MAX: u32 = 1024;
+
+impl Default for Settings {
+    fn default() -> Settings {
+        Settings {
+            shards: 16,
+            lease: Duration::from_secs(5),
+            ping_every: Duration::from_secs(1),
+            stuck_after: Duration::from_secs(10),
+            tokens: Vec::new(),
+            record_max: (1 << 20) + 64,
+        }
+    }
+}
+
+impl Settings {
+    /// The arithmetic of docs/flow-server.md §3, checked once before anything opens.
+    pub fn check(&self) -> Result<(), ConfigError> {
+        if self.shards == 0 || self.shards > SHARDS_MAX {
+            return Err(ConfigError::new(
+                "shards",
+                self.shards,
+                format!("must be 1 to {SHARDS_MAX}"),
+            ));
+        }
+        if self.ping_every.is_zero() || self.ping_every * 3 > self.lease {
+            return Err(ConfigError::new(
+                "ping_every",
+                format!("{:?}", self.ping_every),
+                format!(
+                    "must be above zero and at most a third of lease ({:?}), so that two lost pings cost no lease",
+                    self.lease
+                ),
+            ));
+        }
+        if self.stuck_after < self.ping_every * 2 {
+            return Err(ConfigError::new(
+                "stuck_after",
+                format!("{:?}", self.stuck_after),
+                format!(
+                    "must be at least two pings ({:?}): a shard's turns are only heard with its pings",
+                    self.ping_every * 2
+                ),
+            ));
+        }
+        if self.record_max as usize + 64 > proto::FRAME_MAX {
+            return Err(ConfigError::new(
+                "record_max",
+                self.record_max,
+                format!(
+                    "must leave room for a frame's head within {}",
+                    proto::FRAME_MAX
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The hash a token is kept as.
+pub fn token_hash(token: &str) -> [u8; 32] {
+    Sha256::digest(token.as_bytes()).into()
+}
+
+/// A running server's shared state.
+pub struct Server {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    settings: Settings,
+    log: Arc<Log>,
+    state: Mutex<State>,
+    /// Woken by every append and every grant, for the durability task.
+    appended: Notify,
+    /// Turns true when the server stops: connections and tasks end.
+    stop: watch::Sender<bool>,
+    /// The timer and the durability task, once started.
+    tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+}
+
+struct State {
+    table: LeaseTable,
+    store: Store,
+    /// Each connected session's outgoing frames.
+    conns: HashMap<SessionId, mpsc::UnboundedSender<Frame>>,
+    /// Grants whose epoch record ends at the position: sent once it is durable.
+    grants: Vec<(Lsn, SessionId, u32, u64)>,
+    /// The log failed: every append is refused from then on.
+    failed: bool,
+}
+
+impl Server {
+    /// Open (or create) the server's log in `dir` and read it back.
+    pub fn open(dir: &Path, settings: Settings, log: LogConfig) -> Result<Server, OpenError> {
+        settings.check()?;
+        std::fs::create_dir_all(dir).map_err(|e| {
+            OpenError::Dir(format!(
+                "cannot create the server's directory {}: {e}",
+                dir.display()
+            ))
+        })?;
+        let (log, _) = Log::open_dir(&dir.join("log"), log)?;
+        let log = Arc::new(log);
+        let (store, opened) = Store::open(log.clone(), settings.shards)?;
+        tracing::info!(
+            records = opened.records,
+            shards = settings.shards,
+            "ferry flow server: log read back"
+        );
+        let table = LeaseTable::new(
+            crate::lease::Settings {
+                shards: settings.shards,
+                lease: settings.lease,
+                stuck_after: settings.stuck_after,
+            },
+            &opened.epochs,
+            Instant::now(),
+        );
+        Ok(Server {
+            inner: Arc::new(Inner {
+                settings,
+                log,
+                state: Mutex::new(State {
+                    table,
+                    store,
+                    conns: HashMap::new(),
+                    grants: Vec::new(),
+                    failed: false,
+                }),
+                appended: Notify::new(),
+                stop: watch::channel(false).0,
+                tasks: Mutex::new(Vec::new()),
+            }),
+        })
+    }
+
+    /// Start the timer and the durability task (on the caller's runtime).
+    pub fn start(&self) {
+        let ticker = tokio::spawn(tick(self.inner.clone(), self.inner.stop.subscribe()));
+        let pump = tokio::spawn(pump(self.inner.clone(), self.inner.stop.subscribe()));
+        ferry_core::sync::lock(&self.inner.tasks).extend([ticker, pump]);
+    }
+
+    /// Stop: every connection closes (its worker resumes elsewhere or later), the tasks
+    /// end, and the log is closed once the last of them let go of it. What was appended
+    /// is written and synced by the log's close; nothing unacknowledged is promised.
+    pub async fn shutdown(self) {
+        let _ = self.inner.stop.send(true);
+        let tasks: Vec<_> = ferry_core::sync::lock(&self.inner.tasks)
+            .drain(..)
+            .collect();
+        for t in tasks {
+            let _ = t.await;
+        }
+        // Connections hold the server until they see the stop.
+        let mut inner = self.inner;
+        loop {
+            match Arc::try_unwrap(inner) {
+                Ok(inner) => {
+                    let State { store, .. } =
+                        inner.state.into_inner().unwrap_or_else(|e| e.into_inner());
+                    drop(store);
+                    if let Some(log) = Arc::into_inner(inner.log)
+                        && let Err(e) = log.close()
+                    {
+                        tracing::error!(error = %e, "ferry flow server: the log did not close cleanly");
+                    }
+                    return;
+                }
+                Err(still) => {
+                    inner = still;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+        }
+    }
+
+    /// What an accept loop serves connections with. It holds the server open: drop it
+    /// (stop accepting) before [`Server::shutdown`].
+    pub fn connector(&self) -> Connector {
+        Connector {
+            inner: self.inner.clone(),
+        }
+    }
+
+    /// Each shard's epoch and holder as the table sees it (for status and tests).
+    pub fn holders(&self) -> Vec<(u64, Option<SessionId>)> {
+        let state = ferry_core::sync::lock(&self.inner.state);
+        (0..self.inner.settings.shards)
+            .map(|s| state.table.holder(s))
+            .collect()
+    }
+}
+
+/// Serves connections for a [`Server`].
+#[derive(Clone)]
+pub struct Connector {
+    inner: Arc<Inner>,
+}
+
+impl Connector {
+    /// Serve one connection until it closes or the server stops.
+    pub fn connection<S>(&self, stream: S) -> impl std::future::Future<Output = ()> + Send + 'static
+    where
+        S: AsyncRead + AsyncWrite + Send + 'static,
+    {
+        connection(self.inner.clone(), stream)
+    }
+}
+
+/// Why the server did not open.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("{0}")]
+    Dir(String),
+    #[error(transparent)]
+    Log(#[from] LogError),
+}
+
+async fn tick(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
+    let every = inner.settings.ping_every / 4;
+    loop {
+        tokio::select! {
+            biased;
+            _ = stop.wait_for(|s| *s) => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        let mut state = ferry_core::sync::lock(&inner.state);
+        let actions = state.table.tick(Instant::now());
+        carry_out(&inner, &mut state, actions);
+    }
+}
+
+/// Waits for the log to make what was appended durable, then answers `Durable` to each
+/// shard's holder and sends the grants it covered.
+async fn pump(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
+    loop {
+        let appended = inner.appended.notified();
+        tokio::pin!(appended);
+        appended.as_mut().enable();
+        let target = inner.log.end_lsn();
+        if inner.log.durable_lsn() >= target {
+            tokio::select! {
+                biased;
+                _ = stop.wait_for(|s| *s) => return,
+                _ = appended => continue,
+            }
+        }
+        if let Err(e) = inner.log.durable(target).await {
+            tracing::error!(error = %e, "ferry flow server: the log failed; appends are refused until the server is restarted");
+            let mut state = ferry_core::sync::lock(&inner.state);
+            state.failed = true;
+            return;
+        }
+        let durable = inner.log.durable_lsn();
+        let mut state = ferry_core::sync::lock(&inner.state);
+        let state = &mut *state;
+        for (shard, position) in state.store.advance(durable) {
+            let (epoch, holder) = state.table.holder(shard);
+            if let Some(tx) = holder.and_then(|h| state.conns.get(&h)) {
+                let _ = tx.send(Frame {
+                    id: 0,
+                    body: Body::Durable(vec![ShardPos {
+                        shard,
+                        epoch,
+                        position,
+                    }]),
+                });
+            }
+        }
+        let (ready, waiting): (Vec<_>, Vec<_>) = state
+            .grants
+            .drain(..)
+            .partition(|&(end, ..)| end <= durable);
+        state.grants = waiting;
+        for (_, session, shard, epoch) in ready {
+            // Still this session's at this epoch (not revoked while the epoch was written)?
+            if state.table.check(session, shard, epoch).is_err() {
+                continue;
+            }
+            if let Some(tx) = state.conns.get(&session) {
+                let _ = tx.send(Frame {
+                    id: 0,
+                    body: Body::Grant(vec![Granted {
+                        shard,
+                        epoch,
+                        checkpoint: 0,
+                        end: state.store.end(shard),
+                    }]),
+                });
+            }
+        }
+    }
+}
+
+/// Do what the table asked: write epochs (grants go out once durable), send revokes and
+/// drains.
+fn carry_out(inner: &Inner, state: &mut State, actions: Vec<Action>) {
+    for a in actions {
+        match a {
+            Action::Grant {
+                session,
+                shard,
+                epoch,
+            } => match state.store.epoch_record(shard, epoch, session) {
+                Ok(end) => {
+                    state.grants.push((end, session, shard, epoch));
+                    inner.appended.notify_one();
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, shard, "ferry flow server: a grant's epoch could not be written");
+                    state.table.grant_failed(shard);
+                }
+            },
+            Action::Revoke {
+                session,
+                shard,
+                epoch,
+                reason,
+            } => {
+                tracing::info!(shard, epoch, ?reason, "ferry flow server: shard revoked");
+                send(
+                    state,
+                    session,
+                    Body::Revoke {
+                        shard,
+                        epoch,
+                        reason,
+                    },
+                );
+            }
+            Action::Drain {
+                session,
+                shard,
+                epoch,
+            } => send(state, session, Body::Drain { shard, epoch }),
+            // Resumes are answered in the Welcome.
+            Action::Resumed { .. } => {}
+        }
+    }
+}
+
+fn send(state: &State, session: SessionId, body: Body) {
+    if let Some(tx) = state.conns.get(&session) {
+        let _ = tx.send(Frame { id: 0, body });
+    }
+}
+
+fn refused(to: u64, refused: Refused) -> Frame {
+    Frame {
+        id: 0,
+        body: Body::Refused { to, refused },
+    }
+}
+
+/// Reads one frame; `Ok(None)` at a clean end of the stream.
+async fn read_frame<R: AsyncRead + Unpin>(
+    r: &mut R,
+    buf: &mut Vec<u8>,
+) -> Result<Option<Frame>, FrameError> {
+    buf.clear();
+    buf.resize(4, 0);
+    match r.read_exact(&mut buf[..4]).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(FrameError::Io(e)),
+    }
+    let total = proto::frame_len(buf)
+        .map_err(FrameError::Malformed)?
+        .expect("four bytes are there");
+    buf.resize(total, 0);
+    r.read_exact(&mut buf[4..]).await.map_err(FrameError::Io)?;
+    proto::decode(buf).map(Some).map_err(FrameError::Malformed)
+}
+
+enum FrameError {
+    Io(std::io::Error),
+    Malformed(proto::DecodeError),
+}
+
+async fn connection<S>(inner: Arc<Inner>, stream: S)
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let (mut reader, mut writer) = tokio::io::split(stream);
+    let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
+    let write = tokio::spawn(async move {
+        while let Some(frame) = rx.recv().await {
+            let close = matches!(
+                frame.body,
+                Body::Refused {
+                    refused: Refused::Malformed { .. }
+                        | Refused::Unauthorized
+                        | Refused::Version { .. },
+                    ..
+                }
+            );
+            if writer.write_all(&proto::encode(&frame)).await.is_err() || close {
+                break;
+            }
+        }
+        let _ = writer.shutdown().await;
+    });
+    let mut buf = Vec::new();
+    let mut session: Option<SessionId> = None;
+    let mut stop = inner.stop.subscribe();
+    loop {
+        let read = tokio::select! {
+            biased;
+            _ = stop.wait_for(|s| *s) => break,
+            read = read_frame(&mut reader, &mut buf) => read,
+        };
+        let frame = match read {
+            Ok(Some(frame)) => frame,
+            Ok(None) => break,
+            Err(FrameError::Io(e)) => {
+                tracing::debug!(error = %e, "ferry flow server: a connection broke");
+                break;
+            }
+            Err(FrameError::Malformed(e)) => {
+                let _ = tx.send(refused(0, e.into()));
+                break;
+            }
+        };
+        let id = frame.id;
+        match (session, frame.body) {
+            (None, Body::Hello(hello)) => match hello_in(&inner, &tx, id, hello) {
+                Ok(s) => session = Some(s),
+                Err(r) => {
+                    let _ = tx.send(refused(id, r));
+                    break;
+                }
+            },
+            (None, _) => {
+                let _ = tx.send(refused(
+                    id,
+                    Refused::Malformed {
+                        what: "the first frame must be a Hello".into(),
+                    },
+                ));
+                break;
+            }
+            (Some(s), body) => {
+                if let Some(answer) = handle(&inner, s, id, body) {
+                    let _ = tx.send(answer);
+                }
+            }
+        }
+    }
+    if let Some(s) = session {
+        let mut state = ferry_core::sync::lock(&inner.state);
+        // Only if this connection is still the session's (a reconnect replaces it).
+        if state.conns.get(&s).is_some_and(|c| c.same_channel(&tx)) {
+            state.conns.remove(&s);
+            state.table.disconnect(s);
+        }
+    }
+    drop(tx);
+    let _ = write.await;
+}
+
+fn hello_in(
+    inner: &Inner,
+    tx: &mpsc::UnboundedSender<Frame>,
+    id: u64,
+    hello: Hello,
+) -> Result<SessionId, Refused> {
+    if hello.version != PROTOCOL {
+        return Err(Refused::Version {
+            supported: PROTOCOL,
+        });
+    }
+    let settings = &inner.settings;
+    if !settings.tokens.is_empty() {
+        let given = token_hash(&hello.token);
+        if !settings.tokens.iter().any(|t| constant_time_eq(t, &given)) {
+            return Err(Refused::Unauthorized);
+        }
+    }
+    let mut state = ferry_core::sync::lock(&inner.state);
+    let state = &mut *state;
+    let welcome = |grants| Frame {
+        id,
+        body: Body::Welcome(Welcome {
+            version: PROTOCOL,
+            session: hello.session,
+            shards: settings.shards,
+            lease_ms: settings.lease.as_millis() as u32,
+            ping_ms: settings.ping_every.as_millis() as u32,
+            stuck_ms: settings.stuck_after.as_millis() as u32,
+            record_max: settings.record_max,
+            grants,
+        }),
+    };
+    if hello.role == Role::Client {
+        let _ = tx.send(welcome(Vec::new()));
+        return Ok(hello.session);
+    }
+    // A reconnect replaces the session's old connection.
+    state.conns.insert(hello.session, tx.clone());
+    let resume: Vec<(u32, u64)> = hello.resume.iter().map(|r| (r.shard, r.epoch)).collect();
+    let actions = state
+        .table
+        .connect(hello.session, hello.max_shards, &resume, Instant::now());
+    let resumed: Vec<Granted> = actions
+        .iter()
+        .filter_map(|a| match *a {
+            Action::Resumed { shard, epoch, .. } => Some(Granted {
+                shard,
+                epoch,
+                checkpoint: 0,
+                end: state.store.end(shard),
+            }),
+            _ => None,
+        })
+        .collect();
+    let _ = tx.send(welcome(resumed));
+    carry_out(inner, state, actions);
+    tracing::info!(session = %format!("{:032x}", hello.session), name = %hello.name, max_shards = hello.max_shards, "ferry flow server: a worker connected");
+    Ok(hello.session)
+}
+
+/// One frame from a session that said hello; its answer, if it has one now.
+fn handle(inner: &Inner, session: SessionId, id: u64, body: Body) -> Option<Frame> {
+    let mut state = ferry_core::sync::lock(&inner.state);
+    let state = &mut *state;
+    let now = Instant::now();
+    let answer = |body| Some(Frame { id, body });
+    match body {
+        Body::Ping(turns) => {
+            let turns: Vec<(u32, u64, u64)> =
+                turns.iter().map(|t| (t.shard, t.epoch, t.turns)).collect();
+            let held = state.table.ping(session, &turns, now);
+            answer(Body::Pong(held))
+        }
+        Body::Append(a) => {
+            if let Err(r) = state.table.check(session, a.shard, a.epoch) {
+                return Some(refused(id, r));
+            }
+            if state.failed {
+                return Some(refused(
+                    id,
+                    Refused::Unavailable {
+                        retry_after_ms: 1000,
+                    },
+                ));
+            }
+            if a.records
+                .iter()
+                .any(|r| r.bytes.len() + 1 > inner.settings.record_max as usize)
+            {
+                return Some(refused(
+                    id,
+                    Refused::TooLarge {
+                        limit: u64::from(inner.settings.record_max),
+                    },
+                ));
+            }
+            let count = a.records.len() as u64;
+            match state.store.append(a.shard, a.epoch, a.first, &a.records) {
+                Ok(Some(_)) => {
+                    inner.appended.notify_one();
+                    None
+                }
+                // Every record was there already: acknowledge what of it is durable now;
+                // the rest is acknowledged when the sync that covers it comes.
+                Ok(None) => {
+                    let durable = state.store.durable(a.shard);
+                    (durable >= a.first + count && count > 0).then(|| Frame {
+                        id: 0,
+                        body: Body::Durable(vec![ShardPos {
+                            shard: a.shard,
+                            epoch: a.epoch,
+                            position: durable,
+                        }]),
+                    })
+                }
+                Err(AppendError::Refused(r)) => Some(refused(id, r)),
+                Err(AppendError::Log(e)) => {
+                    tracing::error!(error = %e, "ferry flow server: an append failed");
+                    state.failed = true;
+                    Some(refused(
+                        id,
+                        Refused::Unavailable {
+                            retry_after_ms: 1000,
+                        },
+                    ))
+                }
+            }
+        }
+        Body::Release { shard, epoch, end } => {
+            // Everything up to `end` must be here: a worker releases only what it has
+            // seen acknowledged.
+            if state.store.end(shard) < end {
+                return Some(refused(
+                    id,
+                    Refused::PositionGap {
+                        shard,
+                        expected: state.store.end(shard),
+                    },
+                ));
+            }
+            match state.table.release(session, shard, epoch, now) {
+                Ok(actions) => {
+                    carry_out(inner, state, actions);
+                    answer(Body::Released { shard, epoch })
+                }
+                Err(r) => Some(refused(id, r)),
+            }
+        }
+        Body::Recover {
+            shard,
+            epoch,
+            from,
+            max_bytes,
+        } => {
+            if let Err(r) = state.table.check(session, shard, epoch) {
+                return Some(refused(id, r));
+            }
+            match state.store.page(shard, from, max_bytes.max(1)) {
+                Ok((records, last)) => answer(Body::Records(proto::Records {
+                    shard,
+                    epoch,
+                    first: from,
+                    records,
+                    last,
+                })),
+                Err(e) => {
+                    tracing::error!(error = %e, shard, "ferry flow server: a shard's records could not be read");
+                    Some(refused(
+                        id,
+                        Refused::Unavailable {
+                            retry_after_ms: 1000,
+                        },
+                    ))
+                }
+            }
+        }
+        Body::Call(_) => Some(refused(
+            id,
+            Refused::Unavailable {
+                retry_after_ms: 1000,
+            },
+        )),
+        Body::Hello(_) => Some(refused(
+            id,
+            Refused::Malformed {
+                what: "a second Hello on one connection".into(),
+            },
+        )),
+        // Frames only the server sends.
+        _ => Some(refused(
+            id,
+            Refused::Malformed {
+                what: "a frame only the server sends".into(),
+            },
+        )),
+    }
+}
+
+fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
