@@ -146,6 +146,14 @@ impl LeaseTable {
         }
     }
 
+    /// Every session the table knows: whether it is connected, by id.
+    pub fn sessions(&self) -> Vec<(SessionId, bool)> {
+        self.sessions
+            .iter()
+            .map(|(&id, s)| (id, s.connected))
+            .collect()
+    }
+
     /// The shards `session` holds, in order.
     pub fn held_by(&self, session: SessionId) -> Vec<Held> {
         self.shards

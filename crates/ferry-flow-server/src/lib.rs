@@ -6,8 +6,12 @@
 //! - `server`: connections, the table and the store driven by them, and the task that
 //!   answers `Durable` once a sync covers an append (§4–§8).
 //!
-//! Not built yet (§14): checkpoints per shard, calls across shards, the HTTP API.
+//! - `peer`: a worker's end of a connection with no engine behind it, for tests and
+//!   probes.
+//!
+//! Not built yet (§15): checkpoints per shard, calls across shards, the HTTP API.
 
 pub mod lease;
+pub mod peer;
 pub mod server;
 pub mod store;

@@ -12,15 +12,17 @@ use crate::lease::{Action, LeaseTable, SessionId};
 use crate::store::{AppendError, Store};
 use ferry_core::ConfigError;
 use ferry_flow::log::{Config as LogConfig, Error as LogError, Log, Lsn};
+use ferry_flow::remote::io::{ReadError, read_frame, write_frame};
 use ferry_flow::remote::proto::{
     self, Body, Frame, Granted, Hello, PROTOCOL, Refused, Role, ShardPos, Welcome,
 };
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{Notify, mpsc, watch};
 
 /// The server's settings (docs/flow-server.md §3, §13).
@@ -116,6 +118,22 @@ struct Inner {
     stop: watch::Sender<bool>,
     /// The timer and the durability task, once started.
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    counts: Counts,
+}
+
+/// Counters for /metrics, from the server's start.
+#[derive(Default)]
+struct Counts {
+    grants: AtomicU64,
+    resumes: AtomicU64,
+    revokes_expired: AtomicU64,
+    revokes_stuck: AtomicU64,
+    revokes_rebalance: AtomicU64,
+    releases: AtomicU64,
+    records: AtomicU64,
+    records_again: AtomicU64,
+    refused_fenced: AtomicU64,
+    refused_other: AtomicU64,
 }
 
 struct State {
@@ -127,6 +145,45 @@ struct State {
     grants: Vec<(Lsn, SessionId, u32, u64)>,
     /// The log failed: every append is refused from then on.
     failed: bool,
+    /// What each worker called itself, for status.
+    names: HashMap<SessionId, String>,
+}
+
+/// What `/status` answers (version 1): each shard's epoch, holder and records, each
+/// worker, and the log's figures.
+#[derive(Debug, serde::Serialize)]
+pub struct Status {
+    pub version: u32,
+    pub shards: Vec<ShardStatus>,
+    pub workers: Vec<WorkerStatus>,
+    pub log: LogStatus,
+}
+
+#[derive(Debug, serde::Serialize)]
+pub struct ShardStatus {
+    pub shard: u32,
+    pub epoch: u64,
+    /// The holding session, in hex; none while free (or fenced after a revoke).
+    pub holder: Option<String>,
+    pub records: u64,
+    pub durable: u64,
+}
+
+#[derive(Debug, serde::Serialize)]
+pub struct WorkerStatus {
+    pub session: String,
+    pub name: String,
+    pub connected: bool,
+    pub shards: Vec<u32>,
+}
+
+#[derive(Debug, serde::Serialize)]
+pub struct LogStatus {
+    pub durable: u64,
+    pub end: u64,
+    pub segments: usize,
+    pub syncs: u64,
+    pub records: u64,
 }
 
 impl Server {
@@ -166,10 +223,12 @@ impl Server {
                     conns: HashMap::new(),
                     grants: Vec::new(),
                     failed: false,
+                    names: HashMap::new(),
                 }),
                 appended: Notify::new(),
                 stop: watch::channel(false).0,
                 tasks: Mutex::new(Vec::new()),
+                counts: Counts::default(),
             }),
         })
     }
@@ -221,6 +280,142 @@ impl Server {
         Connector {
             inner: self.inner.clone(),
         }
+    }
+
+    /// The `/status` answer.
+    pub fn status(&self) -> Status {
+        let state = ferry_core::sync::lock(&self.inner.state);
+        let shards = (0..self.inner.settings.shards)
+            .map(|shard| {
+                let (epoch, holder) = state.table.holder(shard);
+                ShardStatus {
+                    shard,
+                    epoch,
+                    holder: holder.map(|h| format!("{h:032x}")),
+                    records: state.store.end(shard),
+                    durable: state.store.durable(shard),
+                }
+            })
+            .collect();
+        let workers = state
+            .table
+            .sessions()
+            .into_iter()
+            .map(|(id, connected)| WorkerStatus {
+                session: format!("{id:032x}"),
+                name: state.names.get(&id).cloned().unwrap_or_default(),
+                connected,
+                shards: state.table.held_by(id).iter().map(|h| h.shard).collect(),
+            })
+            .collect();
+        let st = self.inner.log.stats();
+        Status {
+            version: 1,
+            shards,
+            workers,
+            log: LogStatus {
+                durable: st.durable,
+                end: st.end,
+                segments: st.segments,
+                syncs: st.syncs,
+                records: st.records,
+            },
+        }
+    }
+
+    /// `/metrics`: Prometheus text (0.0.4).
+    pub fn metrics(&self) -> String {
+        let status = self.status();
+        let c = &self.inner.counts;
+        let held = status.shards.iter().filter(|s| s.holder.is_some()).count();
+        let connected = status.workers.iter().filter(|w| w.connected).count();
+        let mut out = String::new();
+        let mut metric = |name: &str, kind: &str, help: &str, samples: &[(&str, u64)]| {
+            out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
+            for (labels, v) in samples {
+                out.push_str(&format!("{name}{labels} {v}\n"));
+            }
+        };
+        metric(
+            "ferry_flow_server_shards",
+            "gauge",
+            "shards, and how many are held",
+            &[
+                ("{state=\"held\"}", held as u64),
+                ("{state=\"free\"}", (status.shards.len() - held) as u64),
+            ],
+        );
+        metric(
+            "ferry_flow_server_workers",
+            "gauge",
+            "workers the lease table knows, connected or within their lease",
+            &[
+                ("{connected=\"true\"}", connected as u64),
+                (
+                    "{connected=\"false\"}",
+                    (status.workers.len() - connected) as u64,
+                ),
+            ],
+        );
+        metric(
+            "ferry_flow_server_grants_total",
+            "counter",
+            "shards granted at a new epoch",
+            &[("", c.grants.load(Relaxed))],
+        );
+        metric(
+            "ferry_flow_server_resumes_total",
+            "counter",
+            "shards a reconnecting worker resumed at the same epoch",
+            &[("", c.resumes.load(Relaxed))],
+        );
+        metric(
+            "ferry_flow_server_revokes_total",
+            "counter",
+            "shards taken from a worker, by reason",
+            &[
+                ("{reason=\"expired\"}", c.revokes_expired.load(Relaxed)),
+                ("{reason=\"stuck\"}", c.revokes_stuck.load(Relaxed)),
+                ("{reason=\"rebalance\"}", c.revokes_rebalance.load(Relaxed)),
+            ],
+        );
+        metric(
+            "ferry_flow_server_releases_total",
+            "counter",
+            "shards workers handed back",
+            &[("", c.releases.load(Relaxed))],
+        );
+        metric(
+            "ferry_flow_server_records_total",
+            "counter",
+            "records appended, and records sent again that were already held",
+            &[
+                ("{kind=\"new\"}", c.records.load(Relaxed)),
+                ("{kind=\"again\"}", c.records_again.load(Relaxed)),
+            ],
+        );
+        metric(
+            "ferry_flow_server_refused_total",
+            "counter",
+            "requests refused: fenced (a stale epoch or a shard not held) or other",
+            &[
+                ("{kind=\"fenced\"}", c.refused_fenced.load(Relaxed)),
+                ("{kind=\"other\"}", c.refused_other.load(Relaxed)),
+            ],
+        );
+        metric(
+            "ferry_flow_server_log_syncs_total",
+            "counter",
+            "syncs of the server's log (each covers every shard's records since the last)",
+            &[("", status.log.syncs)],
+        );
+        metric(
+            "ferry_flow_server_log_durable_bytes",
+            "gauge",
+            "the log's durable position",
+            &[("", status.log.durable)],
+        );
+        out
     }
 
     /// Each shard's epoch and holder as the table sees it (for status and tests).
@@ -346,6 +541,7 @@ fn carry_out(inner: &Inner, state: &mut State, actions: Vec<Action>) {
                 epoch,
             } => match state.store.epoch_record(shard, epoch, session) {
                 Ok(end) => {
+                    inner.counts.grants.fetch_add(1, Relaxed);
                     state.grants.push((end, session, shard, epoch));
                     inner.appended.notify_one();
                 }
@@ -361,6 +557,13 @@ fn carry_out(inner: &Inner, state: &mut State, actions: Vec<Action>) {
                 reason,
             } => {
                 tracing::info!(shard, epoch, ?reason, "ferry flow server: shard revoked");
+                let c = &inner.counts;
+                match reason {
+                    proto::RevokeReason::Expired => &c.revokes_expired,
+                    proto::RevokeReason::Stuck => &c.revokes_stuck,
+                    proto::RevokeReason::Rebalance => &c.revokes_rebalance,
+                }
+                .fetch_add(1, Relaxed);
                 send(
                     state,
                     session,
@@ -377,7 +580,9 @@ fn carry_out(inner: &Inner, state: &mut State, actions: Vec<Action>) {
                 epoch,
             } => send(state, session, Body::Drain { shard, epoch }),
             // Resumes are answered in the Welcome.
-            Action::Resumed { .. } => {}
+            Action::Resumed { .. } => {
+                inner.counts.resumes.fetch_add(1, Relaxed);
+            }
         }
     }
 }
@@ -393,31 +598,6 @@ fn refused(to: u64, refused: Refused) -> Frame {
         id: 0,
         body: Body::Refused { to, refused },
     }
-}
-
-/// Reads one frame; `Ok(None)` at a clean end of the stream.
-async fn read_frame<R: AsyncRead + Unpin>(
-    r: &mut R,
-    buf: &mut Vec<u8>,
-) -> Result<Option<Frame>, FrameError> {
-    buf.clear();
-    buf.resize(4, 0);
-    match r.read_exact(&mut buf[..4]).await {
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
-        Err(e) => return Err(FrameError::Io(e)),
-    }
-    let total = proto::frame_len(buf)
-        .map_err(FrameError::Malformed)?
-        .expect("four bytes are there");
-    buf.resize(total, 0);
-    r.read_exact(&mut buf[4..]).await.map_err(FrameError::Io)?;
-    proto::decode(buf).map(Some).map_err(FrameError::Malformed)
-}
-
-enum FrameError {
-    Io(std::io::Error),
-    Malformed(proto::DecodeError),
 }
 
 async fn connection<S>(inner: Arc<Inner>, stream: S)
@@ -437,7 +617,7 @@ where
                     ..
                 }
             );
-            if writer.write_all(&proto::encode(&frame)).await.is_err() || close {
+            if write_frame(&mut writer, &frame).await.is_err() || close {
                 break;
             }
         }
@@ -455,11 +635,11 @@ where
         let frame = match read {
             Ok(Some(frame)) => frame,
             Ok(None) => break,
-            Err(FrameError::Io(e)) => {
+            Err(ReadError::Io(e)) => {
                 tracing::debug!(error = %e, "ferry flow server: a connection broke");
                 break;
             }
-            Err(FrameError::Malformed(e)) => {
+            Err(ReadError::Malformed(e)) => {
                 let _ = tx.send(refused(0, e.into()));
                 break;
             }
@@ -484,6 +664,15 @@ where
             }
             (Some(s), body) => {
                 if let Some(answer) = handle(&inner, s, id, body) {
+                    if let Body::Refused { refused, .. } = &answer.body {
+                        let c = &inner.counts;
+                        if refused.is_fenced() {
+                            &c.refused_fenced
+                        } else {
+                            &c.refused_other
+                        }
+                        .fetch_add(1, Relaxed);
+                    }
                     let _ = tx.send(answer);
                 }
             }
@@ -540,6 +729,7 @@ fn hello_in(
     }
     // A reconnect replaces the session's old connection.
     state.conns.insert(hello.session, tx.clone());
+    state.names.insert(hello.session, hello.name.clone());
     let resume: Vec<(u32, u64)> = hello.resume.iter().map(|r| (r.shard, r.epoch)).collect();
     let actions = state
         .table
@@ -599,7 +789,15 @@ fn handle(inner: &Inner, session: SessionId, id: u64, body: Body) -> Option<Fram
                 ));
             }
             let count = a.records.len() as u64;
-            match state.store.append(a.shard, a.epoch, a.first, &a.records) {
+            let before = state.store.end(a.shard);
+            let appended = state.store.append(a.shard, a.epoch, a.first, &a.records);
+            let new = state.store.end(a.shard) - before;
+            inner.counts.records.fetch_add(new, Relaxed);
+            inner
+                .counts
+                .records_again
+                .fetch_add(count.saturating_sub(new), Relaxed);
+            match appended {
                 Ok(Some(_)) => {
                     inner.appended.notify_one();
                     None
@@ -644,6 +842,7 @@ fn handle(inner: &Inner, session: SessionId, id: u64, body: Body) -> Option<Fram
             }
             match state.table.release(session, shard, epoch, now) {
                 Ok(actions) => {
+                    inner.counts.releases.fetch_add(1, Relaxed);
                     carry_out(inner, state, actions);
                     answer(Body::Released { shard, epoch })
                 }

@@ -9,7 +9,7 @@
 //!   grant is sent;
 //! - kind 4, the server's shape: `shards u32`, the first record of a new log.
 //!
-//! Not here yet: checkpoints per shard and retiring segments (§14 step 3).
+//! Not here yet: checkpoints per shard and retiring segments (§15 step 3).
 
 use ferry_flow::log::{Error, Log, Lsn};
 use ferry_flow::remote::proto::{Rec, Refused};

@@ -6,14 +6,15 @@
 
 use ferry_flow::log::{Config as LogConfig, Log};
 use ferry_flow::remote::proto::*;
+use ferry_flow_server::peer::{Peer, append, hello};
 use ferry_flow_server::server::{Server, Settings, token_hash};
 use ferry_flow_server::store::{EPOCH_RECORD, SHARD_RECORD};
 use ferry_testkit::Scratch;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{UnixListener, UnixStream};
+use tokio::io::AsyncWriteExt;
+use tokio::net::UnixListener;
 
 fn settings(shards: u32) -> Settings {
     Settings {
@@ -70,107 +71,6 @@ fn rand_tag() -> u64 {
     N.fetch_add(1, Ordering::Relaxed)
 }
 
-/// A worker's end of a connection, frame by frame.
-struct Peer {
-    stream: UnixStream,
-    next: u64,
-}
-
-impl Peer {
-    async fn connect(socket: &Path) -> Peer {
-        Peer {
-            stream: UnixStream::connect(socket).await.unwrap(),
-            next: 1,
-        }
-    }
-
-    async fn send(&mut self, body: Body) -> u64 {
-        self.next += 1;
-        let frame = Frame {
-            id: self.next,
-            body,
-        };
-        self.stream.write_all(&encode(&frame)).await.unwrap();
-        self.next
-    }
-
-    /// The next frame, or None if the server closed the connection.
-    async fn recv(&mut self) -> Option<Frame> {
-        let mut len = [0u8; 4];
-        let read = tokio::time::timeout(Duration::from_secs(10), self.stream.read_exact(&mut len))
-            .await
-            .expect("the server answers within 10 s");
-        read.ok()?;
-        let n = u32::from_be_bytes(len) as usize;
-        let mut buf = len.to_vec();
-        buf.resize(4 + n, 0);
-        self.stream.read_exact(&mut buf[4..]).await.ok()?;
-        Some(decode(&buf).unwrap())
-    }
-
-    /// Frames until one matches, skipping the others (Pongs, Drains).
-    async fn until(&mut self, mut want: impl FnMut(&Body) -> bool) -> Body {
-        loop {
-            let f = self.recv().await.expect("the connection stays open");
-            if want(&f.body) {
-                return f.body;
-            }
-        }
-    }
-
-    async fn hello(socket: &Path, session: u128, resume: Vec<Resume>) -> (Peer, Welcome) {
-        let mut p = Peer::connect(socket).await;
-        p.send(Body::Hello(hello(session, "", resume))).await;
-        let Body::Welcome(w) = p.until(|b| matches!(b, Body::Welcome(_))).await else {
-            unreachable!()
-        };
-        (p, w)
-    }
-
-    /// Grants until `n` shards were granted.
-    async fn grants(&mut self, n: usize) -> Vec<Granted> {
-        let mut got = Vec::new();
-        while got.len() < n {
-            if let Body::Grant(g) = self.until(|b| matches!(b, Body::Grant(_))).await {
-                got.extend(g);
-            }
-        }
-        got
-    }
-
-    /// Durable answers for `shard` until it reaches `position`.
-    async fn durable_to(&mut self, shard: u32, position: u64) {
-        loop {
-            if let Body::Durable(ps) = self.until(|b| matches!(b, Body::Durable(_))).await
-                && ps
-                    .iter()
-                    .any(|p| p.shard == shard && p.position >= position)
-            {
-                return;
-            }
-        }
-    }
-
-    async fn refusal(&mut self) -> Refused {
-        match self.until(|b| matches!(b, Body::Refused { .. })).await {
-            Body::Refused { refused, .. } => refused,
-            _ => unreachable!(),
-        }
-    }
-}
-
-fn hello(session: u128, token: &str, resume: Vec<Resume>) -> Hello {
-    Hello {
-        version: PROTOCOL,
-        role: Role::Worker,
-        session,
-        max_shards: 0,
-        token: token.into(),
-        resume,
-        name: "test".into(),
-    }
-}
-
 fn recs(tag: &str, n: usize) -> Vec<Rec> {
     (0..n)
         .map(|i| Rec {
@@ -180,43 +80,15 @@ fn recs(tag: &str, n: usize) -> Vec<Rec> {
         .collect()
 }
 
-fn append(shard: u32, epoch: u64, first: u64, records: Vec<Rec>) -> Body {
-    Body::Append(Append {
-        shard,
-        epoch,
-        first,
-        records,
-    })
-}
-
-async fn read_all(p: &mut Peer, shard: u32, epoch: u64, page: u32) -> Vec<Rec> {
-    let mut out = Vec::new();
-    loop {
-        p.send(Body::Recover {
-            shard,
-            epoch,
-            from: out.len() as u64,
-            max_bytes: page,
-        })
-        .await;
-        let Body::Records(r) = p.until(|b| matches!(b, Body::Records(_))).await else {
-            unreachable!()
-        };
-        assert_eq!(r.first, out.len() as u64);
-        out.extend(r.records);
-        if r.last {
-            return out;
-        }
-    }
-}
-
 /// Guards §5.1 and §6: a worker is granted every shard once the epochs are durable;
 /// appends sent back to back are acknowledged once synced, and read back in pages.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn appends_are_acknowledged_once_durable_and_read_back_in_pages() {
     let scratch = Scratch::new("flow-server-append");
     let run = start(scratch.path(), settings(2));
-    let (mut a, welcome) = Peer::hello(&run.socket, 1, vec![]).await;
+    let (mut a, welcome) = Peer::hello(&run.socket, hello(1, "", vec![]))
+        .await
+        .unwrap();
     assert_eq!(welcome.shards, 2);
     assert!(
         welcome.grants.is_empty(),
@@ -232,15 +104,15 @@ async fn appends_are_acknowledged_once_durable_and_read_back_in_pages() {
         vec![(0, 1, 0), (1, 1, 0)]
     );
     // Pipelined: three appends without waiting for answers.
-    a.send(append(0, 1, 0, recs("a", 3))).await;
-    a.send(append(1, 1, 0, recs("b", 1))).await;
-    a.send(append(0, 1, 3, recs("c", 2))).await;
+    a.send(append(0, 1, 0, recs("a", 3))).await.unwrap();
+    a.send(append(1, 1, 0, recs("b", 1))).await.unwrap();
+    a.send(append(0, 1, 3, recs("c", 2))).await.unwrap();
     a.durable_to(0, 5).await;
-    let back = read_all(&mut a, 0, 1, 5).await;
+    let back = a.read_all(0, 1, 5).await;
     let mut want = recs("a", 3);
     want.extend(recs("c", 2));
     assert_eq!(back, want, "in order, across pages of one or two records");
-    assert_eq!(read_all(&mut a, 1, 1, 1 << 20).await, recs("b", 1));
+    assert_eq!(a.read_all(1, 1, 1 << 20).await, recs("b", 1));
     run.stop().await;
 }
 
@@ -251,16 +123,20 @@ async fn appends_are_acknowledged_once_durable_and_read_back_in_pages() {
 async fn a_stale_epoch_is_refused_and_none_of_its_records_follow_the_new_grant() {
     let scratch = Scratch::new("flow-server-stale");
     let run = start(scratch.path(), settings(1));
-    let (mut a, _) = Peer::hello(&run.socket, 1, vec![]).await;
+    let (mut a, _) = Peer::hello(&run.socket, hello(1, "", vec![]))
+        .await
+        .unwrap();
     assert_eq!(a.grants(1).await[0].epoch, 1);
-    a.send(append(0, 1, 0, recs("a", 2))).await;
+    a.send(append(0, 1, 0, recs("a", 2))).await.unwrap();
     a.durable_to(0, 2).await;
     // B stands by and pings; A falls silent (it never pings).
-    let (mut b, _) = Peer::hello(&run.socket, 2, vec![]).await;
+    let (mut b, _) = Peer::hello(&run.socket, hello(2, "", vec![]))
+        .await
+        .unwrap();
     let pinger = tokio::spawn(async move {
         let mut got = None;
         while got.is_none() {
-            b.send(Body::Ping(vec![])).await;
+            b.send(Body::Ping(vec![])).await.unwrap();
             let f = tokio::time::timeout(Duration::from_millis(100), b.recv()).await;
             if let Ok(Some(Frame {
                 body: Body::Grant(g),
@@ -275,13 +151,13 @@ async fn a_stale_epoch_is_refused_and_none_of_its_records_follow_the_new_grant()
     let (mut b, g) = pinger.await.unwrap();
     assert_eq!((g.shard, g.epoch, g.end), (0, 2, 2));
     // A wakes: its append is refused, typed, and changes nothing.
-    a.send(append(0, 1, 2, recs("late", 1))).await;
+    a.send(append(0, 1, 2, recs("late", 1))).await.unwrap();
     let r = a.refusal().await;
     assert_eq!(r, Refused::Stale { shard: 0, held: 2 });
     assert!(r.is_fenced());
-    b.send(append(0, 2, 2, recs("b", 1))).await;
+    b.send(append(0, 2, 2, recs("b", 1))).await.unwrap();
     b.durable_to(0, 3).await;
-    let back = read_all(&mut b, 0, 2, 1 << 20).await;
+    let back = b.read_all(0, 2, 1 << 20).await;
     assert_eq!(back.len(), 3);
     assert_eq!(back[2], recs("b", 1)[0]);
     run.stop().await;
@@ -313,21 +189,27 @@ async fn a_stale_epoch_is_refused_and_none_of_its_records_follow_the_new_grant()
 async fn a_reconnect_within_the_lease_resumes_and_resent_records_are_not_written_twice() {
     let scratch = Scratch::new("flow-server-resume");
     let run = start(scratch.path(), settings(1));
-    let (mut a, _) = Peer::hello(&run.socket, 7, vec![]).await;
+    let (mut a, _) = Peer::hello(&run.socket, hello(7, "", vec![]))
+        .await
+        .unwrap();
     a.grants(1).await;
-    a.send(append(0, 1, 0, recs("a", 3))).await;
+    a.send(append(0, 1, 0, recs("a", 3))).await.unwrap();
     a.durable_to(0, 3).await;
     drop(a); // the connection is cut
     let (mut a, welcome) = Peer::hello(
         &run.socket,
-        7,
-        vec![Resume {
-            shard: 0,
-            epoch: 1,
-            acked: 1,
-        }],
+        hello(
+            7,
+            "",
+            vec![Resume {
+                shard: 0,
+                epoch: 1,
+                acked: 1,
+            }],
+        ),
     )
-    .await;
+    .await
+    .unwrap();
     assert_eq!(
         welcome.grants,
         vec![Granted {
@@ -343,13 +225,13 @@ async fn a_reconnect_within_the_lease_resumes_and_resent_records_are_not_written
         kind: 1,
         bytes: b"new".to_vec(),
     });
-    a.send(append(0, 1, 1, again)).await;
+    a.send(append(0, 1, 1, again)).await.unwrap();
     a.durable_to(0, 4).await;
-    let back = read_all(&mut a, 0, 1, 1 << 20).await;
+    let back = a.read_all(0, 1, 1 << 20).await;
     assert_eq!(back.len(), 4, "{back:?}");
     assert_eq!(back[3].bytes, b"new");
     // Other bytes at a position the shard has: a gap, nothing written.
-    a.send(append(0, 1, 2, recs("other", 1))).await;
+    a.send(append(0, 1, 2, recs("other", 1))).await.unwrap();
     assert_eq!(
         a.refusal().await,
         Refused::PositionGap {
@@ -358,7 +240,7 @@ async fn a_reconnect_within_the_lease_resumes_and_resent_records_are_not_written
         }
     );
     // A first position past the end: a gap too.
-    a.send(append(0, 1, 9, recs("x", 1))).await;
+    a.send(append(0, 1, 9, recs("x", 1))).await.unwrap();
     assert_eq!(
         a.refusal().await,
         Refused::PositionGap {
@@ -366,7 +248,7 @@ async fn a_reconnect_within_the_lease_resumes_and_resent_records_are_not_written
             expected: 4
         }
     );
-    assert_eq!(read_all(&mut a, 0, 1, 1 << 20).await.len(), 4);
+    assert_eq!(a.read_all(0, 1, 1 << 20).await.len(), 4);
     run.stop().await;
 }
 
@@ -376,9 +258,11 @@ async fn a_reconnect_within_the_lease_resumes_and_resent_records_are_not_written
 async fn a_restarted_server_keeps_records_and_epochs_for_the_last_holder() {
     let scratch = Scratch::new("flow-server-restart");
     let run = start(scratch.path(), settings(2));
-    let (mut a, _) = Peer::hello(&run.socket, 3, vec![]).await;
+    let (mut a, _) = Peer::hello(&run.socket, hello(3, "", vec![]))
+        .await
+        .unwrap();
     a.grants(2).await;
-    a.send(append(1, 1, 0, recs("kept", 4))).await;
+    a.send(append(1, 1, 0, recs("kept", 4))).await.unwrap();
     a.durable_to(1, 4).await;
     drop(a);
     run.stop().await;
@@ -387,17 +271,21 @@ async fn a_restarted_server_keeps_records_and_epochs_for_the_last_holder() {
     assert_eq!(run.server.holders(), vec![(1, Some(3)), (1, Some(3))]);
     let (mut a, welcome) = Peer::hello(
         &run.socket,
-        3,
-        vec![Resume {
-            shard: 1,
-            epoch: 1,
-            acked: 4,
-        }],
+        hello(
+            3,
+            "",
+            vec![Resume {
+                shard: 1,
+                epoch: 1,
+                acked: 4,
+            }],
+        ),
     )
-    .await;
+    .await
+    .unwrap();
     assert_eq!(welcome.grants.len(), 1);
     assert_eq!((welcome.grants[0].epoch, welcome.grants[0].end), (1, 4));
-    assert_eq!(read_all(&mut a, 1, 1, 1 << 20).await, recs("kept", 4));
+    assert_eq!(a.read_all(1, 1, 1 << 20).await, recs("kept", 4));
     // The shard it did not name was freed, and is granted again at the next epoch.
     let g = a.grants(1).await;
     assert_eq!((g[0].shard, g[0].epoch), (0, 2));
@@ -426,19 +314,21 @@ async fn bad_input_is_refused_by_name_and_the_connection_closed() {
             ..settings(1)
         },
     );
-    let mut p = Peer::connect(&run.socket).await;
-    p.send(Body::Hello(hello(1, "wrong", vec![]))).await;
+    let mut p = Peer::connect(&run.socket).await.unwrap();
+    p.send(Body::Hello(hello(1, "wrong", vec![])))
+        .await
+        .unwrap();
     assert_eq!(p.refusal().await, Refused::Unauthorized);
     assert!(p.recv().await.is_none(), "closed");
 
-    let mut p = Peer::connect(&run.socket).await;
-    p.send(Body::Ping(vec![])).await;
+    let mut p = Peer::connect(&run.socket).await.unwrap();
+    p.send(Body::Ping(vec![])).await.unwrap();
     assert!(
         matches!(p.refusal().await, Refused::Malformed { what } if what.contains("first frame must be a Hello"))
     );
     assert!(p.recv().await.is_none());
 
-    let mut p = Peer::connect(&run.socket).await;
+    let mut p = Peer::connect(&run.socket).await.unwrap();
     p.stream
         .write_all(&[0, 0, 0, 9, 250, 0, 0, 0, 0, 0, 0, 0, 1])
         .await
@@ -448,18 +338,21 @@ async fn bad_input_is_refused_by_name_and_the_connection_closed() {
     );
     assert!(p.recv().await.is_none());
 
-    let mut p = Peer::connect(&run.socket).await;
+    let mut p = Peer::connect(&run.socket).await.unwrap();
     p.send(Body::Hello(Hello {
         version: 9,
         ..hello(1, "s3cret", vec![])
     }))
-    .await;
+    .await
+    .unwrap();
     assert_eq!(p.refusal().await, Refused::Version { supported: 1 });
 
     // Nothing of the above held a shard: the right token is granted epoch 1.
     let (mut a, _) = {
-        let mut p = Peer::connect(&run.socket).await;
-        p.send(Body::Hello(hello(1, "s3cret", vec![]))).await;
+        let mut p = Peer::connect(&run.socket).await.unwrap();
+        p.send(Body::Hello(hello(1, "s3cret", vec![])))
+            .await
+            .unwrap();
         p.until(|b| matches!(b, Body::Welcome(_))).await;
         (p, ())
     };

@@ -1,6 +1,7 @@
 //! `ferry flow list|show|metrics|signal|cancel --dir DIR`: look at and steer the runs of a
 //! ferry-flow engine from outside its process, through the status file and request
 //! inbox it keeps in its directory (docs/flow.md §7; `ferry_flow::admin`).
+//! `ferry flow serve`: server mode's server (docs/flow-server.md; `flow_serve.rs`).
 
 use crate::table;
 use clap::{Args, Subcommand};
@@ -23,6 +24,10 @@ pub enum FlowSub {
     /// Ask a run to cancel: its next suspension point returns Cancelled, so it can
     /// run cleanup steps; a parked run ends cancelled at once.
     Cancel(CancelArgs),
+    /// Server mode's server: holds the journal of every shard in DIR and leases the
+    /// shards to workers (applications opened with `.server(ADDR)`) under epochs
+    /// (docs/flow-server.md). Runs until SIGTERM.
+    Serve(crate::flow_serve::ServeArgs),
 }
 
 #[derive(Args)]
@@ -116,6 +121,7 @@ pub fn run(sub: FlowSub) -> anyhow::Result<()> {
             };
             request(&a.dir.dir, &req, a.timeout_ms, a.json)
         }
+        FlowSub::Serve(a) => crate::flow_serve::serve(a),
         FlowSub::Cancel(a) => request(
             &a.dir.dir,
             &Request::Cancel { run: a.id },

@@ -7,6 +7,7 @@ mod demo_flow;
 mod demo_outbox;
 mod demo_sync;
 mod flow;
+mod flow_serve;
 mod grammar;
 mod outbox;
 mod report;

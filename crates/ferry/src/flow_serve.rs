@@ -1,0 +1,226 @@
+//! `ferry flow serve`: server mode's server (docs/flow-server.md) as a process. Listens
+//! on TCP or a Unix socket for workers, serves /metrics, /status and /healthz on
+//! `--metrics-listen`, logs what changes every 10 s, and on SIGTERM closes every
+//! connection and the log (what was appended is synced; workers resume elsewhere or
+//! when it is back).
+
+use anyhow::Context;
+use clap::Args;
+use ferry_flow::LogConfig;
+use ferry_flow_server::server::{Server, Settings, token_hash};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// The server's directory: its log (every shard's journal and every grant's epoch).
+    #[arg(long)]
+    pub dir: PathBuf,
+    /// Where workers connect: `unix:/path/to/socket` or `HOST:PORT`.
+    #[arg(long)]
+    pub listen: String,
+    /// How many shards runs are spread over; fixed when DIR is first used.
+    #[arg(long, default_value_t = 16)]
+    pub shards: u32,
+    /// A worker silent this long loses its shards.
+    #[arg(long, default_value_t = 5_000)]
+    pub lease_ms: u64,
+    /// How often workers ping: at most a third of the lease.
+    #[arg(long, default_value_t = 1_000)]
+    pub ping_ms: u64,
+    /// A shard whose thread has not turned for this long is taken from its worker.
+    #[arg(long, default_value_t = 10_000)]
+    pub stuck_ms: u64,
+    /// A file of tokens, one per line, of which a worker must present one. Without it,
+    /// any process that can reach --listen may hold shards: use a Unix socket's
+    /// permissions, or a private network.
+    #[arg(long)]
+    pub token_file: Option<PathBuf>,
+    /// Serve /metrics (Prometheus), /status (JSON) and /healthz on this HOST:PORT.
+    #[arg(long)]
+    pub metrics_listen: Option<String>,
+}
+
+pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
+    let tokens = match &a.token_file {
+        None => Vec::new(),
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read --token-file {}", path.display()))?;
+            let tokens: Vec<[u8; 32]> = text
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                .map(token_hash)
+                .collect();
+            if tokens.is_empty() {
+                anyhow::bail!(
+                    "--token-file {} holds no token: one per line, or leave the flag out",
+                    path.display()
+                );
+            }
+            tokens
+        }
+    };
+    let settings = Settings {
+        shards: a.shards,
+        lease: Duration::from_millis(a.lease_ms),
+        ping_every: Duration::from_millis(a.ping_ms),
+        stuck_after: Duration::from_millis(a.stuck_ms),
+        tokens,
+        ..Settings::default()
+    };
+    settings.check().map_err(|e| {
+        let flag = match e.setting {
+            "shards" => "--shards",
+            "ping_every" => "--ping-ms",
+            "stuck_after" => "--stuck-ms",
+            other => other,
+        };
+        anyhow::anyhow!("{flag}: {}", e.reason)
+    })?;
+    let rt = tokio::runtime::Runtime::new().context("starting the runtime")?;
+    rt.block_on(async move {
+        let server = Server::open(&a.dir, settings, LogConfig::default())
+            .with_context(|| format!("cannot open the server's directory --dir {}", a.dir.display()))?;
+        let server = Arc::new(server);
+        server.start();
+        if let Some(addr) = &a.metrics_listen {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on --metrics-listen {addr}"))?;
+            serve_metrics(listener, server.clone());
+        }
+        let accept = accept(&a.listen, &server).await?;
+        tracing::info!(listen = %a.listen, dir = %a.dir.display(), shards = a.shards, "ferry flow serve: serving workers");
+        let progress = tokio::spawn(report_progress(server.clone()));
+        crate::terminated().await;
+        accept.abort();
+        progress.abort();
+        let _ = accept.await;
+        let _ = progress.await;
+        // The metrics server's handle goes with the runtime; wait for the last holder.
+        let server = wait_for_last(server).await;
+        server.shutdown().await;
+        if let Some(path) = a.listen.strip_prefix("unix:") {
+            let _ = std::fs::remove_file(path);
+        }
+        tracing::info!("ferry flow serve: stopped");
+        anyhow::Ok(())
+    })
+}
+
+/// The server once nothing else holds it (the metrics routes hold clones for the span of
+/// a request).
+async fn wait_for_last(mut server: Arc<Server>) -> Server {
+    loop {
+        match Arc::try_unwrap(server) {
+            Ok(s) => return s,
+            Err(still) => {
+                server = still;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
+}
+
+/// Accept workers on `listen` until aborted.
+async fn accept(listen: &str, server: &Arc<Server>) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    let connector = server.connector();
+    if let Some(path) = listen.strip_prefix("unix:") {
+        // A socket left by a server that was killed: nobody answers on it.
+        if std::os::unix::net::UnixStream::connect(path).is_err() {
+            let _ = std::fs::remove_file(path);
+        }
+        let listener = tokio::net::UnixListener::bind(path)
+            .with_context(|| format!("cannot listen on --listen {listen}"))?;
+        Ok(tokio::spawn(async move {
+            loop {
+                match listener.accept().await {
+                    Ok((stream, _)) => {
+                        tokio::spawn(connector.connection(stream));
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "ferry flow serve: accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        }))
+    } else {
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .with_context(|| {
+                format!("cannot listen on --listen {listen} (unix:/path for a Unix socket)")
+            })?;
+        Ok(tokio::spawn(async move {
+            loop {
+                match listener.accept().await {
+                    Ok((stream, _)) => {
+                        let _ = stream.set_nodelay(true);
+                        tokio::spawn(connector.connection(stream));
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "ferry flow serve: accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+        }))
+    }
+}
+
+fn serve_metrics(listener: tokio::net::TcpListener, server: Arc<Server>) {
+    let weak = Arc::downgrade(&server);
+    drop(server);
+    let (w1, w2) = (weak.clone(), weak);
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            axum::routing::get(move || {
+                let s = w1.upgrade();
+                async move { s.map(|s| s.metrics()).unwrap_or_default() }
+            }),
+        )
+        .route(
+            "/status",
+            axum::routing::get(move || {
+                let s = w2.upgrade();
+                async move {
+                    match s {
+                        Some(s) => axum::Json(serde_json::to_value(s.status()).unwrap_or_default()),
+                        None => axum::Json(serde_json::json!({"error": "stopping"})),
+                    }
+                }
+            }),
+        )
+        .route("/healthz", axum::routing::get(|| async { "ok\n" }));
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!("metrics server stopped: {e}");
+        }
+    });
+}
+
+/// Log shards held and records appended every 10 s while something changes.
+async fn report_progress(server: Arc<Server>) {
+    let mut last = (usize::MAX, 0u64);
+    loop {
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        let st = server.status();
+        let held = st.shards.iter().filter(|s| s.holder.is_some()).count();
+        let records: u64 = st.shards.iter().map(|s| s.records).sum();
+        if (held, records) != last {
+            tracing::info!(
+                held,
+                shards = st.shards.len(),
+                workers = st.workers.iter().filter(|w| w.connected).count(),
+                records,
+                "ferry flow serve: {} records appended in the last 10 s",
+                records.saturating_sub(last.1.min(records))
+            );
+            last = (held, records);
+        }
+    }
+}
