@@ -323,6 +323,7 @@ impl EngineBuilder {
         }
         let shared = Arc::new_cyclic(|me| Shared {
             me: me.clone(),
+            journals: vec![log.clone(); self.shards],
             log: log.clone(),
             runs: Mutex::new(BTreeMap::new()),
             handlers: self.handlers,

@@ -35,7 +35,7 @@ impl Engine {
         let end = self
             .shared
             .start_run(workflow.name(), id, encode(input)?, None)?;
-        crate::durable::durable(&self.shared.log, end).await?;
+        crate::durable::durable(self.shared.journal(id), end).await?;
         Ok(RunHandle {
             shared: Arc::downgrade(&self.shared),
             id: id.to_string(),

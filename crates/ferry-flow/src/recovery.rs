@@ -104,7 +104,7 @@ pub(crate) fn recover_run(
                 consumed,
                 cancel_seen,
             );
-            last = shared.log.append(RECORD_KIND, &next.encode())?;
+            last = shared.journal(&run).append(RECORD_KIND, &next.encode())?;
             job_generation = generation + 1;
             job_input = input.clone();
             replay = Replay::new([next]);

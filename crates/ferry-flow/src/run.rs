@@ -20,8 +20,8 @@ use tokio::sync::{Notify, oneshot};
 
 /// What a run's code may ask of its engine (implemented by the engine's shared state).
 pub(crate) trait Host: Send + Sync {
-    /// The journal every record goes to.
-    fn log(&self) -> &Arc<dyn JournalLog>;
+    /// The journal `run`'s records go to (its shard's).
+    fn journal(&self, run: &str) -> &Arc<dyn JournalLog>;
     /// The journal's failure, once it failed: a run waiting on another run races it.
     fn failure(&self) -> &Arc<Failure>;
     fn limits(&self) -> &Limits;
@@ -223,7 +223,7 @@ impl RunCtx {
             crate::journal::encode_into(bytes, &self.run, self.generation, pos, entry);
             let r = crate::api::check_payload(self.shared.limits(), bytes.len()).and_then(|()| {
                 self.shared
-                    .log()
+                    .journal(&self.run)
                     .append(RECORD_KIND, bytes)
                     .map_err(FlowError::from)
             });

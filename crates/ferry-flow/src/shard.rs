@@ -82,7 +82,8 @@ impl Shard {
                     .build()
                     .expect("a current-thread runtime builds");
                 let local = tokio::task::LocalSet::new();
-                let watcher = crate::durable::Waits::install(shared.log.clone(), follower.clone());
+                let watcher =
+                    crate::durable::Waits::install(shared.journals[i].clone(), follower.clone());
                 local.block_on(&rt, async move {
                     tokio::task::spawn_local(watcher);
                     let mut idle = IdlePolls::default();

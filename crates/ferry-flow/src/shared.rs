@@ -31,9 +31,14 @@ enum Then {
 pub(crate) struct Shared {
     /// Itself, for work it spawns that outlives a call (a child's cancellation).
     pub(crate) me: std::sync::Weak<Shared>,
-    /// Where every record goes: ferry-log on the engine's directory, unless the
-    /// builder was given a journal (`EngineBuilder::journal`).
+    /// The engine's own log: ferry-log on the engine's directory, unless the builder
+    /// was given a journal (`EngineBuilder::journal`). Compaction, the status file and
+    /// the log's figures read it; runs journal through `journals`.
     pub(crate) log: Arc<dyn JournalLog>,
+    /// Each shard's journal: where its runs' records go and what they wait on (today
+    /// the one log for every shard; in server mode each shard's own stream,
+    /// docs/flow-server.md §6).
+    pub(crate) journals: Vec<Arc<dyn JournalLog>>,
     /// Every run by id. A B-tree, not a hash map: a hash map's resize moves every
     /// entry under this lock at once, which stalled every shard for tens of
     /// milliseconds at 30,000 runs.
@@ -56,13 +61,21 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// The shard of `run`: FNV-1a of its root id (up to the first `/`), so a child
+    /// (`parent/generation/position`) lives on its root's shard (docs/flow-server.md §1).
+    /// Stable across processes, so a run stays on its shard after a restart.
     pub(crate) fn shard_of(&self, run: &str) -> usize {
-        // FNV-1a: stable across processes, so a run stays on its shard after a restart.
+        let root = run.split('/').next().unwrap_or(run);
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for b in run.bytes() {
+        for b in root.bytes() {
             h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
         }
         (h % self.shards.len() as u64) as usize
+    }
+
+    /// The journal of `run`'s shard.
+    pub(crate) fn journal(&self, run: &str) -> &Arc<dyn JournalLog> {
+        &self.journals[self.shard_of(run)]
     }
 
     /// Spawn `task` on this thread's `LocalSet` (a shard's, or the caller's with
@@ -96,9 +109,10 @@ impl Shared {
     /// Hand `job` to its shard once `end` (its start record) is durable
     /// ([`Starts`]).
     pub(crate) fn spawn_when_durable(&self, end: Lsn, job: Job) {
-        let starts = &self.starts[self.shard_of(&job.run)];
+        let shard = self.shard_of(&job.run);
+        let starts = &self.starts[shard];
         if starts.push(end, job) {
-            Starts::arm(starts.clone(), &self.log, end);
+            Starts::arm(starts.clone(), &self.journals[shard], end);
         }
     }
 
@@ -159,7 +173,7 @@ impl Shared {
         };
         let bytes = rec.encode();
         self.check_payload(bytes.len())?;
-        let end = self.log.append(RECORD_KIND, &bytes)?;
+        let end = self.journal(id).append(RECORD_KIND, &bytes)?;
         let mut entry = RunEntry::new(workflow, parent, 0, RunStatus::Running);
         entry.start_end = end;
         self.counters.added(&entry.status, true);
@@ -191,12 +205,12 @@ impl Shared {
             }
             if e.inbox.wake.cancel.swap(true, Ordering::Relaxed) && e.parked_at().is_none() {
                 // Asked before: answer once that request is durable.
-                (self.log.end_lsn(), Then::Answer)
+                (self.journal(id).end_lsn(), Then::Answer)
             } else {
                 self.journal_cancel(id, e)?
             }
         };
-        crate::durable::durable(&self.log, end).await?;
+        crate::durable::durable(self.journal(id), end).await?;
         match then {
             Then::Answer => {}
             Then::Wake => self.wake(id),
@@ -214,7 +228,8 @@ impl Shared {
             pos: None,
             entry: Entry::CancelRequested,
         };
-        let mut end = self.log.append(RECORD_KIND, &request.encode())?;
+        let journal = self.journal(id);
+        let mut end = journal.append(RECORD_KIND, &request.encode())?;
         self.counters.cancel();
         // A parked run is not running: nothing will observe the request, so its
         // end is journaled here.
@@ -229,7 +244,7 @@ impl Shared {
                     outcome: Outcome::Cancelled,
                 },
             };
-            end = self.log.append(RECORD_KIND, &fin.encode())?;
+            end = journal.append(RECORD_KIND, &fin.encode())?;
         }
         Ok((
             end,
@@ -261,7 +276,7 @@ impl Shared {
             {
                 // Delivered before (perhaps before the run finished): answer once that
                 // delivery is durable (everything appended so far is).
-                (shared.log.end_lsn(), false)
+                (shared.journal(id).end_lsn(), false)
             } else if matches!(e.status, RunStatus::Finished(_)) {
                 return Err(FlowError::RunFinished {
                     id: id.into(),
@@ -280,10 +295,10 @@ impl Shared {
                 };
                 let bytes = rec.encode();
                 shared.check_payload(bytes.len())?;
-                shared.journal_signal(&mut e.inbox, &bytes, name, value, key)?
+                shared.journal_signal(id, &mut e.inbox, &bytes, name, value, key)?
             }
         };
-        crate::durable::durable(&shared.log, end).await?;
+        crate::durable::durable(shared.journal(id), end).await?;
         if fresh {
             shared.wake(id);
         }
@@ -294,6 +309,7 @@ impl Shared {
     /// journal order and the inbox order are the same).
     fn journal_signal(
         &self,
+        id: &str,
         inbox: &mut Inbox,
         bytes: &[u8],
         name: &str,
@@ -308,7 +324,7 @@ impl Shared {
                 max: u64::from(self.limits.signals),
             });
         }
-        let end = self.log.append(RECORD_KIND, bytes)?;
+        let end = self.journal(id).append(RECORD_KIND, bytes)?;
         inbox.push(name.to_string(), value, key.map(str::to_string));
         self.counters.signal();
         Ok((end, true))
@@ -370,8 +386,8 @@ impl Shared {
 }
 
 impl Host for Shared {
-    fn log(&self) -> &Arc<dyn JournalLog> {
-        &self.log
+    fn journal(&self, run: &str) -> &Arc<dyn JournalLog> {
+        Shared::journal(self, run)
     }
 
     fn failure(&self) -> &Arc<Failure> {
