@@ -737,8 +737,7 @@ impl Ctx {
             self.pause_until(pos, retry_at).await?;
             // Output holding: the body talks to the outside world, so what it follows
             // must be durable first.
-            crate::durable::durable(self.run.shared.journal(&self.run.run), self.run.last.get())
-                .await?;
+            crate::durable::durable(&self.run.journal, self.run.last.get()).await?;
             let key = step_key(&self.run.run, self.run.generation, pos);
             let ran = match timeout {
                 None => Ok(body(StepCtx { key, attempt }).await),

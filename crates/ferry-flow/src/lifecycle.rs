@@ -131,7 +131,7 @@ async fn end_generation(
         outcome = o;
     }
     // A result leaves the process only once its record is durable.
-    if crate::durable::durable(shared.journal(&run.run), run.last.get())
+    if crate::durable::durable(&run.journal, run.last.get())
         .await
         .is_ok()
     {
@@ -176,7 +176,7 @@ fn next_generation(
     );
     let bytes = next.encode();
     shared.check_payload(bytes.len())?;
-    let last = shared.journal(&run.run).append(RECORD_KIND, &bytes)?;
+    let last = run.journal.append(RECORD_KIND, &bytes)?;
     if let Some(e) = lock(&shared.runs).get_mut(&run.run) {
         e.generation = run.generation + 1;
     }

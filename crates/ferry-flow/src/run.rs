@@ -141,6 +141,8 @@ pub(crate) struct RunCtx {
     pub(crate) next_input: RefCell<Option<Json>>,
     /// The run's wake-up on arrivals and its cancellation flag.
     pub(crate) wake: Arc<Wake>,
+    /// Its shard's journal, looked up once.
+    pub(crate) journal: Arc<dyn JournalLog>,
 }
 
 thread_local! {
@@ -170,9 +172,11 @@ impl RunCtx {
             _ => (BTreeMap::new(), false),
         };
         let wake = shared.wake_of(&run);
+        let journal = shared.journal(&run).clone();
         RunCtx {
             place,
             wake,
+            journal,
             shared,
             run,
             generation,
@@ -222,8 +226,7 @@ impl RunCtx {
             bytes.clear();
             crate::journal::encode_into(bytes, &self.run, self.generation, pos, entry);
             let r = crate::api::check_payload(self.shared.limits(), bytes.len()).and_then(|()| {
-                self.shared
-                    .journal(&self.run)
+                self.journal
                     .append(RECORD_KIND, bytes)
                     .map_err(FlowError::from)
             });
