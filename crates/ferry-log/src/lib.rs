@@ -60,6 +60,11 @@ pub enum Error {
     Config(#[from] ConfigError),
     #[error("the log is closed")]
     Closed,
+    /// A log held under a lease (a ferry-flow shard on a server) that this writer no
+    /// longer holds: it must append nothing more, and nothing it appended after the
+    /// last acknowledgement counts. What, and why, in words.
+    #[error("fenced: {0}")]
+    Fenced(String),
 }
 
 impl Error {
@@ -78,7 +83,9 @@ impl Classify for Error {
             // retry on the same handle cannot succeed.
             Error::Io { .. } | Error::PreviousIo { .. } => Class::Permanent,
             Error::Corrupted { .. } => Class::Corrupted,
-            Error::TooLarge { .. } | Error::Invalid(_) | Error::Closed => Class::Permanent,
+            Error::TooLarge { .. } | Error::Invalid(_) | Error::Closed | Error::Fenced(_) => {
+                Class::Permanent
+            }
             Error::Config(e) => e.class(),
         }
     }

@@ -1,0 +1,280 @@
+//! The worker's connection and shard streams (`ferry_flow::remote::worker`) against the
+//! real server over real sockets (docs/flow-server.md §5.3, §6, §8.1): appends through a
+//! shard's `JournalLog` wait for the server's acknowledgement; a restarted server is
+//! resumed and what it had not acknowledged is sent again, once; a worker cut off stops
+//! acting by its deadline, before the shard is granted to another, and is fenced when
+//! the network heals.
+
+use ferry_flow::JournalLog;
+use ferry_flow::log::Config as LogConfig;
+use ferry_flow::remote::worker::{Event, Worker, WorkerSettings};
+use ferry_flow_server::peer::{Peer, hello};
+use ferry_flow_server::server::{Server, Settings};
+use ferry_testkit::Scratch;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixListener;
+
+const LEASE: Duration = Duration::from_millis(900);
+
+fn settings(shards: u32) -> Settings {
+    Settings {
+        shards,
+        lease: LEASE,
+        ping_every: Duration::from_millis(100),
+        stuck_after: Duration::from_secs(30),
+        ..Settings::default()
+    }
+}
+
+struct Running {
+    server: Arc<Server>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    async fn stop(self) {
+        self.accept.abort();
+        let _ = self.accept.await;
+        Arc::into_inner(self.server).unwrap().shutdown().await;
+    }
+}
+
+fn start(dir: &Path, socket: &Path, shards: u32) -> Running {
+    let _ = std::fs::remove_file(socket);
+    let server = Arc::new(
+        Server::open(&dir.join("server"), settings(shards), LogConfig::default()).unwrap(),
+    );
+    let listener = UnixListener::bind(socket).unwrap();
+    server.start();
+    let c = server.connector();
+    let accept = tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(c.connection(stream));
+        }
+    });
+    Running { server, accept }
+}
+
+/// Connect a worker from a blocking thread (its connect waits for the welcome).
+async fn worker(server: String) -> Arc<Worker> {
+    tokio::task::spawn_blocking(move || {
+        Arc::new(Worker::connect(WorkerSettings::new(server)).unwrap())
+    })
+    .await
+    .unwrap()
+}
+
+/// Events until `n` shards were granted; their (shard, epoch).
+async fn granted(w: &Arc<Worker>, n: usize) -> Vec<(u32, u64)> {
+    let w = w.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut got = Vec::new();
+        while got.len() < n {
+            match w.next_event(Duration::from_secs(10)) {
+                Some(Event::Granted { shard, epoch }) => got.push((shard, epoch)),
+                Some(_) => {}
+                None => panic!("no grant within 10 s (got {got:?})"),
+            }
+        }
+        got.sort();
+        got
+    })
+    .await
+    .unwrap()
+}
+
+/// Every record of the shard, read back through the stream (pages from the server).
+async fn read_back(w: &Arc<Worker>, shard: u32) -> Vec<Vec<u8>> {
+    let s = w.stream(shard).unwrap();
+    tokio::task::spawn_blocking(move || {
+        let mut out = Vec::new();
+        s.read(0, &mut |r| out.push(r.payload.to_vec())).unwrap();
+        out
+    })
+    .await
+    .unwrap()
+}
+
+/// Guards §6: a shard's records go to the server as they are appended, a wait resolves
+/// once the server said they are durable, and they read back in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn appends_through_a_shard_stream_wait_for_the_servers_acknowledgement() {
+    let scratch = Scratch::new("flow-worker-append");
+    let socket = scratch.path().join("s.sock");
+    let run = start(scratch.path(), &socket, 2);
+    let w = worker(format!("unix:{}", socket.display())).await;
+    assert_eq!(granted(&w, 2).await, vec![(0, 1), (1, 1)]);
+    let s = w.stream(1).unwrap();
+    let mut end = 0;
+    for i in 0..50u32 {
+        end = s.append(1, format!("record {i}").as_bytes()).unwrap();
+    }
+    assert_eq!(end, 50);
+    s.durable(end, None).await.unwrap();
+    assert_eq!(s.durable_lsn(), 50);
+    // Within a ping the shard has a deadline: it may act.
+    assert!(ferry_testkit::wait_until(Duration::from_secs(5), || s.may_act()));
+    let back = read_back(&w, 1).await;
+    assert_eq!(back.len(), 50);
+    assert_eq!(back[49], b"record 49");
+    drop(w);
+    run.stop().await;
+}
+
+/// Guards §8.1 and §7: the server stops with appends unacknowledged and comes back; the
+/// worker resumes at the same epoch, sends again what was not acknowledged, and every
+/// record is on the server once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_server_is_resumed_and_nothing_is_lost_or_written_twice() {
+    let scratch = Scratch::new("flow-worker-restart");
+    let socket = scratch.path().join("s.sock");
+    let run = start(scratch.path(), &socket, 1);
+    let w = worker(format!("unix:{}", socket.display())).await;
+    assert_eq!(granted(&w, 1).await, vec![(0, 1)]);
+    let s = w.stream(0).unwrap();
+    for i in 0..100u32 {
+        s.append(1, format!("r{i}").as_bytes()).unwrap();
+    }
+    s.durable(100, None).await.unwrap();
+    // More, and the server goes away before (all of) them are acknowledged.
+    for i in 100..200u32 {
+        s.append(1, format!("r{i}").as_bytes()).unwrap();
+    }
+    run.stop().await;
+    for i in 200..250u32 {
+        s.append(1, format!("r{i}").as_bytes()).unwrap();
+    }
+    let run = start(scratch.path(), &socket, 1);
+    s.durable(250, None).await.unwrap();
+    assert_eq!(s.epoch(), 1, "resumed, not granted anew");
+    let back = read_back(&w, 0).await;
+    let want: Vec<Vec<u8>> = (0..250u32).map(|i| format!("r{i}").into_bytes()).collect();
+    assert_eq!(back, want);
+    drop(w);
+    run.stop().await;
+}
+
+/// A TCP relay to a Unix socket that can stop carrying bytes both ways (a network that
+/// drops everything, the connection left open).
+struct Relay {
+    port: u16,
+    paused: Arc<AtomicBool>,
+}
+
+async fn relay(to: PathBuf) -> Relay {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let paused = Arc::new(AtomicBool::new(false));
+    let p = paused.clone();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let server = tokio::net::UnixStream::connect(&to).await.unwrap();
+            let (mut cr, mut cw) = client.into_split();
+            let (mut sr, mut sw) = server.into_split();
+            let (p1, p2) = (p.clone(), p.clone());
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 65536];
+                while let Ok(n) = cr.read(&mut buf).await {
+                    if n == 0 {
+                        return;
+                    }
+                    while p1.load(Ordering::SeqCst) {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                    if sw.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 65536];
+                while let Ok(n) = sr.read(&mut buf).await {
+                    if n == 0 {
+                        return;
+                    }
+                    while p2.load(Ordering::SeqCst) {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                    if cw.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    Relay { port, paused }
+}
+
+/// Guards guarantee 2 and §5.3 (T5's blackhole, T4's fence): a worker whose network
+/// goes silent stops acting by its deadline, before the server grants the shard to a
+/// standby; when the network heals, its shard is lost and its appends are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_cut_off_stops_acting_before_the_shard_moves_and_is_fenced_after() {
+    let scratch = Scratch::new("flow-worker-cut");
+    let socket = scratch.path().join("s.sock");
+    let run = start(scratch.path(), &socket, 1);
+    let relay = relay(socket.clone()).await;
+    let a = worker(format!("127.0.0.1:{}", relay.port)).await;
+    assert_eq!(granted(&a, 1).await, vec![(0, 1)]);
+    let s = a.stream(0).unwrap();
+    assert!(ferry_testkit::wait_until(Duration::from_secs(5), || s.may_act()));
+    // B stands by, pinging.
+    let (mut b, _) = Peer::hello(&socket, hello(2, "", vec![])).await.unwrap();
+    // The network to A goes silent.
+    relay.paused.store(true, Ordering::SeqCst);
+    let cut = Instant::now();
+    let stopped = {
+        let s = s.clone();
+        tokio::task::spawn_blocking(move || {
+            ferry_testkit::wait_until(Duration::from_secs(10), || !s.may_act());
+            Instant::now()
+        })
+    };
+    let moved = loop {
+        b.send(ferry_flow::remote::proto::Body::Ping(vec![]))
+            .await
+            .unwrap();
+        if let Ok(Some(f)) = tokio::time::timeout(Duration::from_millis(50), b.recv()).await
+            && let ferry_flow::remote::proto::Body::Grant(g) = f.body
+        {
+            assert_eq!((g[0].shard, g[0].epoch), (0, 2));
+            break Instant::now();
+        }
+    };
+    let stopped = stopped.await.unwrap();
+    assert!(
+        stopped < moved,
+        "A stopped acting {:?} after the cut, the shard moved at {:?}",
+        stopped - cut,
+        moved - cut
+    );
+    assert!(
+        moved - cut >= LEASE - Duration::from_millis(150),
+        "moved after {:?}",
+        moved - cut
+    );
+    // The network heals: A hears it lost the shard, and can append nothing more.
+    relay.paused.store(false, Ordering::SeqCst);
+    let a2 = a.clone();
+    let lost = tokio::task::spawn_blocking(move || {
+        loop {
+            match a2.next_event(Duration::from_secs(10)) {
+                Some(Event::Lost { shard: 0, .. }) => return true,
+                Some(_) => continue,
+                None => return false,
+            }
+        }
+    })
+    .await
+    .unwrap();
+    assert!(lost);
+    let e = s.append(1, b"too late").unwrap_err();
+    assert!(matches!(e, ferry_flow::LogError::Fenced(_)), "{e}");
+    drop(a);
+    drop(b);
+    run.stop().await;
+}
