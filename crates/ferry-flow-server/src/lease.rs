@@ -170,7 +170,8 @@ impl LeaseTable {
     /// A session (re)connects, asking for at most `max_shards` (0: all) and naming the
     /// shards it still runs. Those it holds at that epoch are resumed; those it names and
     /// does not hold it must stop (no action: the `Welcome` does not list them); those it
-    /// holds and does not name are freed (it stopped them). Then free shards are granted.
+    /// holds and does not name are fenced until a lease after their last confirmation
+    /// (a Hello can be older than the session's newest). Then free shards are granted.
     pub fn connect(
         &mut self,
         session: SessionId,
@@ -207,7 +208,15 @@ impl LeaseTable {
                     epoch,
                 });
             } else {
-                shard.hold = Hold::Free;
+                // Not named: the worker stopped it, or this Hello is older than one it
+                // sent since (and still runs the shard under). Either way nobody else
+                // may have it before its last confirmation is a lease old.
+                let until = shard.confirmed_at + self.settings.lease;
+                shard.hold = if now >= until {
+                    Hold::Free
+                } else {
+                    Hold::Fenced { until }
+                };
             }
         }
         actions.extend(self.assign(now));

@@ -3,7 +3,7 @@
 //! probe for people checking a server by hand. The worker proper is the engine's
 //! (docs/flow-server.md §15).
 
-use ferry_flow::remote::io::{read_frame, write_frame};
+use ferry_flow::remote::io::{FrameReader, write_frame};
 use ferry_flow::remote::proto::{
     Append, Body, Frame, Granted, Hello, PROTOCOL, Rec, Refused, Resume, Role, Welcome,
 };
@@ -14,7 +14,7 @@ use tokio::net::UnixStream;
 pub struct Peer {
     pub stream: UnixStream,
     next: u64,
-    buf: Vec<u8>,
+    frames: FrameReader,
     /// How long [`Peer::recv`] waits before it panics: a test's bound.
     pub patience: Duration,
     /// Each shard's durable position, from every `Durable` received.
@@ -49,7 +49,7 @@ impl Peer {
         Ok(Peer {
             stream: UnixStream::connect(socket).await?,
             next: 1,
-            buf: Vec::new(),
+            frames: FrameReader::default(),
             patience: Duration::from_secs(10),
             durable: Default::default(),
         })
@@ -84,7 +84,7 @@ impl Peer {
 
     /// The next frame; None once the server closed the connection (or it broke).
     pub async fn recv(&mut self) -> Option<Frame> {
-        let read = read_frame(&mut self.stream, &mut self.buf);
+        let read = self.frames.next(&mut self.stream);
         let frame = tokio::time::timeout(self.patience, read)
             .await
             .expect("the server answers in time")
@@ -115,6 +115,29 @@ impl Peer {
         while got.len() < n {
             if let Body::Grant(g) = self.until(|b| matches!(b, Body::Grant(_))).await {
                 got.extend(g);
+            }
+        }
+        got
+    }
+
+    /// Ping every `every` (confirming nothing: a standby's pings) until `n` shards were
+    /// granted.
+    pub async fn ping_until_grants(&mut self, n: usize, every: Duration) -> Vec<Granted> {
+        let mut got = Vec::new();
+        let give_up = tokio::time::Instant::now() + self.patience;
+        while got.len() < n {
+            assert!(
+                tokio::time::Instant::now() < give_up,
+                "no grant in time (got {got:?})"
+            );
+            self.send(Body::Ping(Vec::new()))
+                .await
+                .expect("the connection stays open");
+            let wait = tokio::time::Instant::now() + every;
+            while let Ok(Some(f)) = tokio::time::timeout_at(wait, self.recv()).await {
+                if let Body::Grant(g) = f.body {
+                    got.extend(g);
+                }
             }
         }
         got

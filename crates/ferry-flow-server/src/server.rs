@@ -12,7 +12,7 @@ use crate::lease::{Action, LeaseTable, SessionId};
 use crate::store::{AppendError, Store};
 use ferry_core::ConfigError;
 use ferry_flow::log::{Config as LogConfig, Error as LogError, Log, Lsn};
-use ferry_flow::remote::io::{ReadError, read_frame, write_frame};
+use ferry_flow::remote::io::{FrameReader, ReadError, write_frame};
 use ferry_flow::remote::proto::{
     self, Body, Frame, Granted, Hello, PROTOCOL, Refused, Role, ShardPos, Welcome,
 };
@@ -40,6 +40,10 @@ pub struct Settings {
 }
 
 pub const SHARDS_MAX: u32 = 1024;
+
+/// The most a recovery page carries (docs/flow-server.md §7), records' framing
+/// included; a page holds at least one record.
+pub const PAGE_MAX: u32 = 1 << 20;
 
 impl Default for Settings {
     fn default() -> Settings {
@@ -139,8 +143,12 @@ struct Counts {
 struct State {
     table: LeaseTable,
     store: Store,
-    /// Each connected session's outgoing frames.
-    conns: HashMap<SessionId, mpsc::UnboundedSender<Frame>>,
+    /// Each connected session's connection: its number and outgoing frames. A session
+    /// that connects again replaces its entry (and the old connection is closed).
+    conns: HashMap<SessionId, (u64, mpsc::UnboundedSender<Frame>)>,
+    /// Numbers connections as they are accepted: a Hello on an older connection than
+    /// its session's current one is stale (it was in a buffer when the worker moved on).
+    next_conn: u64,
     /// Grants whose epoch record ends at the position: sent once it is durable.
     grants: Vec<(Lsn, SessionId, u32, u64)>,
     /// The log failed: every append is refused from then on.
@@ -221,6 +229,7 @@ impl Server {
                     table,
                     store,
                     conns: HashMap::new(),
+                    next_conn: 0,
                     grants: Vec::new(),
                     failed: false,
                     names: HashMap::new(),
@@ -291,7 +300,7 @@ impl Server {
                 ShardStatus {
                     shard,
                     epoch,
-                    holder: holder.map(|h| format!("{h:032x}")),
+                    holder: holder.map(session_tag),
                     records: state.store.end(shard),
                     durable: state.store.durable(shard),
                 }
@@ -302,7 +311,7 @@ impl Server {
             .sessions()
             .into_iter()
             .map(|(id, connected)| WorkerStatus {
-                session: format!("{id:032x}"),
+                session: session_tag(id),
                 name: state.names.get(&id).cloned().unwrap_or_default(),
                 connected,
                 shards: state.table.held_by(id).iter().map(|h| h.shard).collect(),
@@ -418,6 +427,18 @@ impl Server {
         out
     }
 
+    /// Resolves once the server stopped: asked to, or because its log failed
+    /// ([`Server::failed`] says which).
+    pub async fn stopped(&self) {
+        let mut stop = self.inner.stop.subscribe();
+        let _ = stop.wait_for(|s| *s).await;
+    }
+
+    /// Whether the log failed (the server stopped itself).
+    pub fn failed(&self) -> bool {
+        ferry_core::sync::lock(&self.inner.state).failed
+    }
+
     /// Each shard's epoch and holder as the table sees it (for status and tests).
     pub fn holders(&self) -> Vec<(u64, Option<SessionId>)> {
         let state = ferry_core::sync::lock(&self.inner.state);
@@ -484,9 +505,7 @@ async fn pump(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
             }
         }
         if let Err(e) = inner.log.durable(target).await {
-            tracing::error!(error = %e, "ferry flow server: the log failed; appends are refused until the server is restarted");
-            let mut state = ferry_core::sync::lock(&inner.state);
-            state.failed = true;
+            fail(&inner, &e);
             return;
         }
         let durable = inner.log.durable_lsn();
@@ -494,7 +513,7 @@ async fn pump(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
         let state = &mut *state;
         for (shard, position) in state.store.advance(durable) {
             let (epoch, holder) = state.table.holder(shard);
-            if let Some(tx) = holder.and_then(|h| state.conns.get(&h)) {
+            if let Some((_, tx)) = holder.and_then(|h| state.conns.get(&h)) {
                 let _ = tx.send(Frame {
                     id: 0,
                     body: Body::Durable(vec![ShardPos {
@@ -515,7 +534,7 @@ async fn pump(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
             if state.table.check(session, shard, epoch).is_err() {
                 continue;
             }
-            if let Some(tx) = state.conns.get(&session) {
+            if let Some((_, tx)) = state.conns.get(&session) {
                 let _ = tx.send(Frame {
                     id: 0,
                     body: Body::Grant(vec![Granted {
@@ -530,11 +549,21 @@ async fn pump(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
     }
 }
 
+/// The log failed: nothing it holds past its last sync can be promised, so the server
+/// stops (every connection closes; workers wait for it to come back) rather than
+/// answer for records it may not have. A restart recovers the log.
+fn fail(inner: &Inner, e: &LogError) {
+    tracing::error!(error = %e, "ferry flow server: the log failed; the server stops, and recovers when started again");
+    ferry_core::sync::lock(&inner.state).failed = true;
+    let _ = inner.stop.send(true);
+}
+
 /// Do what the table asked: write epochs (grants go out once durable), send revokes and
 /// drains.
 fn carry_out(inner: &Inner, state: &mut State, actions: Vec<Action>) {
     for a in actions {
         match a {
+            Action::Grant { shard, .. } if state.failed => state.table.grant_failed(shard),
             Action::Grant {
                 session,
                 shard,
@@ -588,7 +617,7 @@ fn carry_out(inner: &Inner, state: &mut State, actions: Vec<Action>) {
 }
 
 fn send(state: &State, session: SessionId, body: Body) {
-    if let Some(tx) = state.conns.get(&session) {
+    if let Some((_, tx)) = state.conns.get(&session) {
         let _ = tx.send(Frame { id: 0, body });
     }
 }
@@ -600,6 +629,21 @@ fn refused(to: u64, refused: Refused) -> Frame {
     }
 }
 
+/// How long a connection may take to say hello, and the most its frames may hold
+/// until it has.
+const HELLO_WITHIN: Duration = Duration::from_secs(10);
+const HELLO_FRAME_MAX: usize = 64 << 10;
+/// A peer that does not take a frame within this is cut off (it would hold the
+/// server's shutdown, and its queue, forever).
+const WRITE_WITHIN: Duration = Duration::from_secs(10);
+
+/// Who a connection is, once it said hello.
+#[derive(Clone, Copy)]
+enum Peer {
+    Worker(SessionId),
+    Client,
+}
+
 async fn connection<S>(inner: Arc<Inner>, stream: S)
 where
     S: AsyncRead + AsyncWrite + Send + 'static,
@@ -608,29 +652,33 @@ where
     let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
     let write = tokio::spawn(async move {
         while let Some(frame) = rx.recv().await {
-            let close = matches!(
-                frame.body,
-                Body::Refused {
-                    refused: Refused::Malformed { .. }
-                        | Refused::Unauthorized
-                        | Refused::Version { .. },
-                    ..
-                }
-            );
-            if write_frame(&mut writer, &frame).await.is_err() || close {
+            let close = matches!(frame.body, Body::Refused { ref refused, .. } if closes(refused));
+            let wrote = tokio::time::timeout(WRITE_WITHIN, write_frame(&mut writer, &frame)).await;
+            if !matches!(wrote, Ok(Ok(()))) || close {
                 break;
             }
         }
-        let _ = writer.shutdown().await;
+        let _ = tokio::time::timeout(WRITE_WITHIN, writer.shutdown()).await;
     });
-    let mut buf = Vec::new();
-    let mut session: Option<SessionId> = None;
+    let conn_no = {
+        let mut state = ferry_core::sync::lock(&inner.state);
+        state.next_conn += 1;
+        state.next_conn
+    };
+    let mut frames = FrameReader::default();
+    frames.limit(HELLO_FRAME_MAX);
+    let hello_by = tokio::time::Instant::now() + HELLO_WITHIN;
+    let mut peer: Option<Peer> = None;
     let mut stop = inner.stop.subscribe();
     loop {
         let read = tokio::select! {
             biased;
             _ = stop.wait_for(|s| *s) => break,
-            read = read_frame(&mut reader, &mut buf) => read,
+            _ = tokio::time::sleep_until(hello_by), if peer.is_none() => {
+                let _ = tx.send(refused(0, Refused::Malformed { what: format!("no Hello within {HELLO_WITHIN:?}") }));
+                break;
+            }
+            read = frames.next(&mut reader) => read,
         };
         let frame = match read {
             Ok(Some(frame)) => frame,
@@ -645,57 +693,90 @@ where
             }
         };
         let id = frame.id;
-        match (session, frame.body) {
-            (None, Body::Hello(hello)) => match hello_in(&inner, &tx, id, hello) {
-                Ok(s) => session = Some(s),
-                Err(r) => {
-                    let _ = tx.send(refused(id, r));
-                    break;
+        let answer = match (peer, frame.body) {
+            (None, Body::Hello(hello)) => match hello_in(&inner, &tx, conn_no, id, hello) {
+                Ok(p) => {
+                    peer = Some(p);
+                    frames.limit(proto::FRAME_MAX);
+                    None
                 }
+                Err(r) => Some(refused(id, r)),
             },
-            (None, _) => {
-                let _ = tx.send(refused(
-                    id,
-                    Refused::Malformed {
-                        what: "the first frame must be a Hello".into(),
-                    },
-                ));
-                break;
-            }
-            (Some(s), body) => {
-                if let Some(answer) = handle(&inner, s, id, body) {
-                    if let Body::Refused { refused, .. } = &answer.body {
-                        let c = &inner.counts;
-                        if refused.is_fenced() {
-                            &c.refused_fenced
-                        } else {
-                            &c.refused_other
-                        }
-                        .fetch_add(1, Relaxed);
-                    }
-                    let _ = tx.send(answer);
+            (None, _) => Some(refused(
+                id,
+                Refused::Malformed {
+                    what: "the first frame must be a Hello".into(),
+                },
+            )),
+            // Calls across shards are not built yet (docs/flow-server.md §9).
+            (Some(Peer::Client), Body::Call(_)) => Some(refused(
+                id,
+                Refused::Unavailable {
+                    retry_after_ms: 1000,
+                },
+            )),
+            (Some(Peer::Client), _) => Some(refused(
+                id,
+                Refused::Malformed {
+                    what: "a client holds no shards: only calls come from a client".into(),
+                },
+            )),
+            (Some(Peer::Worker(s)), body) => handle(&inner, s, conn_no, id, body),
+        };
+        if let Some(answer) = answer {
+            let close = matches!(&answer.body, Body::Refused { refused, .. } if closes(refused));
+            if let Body::Refused { refused, .. } = &answer.body {
+                let c = &inner.counts;
+                if refused.is_fenced() {
+                    &c.refused_fenced
+                } else {
+                    &c.refused_other
                 }
+                .fetch_add(1, Relaxed);
+            }
+            let _ = tx.send(answer);
+            // Nothing after a frame refused as malformed is applied.
+            if close {
+                break;
             }
         }
     }
-    if let Some(s) = session {
+    if let Some(Peer::Worker(s)) = peer {
         let mut state = ferry_core::sync::lock(&inner.state);
         // Only if this connection is still the session's (a reconnect replaces it).
-        if state.conns.get(&s).is_some_and(|c| c.same_channel(&tx)) {
+        if state.conns.get(&s).is_some_and(|(n, _)| *n == conn_no) {
             state.conns.remove(&s);
             state.table.disconnect(s);
         }
     }
     drop(tx);
-    let _ = write.await;
+    // A peer that does not read is cut off by the write timeout; past that, let go.
+    if tokio::time::timeout(WRITE_WITHIN * 2, write).await.is_err() {
+        tracing::warn!("ferry flow server: a connection's writer did not finish");
+    }
+}
+
+/// Refusals after which the connection closes.
+fn closes(r: &Refused) -> bool {
+    matches!(
+        r,
+        Refused::Malformed { .. } | Refused::Unauthorized | Refused::Version { .. }
+    )
+}
+
+/// A session's id as logs and status show it: enough to tell workers apart, not enough
+/// to speak as one.
+pub fn session_tag(id: SessionId) -> String {
+    format!("{:08x}", (id >> 96) as u32)
 }
 
 fn hello_in(
     inner: &Inner,
     tx: &mpsc::UnboundedSender<Frame>,
+    conn_no: u64,
     id: u64,
     hello: Hello,
-) -> Result<SessionId, Refused> {
+) -> Result<Peer, Refused> {
     if hello.version != PROTOCOL {
         return Err(Refused::Version {
             supported: PROTOCOL,
@@ -725,12 +806,46 @@ fn hello_in(
     };
     if hello.role == Role::Client {
         let _ = tx.send(welcome(Vec::new()));
-        return Ok(hello.session);
+        return Ok(Peer::Client);
     }
-    // A reconnect replaces the session's old connection.
-    state.conns.insert(hello.session, tx.clone());
+    // A reconnect replaces the session's old connection (which is closed); a Hello on
+    // a connection older than the session's current one is stale.
+    if let Some((n, old)) = state.conns.get(&hello.session) {
+        if *n > conn_no {
+            return Err(Refused::Malformed {
+                what: "a Hello on a connection older than this session's current one".into(),
+            });
+        }
+        let _ = old.send(refused(
+            0,
+            Refused::Malformed {
+                what: "this session connected again: this connection is replaced".into(),
+            },
+        ));
+    }
+    state.conns.insert(hello.session, (conn_no, tx.clone()));
     state.names.insert(hello.session, hello.name.clone());
-    let resume: Vec<(u32, u64)> = hello.resume.iter().map(|r| (r.shard, r.epoch)).collect();
+    // A shard whose acknowledged records the server no longer has durable is not
+    // resumed: that would build on a hole (the server lost what it acknowledged, which
+    // only a restore from an older copy does).
+    let resume: Vec<(u32, u64)> = hello
+        .resume
+        .iter()
+        .filter(|r| {
+            let ok = r.shard < settings.shards && r.acked <= state.store.durable(r.shard);
+            if !ok && r.shard < settings.shards {
+                tracing::error!(
+                    shard = r.shard,
+                    acknowledged = r.acked,
+                    durable = state.store.durable(r.shard),
+                    "ferry flow server: a worker resumes past what this server holds durably; \
+                     was the server's directory restored from an older copy?"
+                );
+            }
+            ok
+        })
+        .map(|r| (r.shard, r.epoch))
+        .collect();
     let actions = state
         .table
         .connect(hello.session, hello.max_shards, &resume, Instant::now());
@@ -741,21 +856,30 @@ fn hello_in(
                 shard,
                 epoch,
                 checkpoint: 0,
-                end: state.store.end(shard),
+                end: state.store.durable(shard),
             }),
             _ => None,
         })
         .collect();
     let _ = tx.send(welcome(resumed));
     carry_out(inner, state, actions);
-    tracing::info!(session = %format!("{:032x}", hello.session), name = %hello.name, max_shards = hello.max_shards, "ferry flow server: a worker connected");
-    Ok(hello.session)
+    tracing::info!(session = %session_tag(hello.session), name = %hello.name, max_shards = hello.max_shards, "ferry flow server: a worker connected");
+    Ok(Peer::Worker(hello.session))
 }
 
 /// One frame from a session that said hello; its answer, if it has one now.
-fn handle(inner: &Inner, session: SessionId, id: u64, body: Body) -> Option<Frame> {
+fn handle(inner: &Inner, session: SessionId, conn_no: u64, id: u64, body: Body) -> Option<Frame> {
     let mut state = ferry_core::sync::lock(&inner.state);
     let state = &mut *state;
+    // A connection its session replaced speaks no more.
+    if state.conns.get(&session).is_none_or(|(n, _)| *n != conn_no) {
+        return Some(refused(
+            id,
+            Refused::Malformed {
+                what: "this connection was replaced by a newer one of its session".into(),
+            },
+        ));
+    }
     let now = Instant::now();
     let answer = |body| Some(Frame { id, body });
     match body {
@@ -817,8 +941,9 @@ fn handle(inner: &Inner, session: SessionId, id: u64, body: Body) -> Option<Fram
                 }
                 Err(AppendError::Refused(r)) => Some(refused(id, r)),
                 Err(AppendError::Log(e)) => {
-                    tracing::error!(error = %e, "ferry flow server: an append failed");
+                    tracing::error!(error = %e, "ferry flow server: the log failed; the server stops, and recovers when started again");
                     state.failed = true;
+                    let _ = inner.stop.send(true);
                     Some(refused(
                         id,
                         Refused::Unavailable {
@@ -829,6 +954,9 @@ fn handle(inner: &Inner, session: SessionId, id: u64, body: Body) -> Option<Fram
             }
         }
         Body::Release { shard, epoch, end } => {
+            if let Err(r) = state.table.check(session, shard, epoch) {
+                return Some(refused(id, r));
+            }
             // Everything up to `end` must be here: a worker releases only what it has
             // seen acknowledged.
             if state.store.end(shard) < end {
@@ -858,7 +986,7 @@ fn handle(inner: &Inner, session: SessionId, id: u64, body: Body) -> Option<Fram
             if let Err(r) = state.table.check(session, shard, epoch) {
                 return Some(refused(id, r));
             }
-            match state.store.page(shard, from, max_bytes.max(1)) {
+            match state.store.page(shard, from, max_bytes.clamp(1, PAGE_MAX)) {
                 Ok((records, last)) => answer(Body::Records(proto::Records {
                     shard,
                     epoch,

@@ -26,10 +26,10 @@ struct Stream {
     /// From the newest epoch record: the epoch and the session granted it.
     epoch: u64,
     holder: Option<u128>,
-    /// Each record's end in the log (where a read for the next one starts) and its
-    /// CRC32C (to tell a record sent again from a different one at the same position),
-    /// by position.
-    index: Vec<(Lsn, u32)>,
+    /// Each record's end in the log (where a read for the next one starts), its CRC32C
+    /// and its length (to tell a record sent again from a different one at the same
+    /// position), by position.
+    index: Vec<(Lsn, u32, u32)>,
     /// Records appended and not yet durable: (end in the log, position after it).
     pending: VecDeque<(Lsn, u64)>,
     /// Every record before this position is durable.
@@ -94,7 +94,8 @@ impl Store {
                         ));
                         return;
                     }
-                    s.index.push((r.end, crc32c::crc32c(&p[20..])));
+                    s.index
+                        .push((r.end, crc32c::crc32c(&p[20..]), (p.len() - 20) as u32));
                 }
                 EPOCH_RECORD if p.len() == 28 => {
                     let shard = u32::from_be_bytes(p[..4].try_into().unwrap());
@@ -185,8 +186,8 @@ impl Store {
             payload.push(rec.kind);
             payload.extend_from_slice(&rec.bytes);
             let crc = crc32c::crc32c(&payload);
-            if let Some(&(_, had)) = s.index.get(position as usize) {
-                if had != crc {
+            if let Some(&(_, had, len)) = s.index.get(position as usize) {
+                if (had, len as usize) != (crc, payload.len()) {
                     return Err(AppendError::Refused(Refused::PositionGap {
                         shard,
                         expected: end,
@@ -200,7 +201,7 @@ impl Store {
             framed.extend_from_slice(&position.to_be_bytes());
             framed.extend_from_slice(&payload);
             let log_end = self.log.append(SHARD_RECORD, &framed)?;
-            s.index.push((log_end, crc));
+            s.index.push((log_end, crc, payload.len() as u32));
             s.pending.push_back((log_end, position + 1));
             last = Some(log_end);
         }
@@ -241,8 +242,9 @@ impl Store {
         moved
     }
 
-    /// Up to `max_bytes` of the shard's durable records from position `from` (at least
-    /// one, if there is one); whether they reach its durable end.
+    /// The shard's durable records from position `from`, as many as fit in `max_bytes`
+    /// as a page's frame carries them (at least one, if there is one); whether they
+    /// reach its durable end.
     pub fn page(&self, shard: u32, from: u64, max_bytes: u32) -> Result<(Vec<Rec>, bool), Error> {
         let s = &self.streams[shard as usize];
         if from >= s.durable {
@@ -273,7 +275,12 @@ impl Store {
                 ));
                 return false;
             }
-            bytes += p.len() - 20;
+            // As the page's frame will carry it: a kind, a length and the bytes.
+            let size = 5 + p.len() - 21;
+            if !out.is_empty() && bytes + size > max_bytes as usize {
+                return false;
+            }
+            bytes += size;
             out.push(Rec {
                 kind: p[20],
                 bytes: p[21..].to_vec(),

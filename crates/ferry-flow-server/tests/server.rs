@@ -286,8 +286,9 @@ async fn a_restarted_server_keeps_records_and_epochs_for_the_last_holder() {
     assert_eq!(welcome.grants.len(), 1);
     assert_eq!((welcome.grants[0].epoch, welcome.grants[0].end), (1, 4));
     assert_eq!(a.read_all(1, 1, 1 << 20).await, recs("kept", 4));
-    // The shard it did not name was freed, and is granted again at the next epoch.
-    let g = a.grants(1).await;
+    // The shard it did not name is granted again at the next epoch, once a lease has
+    // passed since the restart (its holder might have been running it).
+    let g = a.ping_until_grants(1, Duration::from_millis(100)).await;
     assert_eq!((g[0].shard, g[0].epoch), (0, 2));
     run.stop().await;
 
@@ -347,6 +348,38 @@ async fn bad_input_is_refused_by_name_and_the_connection_closed() {
     .unwrap();
     assert_eq!(p.refusal().await, Refused::Version { supported: 1 });
 
+    // Before a Hello, a frame may not announce more than 64 KiB.
+    let mut p = Peer::connect(&run.socket).await.unwrap();
+    p.stream
+        .write_all(&(1u32 << 20).to_be_bytes())
+        .await
+        .unwrap();
+    assert!(
+        matches!(p.refusal().await, Refused::Malformed { what } if what.contains("over the 65536 bytes allowed here"))
+    );
+    assert!(p.recv().await.is_none());
+
+    // A client may call, but not act for a worker.
+    let mut p = Peer::connect(&run.socket).await.unwrap();
+    p.send(Body::Hello(Hello {
+        role: Role::Client,
+        ..hello(77, "s3cret", vec![])
+    }))
+    .await
+    .unwrap();
+    p.until(|b| matches!(b, Body::Welcome(_))).await;
+    p.send(Body::Release {
+        shard: 0,
+        epoch: 1,
+        end: 0,
+    })
+    .await
+    .unwrap();
+    assert!(
+        matches!(p.refusal().await, Refused::Malformed { what } if what.contains("a client holds no shards"))
+    );
+    assert!(p.recv().await.is_none());
+
     // Nothing of the above held a shard: the right token is granted epoch 1.
     let (mut a, _) = {
         let mut p = Peer::connect(&run.socket).await.unwrap();
@@ -357,5 +390,95 @@ async fn bad_input_is_refused_by_name_and_the_connection_closed() {
         (p, ())
     };
     assert_eq!(a.grants(1).await[0].epoch, 1);
+    // A shard number out of range is refused, and the connection goes on.
+    for body in [
+        Body::Release {
+            shard: 5000,
+            epoch: 1,
+            end: 0,
+        },
+        Body::Recover {
+            shard: 5000,
+            epoch: 1,
+            from: 0,
+            max_bytes: 10,
+        },
+        append(5000, 1, 0, vec![]),
+    ] {
+        a.send(body).await.unwrap();
+        assert_eq!(a.refusal().await, Refused::NotHeld { shard: 5000 });
+    }
+    // A second Hello is malformed: refused, and nothing after it is applied.
+    a.send(Body::Hello(hello(1, "s3cret", vec![])))
+        .await
+        .unwrap();
+    a.send(append(
+        0,
+        1,
+        0,
+        vec![Rec {
+            kind: 1,
+            bytes: b"after".to_vec(),
+        }],
+    ))
+    .await
+    .unwrap();
+    assert!(
+        matches!(a.refusal().await, Refused::Malformed { what } if what.contains("a second Hello"))
+    );
+    assert!(a.recv().await.is_none());
+    assert_eq!(run.server.status().shards[0].records, 0);
+    run.stop().await;
+}
+
+/// Guards §7's page size: a Recover asking for more than 1 MiB gets at most 1 MiB of
+/// records (and one record at least), counted as the page's frame carries them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovery_pages_are_capped_whatever_is_asked() {
+    let scratch = Scratch::new("flow-server-pages");
+    let run = start(scratch.path(), settings(1));
+    let (mut a, _) = Peer::hello(&run.socket, hello(1, "", vec![]))
+        .await
+        .unwrap();
+    a.grants(1).await;
+    let big = vec![7u8; 300 << 10];
+    let records: Vec<Rec> = (0..8)
+        .map(|_| Rec {
+            kind: 1,
+            bytes: big.clone(),
+        })
+        .collect();
+    a.send(append(0, 1, 0, records)).await.unwrap();
+    a.durable_to(0, 8).await;
+    a.send(Body::Recover {
+        shard: 0,
+        epoch: 1,
+        from: 0,
+        max_bytes: u32::MAX,
+    })
+    .await
+    .unwrap();
+    let Body::Records(page) = a.until(|b| matches!(b, Body::Records(_))).await else {
+        unreachable!()
+    };
+    assert_eq!(
+        page.records.len(),
+        3,
+        "three records of 300 KiB fit in 1 MiB, a fourth does not"
+    );
+    assert!(!page.last);
+    // A page asked smaller than one record still carries one.
+    a.send(Body::Recover {
+        shard: 0,
+        epoch: 1,
+        from: 3,
+        max_bytes: 1,
+    })
+    .await
+    .unwrap();
+    let Body::Records(page) = a.until(|b| matches!(b, Body::Records(_))).await else {
+        unreachable!()
+    };
+    assert_eq!((page.first, page.records.len()), (3, 1));
     run.stop().await;
 }

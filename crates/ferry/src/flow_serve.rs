@@ -95,7 +95,11 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
         let accept = accept(&a.listen, &server).await?;
         tracing::info!(listen = %a.listen, dir = %a.dir.display(), shards = a.shards, "ferry flow serve: serving workers");
         let progress = tokio::spawn(report_progress(server.clone()));
-        crate::terminated().await;
+        tokio::select! {
+            _ = crate::terminated() => {}
+            _ = server.stopped() => {}
+        }
+        let failed = server.failed();
         accept.abort();
         progress.abort();
         let _ = accept.await;
@@ -105,6 +109,12 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
         server.shutdown().await;
         if let Some(path) = a.listen.strip_prefix("unix:") {
             let _ = std::fs::remove_file(path);
+        }
+        if failed {
+            anyhow::bail!(
+                "the server's log failed (see the error above); start the server again: it \
+                 recovers what was durable, and workers resume"
+            );
         }
         tracing::info!("ferry flow serve: stopped");
         anyhow::Ok(())

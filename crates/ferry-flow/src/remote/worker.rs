@@ -10,7 +10,7 @@
 //! The engine's side (recovering a granted shard, stopping a lost one) is the next step
 //! (docs/flow-server.md §15); this is the connection and the streams.
 
-use super::io::{read_frame, write_frame};
+use super::io::{FrameReader, write_frame};
 use super::proto::{
     Append, Body, Frame, Granted, Hello, PROTOCOL, Rec, Refused, Resume, Role, Turns,
 };
@@ -572,8 +572,8 @@ async fn session(
     )
     .await
     .map_err(io("send the hello"))?;
-    let mut buf = Vec::new();
-    let welcome = match read_frame(&mut rd, &mut buf).await {
+    let mut frames_in = FrameReader::default();
+    let welcome = match frames_in.next(&mut rd).await {
         Ok(Some(Frame {
             body: Body::Welcome(w),
             ..
@@ -644,9 +644,8 @@ async fn session(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let (frames_tx, mut frames) = mpsc::unbounded_channel();
     let reader = tokio::spawn(async move {
-        let mut buf = Vec::new();
         loop {
-            match read_frame(&mut rd, &mut buf).await {
+            match frames_in.next(&mut rd).await {
                 Ok(Some(f)) => {
                     if frames_tx.send(f).is_err() {
                         return;
