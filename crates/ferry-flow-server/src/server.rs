@@ -40,6 +40,9 @@ pub struct Settings {
 }
 
 pub const SHARDS_MAX: u32 = 1024;
+/// The longest lease and stuck time (their milliseconds travel as u32 in the Welcome).
+pub const LEASE_MAX: Duration = Duration::from_secs(600);
+pub const STUCK_MAX: Duration = Duration::from_secs(3600);
 
 /// The most a recovery page carries (docs/flow-server.md §7), records' framing
 /// included; a page holds at least one record.
@@ -66,6 +69,20 @@ impl Settings {
                 "shards",
                 self.shards,
                 format!("must be 1 to {SHARDS_MAX}"),
+            ));
+        }
+        if self.lease > LEASE_MAX {
+            return Err(ConfigError::new(
+                "lease",
+                format!("{:?}", self.lease),
+                format!("must be at most {LEASE_MAX:?}: a dead worker's shards wait this long"),
+            ));
+        }
+        if self.stuck_after > STUCK_MAX {
+            return Err(ConfigError::new(
+                "stuck_after",
+                format!("{:?}", self.stuck_after),
+                format!("must be at most {STUCK_MAX:?}"),
             ));
         }
         if self.ping_every.is_zero() || self.ping_every * 3 > self.lease {
@@ -486,6 +503,16 @@ async fn tick(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
         let mut state = ferry_core::sync::lock(&inner.state);
         let actions = state.table.tick(Instant::now());
         carry_out(&inner, &mut state, actions);
+        // Names of sessions the table forgot go with them.
+        if state.names.len() > state.conns.len() {
+            let known: std::collections::HashSet<SessionId> = state
+                .table
+                .sessions()
+                .into_iter()
+                .map(|(id, _)| id)
+                .collect();
+            state.names.retain(|id, _| known.contains(id));
+        }
     }
 }
 

@@ -74,6 +74,7 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
     settings.check().map_err(|e| {
         let flag = match e.setting {
             "shards" => "--shards",
+            "lease" => "--lease-ms",
             "ping_every" => "--ping-ms",
             "stuck_after" => "--stuck-ms",
             other => other,
