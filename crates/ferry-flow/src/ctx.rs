@@ -738,6 +738,12 @@ impl Ctx {
             // Output holding: the body talks to the outside world, so what it follows
             // must be durable first.
             crate::durable::durable(&self.run.journal, self.run.last.get()).await?;
+            // The fence that covers side effects: past its shard's lease deadline, no
+            // body starts (docs/flow-server.md §5.3).
+            if !self.run.journal.may_act() {
+                self.run.fenced.set(true);
+                return Err(self.run.fence());
+            }
             let key = step_key(&self.run.run, self.run.generation, pos);
             let ran = match timeout {
                 None => Ok(body(StepCtx { key, attempt }).await),

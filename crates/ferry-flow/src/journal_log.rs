@@ -80,6 +80,14 @@ pub trait JournalLog: Send + Sync + 'static {
 
     /// Counters for the status file and metrics; zeroes where the log keeps none.
     fn stats(&self) -> Stats;
+
+    /// Whether what this log's writer does may reach the outside world now: a step body
+    /// start. A log held under a lease (a server-mode shard) answers false once its
+    /// lease may have passed to another writer (docs/flow-server.md §5.3); a local log
+    /// always may.
+    fn may_act(&self) -> bool {
+        true
+    }
 }
 
 impl JournalLog for Log {
@@ -233,5 +241,9 @@ impl JournalLog for Watched {
 
     fn stats(&self) -> Stats {
         self.log.stats()
+    }
+
+    fn may_act(&self) -> bool {
+        self.log.may_act()
     }
 }

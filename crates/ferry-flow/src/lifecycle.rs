@@ -60,6 +60,11 @@ async fn end_generation(
     result: Result<Json, FlowError>,
 ) -> Option<Job> {
     let run = ctx.run();
+    // A run that met its shard's fence ends here, journaling nothing, whatever its code
+    // made of the error: it resumes where the shard is held next.
+    if run.fenced.get() {
+        return None;
+    }
     // A mismatch with the journal parks the run whatever the code made of the error
     // (caught it, mapped it, returned something else).
     if let Err(n) = run.replay.borrow().check() {

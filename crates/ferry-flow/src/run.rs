@@ -143,6 +143,10 @@ pub(crate) struct RunCtx {
     pub(crate) wake: Arc<Wake>,
     /// Its shard's journal, looked up once.
     pub(crate) journal: Arc<dyn JournalLog>,
+    /// A step met its shard's fence (the shard's lease may be another worker's): the
+    /// run journals nothing more in this process, whatever its code makes of the error,
+    /// and resumes wherever the shard is held next.
+    pub(crate) fenced: Cell<bool>,
 }
 
 thread_local! {
@@ -177,6 +181,7 @@ impl RunCtx {
             place,
             wake,
             journal,
+            fenced: Cell::new(false),
             shared,
             run,
             generation,
@@ -188,6 +193,15 @@ impl RunCtx {
             timers: Cell::new(0),
             next_input: RefCell::new(None),
         }
+    }
+
+    /// The error of a run that met its shard's fence.
+    pub(crate) fn fence(&self) -> FlowError {
+        FlowError::Log(ferry_log::Error::Fenced(format!(
+            "run {}: its shard's lease may have passed to another worker; it journals \
+             nothing more here and resumes where the shard is held next",
+            self.run
+        )))
     }
 
     /// Is there room in the history for one more call?
@@ -207,6 +221,9 @@ impl RunCtx {
     /// into this thread's buffer (`ENCODED`), which the log copies from.
     pub(crate) fn append(&self, pos: Option<u32>, entry: &Entry) -> Result<(), FlowError> {
         self.replay.borrow().check()?;
+        if self.fenced.get() {
+            return Err(self.fence());
+        }
         // The history limit is checked when a call begins (its first entry; a step
         // checks before its body runs, see `room`): what completes a call already
         // begun, or ends the run, is always journaled.

@@ -297,6 +297,10 @@ impl JournalLog for ShardStream {
             ..Stats::default()
         }
     }
+
+    fn may_act(&self) -> bool {
+        ShardStream::may_act(self)
+    }
 }
 
 type ReadReply = std::sync::mpsc::Sender<Result<(Vec<Rec>, bool), Error>>;
