@@ -77,9 +77,9 @@ struct Shard {
     confirmed_at: Instant,
     turns: u64,
     turned_at: Instant,
-    /// The session it was revoked from as stuck: granted back to it only if no other
-    /// can take it.
-    stuck_on: Option<SessionId>,
+    /// The session it was last taken from as stuck, or that handed it back: granted back
+    /// to it only if no other can take it.
+    avoid: Option<SessionId>,
 }
 
 #[derive(Clone, Debug)]
@@ -125,7 +125,7 @@ impl LeaseTable {
                     confirmed_at: now,
                     turns: 0,
                     turned_at: now,
-                    stuck_on: None,
+                    avoid: None,
                 }
             })
             .collect();
@@ -291,7 +291,9 @@ impl LeaseTable {
         now: Instant,
     ) -> Result<Vec<Action>, Refused> {
         self.check(session, shard, epoch)?;
-        self.shards[shard as usize].hold = Hold::Free;
+        let s = &mut self.shards[shard as usize];
+        s.hold = Hold::Free;
+        s.avoid = Some(session);
         let mut actions = self.assign(now);
         actions.extend(self.rebalance(now));
         Ok(actions)
@@ -341,7 +343,7 @@ impl LeaseTable {
                     };
                     if let Some(reason) = reason {
                         if reason == RevokeReason::Stuck {
-                            shard.stuck_on = Some(session);
+                            shard.avoid = Some(session);
                         }
                         if connected {
                             actions.push(Action::Revoke {
@@ -396,27 +398,19 @@ impl LeaseTable {
     }
 
     /// Every free shard to the connected session holding the fewest, below its cap (the one
-    /// it was revoked from as stuck last of all).
+    /// it was taken from as stuck, or that handed it back, last of all).
     fn assign(&mut self, now: Instant) -> Vec<Action> {
         let mut actions = Vec::new();
         for i in 0..self.shards.len() {
             if !matches!(self.shards[i].hold, Hold::Free) {
                 continue;
             }
-            let stuck_on = self.shards[i].stuck_on;
+            let avoid = self.shards[i].avoid;
             let taker = self
                 .sessions
                 .iter()
                 .filter(|(_, s)| self.eligible(s, now))
-                .map(|(&id, s)| {
-                    (
-                        Some(id) == stuck_on,
-                        self.count(id),
-                        s.order,
-                        id,
-                        self.cap(s),
-                    )
-                })
+                .map(|(&id, s)| (Some(id) == avoid, self.count(id), s.order, id, self.cap(s)))
                 .filter(|&(_, held, _, _, cap)| held < cap)
                 .min();
             let Some((_, _, _, session, _)) = taker else {
@@ -430,8 +424,8 @@ impl LeaseTable {
             };
             shard.confirmed_at = now;
             shard.turned_at = now;
-            if shard.stuck_on != Some(session) {
-                shard.stuck_on = None;
+            if shard.avoid != Some(session) {
+                shard.avoid = None;
             }
             actions.push(Action::Grant {
                 session,

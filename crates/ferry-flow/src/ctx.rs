@@ -737,7 +737,9 @@ impl Ctx {
             self.pause_until(pos, retry_at).await?;
             // Output holding: the body talks to the outside world, so what it follows
             // must be durable first.
-            crate::durable::durable(&self.run.journal, self.run.last.get()).await?;
+            crate::durable::durable(&self.run.journal, self.run.last.get())
+                .await
+                .map_err(|e| self.run.fenced_by(e))?;
             // The fence that covers side effects: past its shard's lease deadline, no
             // body starts (docs/flow-server.md §5.3).
             if !self.run.journal.may_act() {

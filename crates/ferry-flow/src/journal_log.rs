@@ -82,7 +82,7 @@ pub trait JournalLog: Send + Sync + 'static {
     fn stats(&self) -> Stats;
 
     /// Whether what this log's writer does may reach the outside world now: a step body
-    /// start. A log held under a lease (a server-mode shard) answers false once its
+    /// start, a run's result. A log held under a lease (a server-mode shard) answers false once its
     /// lease may have passed to another writer (docs/flow-server.md §5.3); a local log
     /// always may.
     fn may_act(&self) -> bool {

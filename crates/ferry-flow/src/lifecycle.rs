@@ -135,10 +135,12 @@ async fn end_generation(
         };
         outcome = o;
     }
-    // A result leaves the process only once its record is durable.
+    // A result leaves the process only once its record is durable, and while its
+    // shard is this process's to act for (docs/flow-server.md §5.3).
     if crate::durable::durable(&run.journal, run.last.get())
         .await
         .is_ok()
+        && run.journal.may_act()
     {
         shared.settle(&run.run, RunStatus::Finished(outcome));
     }

@@ -195,6 +195,15 @@ impl RunCtx {
         }
     }
 
+    /// `e` as a run's error; a fence (its shard's lease is over, wherever it surfaced)
+    /// marks the run fenced, so it journals nothing more here.
+    pub(crate) fn fenced_by(&self, e: ferry_log::Error) -> FlowError {
+        if matches!(e, ferry_log::Error::Fenced(_)) {
+            self.fenced.set(true);
+        }
+        FlowError::Log(e)
+    }
+
     /// The error of a run that met its shard's fence.
     pub(crate) fn fence(&self) -> FlowError {
         FlowError::Log(ferry_log::Error::Fenced(format!(
@@ -245,7 +254,7 @@ impl RunCtx {
             let r = crate::api::check_payload(self.shared.limits(), bytes.len()).and_then(|()| {
                 self.journal
                     .append(RECORD_KIND, bytes)
-                    .map_err(FlowError::from)
+                    .map_err(|e| self.fenced_by(e))
             });
             // A rare large record does not stay allocated on the shard.
             if bytes.capacity() > ENCODED_KEEP {

@@ -405,3 +405,81 @@ fn refusals_are_typed_and_classified() {
         "shard 4 is held under epoch 9: this worker's hold on it is over"
     );
 }
+
+/// A stream that hands out its bytes in chunks of drawn sizes.
+struct Chunked {
+    bytes: Vec<u8>,
+    at: usize,
+    rng: SplitMix64,
+    most: u64,
+}
+
+impl tokio::io::AsyncRead for Chunked {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let most = self.most;
+        let n = (1 + self.rng.below(most) as usize)
+            .min(buf.remaining())
+            .min(self.bytes.len() - self.at);
+        let at = self.at;
+        buf.put_slice(&self.bytes[at..at + n]);
+        self.at += n;
+        std::task::Poll::Ready(Ok(()))
+    }
+}
+
+/// Guards the frame reader (`remote::io`): frames cut anywhere across reads, several in
+/// one read, large and small, come out whole and in order; a stream that ends inside a
+/// frame is an error, between frames a clean end.
+#[tokio::test]
+async fn the_frame_reader_reassembles_frames_cut_anywhere() {
+    let mut rng = SplitMix64::seeded(5);
+    for most in [1u64, 7, 300, 70_000] {
+        let mut frames = Vec::new();
+        let mut bytes = Vec::new();
+        for i in 0..300u64 {
+            let mut f = any_frame(&mut rng, i);
+            if i % 50 == 0 {
+                // Now and then a frame far larger than a read.
+                f.body = Body::Append(Append {
+                    shard: 1,
+                    epoch: 2,
+                    first: 3,
+                    records: vec![Rec {
+                        kind: 1,
+                        bytes: vec![9; 200_000],
+                    }],
+                });
+            }
+            bytes.extend(encode(&f));
+            frames.push(f);
+        }
+        let mut stream = Chunked {
+            bytes: bytes.clone(),
+            at: 0,
+            rng: SplitMix64::seeded(most),
+            most,
+        };
+        let mut reader = ferry_flow::remote::io::FrameReader::default();
+        for want in &frames {
+            let got = reader.next(&mut stream).await.unwrap().unwrap();
+            assert_eq!(&got, want);
+        }
+        assert!(reader.next(&mut stream).await.unwrap().is_none());
+        // Cut inside the last frame: an error, not a frame and not a clean end.
+        let mut cut = Chunked {
+            bytes: bytes[..bytes.len() - 3].to_vec(),
+            at: 0,
+            rng: SplitMix64::seeded(most),
+            most,
+        };
+        let mut reader = ferry_flow::remote::io::FrameReader::default();
+        for _ in 0..frames.len() - 1 {
+            reader.next(&mut cut).await.unwrap().unwrap();
+        }
+        assert!(reader.next(&mut cut).await.is_err());
+    }
+}

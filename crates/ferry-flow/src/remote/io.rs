@@ -22,7 +22,9 @@ pub enum ReadError {
 /// has said who it is, say).
 pub struct FrameReader {
     buf: Vec<u8>,
-    filled: usize,
+    /// The unread bytes are `buf[start..end]`.
+    start: usize,
+    end: usize,
     limit: usize,
 }
 
@@ -30,7 +32,8 @@ impl Default for FrameReader {
     fn default() -> FrameReader {
         FrameReader {
             buf: Vec::new(),
-            filled: 0,
+            start: 0,
+            end: 0,
             limit: proto::FRAME_MAX,
         }
     }
@@ -48,9 +51,11 @@ impl FrameReader {
         r: &mut R,
     ) -> Result<Option<Frame>, ReadError> {
         loop {
-            if self.filled >= 4 {
-                let total =
-                    proto::frame_len(&self.buf[..self.filled])?.expect("four bytes are there");
+            let unread = self.end - self.start;
+            let mut want = 4;
+            if unread >= 4 {
+                let total = proto::frame_len(&self.buf[self.start..self.end])?
+                    .expect("four bytes are there");
                 if total - 4 > self.limit {
                     return Err(ReadError::Malformed(DecodeError {
                         what: format!(
@@ -60,34 +65,46 @@ impl FrameReader {
                         ),
                     }));
                 }
-                if self.filled >= total {
-                    let frame = proto::decode(&self.buf[..total]);
-                    self.buf.copy_within(total..self.filled, 0);
-                    self.filled -= total;
-                    // A large frame's room is not kept for the life of the connection.
-                    if self.buf.len() > (1 << 20) && self.filled < (1 << 16) {
-                        self.buf.truncate(1 << 16);
-                        self.buf.shrink_to_fit();
+                if unread >= total {
+                    let frame = proto::decode(&self.buf[self.start..self.start + total]);
+                    self.start += total;
+                    if self.start == self.end {
+                        self.start = 0;
+                        self.end = 0;
+                        // A large frame's room is not kept for the life of the connection.
+                        if self.buf.len() > (1 << 20) {
+                            self.buf = Vec::new();
+                        }
                     }
                     return Ok(Some(frame?));
                 }
                 // Room for the rest of this frame, as far as 64 KiB at a time.
-                let want = total.min(self.filled + (64 << 10));
-                if self.buf.len() < want {
-                    self.buf.resize(want, 0);
-                }
-            } else if self.buf.len() < 4096 {
-                self.buf.resize(4096, 0);
+                want = total.min(unread + (64 << 10));
             }
-            let n = r.read(&mut self.buf[self.filled..]).await?;
+            // The unread bytes go to the front only when the frame would not fit after
+            // them: each byte is moved at most once per frame it belongs to.
+            if self.buf.len() - self.start < want {
+                self.buf.copy_within(self.start..self.end, 0);
+                self.end = unread;
+                self.start = 0;
+            }
+            let room = (self.start + want).max(self.start + 4096);
+            if self.buf.len() < room {
+                self.buf.resize(room, 0);
+            }
+            if self.end == self.buf.len() {
+                let grow = self.buf.len() + 4096;
+                self.buf.resize(grow, 0);
+            }
+            let n = r.read(&mut self.buf[self.end..]).await?;
             if n == 0 {
-                return if self.filled == 0 {
+                return if unread == 0 {
                     Ok(None)
                 } else {
                     Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into())
                 };
             }
-            self.filled += n;
+            self.end += n;
         }
     }
 }

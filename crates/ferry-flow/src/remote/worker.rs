@@ -1,25 +1,28 @@
 //! A worker's connection to a server (docs/flow-server.md §5.3, §6, §8): one thread with
 //! its own runtime that says hello, pings, sends each shard's records as they are
 //! appended, hands acknowledgements to the shards' waits, keeps each shard's deadline,
-//! and reconnects and resumes after a blip. Each shard it holds is a [`ShardStream`], the
-//! [`JournalLog`] its runs journal through.
+//! and reconnects and resumes after a blip.
+//!
+//! Each grant of a shard is a [`ShardStream`] of its own, the [`JournalLog`] its runs
+//! journal through. A stream that is lost (revoked, past its deadline, refused, released)
+//! stays lost: every append and wait on it fails with `Error::Fenced` for good, so code
+//! still holding it after the shard came back under a new epoch can do nothing with it.
 //!
 //! What the engine learns comes as [`Event`]s: a shard granted (recover it and start its
 //! runs), lost (stop its runs: nothing of it may leave the process any more), asked back.
-//!
 //! The engine's side (recovering a granted shard, stopping a lost one) is the next step
 //! (docs/flow-server.md §15); this is the connection and the streams.
 
 use super::io::{FrameReader, write_frame};
 use super::proto::{
-    Append, Body, Frame, Granted, Hello, PROTOCOL, Rec, Refused, Resume, Role, Turns,
+    Append, Body, FRAME_MAX, Frame, Hello, PROTOCOL, Rec, Refused, Resume, Role, Turns,
 };
 use crate::journal_log::{Durable, JournalLog, OnDurable};
 use ferry_core::sync::lock;
 use ferry_log::{Error, Follower, Lsn, Record, Stats};
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -54,19 +57,39 @@ impl WorkerSettings {
 /// What the connection tells the engine.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
-    /// Shard granted at `epoch`; its records end at `end`: recover it, then run it.
+    /// Shard granted at `epoch`: its stream is [`Worker::stream`]; recover it, then run it.
     Granted { shard: u32, epoch: u64 },
-    /// Shard no longer held: stop its runs. Every wait on it has ended with `Fenced`.
-    Lost { shard: u32, why: String },
+    /// The shard's stream of `epoch` is lost: stop its runs. Every wait on it has ended
+    /// with `Fenced`.
+    Lost { shard: u32, epoch: u64, why: String },
     /// The server asks for the shard back (rebalance): stop it, then [`Worker::release`].
     Drain { shard: u32 },
 }
 
-/// One shard's journal on the server, as this worker holds it.
+/// Time on `CLOCK_BOOTTIME`: it runs on while the machine is suspended, so a deadline
+/// passes during a suspend as it does on the server (docs/flow-server.md §2).
+fn boot_now() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec to write to; CLOCK_BOOTTIME exists on Linux.
+    let r = unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
+    assert_eq!(r, 0, "clock_gettime(CLOCK_BOOTTIME) works on Linux");
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// Bytes of records one `Append` carries at most (at least one record goes).
+const APPEND_BYTES: usize = 64 << 10;
+/// How long to wait for the server to accept, say welcome, or take a frame.
+const IO_WITHIN: Duration = Duration::from_secs(10);
+
+/// One grant of a shard, as this worker holds it.
 pub struct ShardStream {
     shard: u32,
+    epoch: u64,
     /// Weak: the connection holds the streams.
-    conn: std::sync::Weak<Conn>,
+    conn: Weak<Conn>,
     state: Arc<Mutex<StreamState>>,
     /// Bumped by the shard's thread as it turns (docs/flow-server.md §5.4).
     pub turns: AtomicU64,
@@ -74,8 +97,6 @@ pub struct ShardStream {
 
 #[derive(Default)]
 struct StreamState {
-    /// Held at this epoch (0: not held).
-    epoch: u64,
     /// The position after the last record appended.
     next: u64,
     /// Every record before this is durable on the server.
@@ -84,11 +105,15 @@ struct StreamState {
     unsent: VecDeque<(u64, Rec)>,
     /// Written, not yet acknowledged: sent again after a reconnect.
     unacked: VecDeque<(u64, Rec)>,
-    /// No step body may start, and nothing may be released, from this instant on
-    /// (`None`: not yet confirmed since the grant).
-    deadline: Option<Instant>,
-    /// The shard was lost: every append and wait fails with this.
+    /// When the oldest of `unacked` was written (the flush timeout).
+    oldest_sent: Option<Instant>,
+    /// On `CLOCK_BOOTTIME`: no step body may start from here on (`None`: not yet
+    /// confirmed since the grant).
+    deadline: Option<Duration>,
+    /// Lost: every append and wait fails with this, for good.
     failed: Option<Error>,
+    /// Being handed back: no appends; `Release` once everything is acknowledged.
+    releasing: bool,
     waiters: Vec<(u64, Waker)>,
     callbacks: Vec<(u64, OnDurable)>,
 }
@@ -98,38 +123,39 @@ impl ShardStream {
         self.shard
     }
 
-    /// The epoch this worker holds the shard at (0: not held).
+    /// The epoch of this grant.
     pub fn epoch(&self) -> u64 {
-        lock(&self.state).epoch
+        self.epoch
     }
 
-    /// Whether a step body may start, or a result leave the process, now: the shard is
-    /// held and its deadline is ahead (docs/flow-server.md §5.3).
+    /// Whether a step body may start, or a result leave the process, now: the grant is
+    /// not lost and its deadline is ahead (docs/flow-server.md §5.3).
     pub fn may_act(&self) -> bool {
         let s = lock(&self.state);
-        s.failed.is_none() && s.epoch > 0 && s.deadline.is_some_and(|d| Instant::now() < d)
+        s.failed.is_none() && s.deadline.is_some_and(|d| boot_now() < d)
     }
 
-    /// The shard is lost: fail every wait, and every append from now on.
+    /// The grant is lost: fail every wait now, and every append and wait from now on.
+    /// False if it was already.
     fn lose(&self, why: &str) -> bool {
-        let (wakers, callbacks) = {
+        let (wakers, callbacks, err) = {
             let mut s = lock(&self.state);
-            if s.failed.is_some() || s.epoch == 0 {
+            if s.failed.is_some() {
                 return false;
             }
-            s.failed = Some(Error::Fenced(format!(
+            let err = Error::Fenced(format!(
                 "shard {} at epoch {}: {why}",
-                self.shard, s.epoch
-            )));
-            s.epoch = 0;
+                self.shard, self.epoch
+            ));
+            s.failed = Some(err.clone());
             s.unsent.clear();
             s.unacked.clear();
             (
                 std::mem::take(&mut s.waiters),
                 std::mem::take(&mut s.callbacks),
+                err,
             )
         };
-        let err = lock(&self.state).failed.clone().expect("set above");
         for (_, w) in wakers {
             w.wake();
         }
@@ -139,28 +165,20 @@ impl ShardStream {
         true
     }
 
-    /// Granted at `epoch`, the server's records ending at `end`.
-    fn grant(&self, epoch: u64, end: u64) {
-        let mut s = lock(&self.state);
-        *s = StreamState {
-            epoch,
-            next: end,
-            acked: end,
-            ..StreamState::default()
-        };
-    }
-
     /// The server holds every record before `position` durably.
-    fn ack(&self, epoch: u64, position: u64) {
+    fn ack(&self, position: u64) {
         let (wakers, callbacks) = {
             let mut s = lock(&self.state);
-            if s.epoch != epoch || position <= s.acked {
+            if s.failed.is_some() || position <= s.acked {
                 return;
             }
             s.acked = position.min(s.next);
             let acked = s.acked;
             while s.unacked.front().is_some_and(|(p, _)| *p < acked) {
                 s.unacked.pop_front();
+            }
+            if s.unacked.is_empty() {
+                s.oldest_sent = None;
             }
             let (ready, waiting): (Vec<_>, Vec<_>) =
                 s.waiters.drain(..).partition(|(l, _)| *l <= acked);
@@ -184,17 +202,50 @@ impl ShardStream {
             f(Ok(()));
         }
     }
+
+    /// Up to [`APPEND_BYTES`] of what was appended and not sent (at least one record),
+    /// moved to the unacknowledged; None if nothing waits.
+    fn take_batch(&self) -> Option<(u64, Vec<Rec>)> {
+        let mut s = lock(&self.state);
+        if s.failed.is_some() || s.unsent.is_empty() {
+            return None;
+        }
+        let first = s.unsent.front().expect("not empty").0;
+        let mut bytes = 0;
+        let mut out = Vec::new();
+        while let Some((_, r)) = s.unsent.front() {
+            if !out.is_empty() && bytes + 5 + r.bytes.len() > APPEND_BYTES {
+                break;
+            }
+            bytes += 5 + r.bytes.len();
+            let (p, r) = s.unsent.pop_front().expect("looked at it");
+            s.unacked.push_back((p, r.clone()));
+            out.push(r);
+        }
+        s.oldest_sent.get_or_insert_with(Instant::now);
+        Some((first, out))
+    }
 }
 
 impl JournalLog for ShardStream {
     fn append(&self, kind: u8, payload: &[u8]) -> Result<Lsn, Error> {
+        let conn = self.conn.upgrade();
+        let max = conn
+            .as_ref()
+            .map_or(u32::MAX, |c| c.record_max.load(Ordering::Relaxed));
+        if payload.len() + 1 > max as usize {
+            return Err(Error::TooLarge {
+                len: payload.len(),
+                max,
+            });
+        }
         let mut s = lock(&self.state);
         if let Some(e) = &s.failed {
             return Err(e.clone());
         }
-        if s.epoch == 0 {
+        if s.releasing {
             return Err(Error::Fenced(format!(
-                "shard {} is not held by this worker",
+                "shard {} is being handed back",
                 self.shard
             )));
         }
@@ -208,14 +259,17 @@ impl JournalLog for ShardStream {
             },
         ));
         drop(s);
-        if let Some(c) = self.conn.upgrade() {
+        if let Some(c) = conn {
             c.wake.notify_one();
         }
         Ok(pos + 1)
     }
 
     fn durable_lsn(&self) -> Lsn {
-        lock(&self.state).acked
+        let s = lock(&self.state);
+        // A lost grant's records may never be durable: nothing of it counts as such
+        // beyond what was acknowledged (and waits ask `durable`, which fails).
+        s.acked
     }
 
     fn start_lsn(&self) -> Lsn {
@@ -230,12 +284,16 @@ impl JournalLog for ShardStream {
         let state = self.state.clone();
         Box::pin(std::future::poll_fn(move |cx| {
             let mut s = lock(&state);
+            // Acknowledged under this grant's epoch: durable, lost since or not.
             if s.acked >= lsn {
                 return Poll::Ready(Ok(()));
             }
             if let Some(e) = &s.failed {
                 return Poll::Ready(Err(e.clone()));
             }
+            // One waker per task: a future polled again replaces its own.
+            s.waiters
+                .retain(|(l, w)| !(*l == lsn && w.will_wake(cx.waker())));
             s.waiters.push((lsn, cx.waker().clone()));
             Poll::Pending
         }))
@@ -258,18 +316,22 @@ impl JournalLog for ShardStream {
     fn read(&self, from: Lsn, f: &mut dyn FnMut(Record<'_>)) -> Result<Lsn, Error> {
         let mut at = from;
         loop {
-            let epoch = self.epoch();
-            if epoch == 0 {
-                return Err(Error::Fenced(format!("shard {} is not held", self.shard)));
+            if let Some(e) = lock(&self.state).failed.clone() {
+                return Err(e);
             }
             let (tx, rx) = std::sync::mpsc::channel();
             let conn = self.conn.upgrade().ok_or(Error::Closed)?;
             conn.reads
-                .send((self.shard, epoch, at, tx))
+                .send((self.shard, self.epoch, at, tx))
                 .map_err(|_| Error::Closed)?;
             conn.wake.notify_one();
             drop(conn);
-            let page = rx.recv().map_err(|_| Error::Closed)??;
+            let page = rx.recv_timeout(IO_WITHIN * 3).map_err(|_| {
+                Error::Invalid(format!(
+                    "shard {}'s records did not come from the server in time",
+                    self.shard
+                ))
+            })??;
             for rec in &page.0 {
                 at += 1;
                 f(Record {
@@ -309,22 +371,50 @@ type ReadReply = std::sync::mpsc::Sender<Result<(Vec<Rec>, bool), Error>>;
 struct Conn {
     settings: WorkerSettings,
     session: u128,
-    streams: OnceLock<Vec<Arc<ShardStream>>>,
+    /// Each shard's current grant, if any (sized by the first Welcome).
+    slots: Mutex<Vec<Option<Arc<ShardStream>>>>,
     /// Appends, reads and releases wake the connection's writer.
     wake: Notify,
     reads: mpsc::UnboundedSender<(u32, u64, u64, ReadReply)>,
-    releases: mpsc::UnboundedSender<u32>,
     events: Mutex<VecDeque<Event>>,
     event: Condvar,
     stop: AtomicBool,
-    /// The lease figures from the last Welcome.
-    lease: Mutex<(Duration, Duration)>,
+    /// The largest record the server takes (from the Welcome).
+    record_max: AtomicU32,
 }
 
 impl Conn {
     fn emit(&self, e: Event) {
         lock(&self.events).push_back(e);
         self.event.notify_all();
+    }
+
+    /// The current grants.
+    fn streams(&self) -> Vec<Arc<ShardStream>> {
+        lock(&self.slots).iter().flatten().cloned().collect()
+    }
+
+    fn current(&self, shard: u32) -> Option<Arc<ShardStream>> {
+        lock(&self.slots).get(shard as usize).cloned().flatten()
+    }
+
+    /// Lose the grant and drop it from its slot (if it is still the current one).
+    fn lose(&self, s: &Arc<ShardStream>, why: &str) {
+        {
+            let mut slots = lock(&self.slots);
+            if let Some(slot) = slots.get_mut(s.shard as usize)
+                && slot.as_ref().is_some_and(|c| Arc::ptr_eq(c, s))
+            {
+                *slot = None;
+            }
+        }
+        if s.lose(why) {
+            self.emit(Event::Lost {
+                shard: s.shard,
+                epoch: s.epoch,
+                why: why.to_string(),
+            });
+        }
     }
 }
 
@@ -336,10 +426,9 @@ pub struct Worker {
 
 impl Worker {
     /// Start connecting; returns once the server answered the first hello (or with why
-    /// it refused). Shards come as [`Event::Granted`].
+    /// it did not). Shards come as [`Event::Granted`].
     pub fn connect(settings: WorkerSettings) -> Result<Worker, Error> {
         let (reads_tx, reads_rx) = mpsc::unbounded_channel();
-        let (releases_tx, releases_rx) = mpsc::unbounded_channel();
         let session = {
             use ferry_core::seams::{Rng, SplitMix64};
             let mut r = SplitMix64::from_entropy();
@@ -348,14 +437,13 @@ impl Worker {
         let conn = Arc::new(Conn {
             settings,
             session,
-            streams: OnceLock::new(),
+            slots: Mutex::new(Vec::new()),
             wake: Notify::new(),
             reads: reads_tx,
-            releases: releases_tx,
             events: Mutex::new(VecDeque::new()),
             event: Condvar::new(),
             stop: AtomicBool::new(false),
-            lease: Mutex::new((Duration::from_secs(5), Duration::from_secs(1))),
+            record_max: AtomicU32::new(u32::MAX),
         });
         let (first_tx, first_rx) = std::sync::mpsc::channel();
         let c = conn.clone();
@@ -366,7 +454,7 @@ impl Worker {
                     .enable_all()
                     .build()
                     .expect("a current-thread runtime builds");
-                rt.block_on(run(c, reads_rx, releases_rx, first_tx));
+                rt.block_on(run(c, reads_rx, first_tx));
             })
             .map_err(|e| Error::Io {
                 what: "start the worker's connection thread",
@@ -378,8 +466,6 @@ impl Worker {
                 thread: Some(thread),
             }),
             Ok(Err(e)) => {
-                conn.stop.store(true, Ordering::SeqCst);
-                conn.wake.notify_one();
                 let _ = thread.join();
                 Err(e)
             }
@@ -387,13 +473,14 @@ impl Worker {
         }
     }
 
-    /// The shard's stream (once the server said how many there are).
+    /// The shard's current grant, if this worker holds it.
     pub fn stream(&self, shard: u32) -> Option<Arc<ShardStream>> {
-        self.conn.streams.get()?.get(shard as usize).cloned()
+        self.conn.current(shard)
     }
 
+    /// How many shards the server spreads runs over.
     pub fn shards(&self) -> u32 {
-        self.conn.streams.get().map_or(0, |s| s.len() as u32)
+        lock(&self.conn.slots).len() as u32
     }
 
     /// The next event, waiting up to `wait`.
@@ -417,10 +504,13 @@ impl Worker {
         }
     }
 
-    /// Hand a shard back once its appends are acknowledged (docs/flow-server.md §8.2).
+    /// Hand the shard back (docs/flow-server.md §8.2): it takes no more appends, and the
+    /// `Release` goes once everything appended is acknowledged; then it is lost here.
     pub fn release(&self, shard: u32) {
-        let _ = self.conn.releases.send(shard);
-        self.conn.wake.notify_one();
+        if let Some(s) = self.conn.current(shard) {
+            lock(&s.state).releasing = true;
+            self.conn.wake.notify_one();
+        }
     }
 
     /// This worker's session (for the server's status).
@@ -443,27 +533,30 @@ trait Stream: AsyncRead + AsyncWrite + Send + Unpin {}
 impl<T: AsyncRead + AsyncWrite + Send + Unpin> Stream for T {}
 
 async fn dial(server: &str) -> std::io::Result<Box<dyn Stream>> {
-    Ok(match server.strip_prefix("unix:") {
-        Some(path) => Box::new(tokio::net::UnixStream::connect(path).await?),
-        None => {
-            let s = tokio::net::TcpStream::connect(server).await?;
-            s.set_nodelay(true)?;
-            Box::new(s)
-        }
+    let dialed = tokio::time::timeout(IO_WITHIN, async {
+        Ok::<Box<dyn Stream>, std::io::Error>(match server.strip_prefix("unix:") {
+            Some(path) => Box::new(tokio::net::UnixStream::connect(path).await?),
+            None => {
+                let s = tokio::net::TcpStream::connect(server).await?;
+                s.set_nodelay(true)?;
+                Box::new(s)
+            }
+        })
     })
+    .await;
+    dialed.unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
 }
 
 /// The connection thread: connect, say hello, serve, and again after a break.
 async fn run(
     conn: Arc<Conn>,
     mut reads: mpsc::UnboundedReceiver<(u32, u64, u64, ReadReply)>,
-    mut releases: mpsc::UnboundedReceiver<u32>,
     first: std::sync::mpsc::Sender<Result<(), Error>>,
 ) {
     let mut first = Some(first);
     let mut backoff = Duration::from_millis(100);
     while !conn.stop.load(Ordering::SeqCst) {
-        match session(&conn, &mut reads, &mut releases, &mut first).await {
+        match session(&conn, &mut reads, &mut first).await {
             Ok(()) => backoff = Duration::from_millis(100),
             Err(e) => {
                 if let Some(f) = first.take() {
@@ -473,49 +566,35 @@ async fn run(
                 tracing::debug!(error = %e, "ferry flow worker: the connection broke");
             }
         }
-        if conn.stop.load(Ordering::SeqCst) {
-            break;
-        }
-        // Past its deadline a held shard is lost; the rest wait for the resume.
-        expire(&conn, false);
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(1));
-    }
-    if let Some(streams) = conn.streams.get() {
-        for s in streams {
-            if s.lose("the worker stopped") {
-                conn.emit(Event::Lost {
-                    shard: s.shard,
-                    why: "the worker stopped".into(),
-                });
+        // Past its deadline (or never confirmed) a grant is lost; the rest wait for the
+        // resume. Checked through the backoff too.
+        let until = Instant::now() + backoff;
+        while Instant::now() < until && !conn.stop.load(Ordering::SeqCst) {
+            for s in conn.streams() {
+                if lock(&s.state).deadline.is_none_or(|d| boot_now() >= d) {
+                    conn.lose(
+                        &s,
+                        "its lease ran out while the server could not be reached",
+                    );
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+                _ = conn.wake.notified() => {}
             }
         }
+        backoff = (backoff * 2).min(Duration::from_secs(1));
+    }
+    for s in conn.streams() {
+        conn.lose(&s, "the worker stopped");
     }
 }
 
-/// Lose every held shard whose deadline has passed (or, with the connection gone, was
-/// never set: a grant not yet confirmed cannot be resumed).
-fn expire(conn: &Conn, connected: bool) {
-    let Some(streams) = conn.streams.get() else {
-        return;
-    };
-    let now = Instant::now();
-    for s in streams {
-        let past = {
-            let st = lock(&s.state);
-            st.epoch > 0
-                && st.failed.is_none()
-                && match st.deadline {
-                    Some(d) => now >= d,
-                    None => !connected,
-                }
-        };
-        if past && s.lose("its lease ran out before the server confirmed it again") {
-            conn.emit(Event::Lost {
-                shard: s.shard,
-                why: "lease ran out".into(),
-            });
-        }
+/// Writes a frame within [`IO_WITHIN`], or says the connection is broken.
+async fn send<W: AsyncWrite + Unpin>(w: &mut W, frame: Frame) -> Result<(), Error> {
+    match tokio::time::timeout(IO_WITHIN, write_frame(w, &frame)).await {
+        Ok(Ok(())) => Ok(()),
+        _ => Err(Error::Closed),
     }
 }
 
@@ -523,45 +602,34 @@ fn expire(conn: &Conn, connected: bool) {
 async fn session(
     conn: &Arc<Conn>,
     reads: &mut mpsc::UnboundedReceiver<(u32, u64, u64, ReadReply)>,
-    releases: &mut mpsc::UnboundedReceiver<u32>,
     first: &mut Option<std::sync::mpsc::Sender<Result<(), Error>>>,
 ) -> Result<(), Error> {
-    let io = |what: &'static str| {
-        move |e: std::io::Error| Error::Io {
-            what,
-            source: Arc::new(e),
-        }
-    };
-    let stream = dial(&conn.settings.server)
-        .await
-        .map_err(io("connect to the flow server"))?;
+    let stream = dial(&conn.settings.server).await.map_err(|e| Error::Io {
+        what: "connect to the flow server",
+        source: Arc::new(e),
+    })?;
     let (mut rd, mut wr) = tokio::io::split(stream);
-    // Resume what is still ours: held, and inside its deadline.
+    // Resume what is still ours: confirmed, and inside its deadline.
     let resume: Vec<Resume> = conn
-        .streams
-        .get()
-        .map(|streams| {
-            streams
-                .iter()
-                .filter_map(|s| {
-                    let st = lock(&s.state);
-                    (st.epoch > 0 && st.failed.is_none()).then(|| Resume {
-                        shard: s.shard,
-                        epoch: st.epoch,
-                        acked: st.acked,
-                    })
-                })
-                .collect()
+        .streams()
+        .iter()
+        .filter_map(|s| {
+            let st = lock(&s.state);
+            (st.failed.is_none() && st.deadline.is_some_and(|d| boot_now() < d)).then(|| Resume {
+                shard: s.shard,
+                epoch: s.epoch,
+                acked: st.acked,
+            })
         })
-        .unwrap_or_default();
+        .collect();
     let mut id = 1u64;
     let mut next_id = || {
         id += 1;
         id
     };
-    write_frame(
+    send(
         &mut wr,
-        &Frame {
+        Frame {
             id: next_id(),
             body: Body::Hello(Hello {
                 version: PROTOCOL,
@@ -569,179 +637,180 @@ async fn session(
                 session: conn.session,
                 max_shards: conn.settings.max_shards,
                 token: conn.settings.token.clone(),
-                resume,
+                resume: resume.clone(),
                 name: conn.settings.name.clone(),
             }),
         },
     )
-    .await
-    .map_err(io("send the hello"))?;
+    .await?;
     let mut frames_in = FrameReader::default();
-    let welcome = match frames_in.next(&mut rd).await {
-        Ok(Some(Frame {
+    let welcome = match tokio::time::timeout(IO_WITHIN, frames_in.next(&mut rd)).await {
+        Ok(Ok(Some(Frame {
             body: Body::Welcome(w),
             ..
-        })) => w,
-        Ok(Some(Frame {
+        }))) => w,
+        Ok(Ok(Some(Frame {
             body: Body::Refused { refused, .. },
             ..
-        })) => {
+        }))) => {
             return Err(Error::Invalid(format!(
                 "the flow server refused this worker: {refused}"
             )));
         }
-        Ok(_) => {
+        Ok(Ok(_)) => {
             return Err(Error::Invalid(
                 "the flow server did not welcome this worker".into(),
             ));
         }
-        Err(e) => return Err(Error::Invalid(format!("the flow server's welcome: {e}"))),
+        Ok(Err(e)) => {
+            return Err(Error::Invalid(format!("the flow server's welcome: {e}")));
+        }
+        Err(_) => {
+            return Err(Error::Invalid(format!(
+                "the flow server did not welcome this worker within {IO_WITHIN:?}"
+            )));
+        }
     };
     let lease = Duration::from_millis(u64::from(welcome.lease_ms));
     let ping_every =
         Duration::from_millis(u64::from(welcome.ping_ms)).max(Duration::from_millis(10));
-    *lock(&conn.lease) = (lease, ping_every);
-    let streams = conn.streams.get_or_init(|| {
-        (0..welcome.shards)
-            .map(|shard| {
-                Arc::new(ShardStream {
-                    shard,
-                    conn: Arc::downgrade(conn),
-                    state: Arc::new(Mutex::new(StreamState::default())),
-                    turns: AtomicU64::new(0),
-                })
-            })
-            .collect()
-    });
+    conn.record_max.store(welcome.record_max, Ordering::Relaxed);
+    {
+        let mut slots = lock(&conn.slots);
+        if slots.is_empty() {
+            slots.resize(welcome.shards as usize, None);
+        }
+    }
     // What the welcome resumed keeps going (unacknowledged records are sent again); the
     // rest of what we held is lost.
-    let resumed: HashMap<u32, &Granted> = welcome.grants.iter().map(|g| (g.shard, g)).collect();
-    for s in streams {
-        let keep = {
+    for s in conn.streams() {
+        let kept = welcome
+            .grants
+            .iter()
+            .any(|g| g.shard == s.shard && g.epoch == s.epoch);
+        if kept {
             let mut st = lock(&s.state);
-            match resumed.get(&s.shard) {
-                Some(g) if st.epoch == g.epoch && st.failed.is_none() => {
-                    let again: Vec<_> = st.unacked.drain(..).collect();
-                    for r in again.into_iter().rev() {
-                        st.unsent.push_front(r);
-                    }
-                    true
-                }
-                _ => st.epoch == 0,
+            let again: Vec<_> = st.unacked.drain(..).collect();
+            for r in again.into_iter().rev() {
+                st.unsent.push_front(r);
             }
-        };
-        if !keep && s.lose("not resumed: the server had given it up") {
-            conn.emit(Event::Lost {
-                shard: s.shard,
-                why: "not resumed".into(),
-            });
+            st.oldest_sent = None;
+        } else {
+            conn.lose(&s, "not resumed: the server had given it up");
         }
     }
     if let Some(f) = first.take() {
         let _ = f.send(Ok(()));
     }
-    // Requests in flight: appends by id (to know a refused one's shard), reads by id.
-    let mut appends: HashMap<u64, (u32, u64)> = HashMap::new();
+    // Requests in flight: appends by id (their shard, epoch and end), reads by id.
+    let mut appends: HashMap<u64, (u32, u64, u64)> = HashMap::new();
     let mut pending_reads: HashMap<u64, ReadReply> = HashMap::new();
-    let mut pings: HashMap<u64, Instant> = HashMap::new();
+    let mut pings: HashMap<u64, Duration> = HashMap::new();
     let mut tick = tokio::time::interval(ping_every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let (frames_tx, mut frames) = mpsc::unbounded_channel();
     let reader = tokio::spawn(async move {
-        loop {
-            match frames_in.next(&mut rd).await {
-                Ok(Some(f)) => {
-                    if frames_tx.send(f).is_err() {
-                        return;
-                    }
-                }
-                _ => return,
+        while let Ok(Some(f)) = frames_in.next(&mut rd).await {
+            if frames_tx.send(f).is_err() {
+                return;
             }
         }
     });
-    let result = loop {
+    let mut heard = Instant::now();
+    let result = 'conn: loop {
         if conn.stop.load(Ordering::SeqCst) {
             break Ok(());
         }
-        // Send what was appended, shard by shard.
-        let mut broken = false;
-        for s in streams {
-            let batch = {
-                let mut st = lock(&s.state);
-                if st.epoch == 0 || st.unsent.is_empty() {
-                    continue;
-                }
-                let taken: Vec<(u64, Rec)> = st.unsent.drain(..).collect();
-                st.unacked.extend(taken.iter().cloned());
-                (st.epoch, taken)
-            };
-            let (epoch, taken) = batch;
-            let first = taken[0].0;
-            let rid = next_id();
-            appends.insert(rid, (s.shard, first + taken.len() as u64));
-            if write_frame(
-                &mut wr,
-                &Frame {
+        for s in conn.streams() {
+            // Send what was appended, in batches.
+            while let Some((first, records)) = s.take_batch() {
+                let rid = next_id();
+                appends.insert(rid, (s.shard, s.epoch, first + records.len() as u64));
+                let frame = Frame {
                     id: rid,
                     body: Body::Append(Append {
                         shard: s.shard,
-                        epoch,
+                        epoch: s.epoch,
                         first,
-                        records: taken.into_iter().map(|(_, r)| r).collect(),
+                        records,
                     }),
-                },
-            )
-            .await
-            .is_err()
-            {
-                broken = true;
-                break;
+                };
+                debug_assert!(super::proto::encode(&frame).len() <= FRAME_MAX + 4);
+                if let Err(e) = send(&mut wr, frame).await {
+                    break 'conn Err(e);
+                }
             }
-        }
-        if broken {
-            break Err(Error::Closed);
+            // A shard being handed back goes once everything is acknowledged.
+            let done = {
+                let st = lock(&s.state);
+                (st.releasing && st.unsent.is_empty() && st.acked == st.next).then_some(st.acked)
+            };
+            if let Some(end) = done {
+                conn.lose(&s, "released");
+                let rid = next_id();
+                let release = Frame {
+                    id: rid,
+                    body: Body::Release {
+                        shard: s.shard,
+                        epoch: s.epoch,
+                        end,
+                    },
+                };
+                if let Err(e) = send(&mut wr, release).await {
+                    break 'conn Err(e);
+                }
+            }
         }
         tokio::select! {
             biased;
             f = frames.recv() => {
                 let Some(f) = f else { break Err(Error::Closed) };
-                if handle(conn, streams, f, &mut appends, &mut pending_reads, &mut pings, lease, ping_every) {
+                heard = Instant::now();
+                if handle(conn, f, &mut appends, &mut pending_reads, &mut pings, lease, ping_every) {
                     tick.reset_immediately();
                 }
             }
             _ = tick.tick() => {
-                expire(conn, true);
-                let turns: Vec<Turns> = streams
+                // A server that says nothing for a lease is gone, whatever the socket says.
+                if heard.elapsed() > lease {
+                    break Err(Error::Invalid("the flow server has been silent for a lease".into()));
+                }
+                let turns: Vec<Turns> = conn
+                    .streams()
                     .iter()
-                    .filter_map(|s| {
-                        let epoch = s.epoch();
-                        (epoch > 0).then(|| Turns { shard: s.shard, epoch, turns: s.turns.load(Ordering::Relaxed) })
-                    })
+                    .map(|s| Turns { shard: s.shard, epoch: s.epoch, turns: s.turns.load(Ordering::Relaxed) })
                     .collect();
                 let rid = next_id();
-                pings.insert(rid, Instant::now());
-                if write_frame(&mut wr, &Frame { id: rid, body: Body::Ping(turns) }).await.is_err() {
-                    break Err(Error::Closed);
+                pings.insert(rid, boot_now());
+                if let Err(e) = send(&mut wr, Frame { id: rid, body: Body::Ping(turns) }).await {
+                    break Err(e);
+                }
+                // Past their deadline, or unacknowledged past the flush timeout: lost,
+                // and handed back so the server need not wait for the lease.
+                for s in conn.streams() {
+                    let (past, acked) = {
+                        let st = lock(&s.state);
+                        let past = st.deadline.is_some_and(|d| boot_now() >= d)
+                            || st.oldest_sent.is_some_and(|t| t.elapsed() > lease);
+                        (past, st.acked)
+                    };
+                    if past {
+                        conn.lose(&s, "its lease ran out, or the server did not acknowledge its records within a lease");
+                        let rid = next_id();
+                        let release = Frame { id: rid, body: Body::Release { shard: s.shard, epoch: s.epoch, end: acked } };
+                        if let Err(e) = send(&mut wr, release).await {
+                            break 'conn Err(e);
+                        }
+                    }
                 }
             }
             r = reads.recv() => {
                 let Some((shard, epoch, from, reply)) = r else { break Ok(()) };
                 let rid = next_id();
                 pending_reads.insert(rid, reply);
-                if write_frame(&mut wr, &Frame { id: rid, body: Body::Recover { shard, epoch, from, max_bytes: 1 << 20 } }).await.is_err() {
-                    break Err(Error::Closed);
-                }
-            }
-            r = releases.recv() => {
-                let Some(shard) = r else { break Ok(()) };
-                let s = &streams[shard as usize];
-                let (epoch, end) = { let st = lock(&s.state); (st.epoch, st.acked) };
-                if epoch > 0 {
-                    s.lose("released");
-                    let rid = next_id();
-                    if write_frame(&mut wr, &Frame { id: rid, body: Body::Release { shard, epoch, end } }).await.is_err() {
-                        break Err(Error::Closed);
-                    }
+                let recover = Frame { id: rid, body: Body::Recover { shard, epoch, from, max_bytes: 1 << 20 } };
+                if let Err(e) = send(&mut wr, recover).await {
+                    break Err(e);
                 }
             }
             _ = conn.wake.notified() => {}
@@ -754,38 +823,57 @@ async fn session(
     result
 }
 
-/// One frame from the server; true: ping at once (new shards want a deadline).
-#[allow(clippy::too_many_arguments)]
+/// One frame from the server; true: ping at once (new grants want a deadline).
 fn handle(
-    conn: &Conn,
-    streams: &[Arc<ShardStream>],
+    conn: &Arc<Conn>,
     f: Frame,
-    appends: &mut HashMap<u64, (u32, u64)>,
+    appends: &mut HashMap<u64, (u32, u64, u64)>,
     reads: &mut HashMap<u64, ReadReply>,
-    pings: &mut HashMap<u64, Instant>,
+    pings: &mut HashMap<u64, Duration>,
     lease: Duration,
     ping_every: Duration,
 ) -> bool {
-    let stream = |shard: u32| streams.get(shard as usize);
     match f.body {
         Body::Grant(grants) => {
             for g in grants {
-                if let Some(s) = stream(g.shard) {
-                    s.grant(g.epoch, g.end);
-                    conn.emit(Event::Granted {
-                        shard: g.shard,
-                        epoch: g.epoch,
-                    });
+                let mut slots = lock(&conn.slots);
+                let Some(slot) = slots.get_mut(g.shard as usize) else {
+                    continue;
+                };
+                let old = slot.take();
+                let stream = Arc::new(ShardStream {
+                    shard: g.shard,
+                    epoch: g.epoch,
+                    conn: Arc::downgrade(conn),
+                    state: Arc::new(Mutex::new(StreamState {
+                        next: g.end,
+                        acked: g.end,
+                        ..StreamState::default()
+                    })),
+                    turns: AtomicU64::new(0),
+                });
+                *slot = Some(stream);
+                drop(slots);
+                if let Some(old) = old {
+                    conn.lose(&old, "granted again at a newer epoch");
                 }
+                conn.emit(Event::Granted {
+                    shard: g.shard,
+                    epoch: g.epoch,
+                });
             }
             return true;
         }
         Body::Durable(ps) => {
             for p in ps {
-                if let Some(s) = stream(p.shard) {
-                    s.ack(p.epoch, p.position);
+                if let Some(s) = conn.current(p.shard)
+                    && s.epoch == p.epoch
+                {
+                    s.ack(p.position);
                 }
-                appends.retain(|_, &mut (shard, end)| shard != p.shard || end > p.position);
+                appends.retain(|_, &mut (shard, epoch, end)| {
+                    !(shard == p.shard && epoch == p.epoch && end <= p.position)
+                });
             }
         }
         Body::Pong(held) => {
@@ -796,36 +884,32 @@ fn handle(
             pings.retain(|&id, _| id > f.id);
             let margin = lease.mul_f64(conn.settings.drift) + ping_every / 4;
             let deadline = sent + lease.saturating_sub(margin);
-            for s in streams {
-                let mut st = lock(&s.state);
-                if st.epoch == 0 || st.failed.is_some() {
-                    continue;
-                }
-                if held
+            let now = boot_now();
+            for s in conn.streams() {
+                let listed = held
                     .iter()
-                    .any(|h| h.shard == s.shard && h.epoch == st.epoch)
-                {
+                    .any(|h| h.shard == s.shard && h.epoch == s.epoch);
+                let mut st = lock(&s.state);
+                let passed = st.deadline.is_some_and(|d| now >= d);
+                let confirmed_before = st.deadline.is_some();
+                if listed && !passed {
                     st.deadline = Some(deadline);
-                } else if st.deadline.is_some() {
-                    // Confirmed before and not now: the server no longer counts it ours.
+                } else if passed || confirmed_before {
+                    // A deadline once passed stays passed; a shard confirmed before and
+                    // not now is no longer ours.
                     drop(st);
-                    if s.lose("the server no longer confirms it") {
-                        conn.emit(Event::Lost {
-                            shard: s.shard,
-                            why: "not confirmed".into(),
-                        });
-                    }
+                    conn.lose(
+                        &s,
+                        "the server no longer confirms it, or its deadline passed",
+                    );
                 }
             }
         }
-        Body::Revoke { shard, .. } => {
-            if let Some(s) = stream(shard)
-                && s.lose("revoked by the server")
+        Body::Revoke { shard, epoch, .. } => {
+            if let Some(s) = conn.current(shard)
+                && s.epoch == epoch
             {
-                conn.emit(Event::Lost {
-                    shard,
-                    why: "revoked".into(),
-                });
+                conn.lose(&s, "revoked by the server");
             }
         }
         Body::Drain { shard, .. } => conn.emit(Event::Drain { shard }),
@@ -838,13 +922,11 @@ fn handle(
             if let Some(reply) = reads.remove(&to) {
                 let _ = reply.send(Err(refused_error(&refused)));
             }
-            if let Some((shard, _)) = appends.remove(&to)
-                && let Some(s) = stream(shard)
+            if let Some((shard, epoch, _)) = appends.remove(&to)
+                && let Some(s) = conn.current(shard)
+                && s.epoch == epoch
             {
-                let why = refused.to_string();
-                if s.lose(&why) {
-                    conn.emit(Event::Lost { shard, why });
-                }
+                conn.lose(&s, &refused.to_string());
             }
         }
         _ => {}
