@@ -77,8 +77,8 @@ struct Shard {
     confirmed_at: Instant,
     turns: u64,
     turned_at: Instant,
-    /// The session it was last taken from as stuck, or that handed it back: granted back
-    /// to it only if no other can take it.
+    /// The session it was last taken from as stuck, or that gave it up (handed it back,
+    /// or left it out of a Hello): granted back to it only if no other can take it.
     avoid: Option<SessionId>,
 }
 
@@ -217,6 +217,8 @@ impl LeaseTable {
                 } else {
                     Hold::Fenced { until }
                 };
+                // It gave the shard up: another worker first.
+                shard.avoid = Some(session);
             }
         }
         actions.extend(self.assign(now));

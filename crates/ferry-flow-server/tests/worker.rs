@@ -11,11 +11,9 @@ use ferry_flow::remote::worker::{Event, Worker, WorkerSettings};
 use ferry_flow_server::peer::{Peer, hello};
 use ferry_flow_server::server::{Server, Settings};
 use ferry_testkit::Scratch;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixListener;
 
 const LEASE: Duration = Duration::from_millis(900);
@@ -32,13 +30,17 @@ fn settings(shards: u32) -> Settings {
 
 struct Running {
     server: Arc<Server>,
-    accept: tokio::task::JoinHandle<()>,
+    accept: Vec<tokio::task::JoinHandle<()>>,
+    /// The same server on TCP, for the fault proxy.
+    tcp: std::net::SocketAddr,
 }
 
 impl Running {
     async fn stop(self) {
-        self.accept.abort();
-        let _ = self.accept.await;
+        for a in self.accept {
+            a.abort();
+            let _ = a.await;
+        }
         Arc::into_inner(self.server).unwrap().shutdown().await;
     }
 }
@@ -51,12 +53,26 @@ fn start(dir: &Path, socket: &Path, shards: u32) -> Running {
     let listener = UnixListener::bind(socket).unwrap();
     server.start();
     let c = server.connector();
-    let accept = tokio::spawn(async move {
+    let unix = tokio::spawn(async move {
         while let Ok((stream, _)) = listener.accept().await {
             tokio::spawn(c.connection(stream));
         }
     });
-    Running { server, accept }
+    let tcp_listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    tcp_listener.set_nonblocking(true).unwrap();
+    let tcp = tcp_listener.local_addr().unwrap();
+    let tcp_listener = tokio::net::TcpListener::from_std(tcp_listener).unwrap();
+    let c = server.connector();
+    let tcp_accept = tokio::spawn(async move {
+        while let Ok((stream, _)) = tcp_listener.accept().await {
+            tokio::spawn(c.connection(stream));
+        }
+    });
+    Running {
+        server,
+        accept: vec![unix, tcp_accept],
+        tcp,
+    }
 }
 
 /// Connect a worker from a blocking thread (its connect waits for the welcome).
@@ -158,57 +174,6 @@ async fn a_restarted_server_is_resumed_and_nothing_is_lost_or_written_twice() {
     run.stop().await;
 }
 
-/// A TCP relay to a Unix socket that can stop carrying bytes both ways (a network that
-/// drops everything, the connection left open).
-struct Relay {
-    port: u16,
-    paused: Arc<AtomicBool>,
-}
-
-async fn relay(to: PathBuf) -> Relay {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let paused = Arc::new(AtomicBool::new(false));
-    let p = paused.clone();
-    tokio::spawn(async move {
-        while let Ok((client, _)) = listener.accept().await {
-            let server = tokio::net::UnixStream::connect(&to).await.unwrap();
-            let (mut cr, mut cw) = client.into_split();
-            let (mut sr, mut sw) = server.into_split();
-            let (p1, p2) = (p.clone(), p.clone());
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 65536];
-                while let Ok(n) = cr.read(&mut buf).await {
-                    if n == 0 {
-                        return;
-                    }
-                    while p1.load(Ordering::SeqCst) {
-                        tokio::time::sleep(Duration::from_millis(5)).await;
-                    }
-                    if sw.write_all(&buf[..n]).await.is_err() {
-                        return;
-                    }
-                }
-            });
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 65536];
-                while let Ok(n) = sr.read(&mut buf).await {
-                    if n == 0 {
-                        return;
-                    }
-                    while p2.load(Ordering::SeqCst) {
-                        tokio::time::sleep(Duration::from_millis(5)).await;
-                    }
-                    if cw.write_all(&buf[..n]).await.is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    Relay { port, paused }
-}
-
 /// Guards guarantee 2 and §5.3 (T5's blackhole, T4's fence): a worker whose network
 /// goes silent stops acting by its deadline, before the server grants the shard to a
 /// standby; when the network heals, its shard is lost and its appends are refused.
@@ -217,15 +182,15 @@ async fn a_worker_cut_off_stops_acting_before_the_shard_moves_and_is_fenced_afte
     let scratch = Scratch::new("flow-worker-cut");
     let socket = scratch.path().join("s.sock");
     let run = start(scratch.path(), &socket, 1);
-    let relay = relay(socket.clone()).await;
-    let a = worker(format!("127.0.0.1:{}", relay.port)).await;
+    let proxy = ferry_testkit::proxy::FaultProxy::start(run.tcp);
+    let a = worker(format!("127.0.0.1:{}", proxy.port())).await;
     assert_eq!(granted(&a, 1).await, vec![(0, 1)]);
     let s = a.stream(0).unwrap();
     assert!(ferry_testkit::wait_until(Duration::from_secs(5), || s.may_act()));
     // B stands by, pinging.
     let (mut b, _) = Peer::hello(&socket, hello(2, "", vec![])).await.unwrap();
     // The network to A goes silent.
-    relay.paused.store(true, Ordering::SeqCst);
+    proxy.faults().blackhole(true);
     let cut = Instant::now();
     let stopped = {
         let s = s.clone();
@@ -258,7 +223,7 @@ async fn a_worker_cut_off_stops_acting_before_the_shard_moves_and_is_fenced_afte
         moved - cut
     );
     // The network heals: A hears it lost the shard, and can append nothing more.
-    relay.paused.store(false, Ordering::SeqCst);
+    proxy.faults().blackhole(false);
     let a2 = a.clone();
     let lost = tokio::task::spawn_blocking(move || {
         loop {
@@ -336,6 +301,55 @@ async fn a_release_waits_for_acknowledgements_then_hands_the_shard_back() {
     let g = b.ping_until_grants(1, Duration::from_millis(50)).await;
     assert_eq!((g[0].shard, g[0].epoch, g[0].end), (0, 2, 300));
     assert_eq!(b.read_all(0, 2, 1 << 20).await.len(), 300);
+    drop(a);
+    drop(b);
+    run.stop().await;
+}
+
+/// Guards T6 (docs/flow-server.md §5.3): a network that carries the worker's pings but
+/// not the server's answers. The server still hears the worker, so it would never take
+/// the shard; the worker stops acting by its deadline, hands the shard back itself, and
+/// only then is the shard granted to the standby.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_cut_off_one_way_fences_itself_and_hands_the_shard_back() {
+    let scratch = Scratch::new("flow-worker-oneway");
+    let socket = scratch.path().join("s.sock");
+    let run = start(scratch.path(), &socket, 1);
+    let proxy = ferry_testkit::proxy::FaultProxy::start(run.tcp);
+    let a = worker(format!("127.0.0.1:{}", proxy.port())).await;
+    assert_eq!(granted(&a, 1).await, vec![(0, 1)]);
+    let s = a.stream(0).unwrap();
+    assert!(ferry_testkit::wait_until(Duration::from_secs(5), || s.may_act()));
+    let (mut b, _) = Peer::hello(&socket, hello(2, "", vec![])).await.unwrap();
+    // Answers from the server stop reaching A; A's pings still reach the server.
+    proxy
+        .faults()
+        .hold_down
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let cut = Instant::now();
+    let stopped = {
+        let s = s.clone();
+        tokio::task::spawn_blocking(move || {
+            ferry_testkit::wait_until(Duration::from_secs(10), || !s.may_act());
+            Instant::now()
+        })
+    };
+    let g = b.ping_until_grants(1, Duration::from_millis(50)).await;
+    let moved = Instant::now();
+    let stopped = stopped.await.unwrap();
+    assert_eq!((g[0].shard, g[0].epoch), (0, 2));
+    assert!(
+        stopped < moved,
+        "A stopped acting {:?} after the cut, the shard moved at {:?}",
+        stopped - cut,
+        moved - cut
+    );
+    assert!(stopped - cut <= LEASE, "A fenced itself within the lease");
+    proxy
+        .faults()
+        .hold_down
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    assert!(s.append(1, b"too late").is_err());
     drop(a);
     drop(b);
     run.stop().await;

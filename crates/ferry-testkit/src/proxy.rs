@@ -1,6 +1,8 @@
 //! A TCP proxy between a client and a server that counts bytes and injects faults:
-//! delay every chunk, refuse connections, or cut a connection after N more bytes sent
-//! upstream (a body cut mid-way).
+//! delay every chunk, refuse connections, cut a connection after N more bytes sent
+//! upstream (a body cut mid-way), or hold one direction or both (a network that stops
+//! carrying packets while the connections stay open: what was sent arrives once the
+//! hold is lifted, as TCP's retransmissions would deliver it).
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -18,10 +20,22 @@ pub struct Faults {
     /// If non-zero: after this many more bytes upstream (on whichever connection carries
     /// them) that connection is cut mid-stream, and this goes back to 0.
     pub cut_after: AtomicU64,
+    /// Hold what the client sends (one-way: the server hears nothing).
+    pub hold_up: AtomicBool,
+    /// Hold what the server sends (one-way: the client hears nothing).
+    pub hold_down: AtomicBool,
     pub bytes_up: AtomicU64,
     pub bytes_down: AtomicU64,
     pub connections: AtomicU64,
     pub cuts: AtomicU64,
+}
+
+impl Faults {
+    /// Hold both directions (`true`) or lift every hold (`false`).
+    pub fn blackhole(&self, on: bool) {
+        self.hold_up.store(on, Ordering::SeqCst);
+        self.hold_down.store(on, Ordering::SeqCst);
+    }
 }
 
 /// A running proxy on 127.0.0.1.
@@ -98,6 +112,10 @@ fn pipe(mut from: TcpStream, mut to: TcpStream, f: &Faults, up: bool) {
         let delay = f.delay_ms.load(Ordering::Relaxed);
         if delay > 0 {
             std::thread::sleep(Duration::from_millis(delay));
+        }
+        let hold = if up { &f.hold_up } else { &f.hold_down };
+        while hold.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(2));
         }
         let mut n = n;
         let mut cutting = false;
