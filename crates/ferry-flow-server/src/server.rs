@@ -748,7 +748,7 @@ where
                     what: "a client holds no shards: only calls come from a client".into(),
                 },
             )),
-            (Some(Peer::Worker(s)), body) => handle(&inner, s, conn_no, id, body),
+            (Some(Peer::Worker(s)), body) => handle(&inner, &tx, s, conn_no, id, body),
         };
         if let Some(answer) = answer {
             let close = matches!(&answer.body, Body::Refused { refused, .. } if closes(refused));
@@ -895,7 +895,14 @@ fn hello_in(
 }
 
 /// One frame from a session that said hello; its answer, if it has one now.
-fn handle(inner: &Inner, session: SessionId, conn_no: u64, id: u64, body: Body) -> Option<Frame> {
+fn handle(
+    inner: &Inner,
+    tx: &mpsc::UnboundedSender<Frame>,
+    session: SessionId,
+    conn_no: u64,
+    id: u64,
+    body: Body,
+) -> Option<Frame> {
     let mut state = ferry_core::sync::lock(&inner.state);
     let state = &mut *state;
     // A connection its session replaced speaks no more.
@@ -1013,24 +1020,35 @@ fn handle(inner: &Inner, session: SessionId, conn_no: u64, id: u64, body: Body) 
             if let Err(r) = state.table.check(session, shard, epoch) {
                 return Some(refused(id, r));
             }
-            match state.store.page(shard, from, max_bytes.clamp(1, PAGE_MAX)) {
-                Ok((records, last)) => answer(Body::Records(proto::Records {
-                    shard,
-                    epoch,
-                    first: from,
-                    records,
-                    last,
-                })),
-                Err(e) => {
-                    tracing::error!(error = %e, shard, "ferry flow server: a shard's records could not be read");
-                    Some(refused(
+            // Read without the lock (a page is up to 1 MiB, and the read passes other
+            // shards' records): every other connection's pings and appends go on.
+            let page = state.store.page(shard, from);
+            let tx = tx.clone();
+            tokio::task::spawn_blocking(move || {
+                let answer = match page.read(max_bytes.clamp(1, PAGE_MAX)) {
+                    Ok((records, last)) => Frame {
                         id,
-                        Refused::Unavailable {
-                            retry_after_ms: 1000,
-                        },
-                    ))
-                }
-            }
+                        body: Body::Records(proto::Records {
+                            shard,
+                            epoch,
+                            first: from,
+                            records,
+                            last,
+                        }),
+                    },
+                    Err(e) => {
+                        tracing::error!(error = %e, shard, "ferry flow server: a shard's records could not be read");
+                        refused(
+                            id,
+                            Refused::Unavailable {
+                                retry_after_ms: 1000,
+                            },
+                        )
+                    }
+                };
+                let _ = tx.send(answer);
+            });
+            None
         }
         Body::Call(_) => Some(refused(
             id,

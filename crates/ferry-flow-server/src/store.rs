@@ -242,24 +242,48 @@ impl Store {
         moved
     }
 
-    /// The shard's durable records from position `from`, as many as fit in `max_bytes`
-    /// as a page's frame carries them (at least one, if there is one); whether they
-    /// reach its durable end.
-    pub fn page(&self, shard: u32, from: u64, max_bytes: u32) -> Result<(Vec<Rec>, bool), Error> {
+    /// What reading a page of the shard's durable records from position `from` needs,
+    /// taken under the server's lock; the reading itself ([`Page::read`]) goes without
+    /// it.
+    pub fn page(&self, shard: u32, from: u64) -> Page {
         let s = &self.streams[shard as usize];
-        if from >= s.durable {
+        Page {
+            log: self.log.clone(),
+            shard,
+            from,
+            durable: s.durable,
+            // The record before `from` ends where a read for it starts.
+            lsn: match from {
+                0 => self.log.start_lsn(),
+                n if n <= s.durable => s.index[n as usize - 1].0,
+                _ => 0,
+            },
+        }
+    }
+}
+
+/// A page of one shard's records to read (see [`Store::page`]).
+pub struct Page {
+    log: Arc<Log>,
+    shard: u32,
+    from: u64,
+    durable: u64,
+    lsn: Lsn,
+}
+
+impl Page {
+    /// The records from `from`, as many as fit in `max_bytes` as a page's frame carries
+    /// them (at least one, if there is one); whether they reach the shard's durable end.
+    pub fn read(&self, max_bytes: u32) -> Result<(Vec<Rec>, bool), Error> {
+        let (shard, durable) = (self.shard, self.durable);
+        if self.from >= durable {
             return Ok((Vec::new(), true));
         }
-        // The record before `from` ends where a read for it starts.
-        let lsn = match from {
-            0 => self.log.start_lsn(),
-            n => s.index[n as usize - 1].0,
-        };
         let mut out = Vec::new();
         let mut bytes = 0usize;
-        let mut next = from;
+        let mut next = self.from;
         let mut bad = None;
-        self.log.read_while(lsn, |r| {
+        self.log.read_while(self.lsn, |r| {
             if r.kind != SHARD_RECORD || r.payload.len() < 21 {
                 return true;
             }
@@ -286,12 +310,12 @@ impl Store {
                 bytes: p[21..].to_vec(),
             });
             next += 1;
-            next < s.durable && bytes < max_bytes as usize
+            next < durable && bytes < max_bytes as usize
         })?;
         if let Some(e) = bad {
             return Err(e);
         }
-        Ok((out, next >= s.durable))
+        Ok((out, next >= durable))
     }
 }
 
