@@ -3,6 +3,15 @@
 //! is a no-op returning the same 64-byte string; every engine lives in a fresh directory
 //! under `--dir`, which must be on the disk being measured.
 //!
+//!   server --dir D [--n 2000] [--pipelined 100000] [--bytes 100]
+//!       Server mode's journal path without an engine (docs/flow-server.md §6): a
+//!       `ferry flow serve` server in this process on a Unix socket, and the worker's
+//!       shard stream (`ferry_flow::remote::worker`) appending records of B bytes.
+//!       Serial: n times, append one record and wait for the server's acknowledgement;
+//!       beside it, the same on a ferry-log in the same directory (append, durable):
+//!       p50/p99 of each and the difference. Pipelined: that many records appended
+//!       at once, records/s until the last is acknowledged, and the server log's
+//!       records per sync.
 //!   floor --dir D [--n 2000]
 //!       Overwrite 4 KiB of a zero-filled file and fdatasync it, n times at consecutive
 //!       offsets: the pattern of ferry-log's writer (it writes over zeroes laid ahead, so
@@ -166,6 +175,18 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).is_some_and(|a| a == "w3") && !system_malloc() {
         keep_freed_pages();
+    }
+    // Runtimes of its own (a server's, and one to wait on the worker's stream), so not
+    // inside the client's.
+    if args.get(1).is_some_and(|a| a == "server") {
+        match server(&args) {
+            Ok(v) => println!("{v}"),
+            Err(e) => {
+                eprintln!("error: {e}");
+                std::process::exit(1);
+            }
+        }
+        return;
     }
     // Timers only: without an I/O driver, a wake from the engine's threads finds this
     // thread through an atomic and costs a syscall only when it sleeps (with one, every
@@ -677,6 +698,115 @@ fn ideal_engine(syncs: &[Duration], k: usize) -> Value {
         lat.push(ends[j + k - 1] - t);
     }
     spread(lat)
+}
+
+/// `server`: see the module doc.
+fn server(args: &[String]) -> Result<Value, String> {
+    use ferry_flow::remote::worker::{Event, Worker, WorkerSettings};
+    use ferry_flow_server::server::{Server, Settings};
+    let dir = fresh_dir(args, "server")?;
+    let n: usize = num(args, "--n", 2000);
+    let pipelined: u64 = num(args, "--pipelined", 100_000);
+    let payload = vec![7u8; num(args, "--bytes", 100)];
+    // ferry-log alone, in the same directory: the floor the server's path is compared with.
+    let local = {
+        let (log, _) = ferry_log::Log::open_dir(&dir.join("local"), ferry_log::Config::default())
+            .map_err(err)?;
+        let mut lat = Vec::with_capacity(n);
+        for _ in 0..n {
+            let t = Instant::now();
+            let end = log.append(1, &payload).map_err(err)?;
+            log.wait_durable(end).map_err(err)?;
+            lat.push(t.elapsed());
+        }
+        lat
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(err)?;
+    let socket = dir.join("flow.sock");
+    let (server, accept) = rt.block_on(async {
+        let server = std::sync::Arc::new(
+            Server::open(
+                &dir.join("server"),
+                Settings {
+                    shards: 1,
+                    ..Settings::default()
+                },
+                ferry_log::Config::default(),
+            )
+            .map_err(err)?,
+        );
+        server.start();
+        let listener = tokio::net::UnixListener::bind(&socket).map_err(err)?;
+        let c = server.connector();
+        let accept = tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                tokio::spawn(c.connection(stream));
+            }
+        });
+        Ok::<_, String>((server, accept))
+    })?;
+    let worker =
+        Worker::connect(WorkerSettings::new(format!("unix:{}", socket.display()))).map_err(err)?;
+    match worker.next_event(Duration::from_secs(10)) {
+        Some(Event::Granted { shard: 0, .. }) => {}
+        other => return Err(format!("no grant: {other:?}")),
+    }
+    let stream = worker.stream(0).ok_or("no stream")?;
+    let waiter = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(err)?;
+    let mut remote = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        let end = ferry_flow::JournalLog::append(&*stream, 1, &payload).map_err(err)?;
+        waiter
+            .block_on(ferry_flow::JournalLog::durable(&*stream, end, None))
+            .map_err(err)?;
+        remote.push(t.elapsed());
+    }
+    let syncs0 = server.status().log.syncs;
+    let t = Instant::now();
+    let mut end = 0;
+    for _ in 0..pipelined {
+        end = ferry_flow::JournalLog::append(&*stream, 1, &payload).map_err(err)?;
+    }
+    waiter
+        .block_on(ferry_flow::JournalLog::durable(&*stream, end, None))
+        .map_err(err)?;
+    let took = t.elapsed();
+    let syncs = server.status().log.syncs - syncs0;
+    drop(worker);
+    let (mut l, mut r) = (local, remote);
+    l.sort();
+    r.sort();
+    let out = json!({
+        "workload": "server",
+        "bytes": payload.len(),
+        "serial": {
+            "n": n,
+            "local_p50_us": pct(&l, 50.0), "local_p99_us": pct(&l, 99.0),
+            "server_p50_us": pct(&r, 50.0), "server_p99_us": pct(&r, 99.0),
+            "added_p50_us": pct(&r, 50.0) - pct(&l, 50.0),
+        },
+        "pipelined": {
+            "records": pipelined,
+            "records_per_s": pipelined as f64 / took.as_secs_f64(),
+            "records_per_sync": pipelined as f64 / syncs.max(1) as f64,
+        },
+    });
+    rt.block_on(async {
+        accept.abort();
+        let _ = accept.await;
+        if let Some(s) = std::sync::Arc::into_inner(server) {
+            s.shutdown().await;
+        }
+    });
+    Ok(out)
 }
 
 fn floor(args: &[String]) -> Result<Value, String> {
