@@ -55,6 +55,12 @@ async fn damage_before_durable_records_refuses_to_open_and_changes_nothing() {
     let scratch = Scratch::new("flow-damage");
     let dir = scratch.dir("flow");
     let end = journal_of_waiting_runs(&dir, 20).await;
+    // A durable batch after them, whatever size the group commit made theirs: the damage
+    // below is then before durable records, never in the last batch (a torn tail).
+    {
+        let engine = open(&dir).unwrap();
+        engine.start(CHAIN, "after", &0).await.unwrap();
+    }
     let seg = segment(&dir);
     let mut bytes = std::fs::read(&seg).unwrap();
     let at = (end / 3) as usize;
