@@ -64,8 +64,12 @@ fn a_receiver_down_past_the_wal_cap_costs_one_base_and_the_wal_stays_bounded() {
     let last = writer.stop();
     rig.wait_synced("a", last, Duration::from_secs(60));
     rig.assert_equal("a");
+    // Bounded, not exact: the fold follows the cap by as long as the shipper (niceness
+    // 10) waits for a CPU while the app writes about 2 MB/s. A clean-clone CI run on 2
+    // busy cores saw 12.1 MiB (cap + 4.1 MiB); a WAL that grew with the outage would pass
+    // cap + 18 MiB (the outage's 4,500 transactions of about 4 KiB).
     assert!(
-        max_wal <= cap + (4 << 20),
+        max_wal <= cap + (6 << 20),
         "the primary WAL reached {max_wal} bytes with a cap of {cap}"
     );
     assert!(
