@@ -174,6 +174,34 @@ async fn a_restarted_server_is_resumed_and_nothing_is_lost_or_written_twice() {
     run.stop().await;
 }
 
+/// A worker reaching the server through a fault proxy, granted the one shard and
+/// confirmed in it.
+async fn worker_through_proxy(
+    run: &Running,
+) -> (
+    ferry_testkit::proxy::FaultProxy,
+    Arc<Worker>,
+    Arc<ferry_flow::remote::worker::ShardStream>,
+) {
+    let proxy = ferry_testkit::proxy::FaultProxy::start(run.tcp);
+    let a = worker(format!("127.0.0.1:{}", proxy.port())).await;
+    assert_eq!(granted(&a, 1).await, vec![(0, 1)]);
+    let s = a.stream(0).unwrap();
+    assert!(ferry_testkit::wait_until(Duration::from_secs(5), || s.may_act()));
+    (proxy, a, s)
+}
+
+/// When the stream stops letting its worker act.
+fn when_it_stops_acting(
+    s: &Arc<ferry_flow::remote::worker::ShardStream>,
+) -> tokio::task::JoinHandle<Instant> {
+    let s = s.clone();
+    tokio::task::spawn_blocking(move || {
+        ferry_testkit::wait_until(Duration::from_secs(10), || !s.may_act());
+        Instant::now()
+    })
+}
+
 /// Guards guarantee 2 and §5.3 (T5's blackhole, T4's fence): a worker whose network
 /// goes silent stops acting by its deadline, before the server grants the shard to a
 /// standby; when the network heals, its shard is lost and its appends are refused.
@@ -182,34 +210,16 @@ async fn a_worker_cut_off_stops_acting_before_the_shard_moves_and_is_fenced_afte
     let scratch = Scratch::new("flow-worker-cut");
     let socket = scratch.path().join("s.sock");
     let run = start(scratch.path(), &socket, 1);
-    let proxy = ferry_testkit::proxy::FaultProxy::start(run.tcp);
-    let a = worker(format!("127.0.0.1:{}", proxy.port())).await;
-    assert_eq!(granted(&a, 1).await, vec![(0, 1)]);
-    let s = a.stream(0).unwrap();
-    assert!(ferry_testkit::wait_until(Duration::from_secs(5), || s.may_act()));
+    let (proxy, a, s) = worker_through_proxy(&run).await;
     // B stands by, pinging.
     let (mut b, _) = Peer::hello(&socket, hello(2, "", vec![])).await.unwrap();
     // The network to A goes silent.
     proxy.faults().blackhole(true);
     let cut = Instant::now();
-    let stopped = {
-        let s = s.clone();
-        tokio::task::spawn_blocking(move || {
-            ferry_testkit::wait_until(Duration::from_secs(10), || !s.may_act());
-            Instant::now()
-        })
-    };
-    let moved = loop {
-        b.send(ferry_flow::remote::proto::Body::Ping(vec![]))
-            .await
-            .unwrap();
-        if let Ok(Some(f)) = tokio::time::timeout(Duration::from_millis(50), b.recv()).await
-            && let ferry_flow::remote::proto::Body::Grant(g) = f.body
-        {
-            assert_eq!((g[0].shard, g[0].epoch), (0, 2));
-            break Instant::now();
-        }
-    };
+    let stopped = when_it_stops_acting(&s);
+    let g = b.ping_until_grants(1, Duration::from_millis(50)).await;
+    let moved = Instant::now();
+    assert_eq!((g[0].shard, g[0].epoch), (0, 2));
     let stopped = stopped.await.unwrap();
     assert!(
         stopped < moved,
@@ -315,11 +325,7 @@ async fn a_worker_cut_off_one_way_fences_itself_and_hands_the_shard_back() {
     let scratch = Scratch::new("flow-worker-oneway");
     let socket = scratch.path().join("s.sock");
     let run = start(scratch.path(), &socket, 1);
-    let proxy = ferry_testkit::proxy::FaultProxy::start(run.tcp);
-    let a = worker(format!("127.0.0.1:{}", proxy.port())).await;
-    assert_eq!(granted(&a, 1).await, vec![(0, 1)]);
-    let s = a.stream(0).unwrap();
-    assert!(ferry_testkit::wait_until(Duration::from_secs(5), || s.may_act()));
+    let (proxy, a, s) = worker_through_proxy(&run).await;
     let (mut b, _) = Peer::hello(&socket, hello(2, "", vec![])).await.unwrap();
     // Answers from the server stop reaching A; A's pings still reach the server.
     proxy
@@ -327,13 +333,7 @@ async fn a_worker_cut_off_one_way_fences_itself_and_hands_the_shard_back() {
         .hold_down
         .store(true, std::sync::atomic::Ordering::SeqCst);
     let cut = Instant::now();
-    let stopped = {
-        let s = s.clone();
-        tokio::task::spawn_blocking(move || {
-            ferry_testkit::wait_until(Duration::from_secs(10), || !s.may_act());
-            Instant::now()
-        })
-    };
+    let stopped = when_it_stops_acting(&s);
     let g = b.ping_until_grants(1, Duration::from_millis(50)).await;
     let moved = Instant::now();
     let stopped = stopped.await.unwrap();

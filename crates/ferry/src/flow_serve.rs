@@ -138,48 +138,45 @@ async fn wait_for_last(mut server: Arc<Server>) -> Server {
 
 /// Accept workers on `listen` until aborted.
 async fn accept(listen: &str, server: &Arc<Server>) -> anyhow::Result<tokio::task::JoinHandle<()>> {
-    let connector = server.connector();
-    if let Some(path) = listen.strip_prefix("unix:") {
-        // A socket left by a server that was killed: nobody answers on it.
-        if std::os::unix::net::UnixStream::connect(path).is_err() {
-            let _ = std::fs::remove_file(path);
-        }
-        let listener = tokio::net::UnixListener::bind(path)
-            .with_context(|| format!("cannot listen on --listen {listen}"))?;
-        Ok(tokio::spawn(async move {
-            loop {
-                match listener.accept().await {
-                    Ok((stream, _)) => {
-                        tokio::spawn(connector.connection(stream));
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "ferry flow serve: accept failed");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                    }
-                }
-            }
-        }))
-    } else {
-        let listener = tokio::net::TcpListener::bind(listen)
-            .await
-            .with_context(|| {
-                format!("cannot listen on --listen {listen} (unix:/path for a Unix socket)")
-            })?;
-        Ok(tokio::spawn(async move {
-            loop {
-                match listener.accept().await {
-                    Ok((stream, _)) => {
-                        let _ = stream.set_nodelay(true);
-                        tokio::spawn(connector.connection(stream));
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "ferry flow serve: accept failed");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                    }
-                }
-            }
-        }))
+    enum Listener {
+        Unix(tokio::net::UnixListener),
+        Tcp(tokio::net::TcpListener),
     }
+    let listener =
+        match listen.strip_prefix("unix:") {
+            Some(path) => {
+                // A socket left by a server that was killed: nobody answers on it.
+                if std::os::unix::net::UnixStream::connect(path).is_err() {
+                    let _ = std::fs::remove_file(path);
+                }
+                Listener::Unix(
+                    tokio::net::UnixListener::bind(path)
+                        .with_context(|| format!("cannot listen on --listen {listen}"))?,
+                )
+            }
+            None => Listener::Tcp(tokio::net::TcpListener::bind(listen).await.with_context(
+                || format!("cannot listen on --listen {listen} (unix:/path for a Unix socket)"),
+            )?),
+        };
+    let connector = server.connector();
+    Ok(tokio::spawn(async move {
+        loop {
+            let accepted = match &listener {
+                Listener::Unix(l) => l
+                    .accept()
+                    .await
+                    .map(|(s, _)| tokio::spawn(connector.connection(s))),
+                Listener::Tcp(l) => l.accept().await.map(|(s, _)| {
+                    let _ = s.set_nodelay(true);
+                    tokio::spawn(connector.connection(s))
+                }),
+            };
+            if let Err(e) = accepted {
+                tracing::warn!(error = %e, "ferry flow serve: accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }))
 }
 
 fn serve_metrics(listener: tokio::net::TcpListener, server: Arc<Server>) {

@@ -218,42 +218,27 @@ async fn sigterm_closes_the_server_and_metrics_and_status_answer() {
 fn settings_that_break_the_arithmetic_are_refused_by_flag() {
     let scratch = Scratch::new("flow-serve-bad");
     let dir = scratch.path().join("server");
-    let (code, _, err) = ferry_testkit::proc::run(
-        Path::new(FERRY),
-        &[
-            "flow",
-            "serve",
-            "--dir",
-            dir.to_str().unwrap(),
-            "--listen",
-            "unix:/nonexistent/x.sock",
-            "--lease-ms",
-            "2000",
-            "--ping-ms",
-            "1000",
-        ],
-        &[],
-    );
-    assert_ne!(code, 0);
+    // `ferry flow serve --dir DIR` with `extra`: it fails, and says what on stderr.
+    let refused = |extra: &[&str]| {
+        let mut args = vec!["flow", "serve", "--dir", dir.to_str().unwrap()];
+        args.extend(extra);
+        let (code, _, err) = ferry_testkit::proc::run(Path::new(FERRY), &args, &[]);
+        assert_ne!(code, 0);
+        err
+    };
+    let err = refused(&[
+        "--listen",
+        "unix:/nonexistent/x.sock",
+        "--lease-ms",
+        "2000",
+        "--ping-ms",
+        "1000",
+    ]);
     assert!(
         err.contains("--ping-ms: must be above zero and at most a third of lease"),
         "{err}"
     );
     assert!(!dir.exists(), "nothing was created");
-    let (code, _, err) = ferry_testkit::proc::run(
-        Path::new(FERRY),
-        &[
-            "flow",
-            "serve",
-            "--dir",
-            dir.to_str().unwrap(),
-            "--listen",
-            "x",
-            "--shards",
-            "0",
-        ],
-        &[],
-    );
-    assert_ne!(code, 0);
+    let err = refused(&["--listen", "x", "--shards", "0"]);
     assert!(err.contains("--shards: must be 1 to 1024"), "{err}");
 }
