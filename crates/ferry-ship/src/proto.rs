@@ -1,4 +1,4 @@
-//! The wire format between shipper and receiver (docs/ship.md §5). Pure: bytes in, values
+//! The wire format between shipper and receiver (docs/ship-protocol.md §1). Pure: bytes in, values
 //! out, every malformed input a [`BodyError`] that names what and where.
 //!
 //! A `txns` body is a sequence of records, each one transaction or one part of one

@@ -1,4 +1,4 @@
-//! The receiver's HTTP face (docs/ship.md §5): axum routes over a [`Receiver`], which
+//! The receiver's HTTP face (docs/ship-protocol.md §1): axum routes over a [`Receiver`], which
 //! does all the work on blocking threads (SQLite never runs on an async task).
 
 use super::{Receiver, Refused};

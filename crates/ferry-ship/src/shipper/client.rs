@@ -1,4 +1,4 @@
-//! HTTP to the receiver (docs/ship.md §5), blocking, on the shipper's worker threads.
+//! HTTP to the receiver (docs/ship-protocol.md §1), blocking, on the shipper's worker threads.
 
 use crate::proto::{EpochQuery, Position, Refusal, TxnsQuery};
 use ferry_core::{Class, Classify, ConfigError};
