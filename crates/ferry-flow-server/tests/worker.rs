@@ -6,74 +6,15 @@
 //! the network heals.
 
 use ferry_flow::JournalLog;
-use ferry_flow::log::Config as LogConfig;
 use ferry_flow::remote::worker::{Event, Worker, WorkerSettings};
+mod common;
+
+use common::{LEASE, Running, start, start_with};
 use ferry_flow_server::peer::{Peer, hello};
-use ferry_flow_server::server::{Server, Settings};
+use ferry_flow_server::server::Settings;
 use ferry_testkit::Scratch;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::net::UnixListener;
-
-const LEASE: Duration = Duration::from_millis(900);
-
-fn settings(shards: u32) -> Settings {
-    Settings {
-        shards,
-        lease: LEASE,
-        ping_every: Duration::from_millis(100),
-        stuck_after: Duration::from_secs(30),
-        ..Settings::default()
-    }
-}
-
-struct Running {
-    server: Arc<Server>,
-    accept: Vec<tokio::task::JoinHandle<()>>,
-    /// The same server on TCP, for the fault proxy.
-    tcp: std::net::SocketAddr,
-}
-
-impl Running {
-    async fn stop(self) {
-        for a in self.accept {
-            a.abort();
-            let _ = a.await;
-        }
-        Arc::into_inner(self.server).unwrap().shutdown().await;
-    }
-}
-
-fn start(dir: &Path, socket: &Path, shards: u32) -> Running {
-    let _ = std::fs::remove_file(socket);
-    let server = Arc::new(
-        Server::open(&dir.join("server"), settings(shards), LogConfig::default()).unwrap(),
-    );
-    let listener = UnixListener::bind(socket).unwrap();
-    server.start();
-    let c = server.connector();
-    let unix = tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            tokio::spawn(c.connection(stream));
-        }
-    });
-    let tcp_listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    tcp_listener.set_nonblocking(true).unwrap();
-    let tcp = tcp_listener.local_addr().unwrap();
-    let tcp_listener = tokio::net::TcpListener::from_std(tcp_listener).unwrap();
-    let c = server.connector();
-    let tcp_accept = tokio::spawn(async move {
-        while let Ok((stream, _)) = tcp_listener.accept().await {
-            tokio::spawn(c.connection(stream));
-        }
-    });
-    Running {
-        server,
-        accept: vec![unix, tcp_accept],
-        tcp,
-    }
-}
 
 /// Connect a worker from a blocking thread (its connect waits for the welcome).
 async fn worker(server: String) -> Arc<Worker> {
@@ -148,7 +89,13 @@ async fn appends_through_a_shard_stream_wait_for_the_servers_acknowledgement() {
 async fn a_restarted_server_is_resumed_and_nothing_is_lost_or_written_twice() {
     let scratch = Scratch::new("flow-worker-restart");
     let socket = scratch.path().join("s.sock");
-    let run = start(scratch.path(), &socket, 1);
+    // The resume must come within the lease: one long enough for a busy machine to
+    // stop and start the server in.
+    let long = Settings {
+        lease: Duration::from_secs(4),
+        ..common::settings(1)
+    };
+    let run = start_with(scratch.path(), &socket, long.clone());
     let w = worker(format!("unix:{}", socket.display())).await;
     assert_eq!(granted(&w, 1).await, vec![(0, 1)]);
     let s = w.stream(0).unwrap();
@@ -164,7 +111,7 @@ async fn a_restarted_server_is_resumed_and_nothing_is_lost_or_written_twice() {
     for i in 200..250u32 {
         s.append(1, format!("r{i}").as_bytes()).unwrap();
     }
-    let run = start(scratch.path(), &socket, 1);
+    let run = start_with(scratch.path(), &socket, long);
     s.durable(250, None).await.unwrap();
     assert_eq!(s.epoch(), 1, "resumed, not granted anew");
     let back = read_back(&w, 0).await;

@@ -130,6 +130,14 @@ pub enum FlowError {
     },
     #[error("the engine stopped")]
     Stopped,
+    /// Run `run` lives on shard `shard`, which this worker does not hold now
+    /// (docs/flow-server.md §9): another worker does, or nobody yet. Ask again later,
+    /// or ask the server.
+    #[error(
+        "run {run:?} is on shard {shard}, which this worker does not hold now; ask the \
+         worker that holds it, through the server, or again later"
+    )]
+    NotHeld { run: String, shard: u32 },
 }
 
 impl Classify for FlowError {
@@ -138,7 +146,7 @@ impl Classify for FlowError {
             FlowError::Log(e) => e.class(),
             FlowError::Io { source, .. } => source.class(),
             FlowError::Damaged { .. } => Class::Corrupted,
-            FlowError::Stopped => Class::Transient,
+            FlowError::Stopped | FlowError::NotHeld { .. } => Class::Transient,
             FlowError::Step { .. }
             | FlowError::Child { .. }
             | FlowError::RunFailed { .. }

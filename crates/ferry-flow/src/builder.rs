@@ -6,13 +6,15 @@ use crate::api::{FlowError, Limits, Recovery};
 use crate::api::{RunStatus, Workflow, decode, encode};
 use crate::ctx::Ctx;
 use crate::engine::Engine;
-use crate::job::{Handler, Job, Pending, Starts};
+use crate::holder::{Holder, Vacant, vacant_lane};
+use crate::job::Handler;
 use crate::journal_log::{Failure, JournalLog, Watched};
 use crate::metrics::Counters;
 use crate::recovery::{Journaled, journaled, recover_run};
 use crate::registry::RunEntry;
+use crate::remote::worker::{Worker, WorkerSettings};
 use crate::shard::{Shard, disk};
-use crate::shared::Shared;
+use crate::shared::{Lane, Shared};
 use crate::upkeep::{Admin, Compaction};
 use ferry_core::ConfigError;
 use ferry_core::seams::{Clock, SplitMix64, SystemClock};
@@ -23,8 +25,7 @@ use serde::de::DeserializeOwned;
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
-use tokio::sync::mpsc;
+use std::sync::{Arc, Mutex, RwLock};
 
 /// What `EngineBuilder::wrap_files` puts between the log and its files.
 type WrapFiles = Box<dyn FnOnce(ferry_log::FileStorage) -> Arc<dyn ferry_log::Storage> + Send>;
@@ -51,6 +52,8 @@ pub struct EngineBuilder {
     clock: Arc<dyn Clock>,
     /// Run on the caller's thread, the disk's syncs timed from this seed.
     on_this_thread: Option<u64>,
+    /// A server's worker: where the server is, and how it holds shards there.
+    server: Option<WorkerSettings>,
 }
 
 /// The most shards an engine runs (each is a thread).
@@ -129,6 +132,35 @@ impl EngineBuilder {
         self
     }
 
+    /// Be a worker of the flow server at `addr` (`unix:/path` or `host:port`) instead of
+    /// keeping a log in the directory (docs/flow-server.md): the server holds the
+    /// journal, and grants this engine shards, which it recovers from the server and
+    /// runs; it stands by for the rest. The shard count is the server's (`shards` is
+    /// not used). Runs on a shard this worker does not hold are refused with
+    /// [`FlowError::NotHeld`]. Dropping the engine hands its shards back. Not with
+    /// `storage`, `journal`, `wrap_files` or `on_this_thread`.
+    pub fn server(mut self, addr: impl Into<String>) -> Self {
+        self.server = Some(WorkerSettings::new(addr));
+        self
+    }
+
+    /// With [`EngineBuilder::server`]: the token the server asks for (its `--token`).
+    pub fn server_token(mut self, token: impl Into<String>) -> Self {
+        if let Some(s) = &mut self.server {
+            s.token = token.into();
+        }
+        self
+    }
+
+    /// With [`EngineBuilder::server`]: hold at most `n` shards (0, the default: as many
+    /// as the server grants).
+    pub fn max_shards(mut self, n: u32) -> Self {
+        if let Some(s) = &mut self.server {
+            s.max_shards = n;
+        }
+        self
+    }
+
     pub fn log_config(mut self, c: LogConfig) -> Self {
         self.log = c;
         self
@@ -183,6 +215,26 @@ impl EngineBuilder {
 
     /// The settings make sense together, or the first that does not, named.
     fn check(&self) -> Result<(), ConfigError> {
+        if let Some(s) = &self.server {
+            let other = if self.storage.is_some() {
+                Some("storage")
+            } else if self.journal.is_some() {
+                Some("journal")
+            } else if self.wrap_files.is_some() {
+                Some("wrap_files")
+            } else if self.on_this_thread.is_some() {
+                Some("on_this_thread")
+            } else {
+                None
+            };
+            if let Some(other) = other {
+                return Err(ConfigError::new(
+                    "server",
+                    &s.server,
+                    format!("a worker of a server keeps no log of its own: drop .{other}(..)"),
+                ));
+            }
+        }
         if self.on_this_thread.is_some() && self.storage_is_files {
             return Err(ConfigError::new(
                 "on_this_thread",
@@ -241,8 +293,12 @@ impl EngineBuilder {
     /// Open the log (recovering it), rebuild every run from its journal, restart the
     /// unfinished ones.
     pub fn open(mut self) -> Result<Engine, FlowError> {
-        self.storage_is_files = self.storage.is_none() && self.journal.is_none();
+        self.storage_is_files =
+            self.storage.is_none() && self.journal.is_none() && self.server.is_none();
         self.check()?;
+        if let Some(settings) = self.server.take() {
+            return self.open_worker(settings);
+        }
         let started = self.clock.now();
         let segment_bytes = self.log.segment_bytes;
         let over_journal = self.journal.is_some();
@@ -300,35 +356,25 @@ impl EngineBuilder {
             by_run,
             read,
         } = journaled(dir, &*log)?;
-        let mut txs = Vec::new();
+        let mut lanes = Vec::new();
         let mut rxs = Vec::new();
-        let mut starts = Vec::new();
         for _ in 0..self.shards {
-            let (tx, rx) = mpsc::unbounded_channel::<Vec<Job>>();
-            starts.push(Arc::new(Starts {
-                pending: Mutex::new(Pending::default()),
-                tx: tx.clone(),
-                // Shards that are tasks on the caller's thread never go idle for it.
-                follower: if self.on_this_thread.is_none() {
-                    log.follower()
-                } else {
-                    None
-                },
-                running: self
-                    .max_running
-                    .map(|n| Arc::new(tokio::sync::Semaphore::new(n))),
-            }));
-            txs.push(tx);
+            // Shards that are tasks on the caller's thread never go idle for it.
+            let follower = if self.on_this_thread.is_none() {
+                log.follower()
+            } else {
+                None
+            };
+            let (lane, rx) = Lane::new(log.clone(), None, follower, self.max_running);
+            lanes.push(lane);
             rxs.push(rx);
         }
         let shared = Arc::new_cyclic(|me| Shared {
             me: me.clone(),
-            journals: vec![log.clone(); self.shards],
             log: log.clone(),
+            lanes: lanes.iter().cloned().map(RwLock::new).collect(),
             runs: Mutex::new(BTreeMap::new()),
             handlers: self.handlers,
-            shards: txs,
-            starts,
             limits: self.limits,
             clock: self.clock,
             rng: Mutex::new(match self.on_this_thread {
@@ -338,6 +384,7 @@ impl EngineBuilder {
             here: self.on_this_thread.map(|_| Mutex::new(Vec::new())),
             counters: Counters::default(),
             failure,
+            on_server: false,
         });
         {
             let mut runs = lock(&shared.runs);
@@ -355,7 +402,8 @@ impl EngineBuilder {
         }
         let mut resumed = 0;
         for (run, records) in by_run {
-            if recover_run(&shared, run, records)? {
+            let lane = &lanes[shared.shard_of(&run)];
+            if recover_run(&shared, lane, run, records)? {
                 resumed += 1;
             }
         }
@@ -364,8 +412,9 @@ impl EngineBuilder {
         let shards = match self.on_this_thread {
             None => rxs
                 .into_iter()
+                .zip(lanes)
                 .enumerate()
-                .map(|(i, rx)| Shard::start(i, shared.clone(), rx))
+                .map(|(i, (rx, lane))| Shard::start(i, shared.clone(), lane, rx, None))
                 .collect(),
             Some(seed) => {
                 for rx in rxs {
@@ -414,6 +463,51 @@ impl EngineBuilder {
             shards,
             recovery,
             admin,
+            holder: None,
+        })
+    }
+}
+
+impl EngineBuilder {
+    /// Open as a server's worker: connect, then hold what the server grants.
+    fn open_worker(self, settings: WorkerSettings) -> Result<Engine, FlowError> {
+        let worker = Worker::connect(settings)?;
+        let shards = worker.shards() as usize;
+        let running = self.max_running;
+        let shared = Arc::new_cyclic(|me| Shared {
+            me: me.clone(),
+            log: Arc::new(Vacant {
+                what: "a log of this engine's own (a worker keeps none)".into(),
+            }),
+            lanes: (0..shards)
+                .map(|i| RwLock::new(vacant_lane(i, running)))
+                .collect(),
+            runs: Mutex::new(BTreeMap::new()),
+            handlers: self.handlers,
+            limits: self.limits,
+            clock: self.clock,
+            rng: Mutex::new(SplitMix64::from_entropy()),
+            here: None,
+            counters: Counters::default(),
+            failure: Arc::new(Failure::default()),
+            on_server: true,
+        });
+        let holder = Holder::start(shared.clone(), worker, running).map_err(|e| FlowError::Io {
+            what: "start the thread that holds shards for",
+            path: self.dir.clone(),
+            source: Arc::new(e),
+        })?;
+        Ok(Engine {
+            shared,
+            shards: Vec::new(),
+            recovery: Recovery {
+                elapsed: std::time::Duration::ZERO,
+                log_records: 0,
+                resumed: 0,
+                torn_bytes: 0,
+            },
+            admin: None,
+            holder: Some(holder),
         })
     }
 }
@@ -436,6 +530,7 @@ impl Engine {
             handlers: HashMap::new(),
             clock: Arc::new(SystemClock),
             on_this_thread: None,
+            server: None,
         }
     }
 }

@@ -195,6 +195,7 @@ where
 pub struct StepCtx {
     key: String,
     attempt: u32,
+    epoch: Option<u64>,
 }
 
 /// `run/generation/position`: built once per step, so without `format!`'s machinery.
@@ -219,6 +220,14 @@ impl StepCtx {
     /// journaled), so attempt 3 after a crash is the third attempt, not the first.
     pub fn attempt(&self) -> u32 {
         self.attempt
+    }
+
+    /// On a server's worker, the epoch the run's shard is held under
+    /// (docs/flow-server.md §2): it rises with every takeover, so an effect that keeps
+    /// the highest epoch it saw per key can refuse an attempt from a deposed worker.
+    /// `None` embedded.
+    pub fn epoch(&self) -> Option<u64> {
+        self.epoch
     }
 }
 
@@ -747,11 +756,15 @@ impl Ctx {
                 return Err(self.run.fence());
             }
             let key = step_key(&self.run.run, self.run.generation, pos);
+            let epoch = self.run.journal.epoch();
+            let step = StepCtx {
+                key,
+                attempt,
+                epoch,
+            };
             let ran = match timeout {
-                None => Ok(body(StepCtx { key, attempt }).await),
-                Some(d) => tokio::time::timeout(d, body(StepCtx { key, attempt }))
-                    .await
-                    .map_err(|_| d),
+                None => Ok(body(step).await),
+                Some(d) => tokio::time::timeout(d, body(step)).await.map_err(|_| d),
             };
             // Counted once the attempt's end is known: a result that cannot be encoded
             // or journaled ends it in error.

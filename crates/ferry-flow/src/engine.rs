@@ -20,6 +20,8 @@ pub struct Engine {
     pub(crate) shards: Vec<Shard>,
     pub(crate) recovery: Recovery,
     pub(crate) admin: Option<Admin>,
+    /// A server's worker: what takes and lets go of its shards.
+    pub(crate) holder: Option<crate::holder::Holder>,
 }
 
 impl Engine {
@@ -32,10 +34,10 @@ impl Engine {
         id: &str,
         input: &I,
     ) -> Result<RunHandle<O>, FlowError> {
-        let end = self
-            .shared
-            .start_run(workflow.name(), id, encode(input)?, None)?;
-        crate::durable::durable(self.shared.journal(id), end).await?;
+        self.shared
+            .start_run(workflow.name(), id, encode(input)?, None)?
+            .durable()
+            .await?;
         Ok(RunHandle {
             shared: Arc::downgrade(&self.shared),
             id: id.to_string(),
@@ -84,6 +86,7 @@ impl Engine {
     /// What run `id` last published with `ctx.publish` (rebuilt by replay after a
     /// restart), if anything.
     pub fn query<T: DeserializeOwned>(&self, id: &str) -> Result<Option<T>, FlowError> {
+        self.shared.held(id)?;
         let v = {
             let runs = lock(&self.shared.runs);
             let e = runs
@@ -125,6 +128,14 @@ impl Engine {
         v
     }
 
+    /// On a server's worker, the shards it holds now, each with its epoch
+    /// (docs/flow-server.md §5); embedded, none.
+    pub fn held_shards(&self) -> Vec<(u32, u64)> {
+        (0..self.shared.lanes.len())
+            .filter_map(|i| self.shared.lane(i).epoch.map(|e| (i as u32, e)))
+            .collect()
+    }
+
     pub fn log_stats(&self) -> ferry_log::Stats {
         self.shared.log.stats()
     }
@@ -146,6 +157,10 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
+        // A worker hands its shards back first (docs/flow-server.md §8.2).
+        if let Some(mut h) = self.holder.take() {
+            h.close();
+        }
         for s in &mut self.shards {
             s.stop();
         }
@@ -203,7 +218,11 @@ impl<O: DeserializeOwned> RunHandle<O> {
             biased;
             r = rx => match r {
                 Ok(status) => status_result(status),
-                Err(_) => Err(FlowError::Stopped),
+                // Let go of: the engine stopped, or (on a worker) the run's shard moved.
+                Err(_) => match self.shared.upgrade() {
+                    Some(shared) => shared.held(&self.id).and(Err(FlowError::Stopped)),
+                    None => Err(FlowError::Stopped),
+                },
             },
             e = failure.wait() => Err(FlowError::Log(e)),
         }

@@ -88,6 +88,12 @@ pub trait JournalLog: Send + Sync + 'static {
     fn may_act(&self) -> bool {
         true
     }
+
+    /// The epoch this log is held under (a server-mode shard's grant); `None` for a log
+    /// of the engine's own.
+    fn epoch(&self) -> Option<u64> {
+        None
+    }
 }
 
 impl JournalLog for Log {
@@ -245,5 +251,9 @@ impl JournalLog for Watched {
 
     fn may_act(&self) -> bool {
         self.log.may_act()
+    }
+
+    fn epoch(&self) -> Option<u64> {
+        self.log.epoch()
     }
 }

@@ -27,6 +27,7 @@ mod checkpoint;
 mod ctx;
 mod durable;
 mod engine;
+mod holder;
 mod job;
 pub mod journal;
 pub mod journal_log;

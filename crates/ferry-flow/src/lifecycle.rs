@@ -18,7 +18,11 @@ use std::sync::Arc;
 /// The job comes boxed: an async fn keeps its arguments for its whole life, and a run
 /// parked for days should not keep a copy of its start.
 pub(crate) async fn run_job(shared: Arc<Shared>, mut job: Box<Job>) {
-    let places = shared.starts[shared.shard_of(&job.run)].running.clone();
+    let places = shared
+        .lane(shared.shard_of(&job.run))
+        .starts
+        .running
+        .clone();
     let place = Rc::new(Box::pin(Place::take(places, &*shared)).await);
     loop {
         // Moved out whole, so the box is freed here (a destructuring pattern would move

@@ -9,7 +9,7 @@ use crate::journal::{Entry, Outcome, RECORD_KIND, Record};
 use crate::journal_log::JournalLog;
 use crate::registry::RunEntry;
 use crate::replay::Replay;
-use crate::shared::Shared;
+use crate::shared::{Lane, Shared};
 use ferry_core::sync::lock;
 use ferry_log::{Config as LogConfig, Log};
 use std::collections::BTreeMap;
@@ -18,9 +18,10 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 /// Rebuild one run from its records (every generation's, in log order): its inbox, its
-/// status, and a job on its shard if it is unfinished. True if it resumed.
+/// status, and a job on its shard (`lane`) if it is unfinished. True if it resumed.
 pub(crate) fn recover_run(
     shared: &Shared,
+    lane: &Lane,
     run: String,
     records: Vec<Record>,
 ) -> Result<bool, FlowError> {
@@ -104,7 +105,7 @@ pub(crate) fn recover_run(
                 consumed,
                 cancel_seen,
             );
-            last = shared.journal(&run).append(RECORD_KIND, &next.encode())?;
+            last = lane.journal.append(RECORD_KIND, &next.encode())?;
             job_generation = generation + 1;
             job_input = input.clone();
             replay = Replay::new([next]);
@@ -115,14 +116,18 @@ pub(crate) fn recover_run(
     let resume = entry.status == RunStatus::Running;
     if resume {
         match shared.handlers.get(workflow.as_str()) {
-            Some(h) => shared.spawn(Job {
-                run: run.clone(),
-                generation: job_generation,
-                replay,
-                input: job_input,
-                handler: h.clone(),
-                last,
-            }),
+            Some(h) => {
+                let job = Job {
+                    run: run.clone(),
+                    generation: job_generation,
+                    replay,
+                    input: job_input,
+                    handler: h.clone(),
+                    last,
+                };
+                // The shard is gone only if the engine is.
+                let _ = lane.starts.tx.send(vec![job]);
+            }
             None => {
                 entry.status = RunStatus::Parked(format!(
                     "no workflow named {workflow:?} is registered; register it and restart"

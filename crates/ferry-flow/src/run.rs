@@ -21,7 +21,7 @@ use tokio::sync::{Notify, oneshot};
 /// What a run's code may ask of its engine (implemented by the engine's shared state).
 pub(crate) trait Host: Send + Sync {
     /// The journal `run`'s records go to (its shard's).
-    fn journal(&self, run: &str) -> &Arc<dyn JournalLog>;
+    fn journal(&self, run: &str) -> Arc<dyn JournalLog>;
     /// The journal's failure, once it failed: a run waiting on another run races it.
     fn failure(&self) -> &Arc<Failure>;
     fn limits(&self) -> &Limits;
@@ -176,7 +176,7 @@ impl RunCtx {
             _ => (BTreeMap::new(), false),
         };
         let wake = shared.wake_of(&run);
-        let journal = shared.journal(&run).clone();
+        let journal = shared.journal(&run);
         RunCtx {
             place,
             wake,

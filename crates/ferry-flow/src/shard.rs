@@ -4,7 +4,7 @@
 
 use crate::job::Job;
 use crate::lifecycle::run_job;
-use crate::shared::Shared;
+use crate::shared::{Lane, Shared};
 use ferry_core::seams::{Rng, SplitMix64};
 use ferry_log::Log;
 use std::cell::Cell;
@@ -51,16 +51,24 @@ impl IdlePolls {
     }
 }
 
+/// What a shard thread calls, and how often, while it turns.
+pub(crate) type Beat = (std::time::Duration, Box<dyn Fn() + Send>);
+
 pub(crate) struct Shard {
     stop: Option<oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Shard {
+    /// Shard `i`'s thread, running what comes on `rx` against `lane`. `beat`: call it
+    /// every so often while the thread's loop turns (a worker's progress, for the
+    /// server, docs/flow-server.md §5.4).
     pub(crate) fn start(
         i: usize,
         shared: Arc<Shared>,
+        lane: Arc<Lane>,
         mut rx: mpsc::UnboundedReceiver<Vec<Job>>,
+        beat: Option<Beat>,
     ) -> Shard {
         let (stop_tx, mut stop_rx) = oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
@@ -69,7 +77,7 @@ impl Shard {
                 // After a sync that woke this shard, the log's writer waits a moment
                 // for it to append what it ran next (`ferry_log::Follower`): until it
                 // is about to sleep.
-                let follower = shared.starts[i].follower.clone();
+                let follower = lane.starts.follower.clone();
                 let idle = follower.clone();
                 let rt = tokio::runtime::Builder::new_current_thread()
                     .enable_time()
@@ -83,9 +91,18 @@ impl Shard {
                     .expect("a current-thread runtime builds");
                 let local = tokio::task::LocalSet::new();
                 let watcher =
-                    crate::durable::Waits::install(shared.journals[i].clone(), follower.clone());
+                    crate::durable::Waits::install(lane.journal.clone(), follower.clone());
+                drop(lane);
                 local.block_on(&rt, async move {
                     tokio::task::spawn_local(watcher);
+                    if let Some((every, beat)) = beat {
+                        tokio::task::spawn_local(async move {
+                            loop {
+                                tokio::time::sleep(every).await;
+                                beat();
+                            }
+                        });
+                    }
                     let mut idle = IdlePolls::default();
                     // Jobs first, then the stop: what was sent before the stop runs.
                     std::future::poll_fn(|cx| {
@@ -136,12 +153,23 @@ impl Shard {
     }
 
     pub(crate) fn stop(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
+        self.ask_to_stop();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+
+    /// Tell the thread to stop (its runs are dropped where they wait), not waiting for
+    /// it: a step body may be blocking it.
+    pub(crate) fn ask_to_stop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+
+    /// The thread has ended.
+    pub(crate) fn is_finished(&self) -> bool {
+        self.thread.as_ref().is_none_or(|t| t.is_finished())
     }
 }
 

@@ -17,7 +17,7 @@ use ferry_log::Lsn;
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use tokio::sync::{mpsc, oneshot};
 
 /// What a cancellation does once its record is durable: nothing more (asked before),
@@ -33,20 +33,19 @@ pub(crate) struct Shared {
     pub(crate) me: std::sync::Weak<Shared>,
     /// The engine's own log: ferry-log on the engine's directory, unless the builder
     /// was given a journal (`EngineBuilder::journal`). Compaction, the status file and
-    /// the log's figures read it; runs journal through `journals`.
+    /// the log's figures read it; runs journal through their shard's [`Lane`]. (A worker
+    /// of a server has none: a vacant journal stands in.)
     pub(crate) log: Arc<dyn JournalLog>,
-    /// Each shard's journal: where its runs' records go and what they wait on (today
-    /// the one log for every shard; in server mode each shard's own stream,
-    /// docs/flow-server.md §6).
-    pub(crate) journals: Vec<Arc<dyn JournalLog>>,
+    /// Each shard's lane: where its runs' records go and what they wait on, and its
+    /// intake. Embedded, every lane journals to the one log and never changes; on a
+    /// worker each grant of a shard is a lane of its own, and a shard not held has a
+    /// vacant one (docs/flow-server.md §6).
+    pub(crate) lanes: Vec<RwLock<Arc<Lane>>>,
     /// Every run by id. A B-tree, not a hash map: a hash map's resize moves every
     /// entry under this lock at once, which stalled every shard for tens of
     /// milliseconds at 30,000 runs.
     pub(crate) runs: Mutex<BTreeMap<String, RunEntry>>,
     pub(crate) handlers: HashMap<&'static str, Handler>,
-    pub(crate) shards: Vec<mpsc::UnboundedSender<Vec<Job>>>,
-    /// Runs started and not yet handed to their shard, by shard.
-    pub(crate) starts: Vec<Arc<Starts>>,
     pub(crate) limits: Limits,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) rng: Mutex<SplitMix64>,
@@ -58,6 +57,56 @@ pub(crate) struct Shared {
     /// The journal's failure, once it failed (noted by `log`, a `Watched`): callers
     /// waiting for a running run hear of it.
     pub(crate) failure: Arc<Failure>,
+    /// A worker of a server (`EngineBuilder::server`): shards come and go.
+    pub(crate) on_server: bool,
+}
+
+/// A record appended to a shard's journal: wait for it there.
+pub(crate) struct Appended {
+    pub(crate) journal: Arc<dyn JournalLog>,
+    pub(crate) end: Lsn,
+}
+
+impl Appended {
+    pub(crate) async fn durable(self) -> Result<(), ferry_log::Error> {
+        crate::durable::durable(&self.journal, self.end).await
+    }
+}
+
+/// One shard as the engine holds it now.
+pub(crate) struct Lane {
+    /// Where the shard's runs journal.
+    pub(crate) journal: Arc<dyn JournalLog>,
+    /// Its intake: runs started and not yet handed to the shard, and the channel to it.
+    pub(crate) starts: Arc<Starts>,
+    /// The epoch it is held under on a server; `None` embedded, or not held.
+    pub(crate) epoch: Option<u64>,
+}
+
+impl Lane {
+    /// A lane journaling to `journal`, and the receiving end of its intake. `follower`:
+    /// the shard thread as the log's writer sees it; `running`: its places
+    /// (`EngineBuilder::max_running`).
+    pub(crate) fn new(
+        journal: Arc<dyn JournalLog>,
+        epoch: Option<u64>,
+        follower: Option<ferry_log::Follower>,
+        running: Option<usize>,
+    ) -> (Arc<Lane>, mpsc::UnboundedReceiver<Vec<Job>>) {
+        let (tx, rx) = mpsc::unbounded_channel::<Vec<Job>>();
+        let starts = Arc::new(Starts {
+            pending: Mutex::new(Default::default()),
+            tx,
+            follower,
+            running: running.map(|n| Arc::new(tokio::sync::Semaphore::new(n))),
+        });
+        let lane = Lane {
+            journal,
+            starts,
+            epoch,
+        };
+        (Arc::new(lane), rx)
+    }
 }
 
 impl Shared {
@@ -70,12 +119,20 @@ impl Shared {
         for b in root.bytes() {
             h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
         }
-        (h % self.shards.len() as u64) as usize
+        (h % self.lanes.len() as u64) as usize
+    }
+
+    /// Shard `shard`'s lane as it is now.
+    pub(crate) fn lane(&self, shard: usize) -> Arc<Lane> {
+        self.lanes[shard]
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// The journal of `run`'s shard.
-    pub(crate) fn journal(&self, run: &str) -> &Arc<dyn JournalLog> {
-        &self.journals[self.shard_of(run)]
+    pub(crate) fn journal(&self, run: &str) -> Arc<dyn JournalLog> {
+        self.lane(self.shard_of(run)).journal.clone()
     }
 
     /// Spawn `task` on this thread's `LocalSet` (a shard's, or the caller's with
@@ -102,17 +159,24 @@ impl Shared {
         }
     }
 
-    pub(crate) fn spawn(&self, job: Job) {
-        let _ = self.shards[self.shard_of(&job.run)].send(vec![job]);
+    /// `run`'s shard's lane, if this engine holds the shard (embedded: always).
+    pub(crate) fn held(&self, run: &str) -> Result<Arc<Lane>, FlowError> {
+        let shard = self.shard_of(run);
+        let lane = self.lane(shard);
+        if self.on_server && lane.epoch.is_none() {
+            return Err(FlowError::NotHeld {
+                run: run.to_string(),
+                shard: shard as u32,
+            });
+        }
+        Ok(lane)
     }
 
-    /// Hand `job` to its shard once `end` (its start record) is durable
-    /// ([`Starts`]).
-    pub(crate) fn spawn_when_durable(&self, end: Lsn, job: Job) {
-        let shard = self.shard_of(&job.run);
-        let starts = &self.starts[shard];
-        if starts.push(end, job) {
-            Starts::arm(starts.clone(), &self.journals[shard], end);
+    /// Hand `job` to its shard once `end` (its start record in `lane`'s journal) is
+    /// durable ([`Starts`]).
+    pub(crate) fn spawn_when_durable(&self, lane: &Lane, end: Lsn, job: Job) {
+        if lane.starts.push(end, job) {
+            Starts::arm(lane.starts.clone(), &lane.journal, end);
         }
     }
 
@@ -128,7 +192,7 @@ impl Shared {
         id: &str,
         input: Json,
         parent: Option<String>,
-    ) -> Result<Lsn, FlowError> {
+    ) -> Result<Appended, FlowError> {
         if id.is_empty() || id.len() > RUN_ID_MAX {
             return Err(FlowError::Invalid(format!(
                 "a run id must be 1 to {RUN_ID_MAX} bytes, not {}",
@@ -145,6 +209,7 @@ impl Shared {
             FlowError::Invalid(format!("no workflow named {workflow:?} is registered"))
         })?;
         let handler = handler.clone();
+        let lane = self.held(id)?;
         let mut runs = lock(&self.runs);
         if let Some(e) = runs.get(id) {
             // The id is taken: the same workflow gets that run back (whatever the
@@ -157,7 +222,10 @@ impl Shared {
                     e.workflow, e.workflow
                 )));
             }
-            return Ok(e.start_end);
+            return Ok(Appended {
+                journal: lane.journal.clone(),
+                end: e.start_end,
+            });
         }
         let rec = Record {
             run: id.to_string(),
@@ -173,13 +241,14 @@ impl Shared {
         };
         let bytes = rec.encode();
         self.check_payload(bytes.len())?;
-        let end = self.journal(id).append(RECORD_KIND, &bytes)?;
+        let end = lane.journal.append(RECORD_KIND, &bytes)?;
         let mut entry = RunEntry::new(workflow, parent, 0, RunStatus::Running);
         entry.start_end = end;
         self.counters.added(&entry.status, true);
         runs.insert(id.to_string(), entry);
         drop(runs);
         self.spawn_when_durable(
+            &lane,
             end,
             Job {
                 run: id.to_string(),
@@ -190,11 +259,15 @@ impl Shared {
                 last: end,
             },
         );
-        Ok(end)
+        Ok(Appended {
+            journal: lane.journal.clone(),
+            end,
+        })
     }
 
     /// Ask run `id` to cancel (docs/flow.md §2). False if it had already finished.
     pub(crate) async fn cancel(&self, id: &str) -> Result<bool, FlowError> {
+        let journal = self.held(id)?.journal.clone();
         let (end, then) = {
             let mut runs = lock(&self.runs);
             let e = runs
@@ -205,12 +278,12 @@ impl Shared {
             }
             if e.inbox.wake.cancel.swap(true, Ordering::Relaxed) && e.parked_at().is_none() {
                 // Asked before: answer once that request is durable.
-                (self.journal(id).end_lsn(), Then::Answer)
+                (journal.end_lsn(), Then::Answer)
             } else {
-                self.journal_cancel(id, e)?
+                self.journal_cancel(&journal, id, e)?
             }
         };
-        crate::durable::durable(self.journal(id), end).await?;
+        crate::durable::durable(&journal, end).await?;
         match then {
             Then::Answer => {}
             Then::Wake => self.wake(id),
@@ -221,14 +294,18 @@ impl Shared {
 
     /// Journal run `id`'s cancellation request (and a parked run's end); the end of the
     /// last record, and whether the run was parked.
-    fn journal_cancel(&self, id: &str, e: &mut RunEntry) -> Result<(Lsn, Then), FlowError> {
+    fn journal_cancel(
+        &self,
+        journal: &Arc<dyn JournalLog>,
+        id: &str,
+        e: &mut RunEntry,
+    ) -> Result<(Lsn, Then), FlowError> {
         let request = Record {
             run: id.to_string(),
             generation: e.generation,
             pos: None,
             entry: Entry::CancelRequested,
         };
-        let journal = self.journal(id);
         let mut end = journal.append(RECORD_KIND, &request.encode())?;
         self.counters.cancel();
         // A parked run is not running: nothing will observe the request, so its
@@ -266,6 +343,7 @@ impl Shared {
         key: Option<&str>,
     ) -> Result<(), FlowError> {
         let shared = self;
+        let journal = shared.held(id)?.journal.clone();
         let (end, fresh) = {
             let mut runs = lock(&shared.runs);
             let e = runs
@@ -276,7 +354,7 @@ impl Shared {
             {
                 // Delivered before (perhaps before the run finished): answer once that
                 // delivery is durable (everything appended so far is).
-                (shared.journal(id).end_lsn(), false)
+                (journal.end_lsn(), false)
             } else if matches!(e.status, RunStatus::Finished(_)) {
                 return Err(FlowError::RunFinished {
                     id: id.into(),
@@ -295,10 +373,10 @@ impl Shared {
                 };
                 let bytes = rec.encode();
                 shared.check_payload(bytes.len())?;
-                shared.journal_signal(id, &mut e.inbox, &bytes, name, value, key)?
+                shared.journal_signal(&journal, &mut e.inbox, &bytes, name, value, key)?
             }
         };
-        crate::durable::durable(shared.journal(id), end).await?;
+        crate::durable::durable(&journal, end).await?;
         if fresh {
             shared.wake(id);
         }
@@ -309,7 +387,7 @@ impl Shared {
     /// journal order and the inbox order are the same).
     fn journal_signal(
         &self,
-        id: &str,
+        journal: &Arc<dyn JournalLog>,
         inbox: &mut Inbox,
         bytes: &[u8],
         name: &str,
@@ -324,7 +402,7 @@ impl Shared {
                 max: u64::from(self.limits.signals),
             });
         }
-        let end = self.journal(id).append(RECORD_KIND, bytes)?;
+        let end = journal.append(RECORD_KIND, bytes)?;
         inbox.push(name.to_string(), value, key.map(str::to_string));
         self.counters.signal();
         Ok((end, true))
@@ -386,7 +464,7 @@ impl Shared {
 }
 
 impl Host for Shared {
-    fn journal(&self, run: &str) -> &Arc<dyn JournalLog> {
+    fn journal(&self, run: &str) -> Arc<dyn JournalLog> {
         Shared::journal(self, run)
     }
 
@@ -441,7 +519,9 @@ impl Host for Shared {
         input: Json,
         parent: &str,
     ) -> Result<Lsn, FlowError> {
-        self.start_run(workflow, id, input, Some(parent.to_string()))
+        Ok(self
+            .start_run(workflow, id, input, Some(parent.to_string()))?
+            .end)
     }
 
     fn watch(&self, id: &str) -> Result<Watch, FlowError> {

@@ -132,7 +132,7 @@ impl ShardStream {
     /// not lost and its deadline is ahead (docs/flow-server.md §5.3).
     pub fn may_act(&self) -> bool {
         let s = lock(&self.state);
-        s.failed.is_none() && s.deadline.is_some_and(|d| boot_now() < d)
+        s.failed.is_none() && !s.releasing && s.deadline.is_some_and(|d| boot_now() < d)
     }
 
     /// The grant is lost: fail every wait now, and every append and wait from now on.
@@ -363,6 +363,10 @@ impl JournalLog for ShardStream {
     fn may_act(&self) -> bool {
         ShardStream::may_act(self)
     }
+
+    fn epoch(&self) -> Option<u64> {
+        Some(self.epoch)
+    }
 }
 
 type ReadReply = std::sync::mpsc::Sender<Result<(Vec<Rec>, bool), Error>>;
@@ -381,6 +385,16 @@ struct Conn {
     stop: AtomicBool,
     /// The largest record the server takes (from the Welcome).
     record_max: AtomicU32,
+    /// The server's `lease`, `ping_every` and `stuck_after` (from the Welcome).
+    timing: Mutex<Timing>,
+}
+
+/// The server's times a worker keeps to (docs/flow-server.md §3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Timing {
+    pub lease: Duration,
+    pub ping_every: Duration,
+    pub stuck_after: Duration,
 }
 
 impl Conn {
@@ -444,6 +458,11 @@ impl Worker {
             event: Condvar::new(),
             stop: AtomicBool::new(false),
             record_max: AtomicU32::new(u32::MAX),
+            timing: Mutex::new(Timing {
+                lease: Duration::from_secs(5),
+                ping_every: Duration::from_secs(1),
+                stuck_after: Duration::from_secs(10),
+            }),
         });
         let (first_tx, first_rx) = std::sync::mpsc::channel();
         let c = conn.clone();
@@ -511,6 +530,11 @@ impl Worker {
             lock(&s.state).releasing = true;
             self.conn.wake.notify_one();
         }
+    }
+
+    /// The server's times, as its last welcome said them.
+    pub fn timing(&self) -> Timing {
+        *lock(&self.conn.timing)
     }
 
     /// This worker's session (for the server's status).
@@ -675,6 +699,11 @@ async fn session(
     let ping_every =
         Duration::from_millis(u64::from(welcome.ping_ms)).max(Duration::from_millis(10));
     conn.record_max.store(welcome.record_max, Ordering::Relaxed);
+    *lock(&conn.timing) = Timing {
+        lease,
+        ping_every,
+        stuck_after: Duration::from_millis(u64::from(welcome.stuck_ms)),
+    };
     {
         let mut slots = lock(&conn.slots);
         if slots.is_empty() {

@@ -1,0 +1,74 @@
+//! A flow server in the test's process, on a Unix socket and on TCP (for the fault
+//! proxy).
+
+#![allow(dead_code)]
+
+use ferry_flow::log::Config as LogConfig;
+use ferry_flow_server::server::{Server, Settings};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::UnixListener;
+
+pub const LEASE: Duration = Duration::from_millis(900);
+
+pub fn settings(shards: u32) -> Settings {
+    Settings {
+        shards,
+        lease: LEASE,
+        ping_every: Duration::from_millis(100),
+        stuck_after: Duration::from_secs(30),
+        ..Settings::default()
+    }
+}
+
+pub struct Running {
+    pub server: Arc<Server>,
+    accept: Vec<tokio::task::JoinHandle<()>>,
+    /// The same server on TCP, for the fault proxy.
+    pub tcp: std::net::SocketAddr,
+}
+
+impl Running {
+    pub async fn stop(self) {
+        for a in self.accept {
+            a.abort();
+            let _ = a.await;
+        }
+        Arc::into_inner(self.server).unwrap().shutdown().await;
+    }
+}
+
+/// A server on `dir/server` with `shards` shards and the lease above.
+pub fn start(dir: &Path, socket: &Path, shards: u32) -> Running {
+    start_with(dir, socket, settings(shards))
+}
+
+pub fn start_with(dir: &Path, socket: &Path, settings: Settings) -> Running {
+    let _ = std::fs::remove_file(socket);
+    let server =
+        Arc::new(Server::open(&dir.join("server"), settings, LogConfig::default()).unwrap());
+    let listener = UnixListener::bind(socket).unwrap();
+    server.start();
+    let c = server.connector();
+    let unix = tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(c.connection(stream));
+        }
+    });
+    let tcp_listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    tcp_listener.set_nonblocking(true).unwrap();
+    let tcp = tcp_listener.local_addr().unwrap();
+    let tcp_listener = tokio::net::TcpListener::from_std(tcp_listener).unwrap();
+    let c = server.connector();
+    let tcp_accept = tokio::spawn(async move {
+        while let Ok((stream, _)) = tcp_listener.accept().await {
+            tokio::spawn(c.connection(stream));
+        }
+    });
+    Running {
+        server,
+        accept: vec![unix, tcp_accept],
+        tcp,
+    }
+}

@@ -1,0 +1,138 @@
+//! The engine as a server's worker (`Engine::builder(..).server(..)`, docs/flow-server.md
+//! §1, §7, §8): the same workflow code as embedded, its shards granted by a real server
+//! over a real socket; shards spread over the workers present, move to a standby when
+//! their holder closes, and their runs resume there from what the server holds, with
+//! no journaled step run twice.
+
+mod common;
+
+use common::start;
+use ferry_flow::{Ctx, Engine, FlowError, Signal, Workflow};
+use ferry_testkit::{Scratch, eventually};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Mutex;
+
+static ORDER: Workflow<u32, u64> = Workflow::new("order");
+static GO: Signal<u32> = Signal::new("go");
+
+/// How many times each step's body ran, by its key, across every engine of the test.
+static RAN: Mutex<BTreeMap<String, u32>> = Mutex::new(BTreeMap::new());
+
+/// An order: charge (a step), wait for "go", ship (a step).
+async fn order(ctx: Ctx, n: u32) -> Result<u64, FlowError> {
+    let charged: u64 = ctx
+        .step("charge", |s| async move {
+            *RAN.lock().unwrap().entry(s.key().to_string()).or_default() += 1;
+            assert!(s.epoch().is_some(), "a worker's step knows its epoch");
+            Ok(u64::from(n) * 10)
+        })
+        .await?;
+    let go = ctx.wait_for(GO, None).await?.unwrap_or(0);
+    let shipped: u64 = ctx
+        .step("ship", |s| async move {
+            *RAN.lock().unwrap().entry(s.key().to_string()).or_default() += 1;
+            Ok(u64::from(go))
+        })
+        .await?;
+    Ok(charged + shipped)
+}
+
+/// A worker of the server at `socket`, opened off the test's runtime (it waits for the
+/// server's welcome).
+async fn worker(dir: &Path, socket: &Path) -> Engine {
+    let dir = dir.to_path_buf();
+    let addr = format!("unix:{}", socket.display());
+    tokio::task::spawn_blocking(move || {
+        Engine::builder(dir)
+            .server(addr)
+            .register(ORDER, order)
+            .open()
+            .unwrap()
+    })
+    .await
+    .unwrap()
+}
+
+/// Drop an engine off the test's runtime (closing hands its shards back and waits).
+async fn close(e: Engine) {
+    tokio::task::spawn_blocking(move || drop(e)).await.unwrap();
+}
+
+fn ran_more_than_once() -> Vec<(String, u32)> {
+    RAN.lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .map(|(k, n)| (k.clone(), *n))
+        .collect()
+}
+
+/// Guards guarantees 4 and 5 with real engines: one worker runs orders on the shards
+/// it is granted; a second worker joining takes some shards over (rebalance); the first
+/// closing hands the rest back; every order, started on the first, finishes on the
+/// second with each step's body run once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shards_move_between_worker_engines_and_every_run_finishes_once() {
+    const SHARDS: u32 = 4;
+    const RUNS: u32 = 40;
+    let scratch = Scratch::new("flow-engine-move");
+    let socket = scratch.path().join("s.sock");
+    let server = start(scratch.path(), &socket, SHARDS);
+    let a = worker(&scratch.dir("a"), &socket).await;
+    eventually("the first worker to hold every shard", || {
+        a.held_shards().len() == SHARDS as usize
+    })
+    .await;
+    // Orders on every shard, each charged and waiting for "go".
+    for i in 0..RUNS {
+        a.start(ORDER, &format!("order-{i}"), &i).await.unwrap();
+    }
+    eventually("every order to be charged", || {
+        RAN.lock()
+            .unwrap()
+            .keys()
+            .filter(|k| k.ends_with("/1"))
+            .count()
+            == RUNS as usize
+    })
+    .await;
+    // A second worker: the server asks the first for half of the shards.
+    let b = worker(&scratch.dir("b"), &socket).await;
+    eventually("the shards to spread over both workers", || {
+        a.held_shards().len() == 2 && b.held_shards().len() == 2
+    })
+    .await;
+    // A run on a shard the worker does not hold is refused as such.
+    let (elsewhere, _) = b.held_shards()[0];
+    let foreign = (0..RUNS).map(|i| format!("order-{i}")).find(|id| {
+        a.query::<u32>(id)
+            .is_err_and(|e| matches!(e, FlowError::NotHeld { shard, .. } if shard == elsewhere))
+    });
+    assert!(
+        foreign.is_some(),
+        "some order lives on shard {elsewhere}, held by b"
+    );
+    // The first hands everything back as it closes.
+    close(a).await;
+    eventually("the second worker to hold every shard", || {
+        b.held_shards().len() == SHARDS as usize
+    })
+    .await;
+    for i in 0..RUNS {
+        b.signal(&format!("order-{i}"), GO, &1).await.unwrap();
+    }
+    for i in 0..RUNS {
+        let out = b
+            .run::<u64>(&format!("order-{i}"))
+            .expect("recovered on the second worker")
+            .result()
+            .await
+            .unwrap();
+        assert_eq!(out, u64::from(i) * 10 + 1);
+    }
+    assert_eq!(ran_more_than_once(), Vec::<(String, u32)>::new());
+    assert_eq!(RAN.lock().unwrap().len(), 2 * RUNS as usize);
+    close(b).await;
+    server.stop().await;
+}

@@ -1,0 +1,355 @@
+//! An engine that is a server's worker (`EngineBuilder::server`, docs/flow-server.md
+//! §1, §5.3, §7, §8): its shards come and go with the server's grants.
+//!
+//! One thread, the holder, hears the connection's events and changes the shards:
+//!
+//! - **Granted**: read the shard's records from the server, rebuild its runs as an open
+//!   does (`recovery.rs`), put its lane in place (its journal is the grant's stream)
+//!   and start its thread. A grant of a shard whose previous thread has not ended yet
+//!   (a step body blocking it) waits for that thread: two threads never run one
+//!   shard's runs, so nothing of an old grant can act under a new one.
+//! - **Lost**: put a vacant lane in place (calls about its runs are refused as not
+//!   held), ask its thread to stop (its runs are dropped where they wait; they resume
+//!   wherever the shard is granted next) and forget its runs.
+//! - **Drain**: hand the shard back (`Worker::release`: no step body starts, the
+//!   release goes once what was appended is acknowledged); then it is lost.
+//! - **Stuck**: a shard whose thread has not turned for `stuck_after` is handed back
+//!   the same way (the server would revoke it).
+//!
+//! Closing hands every shard back and waits, up to a lease, for each to go.
+
+use crate::journal_log::{Durable, JournalLog, OnDurable, Watched};
+use crate::recovery::{Journaled, journaled, recover_run};
+use crate::remote::worker::{Event, ShardStream, Worker};
+use crate::shard::Shard;
+use crate::shared::{Lane, Shared};
+use ferry_core::sync::lock;
+use ferry_log::{Error, Follower, Lsn, Record, Stats};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// The journal of a shard this worker does not hold: it takes nothing.
+pub(crate) struct Vacant {
+    pub(crate) what: String,
+}
+
+impl Vacant {
+    fn refusal(&self) -> Error {
+        Error::Fenced(format!("{} is not held by this worker", self.what))
+    }
+}
+
+impl JournalLog for Vacant {
+    fn append(&self, _kind: u8, _payload: &[u8]) -> Result<Lsn, Error> {
+        Err(self.refusal())
+    }
+
+    fn durable_lsn(&self) -> Lsn {
+        0
+    }
+
+    fn start_lsn(&self) -> Lsn {
+        0
+    }
+
+    fn end_lsn(&self) -> Lsn {
+        0
+    }
+
+    fn durable(&self, lsn: Lsn, _follower: Option<&Follower>) -> Durable {
+        let r = if lsn == 0 {
+            Ok(())
+        } else {
+            Err(self.refusal())
+        };
+        Box::pin(std::future::ready(r))
+    }
+
+    fn on_durable(&self, lsn: Lsn, _follower: Option<&Follower>, f: OnDurable) {
+        f(if lsn == 0 {
+            Ok(())
+        } else {
+            Err(self.refusal())
+        })
+    }
+
+    fn read(&self, from: Lsn, _f: &mut dyn FnMut(Record<'_>)) -> Result<Lsn, Error> {
+        Ok(from)
+    }
+
+    fn retire_below(&self, _lsn: Lsn) -> Result<usize, Error> {
+        Ok(0)
+    }
+
+    fn stats(&self) -> Stats {
+        Stats::default()
+    }
+
+    fn may_act(&self) -> bool {
+        false
+    }
+}
+
+/// The lane of shard `shard` while this worker does not hold it.
+pub(crate) fn vacant_lane(shard: usize, running: Option<usize>) -> Arc<Lane> {
+    let journal = Arc::new(Vacant {
+        what: format!("shard {shard}"),
+    });
+    Lane::new(journal, None, None, running).0
+}
+
+/// The holder thread and what it shares with the engine.
+pub(crate) struct Holder {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// A shard this worker holds.
+struct Held {
+    epoch: u64,
+    stream: Arc<ShardStream>,
+    thread: Shard,
+    /// Its turn count when last looked at, and since when it stands there.
+    turns: (u64, Instant),
+    /// Being handed back.
+    releasing: bool,
+}
+
+/// The holder thread's state.
+struct Holding {
+    shared: Arc<Shared>,
+    worker: Arc<Worker>,
+    running: Option<usize>,
+    held: Vec<Option<Held>>,
+    /// Threads of shards lost, until they end.
+    ending: Vec<Option<Shard>>,
+    /// Grants waiting for the shard's previous thread to end.
+    waiting: Vec<(u32, u64)>,
+}
+
+impl Holder {
+    /// Start holding for `shared`, whose lanes are vacant, over `worker`'s connection.
+    pub(crate) fn start(
+        shared: Arc<Shared>,
+        worker: Worker,
+        running: Option<usize>,
+    ) -> Result<Holder, std::io::Error> {
+        let worker = Arc::new(worker);
+        let stop = Arc::new(AtomicBool::new(false));
+        let shards = shared.lanes.len();
+        let mut holding = Holding {
+            shared,
+            worker,
+            running,
+            held: (0..shards).map(|_| None).collect(),
+            ending: (0..shards).map(|_| None).collect(),
+            waiting: Vec::new(),
+        };
+        let stopping = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("ferry-flow-holder".into())
+            .spawn(move || {
+                while !stopping.load(Ordering::SeqCst) {
+                    holding.turn(Duration::from_millis(50));
+                }
+                holding.close();
+            })?;
+        Ok(Holder {
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Hand every shard back, stop their threads, close the connection.
+    pub(crate) fn close(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+impl Holding {
+    /// Wait up to `wait` for an event and act on it; then start grants that waited, and
+    /// hand back shards that stopped turning.
+    fn turn(&mut self, wait: Duration) {
+        match self.worker.next_event(wait) {
+            Some(Event::Granted { shard, epoch }) => self.waiting.push((shard, epoch)),
+            Some(Event::Lost { shard, epoch, why }) => self.lose(shard, epoch, &why),
+            Some(Event::Drain { shard }) => self.hand_back(shard, "the server asked for it"),
+            None => {}
+        }
+        for (shard, epoch) in std::mem::take(&mut self.waiting) {
+            let ended = self.ending[shard as usize]
+                .as_ref()
+                .is_none_or(Shard::is_finished);
+            if ended {
+                self.ending[shard as usize] = None;
+                self.take(shard, epoch);
+            } else {
+                self.waiting.push((shard, epoch));
+            }
+        }
+        self.watch_turns();
+    }
+
+    /// Shard `shard` was granted at `epoch`: recover it and run it.
+    fn take(&mut self, shard: u32, epoch: u64) {
+        let Some(stream) = self.worker.stream(shard).filter(|s| s.epoch() == epoch) else {
+            return; // Lost again already.
+        };
+        let started = Instant::now();
+        let journal: Arc<dyn JournalLog> = Arc::new(Watched {
+            log: stream.clone(),
+            failure: self.shared.failure.clone(),
+        });
+        let (lane, rx) = Lane::new(journal, Some(epoch), None, self.running);
+        // The turns count from the grant: a long recovery is progress.
+        stream.turns.fetch_add(1, Ordering::Relaxed);
+        let recovered = journaled(None, &*lane.journal).and_then(|j| {
+            let Journaled { by_run, read, .. } = j;
+            let mut resumed = 0;
+            for (run, records) in by_run {
+                if recover_run(&self.shared, &lane, run, records)? {
+                    resumed += 1;
+                }
+            }
+            Ok((read, resumed))
+        });
+        let (read, resumed) = match recovered {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!(
+                    shard,
+                    epoch,
+                    "recovering the shard failed; handing it back: {e}"
+                );
+                self.forget_runs(shard as usize);
+                self.worker.release(shard);
+                return;
+            }
+        };
+        *self.shared.lanes[shard as usize]
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = lane.clone();
+        let beat = {
+            let stream = stream.clone();
+            let every = (self.worker.timing().ping_every / 2).max(Duration::from_millis(5));
+            let beat: Box<dyn Fn() + Send> = Box::new(move || {
+                stream.turns.fetch_add(1, Ordering::Relaxed);
+            });
+            (every, beat)
+        };
+        let thread = Shard::start(shard as usize, self.shared.clone(), lane, rx, Some(beat));
+        tracing::info!(
+            shard,
+            epoch,
+            records = read,
+            resumed,
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "shard granted and recovered"
+        );
+        self.held[shard as usize] = Some(Held {
+            epoch,
+            turns: (stream.turns.load(Ordering::Relaxed), Instant::now()),
+            stream,
+            thread,
+            releasing: false,
+        });
+    }
+
+    /// Shard `shard`'s grant at `epoch` is lost: stop it, forget its runs.
+    fn lose(&mut self, shard: u32, epoch: u64, why: &str) {
+        let i = shard as usize;
+        if self.held[i].as_ref().is_none_or(|h| h.epoch != epoch) {
+            return;
+        }
+        let mut held = self.held[i].take().expect("looked at it");
+        *self.shared.lanes[i]
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = vacant_lane(i, self.running);
+        held.thread.ask_to_stop();
+        self.ending[i] = Some(held.thread);
+        self.forget_runs(i);
+        tracing::info!(shard, epoch, "shard let go: {why}");
+    }
+
+    /// Drop shard `shard`'s runs from the map: whoever waits on one hears that it is
+    /// not held here.
+    fn forget_runs(&self, shard: usize) {
+        let shared = &self.shared;
+        let mut runs = lock(&shared.runs);
+        runs.retain(|id, e| {
+            let keep = shared.shard_of(id) != shard;
+            if !keep {
+                shared.counters.removed(&e.status);
+                drop(e.take_waiters());
+            }
+            keep
+        });
+    }
+
+    fn hand_back(&mut self, shard: u32, why: &str) {
+        if let Some(h) = self.held[shard as usize].as_mut()
+            && !h.releasing
+        {
+            h.releasing = true;
+            tracing::info!(shard, epoch = h.epoch, "handing the shard back: {why}");
+            self.worker.release(shard);
+        }
+    }
+
+    /// Hand back each shard whose thread has not turned for `stuck_after`
+    /// (docs/flow-server.md §5.4).
+    fn watch_turns(&mut self) {
+        let stuck_after = self.worker.timing().stuck_after;
+        let mut stuck = Vec::new();
+        for (i, h) in self.held.iter_mut().enumerate() {
+            let Some(h) = h else { continue };
+            let now = h.stream.turns.load(Ordering::Relaxed);
+            if now != h.turns.0 {
+                h.turns = (now, Instant::now());
+            } else if h.turns.1.elapsed() >= stuck_after {
+                stuck.push(i as u32);
+            }
+        }
+        for shard in stuck {
+            self.hand_back(shard, "its thread has not turned for stuck_after");
+        }
+    }
+
+    /// Hand every shard back and wait, up to a lease, for each to go; then stop every
+    /// shard thread.
+    fn close(&mut self) {
+        let shards: Vec<u32> = (0..self.held.len() as u32).collect();
+        for shard in shards {
+            self.hand_back(shard, "the engine is closing");
+        }
+        let until = Instant::now() + self.worker.timing().lease;
+        while self.held.iter().any(Option::is_some) && Instant::now() < until {
+            // Grants that come meanwhile are not taken.
+            self.waiting.clear();
+            match self.worker.next_event(Duration::from_millis(20)) {
+                Some(Event::Lost { shard, epoch, why }) => self.lose(shard, epoch, &why),
+                Some(Event::Granted { shard, .. }) => self.worker.release(shard),
+                _ => {}
+            }
+        }
+        for i in 0..self.held.len() {
+            if let Some(epoch) = self.held[i].as_ref().map(|h| h.epoch) {
+                self.lose(i as u32, epoch, "the engine closed");
+            }
+        }
+        for t in self.ending.iter_mut().flatten() {
+            t.stop();
+        }
+    }
+}
