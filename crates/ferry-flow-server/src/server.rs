@@ -190,6 +190,9 @@ pub struct ShardStatus {
     pub epoch: u64,
     /// The holding session, in hex; none while free (or fenced after a revoke).
     pub holder: Option<String>,
+    /// The holder was sent its grant: the epoch is durable (until then the shard is
+    /// the holder's, but the holder does not know it yet).
+    pub granted: bool,
     pub records: u64,
     pub durable: u64,
 }
@@ -318,6 +321,7 @@ impl Server {
                     shard,
                     epoch,
                     holder: holder.map(session_tag),
+                    granted: holder.is_some() && !state.grants.iter().any(|g| g.2 == shard),
                     records: state.store.end(shard),
                     durable: state.store.durable(shard),
                 }
@@ -558,9 +562,11 @@ async fn pump(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
         state.grants = waiting;
         for (_, session, shard, epoch) in ready {
             // Still this session's at this epoch (not revoked while the epoch was written)?
-            if state.table.check(session, shard, epoch).is_err() {
+            if let Err(e) = state.table.check(session, shard, epoch) {
+                tracing::info!(shard, epoch, session = %session_tag(session), "ferry flow server: a grant not sent: {e}");
                 continue;
             }
+            tracing::info!(shard, epoch, session = %session_tag(session), "ferry flow server: shard granted");
             if let Some((_, tx)) = state.conns.get(&session) {
                 let _ = tx.send(Frame {
                     id: 0,

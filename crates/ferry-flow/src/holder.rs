@@ -18,6 +18,7 @@
 //!
 //! Closing hands every shard back and waits, up to a lease, for each to go.
 
+use crate::api::FlowError;
 use crate::journal_log::{Durable, JournalLog, OnDurable, Watched};
 use crate::recovery::{Journaled, journaled, recover_run};
 use crate::remote::worker::{Event, ShardStream, Worker};
@@ -127,6 +128,9 @@ struct Holding {
     ending: Vec<Option<Shard>>,
     /// Grants waiting for the shard's previous thread to end.
     waiting: Vec<(u32, u64)>,
+    /// Drains of grants not taken yet (the server may ask for a shard back before its
+    /// grant arrives): handed back as soon as they are.
+    drained: Vec<(u32, u64)>,
 }
 
 impl Holder {
@@ -146,6 +150,7 @@ impl Holder {
             held: (0..shards).map(|_| None).collect(),
             ending: (0..shards).map(|_| None).collect(),
             waiting: Vec::new(),
+            drained: Vec::new(),
         };
         let stopping = stop.clone();
         let thread = std::thread::Builder::new()
@@ -184,7 +189,16 @@ impl Holding {
         match self.worker.next_event(wait) {
             Some(Event::Granted { shard, epoch }) => self.waiting.push((shard, epoch)),
             Some(Event::Lost { shard, epoch, why }) => self.lose(shard, epoch, &why),
-            Some(Event::Drain { shard }) => self.hand_back(shard, "the server asked for it"),
+            Some(Event::Drain { shard, epoch }) => {
+                if self.held[shard as usize]
+                    .as_ref()
+                    .is_some_and(|h| h.epoch == epoch)
+                {
+                    self.hand_back(shard, "the server asked for it");
+                } else {
+                    self.drained.push((shard, epoch));
+                }
+            }
             None => {}
         }
         for (shard, epoch) in std::mem::take(&mut self.waiting) {
@@ -204,7 +218,12 @@ impl Holding {
     /// Shard `shard` was granted at `epoch`: recover it and run it.
     fn take(&mut self, shard: u32, epoch: u64) {
         let Some(stream) = self.worker.stream(shard).filter(|s| s.epoch() == epoch) else {
-            return; // Lost again already.
+            tracing::info!(
+                shard,
+                epoch,
+                "shard granted, and lost again before it was taken"
+            );
+            return;
         };
         let started = Instant::now();
         let journal: Arc<dyn JournalLog> = Arc::new(Watched {
@@ -214,7 +233,22 @@ impl Holding {
         let (lane, rx) = Lane::new(journal, Some(epoch), None, self.running);
         // The turns count from the grant: a long recovery is progress.
         stream.turns.fetch_add(1, Ordering::Relaxed);
-        let recovered = journaled(None, &*lane.journal).and_then(|j| {
+        // A read cut short by a blip of the connection is read again, while the grant
+        // lasts (it is resumed with the connection, or lost).
+        let read = loop {
+            match journaled(None, &*lane.journal) {
+                Err(FlowError::Log(e)) if !matches!(e, Error::Fenced(_)) && !stream.is_lost() => {
+                    tracing::warn!(
+                        shard,
+                        epoch,
+                        "reading the shard from the server: {e}; again"
+                    );
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                r => break r,
+            }
+        };
+        let recovered = read.and_then(|j| {
             let Journaled { by_run, read, .. } = j;
             let mut resumed = 0;
             for (run, records) in by_run {
@@ -237,6 +271,24 @@ impl Holding {
                 return;
             }
         };
+        // No step body starts before the server confirmed the grant (§5.3): a run that
+        // found its shard unconfirmed would stop as fenced, and the grant go on without
+        // it. The connection pings as soon as a grant comes, so this is a round trip;
+        // a grant that is not confirmed within a lease is handed back.
+        let until = Instant::now() + self.worker.timing().lease;
+        while !stream.may_act() && !stream.is_lost() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if !stream.may_act() {
+            tracing::warn!(
+                shard,
+                epoch,
+                "the server did not confirm the grant; handing it back"
+            );
+            self.forget_runs(shard as usize);
+            self.worker.release(shard);
+            return;
+        }
         *self.shared.lanes[shard as usize]
             .write()
             .unwrap_or_else(|e| e.into_inner()) = lane.clone();
@@ -264,6 +316,11 @@ impl Holding {
             thread,
             releasing: false,
         });
+        let drained = self.drained.contains(&(shard, epoch));
+        self.drained.retain(|d| d.0 != shard || d.1 > epoch);
+        if drained {
+            self.hand_back(shard, "the server asked for it before its grant came");
+        }
     }
 
     /// Shard `shard`'s grant at `epoch` is lost: stop it, forget its runs.

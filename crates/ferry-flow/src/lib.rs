@@ -58,3 +58,4 @@ pub use ferry_log::{
 pub use journal::{Entry, Outcome, Record};
 pub use journal_log::JournalLog;
 pub use recovery::{FinishedRun, Journal, read_journal, read_journal_on};
+pub use shared::shard_of;

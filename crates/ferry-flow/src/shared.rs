@@ -61,6 +61,18 @@ pub(crate) struct Shared {
     pub(crate) on_server: bool,
 }
 
+/// The shard of run `run` among `shards`: FNV-1a of its root id (up to the first `/`)
+/// modulo the count, so a child (`parent/generation/position`) lives on its root's
+/// shard (docs/flow-server.md §1). Stable across processes and builds.
+pub fn shard_of(run: &str, shards: u32) -> u32 {
+    let root = run.split('/').next().unwrap_or(run);
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in root.bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+    }
+    (h % u64::from(shards.max(1))) as u32
+}
+
 /// A record appended to a shard's journal: wait for it there.
 pub(crate) struct Appended {
     pub(crate) journal: Arc<dyn JournalLog>,
@@ -114,12 +126,7 @@ impl Shared {
     /// (`parent/generation/position`) lives on its root's shard (docs/flow-server.md §1).
     /// Stable across processes, so a run stays on its shard after a restart.
     pub(crate) fn shard_of(&self, run: &str) -> usize {
-        let root = run.split('/').next().unwrap_or(run);
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for b in root.bytes() {
-            h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
-        }
-        (h % self.lanes.len() as u64) as usize
+        shard_of(run, self.lanes.len() as u32) as usize
     }
 
     /// Shard `shard`'s lane as it is now.

@@ -11,7 +11,9 @@
 //!    passes integrity_check, and show that the old primary is now fenced.
 //! 6. The outbox part (`demo_outbox`): orders and their events in one SQLite transaction,
 //!    relayed to a webhook endpoint that goes down and comes back mid-way.
-//! 7. The flow part (`demo_flow`): order workflows through an engine SIGKILLed mid-way.
+//! 7. The flow part (`demo_flow`): order workflows through an engine SIGKILLed mid-way;
+//!    then (`demo_flow_server`) on a flow server with two workers, through a worker's
+//!    SIGKILL and the server's.
 //! 8. The sync part (`demo_sync`): a Postgres shop kept on three stores' SQLite replicas
 //!    through a relay SIGKILL, a network cut and a store offline, checked in content.
 
@@ -300,6 +302,7 @@ fn demo(root: &Path, a: &DemoArgs) -> anyhow::Result<()> {
     );
     crate::demo_outbox::run(root, a.outbox_orders)?;
     crate::demo_flow::run(root, a.flow_orders)?;
+    crate::demo_flow_server::run(root, a.flow_orders)?;
     crate::demo_sync::run(root)?;
     say!("OK");
     Ok(())
@@ -363,7 +366,7 @@ impl Drop for Receiver {
     }
 }
 
-fn free_port() -> anyhow::Result<u16> {
+pub(crate) fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())

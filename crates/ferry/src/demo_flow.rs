@@ -101,7 +101,7 @@ async fn order(ctx: Ctx, n: u32, service: Arc<String>) -> Result<String, FlowErr
 }
 
 /// POST to the service; its answer is the effect's id.
-fn call(
+pub(crate) fn call(
     service: &str,
     what: &'static str,
     key: String,
@@ -127,13 +127,13 @@ fn call(
 
 /// The payments service: effects by key, every call in arrival order.
 #[derive(Default)]
-struct Service {
+pub(crate) struct Service {
     /// (what, key) → effect id.
-    effects: BTreeMap<(String, String), String>,
+    pub(crate) effects: BTreeMap<(String, String), String>,
     /// (what, order, key) for every call, repeats included.
-    calls: Vec<(String, u32, String)>,
+    pub(crate) calls: Vec<(String, u32, String)>,
     /// Charge calls answered.
-    answered: usize,
+    pub(crate) answered: usize,
 }
 
 #[derive(Deserialize)]
@@ -162,6 +162,26 @@ async fn serve_call(
         svc.lock().unwrap_or_else(|p| p.into_inner()).answered += 1;
     }
     effect
+}
+
+/// Start the payments service on `rt`: its state, and its URL.
+pub(crate) fn start_service(
+    rt: &tokio::runtime::Runtime,
+) -> anyhow::Result<(Arc<Mutex<Service>>, String)> {
+    let svc = Arc::new(Mutex::new(Service::default()));
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+    let service = format!("http://{}", listener.local_addr()?);
+    let app = axum::Router::new()
+        .route(
+            "/charge",
+            post(serve_call).with_state((svc.clone(), "charge")),
+        )
+        .route(
+            "/notify",
+            post(serve_call).with_state((svc.clone(), "notify")),
+        );
+    rt.spawn(async move { axum::serve(listener, app).await });
+    Ok((svc, service))
 }
 
 /// The engine as a child process.
@@ -266,19 +286,7 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let svc = Arc::new(Mutex::new(Service::default()));
-    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
-    let service = format!("http://{}", listener.local_addr()?);
-    let app = axum::Router::new()
-        .route(
-            "/charge",
-            post(serve_call).with_state((svc.clone(), "charge")),
-        )
-        .route(
-            "/notify",
-            post(serve_call).with_state((svc.clone(), "notify")),
-        );
-    rt.spawn(async move { axum::serve(listener, app).await });
+    let (svc, service) = start_service(&rt)?;
 
     say!();
     say!(

@@ -4,6 +4,7 @@
 
 mod demo;
 mod demo_flow;
+mod demo_flow_server;
 mod demo_outbox;
 mod demo_sync;
 mod flow;
@@ -55,6 +56,12 @@ enum Command {
     /// The engine process of the demo's flow part (the demo starts and kills it).
     #[command(hide = true)]
     DemoFlowEngine(demo_flow::EngineArgs),
+    /// A worker process of the demo's flow server part (the demo starts and kills it).
+    #[command(hide = true)]
+    DemoFlowWorker(demo_flow_server::WorkerArgs),
+    /// The demo's flow server part alone.
+    #[command(hide = true)]
+    DemoFlowServer(demo_flow_server::PartArgs),
 }
 
 #[derive(Subcommand)]
@@ -84,11 +91,13 @@ fn main() -> ExitCode {
     };
     // The demo prints its own report of what happened, failures included; logs of its
     // components (a receiver killed on purpose, a primary fenced on purpose) would drown it.
-    init_logging(if matches!(cli.command, Command::Demo(_)) {
-        "off"
-    } else {
-        "info"
-    });
+    init_logging(
+        if matches!(cli.command, Command::Demo(_) | Command::DemoFlowServer(_)) {
+            "off"
+        } else {
+            "info"
+        },
+    );
     for warning in old_variables.iter().chain(&old_spelling) {
         tracing::warn!("{warning}");
     }
@@ -103,6 +112,8 @@ fn main() -> ExitCode {
         Command::Flow(sub) => flow::run(sub),
         Command::Sync(sub) => sync::run(sub),
         Command::DemoFlowEngine(a) => demo_flow::engine(a),
+        Command::DemoFlowWorker(a) => demo_flow_server::worker(a),
+        Command::DemoFlowServer(a) => demo_flow_server::part(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

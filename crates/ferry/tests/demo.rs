@@ -46,6 +46,7 @@ fn the_demo_passes_its_own_checks() {
     assert_eq!(doc["outbox"]["rolled_back_delivered"], 0, "{doc}");
     assert_eq!(doc["flow"]["finished"], 60, "{doc}");
     assert_eq!(doc["flow"]["orders_wrong"], 0, "{doc}");
+    assert_eq!(doc["flow_server"]["orders_wrong"], 0, "{doc}");
     assert_eq!(doc["sync"]["wish_answer"], "applied", "{doc}");
     assert!(
         doc["sync"]["sales_lost_by_the_restore"].as_i64() > Some(0),

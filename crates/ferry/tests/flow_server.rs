@@ -242,3 +242,139 @@ fn settings_that_break_the_arithmetic_are_refused_by_flag() {
     let err = refused(&["--listen", "x", "--shards", "0"]);
     assert!(err.contains("--shards: must be 1 to 1024"), "{err}");
 }
+
+/// Guards guarantees 4 and 5 with real processes (T2, and T3 with real workers): `ferry
+/// demo-flow-server` runs orders on a server and two worker processes, SIGKILLs the
+/// worker holding the most shards and then the server; every order is charged and
+/// notified once, the takeover comes within the lease plus 1 s, and nothing the
+/// surviving worker ran before the server's kill runs again after it.
+#[test]
+fn worker_kills_lose_nothing_and_take_over_within_the_bound() {
+    let scratch = Scratch::new("flow-serve-demo");
+    let dir = scratch.path().join("demo");
+    let dir_s = dir.display().to_string();
+    let (code, out, err) = ferry_testkit::proc::run(
+        Path::new(FERRY),
+        &[
+            "demo-flow-server",
+            "--dir",
+            &dir_s,
+            "--orders",
+            "60",
+            "--json",
+        ],
+        &[],
+    );
+    let doc: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| {
+        panic!("the demo prints JSON ({e}): {out}\n{err}");
+    });
+    assert_eq!(code, 0, "{doc}\n{err}");
+    assert_eq!(doc["ok"], true, "{doc}\n{err}");
+    let part = &doc["flow_server"];
+    assert_eq!(part["orders_wrong"], 0, "{doc}");
+    assert_eq!(part["calls_again_after_server_kill"], 0, "{doc}");
+    let takeover = part["takeover_ms"].as_f64().unwrap();
+    assert!(takeover <= 3_000.0, "takeover {takeover} ms: {doc}");
+}
+
+/// The server's /status on `port`, once it answers.
+fn status(port: u16) -> Option<serde_json::Value> {
+    let mut r = ureq::get(format!("http://127.0.0.1:{port}/status"))
+        .call()
+        .ok()?;
+    serde_json::from_str(&r.body_mut().read_to_string().ok()?).ok()
+}
+
+/// How many shards worker `pid` holds by the server's status, granted.
+fn held_by(port: u16, pid: u32) -> usize {
+    let Some(st) = status(port) else { return 0 };
+    let name = format!("pid {pid}");
+    let Some(session) = st["workers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|w| w["name"] == name.as_str() && w["connected"] == true)
+        .and_then(|w| w["session"].as_str().map(str::to_string))
+    else {
+        return 0;
+    };
+    st["shards"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|s| s["holder"] == session.as_str() && s["granted"] == true)
+        .count()
+}
+
+/// A worker process of the demo's (`ferry demo-flow-worker`) that starts no orders.
+fn idle_worker(scratch: &Scratch, name: &str, socket: &Path) -> Proc {
+    let dir = scratch.path().join(name);
+    let (dir, server) = (
+        dir.display().to_string(),
+        format!("unix:{}", socket.display()),
+    );
+    let go = scratch.path().join("never").display().to_string();
+    Proc::spawn(
+        name,
+        Path::new(FERRY),
+        &[
+            "demo-flow-worker",
+            "--server",
+            &server,
+            "--service",
+            "http://127.0.0.1:9",
+            "--orders",
+            "1",
+            "--dir",
+            &dir,
+            "--go",
+            &go,
+        ],
+        &[],
+        &scratch.path().join(format!("{name}.log")),
+    )
+}
+
+/// Guards T11 (§8.2): a worker process told to stop (SIGTERM) hands its shards back at
+/// once, so the standby holds them well within the lease (3 s here), and the worker
+/// exits cleanly.
+#[test]
+fn sigterm_hands_back_at_once() {
+    let scratch = Scratch::new("flow-serve-handback");
+    let socket = scratch.path().join("flow.sock");
+    let port = free_port();
+    let server = serve(
+        &scratch.path().join("server"),
+        &socket,
+        Some(port),
+        &scratch.path().join("server.log"),
+    );
+    let a = idle_worker(&scratch, "a", &socket);
+    assert!(
+        wait_until(Duration::from_secs(20), || held_by(port, a.pid())
+            == SHARDS as usize),
+        "a holds every shard: {}",
+        a.log_text()
+    );
+    let b = idle_worker(&scratch, "b", &socket);
+    assert!(
+        wait_until(Duration::from_secs(20), || held_by(port, b.pid()) > 0),
+        "b is given some shards: {}",
+        b.log_text()
+    );
+    let start = std::time::Instant::now();
+    assert_eq!(a.term(Duration::from_secs(10)), Some(0), "a exits cleanly");
+    assert!(
+        wait_until(Duration::from_secs(10), || held_by(port, b.pid())
+            == SHARDS as usize),
+        "b takes every shard: {}",
+        b.log_text()
+    );
+    let took = start.elapsed();
+    assert!(
+        took < Duration::from_millis(1_500),
+        "the hand-back took {took:?}, not well within the 3 s lease"
+    );
+    drop(b);
+    drop(server);
+}

@@ -62,8 +62,9 @@ pub enum Event {
     /// The shard's stream of `epoch` is lost: stop its runs. Every wait on it has ended
     /// with `Fenced`.
     Lost { shard: u32, epoch: u64, why: String },
-    /// The server asks for the shard back (rebalance): stop it, then [`Worker::release`].
-    Drain { shard: u32 },
+    /// The server asks for the shard's grant at `epoch` back (rebalance): stop it, then
+    /// [`Worker::release`]. It may come before that grant's `Granted`.
+    Drain { shard: u32, epoch: u64 },
 }
 
 /// Time on `CLOCK_BOOTTIME`: it runs on while the machine is suspended, so a deadline
@@ -133,6 +134,11 @@ impl ShardStream {
     pub fn may_act(&self) -> bool {
         let s = lock(&self.state);
         s.failed.is_none() && !s.releasing && s.deadline.is_some_and(|d| boot_now() < d)
+    }
+
+    /// The grant is lost (for good).
+    pub fn is_lost(&self) -> bool {
+        lock(&self.state).failed.is_some()
     }
 
     /// The grant is lost: fail every wait now, and every append and wait from now on.
@@ -941,7 +947,7 @@ fn handle(
                 conn.lose(&s, "revoked by the server");
             }
         }
-        Body::Drain { shard, .. } => conn.emit(Event::Drain { shard }),
+        Body::Drain { shard, epoch } => conn.emit(Event::Drain { shard, epoch }),
         Body::Records(r) => {
             if let Some(reply) = reads.remove(&f.id) {
                 let _ = reply.send(Ok((r.records, r.last)));
