@@ -528,56 +528,69 @@ async fn pump(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
         tokio::pin!(appended);
         appended.as_mut().enable();
         let target = inner.log.end_lsn();
-        if inner.log.durable_lsn() >= target {
-            tokio::select! {
-                biased;
-                _ = stop.wait_for(|s| *s) => return,
-                _ = appended => continue,
-            }
-        }
-        if let Err(e) = inner.log.durable(target).await {
+        if inner.log.durable_lsn() < target
+            && let Err(e) = inner.log.durable(target).await
+        {
             fail(&inner, &e);
             return;
         }
-        let durable = inner.log.durable_lsn();
-        let mut state = ferry_core::sync::lock(&inner.state);
-        let state = &mut *state;
-        for (shard, position) in state.store.advance(durable) {
-            let (epoch, holder) = state.table.holder(shard);
-            if let Some((_, tx)) = holder.and_then(|h| state.conns.get(&h)) {
-                let _ = tx.send(Frame {
-                    id: 0,
-                    body: Body::Durable(vec![ShardPos {
-                        shard,
-                        epoch,
-                        position,
-                    }]),
-                });
+        // Whatever is durable now is answered, however it got there: by this wait, or
+        // by a sync before it. (Answering only after a wait of its own left a grant
+        // whose epoch a sync made durable first unsent until the next append, 10 s
+        // later in a demo run.)
+        deliver(&inner);
+        if inner.log.durable_lsn() >= inner.log.end_lsn() {
+            // Registered before `target` was read: no append since is missed.
+            tokio::select! {
+                biased;
+                _ = stop.wait_for(|s| *s) => return,
+                _ = appended => {}
             }
         }
-        let (ready, waiting): (Vec<_>, Vec<_>) = state
-            .grants
-            .drain(..)
-            .partition(|&(end, ..)| end <= durable);
-        state.grants = waiting;
-        for (_, session, shard, epoch) in ready {
-            // Still this session's at this epoch (not revoked while the epoch was written)?
-            if let Err(e) = state.table.check(session, shard, epoch) {
-                tracing::info!(shard, epoch, session = %session_tag(session), "ferry flow server: a grant not sent: {e}");
-                continue;
-            }
-            tracing::info!(shard, epoch, session = %session_tag(session), "ferry flow server: shard granted");
-            if let Some((_, tx)) = state.conns.get(&session) {
-                let _ = tx.send(Frame {
-                    id: 0,
-                    body: Body::Grant(vec![Granted {
-                        shard,
-                        epoch,
-                        checkpoint: 0,
-                        end: state.store.end(shard),
-                    }]),
-                });
-            }
+    }
+}
+
+/// Answer `Durable` to each shard's holder for what is durable, and send the grants
+/// whose epochs are.
+fn deliver(inner: &Inner) {
+    let durable = inner.log.durable_lsn();
+    let mut state = ferry_core::sync::lock(&inner.state);
+    let state = &mut *state;
+    for (shard, position) in state.store.advance(durable) {
+        let (epoch, holder) = state.table.holder(shard);
+        if let Some((_, tx)) = holder.and_then(|h| state.conns.get(&h)) {
+            let _ = tx.send(Frame {
+                id: 0,
+                body: Body::Durable(vec![ShardPos {
+                    shard,
+                    epoch,
+                    position,
+                }]),
+            });
+        }
+    }
+    let (ready, waiting): (Vec<_>, Vec<_>) = state
+        .grants
+        .drain(..)
+        .partition(|&(end, ..)| end <= durable);
+    state.grants = waiting;
+    for (_, session, shard, epoch) in ready {
+        // Still this session's at this epoch (not revoked while the epoch was written)?
+        if let Err(e) = state.table.check(session, shard, epoch) {
+            tracing::info!(shard, epoch, session = %session_tag(session), "ferry flow server: a grant not sent: {e}");
+            continue;
+        }
+        tracing::info!(shard, epoch, session = %session_tag(session), "ferry flow server: shard granted");
+        if let Some((_, tx)) = state.conns.get(&session) {
+            let _ = tx.send(Frame {
+                id: 0,
+                body: Body::Grant(vec![Granted {
+                    shard,
+                    epoch,
+                    checkpoint: 0,
+                    end: state.store.end(shard),
+                }]),
+            });
         }
     }
 }
