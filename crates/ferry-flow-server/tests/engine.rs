@@ -136,3 +136,74 @@ async fn shards_move_between_worker_engines_and_every_run_finishes_once() {
     close(b).await;
     server.stop().await;
 }
+
+static WEDGE: Workflow<u32, u64> = Workflow::new("wedge");
+
+/// Guards guarantee 3 (T7): a step body that blocks its shard's thread stops the
+/// shard's turns while the worker's pings flow; the shard is handed back (or revoked)
+/// after `stuck_after` and granted to the other worker, where the step runs again
+/// with the same key under a higher epoch and the run finishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wedged_shard_moves() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static FIRST: AtomicBool = AtomicBool::new(true);
+    static BODIES: Mutex<Vec<(String, Option<u64>)>> = Mutex::new(Vec::new());
+    let scratch = Scratch::new("flow-engine-wedge");
+    let socket = scratch.path().join("s.sock");
+    let settings = ferry_flow_server::server::Settings {
+        stuck_after: std::time::Duration::from_millis(1_000),
+        ..common::settings(1)
+    };
+    let server = common::start_with(scratch.path(), &socket, settings);
+    let open = |dir: std::path::PathBuf| {
+        let addr = format!("unix:{}", socket.display());
+        tokio::task::spawn_blocking(move || {
+            Engine::builder(dir)
+                .server(addr)
+                .register(WEDGE, |ctx: Ctx, n: u32| async move {
+                    ctx.step("block", |s| async move {
+                        BODIES
+                            .lock()
+                            .unwrap()
+                            .push((s.key().to_string(), s.epoch()));
+                        if FIRST.swap(false, Ordering::SeqCst) {
+                            // Wedges the shard's thread: no await, no turns.
+                            std::thread::sleep(std::time::Duration::from_secs(4));
+                        }
+                        Ok(u64::from(n) + s.epoch().unwrap_or(0) * 1_000)
+                    })
+                    .await
+                })
+                .open()
+                .unwrap()
+        })
+    };
+    let a = open(scratch.dir("a")).await.unwrap();
+    eventually("a to hold the shard", || a.held_shards().len() == 1).await;
+    a.start(WEDGE, "w", &7).await.unwrap();
+    eventually("the body to start on a", || {
+        BODIES.lock().unwrap().len() == 1
+    })
+    .await;
+    let b = open(scratch.dir("b")).await.unwrap();
+    eventually("the wedged shard to move to b", || {
+        b.held_shards().len() == 1
+    })
+    .await;
+    let out = b
+        .run::<u64>("w")
+        .expect("recovered on b")
+        .result()
+        .await
+        .unwrap();
+    let bodies = BODIES.lock().unwrap().clone();
+    assert_eq!(bodies.len(), 2, "{bodies:?}");
+    assert_eq!(bodies[0].0, bodies[1].0, "the same key on both workers");
+    let (first, second) = (bodies[0].1.unwrap(), bodies[1].1.unwrap());
+    assert!(second > first, "a higher epoch on b: {bodies:?}");
+    assert_eq!(out, 7 + second * 1_000);
+    close(b).await;
+    // a's close waits for its wedged thread to come back.
+    close(a).await;
+    server.stop().await;
+}

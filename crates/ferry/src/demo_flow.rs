@@ -107,7 +107,11 @@ pub(crate) fn call(
     key: String,
     n: u32,
 ) -> impl std::future::Future<Output = Result<String, StepError>> + use<> {
-    let url = format!("{service}/{what}?key={key}&order={n}");
+    // `by`: which process called, for tests that tell workers apart.
+    let url = format!(
+        "{service}/{what}?key={key}&order={n}&by={}",
+        std::process::id()
+    );
     async move {
         // A service that does not answer, or answers with an error, may answer the
         // next attempt: every failure here is transient.

@@ -308,12 +308,26 @@ fn held_by(port: u16, pid: u32) -> usize {
 
 /// A worker process of the demo's (`ferry demo-flow-worker`) that starts no orders.
 fn idle_worker(scratch: &Scratch, name: &str, socket: &Path) -> Proc {
+    order_worker(scratch, name, socket, "http://127.0.0.1:9", 1, "never")
+}
+
+/// A worker process of the demo's running `orders` orders against the payments
+/// service at `service`, once the file `go` in the scratch directory exists.
+fn order_worker(
+    scratch: &Scratch,
+    name: &str,
+    socket: &Path,
+    service: &str,
+    orders: u32,
+    go: &str,
+) -> Proc {
     let dir = scratch.path().join(name);
     let (dir, server) = (
         dir.display().to_string(),
         format!("unix:{}", socket.display()),
     );
-    let go = scratch.path().join("never").display().to_string();
+    let go = scratch.path().join(go).display().to_string();
+    let orders = orders.to_string();
     Proc::spawn(
         name,
         Path::new(FERRY),
@@ -322,9 +336,9 @@ fn idle_worker(scratch: &Scratch, name: &str, socket: &Path) -> Proc {
             "--server",
             &server,
             "--service",
-            "http://127.0.0.1:9",
+            service,
             "--orders",
-            "1",
+            &orders,
             "--dir",
             &dir,
             "--go",
@@ -376,5 +390,158 @@ fn sigterm_hands_back_at_once() {
         "the hand-back took {took:?}, not well within the 3 s lease"
     );
     drop(b);
+    drop(server);
+}
+
+/// One call the payments service took: what, the key, the calling process, when.
+#[derive(Clone, Debug)]
+struct Call {
+    what: String,
+    key: String,
+    by: u32,
+    at: std::time::Instant,
+}
+
+/// A payments service for the demo's worker processes (plain HTTP/1.1, one thread per
+/// call): it records every call and answers a charge after 200 ms with its key's
+/// effect.
+fn payments() -> (String, std::sync::Arc<std::sync::Mutex<Vec<Call>>>) {
+    use std::io::{BufRead, BufReader, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let calls = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let recorded = calls.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            let recorded = recorded.clone();
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(&stream);
+                let mut line = String::new();
+                let _ = reader.read_line(&mut line);
+                // Drain the headers.
+                loop {
+                    let mut h = String::new();
+                    if reader.read_line(&mut h).unwrap_or(0) <= 2 {
+                        break;
+                    }
+                }
+                let target = line.split(' ').nth(1).unwrap_or("").to_string();
+                let (path, query) = target.split_once('?').unwrap_or((&target, ""));
+                let field = |name: &str| {
+                    query
+                        .split('&')
+                        .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+                        .unwrap_or("")
+                        .to_string()
+                };
+                let call = Call {
+                    what: path.trim_start_matches('/').to_string(),
+                    key: field("key"),
+                    by: field("by").parse().unwrap_or(0),
+                    at: std::time::Instant::now(),
+                };
+                recorded.lock().unwrap().push(call.clone());
+                if call.what == "charge" {
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                let body = format!("{}-{}", call.what, call.key);
+                let _ = write!(
+                    &stream,
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            });
+        }
+    });
+    (url, calls)
+}
+
+/// Guards guarantees 1 and 2 with a real pause (T4): a worker SIGSTOPped with charges
+/// under way loses its shards to a standby after the lease; woken (SIGCONT) past its
+/// deadline, it starts no step body (no call of its reaches the service after it
+/// wakes, but what was already on the wire), and every order is charged and notified
+/// once, by key. (Here what stops the woken worker first is that its stream is lost,
+/// so a run's next append or wait fails; `crates/ferry-flow/tests/fence.rs` covers the
+/// deadline check before a body starts.)
+#[test]
+fn a_paused_worker_is_refused_and_starts_nothing() {
+    const ORDERS: u32 = 40;
+    let scratch = Scratch::new("flow-serve-pause");
+    let socket = scratch.path().join("flow.sock");
+    let port = free_port();
+    let server = serve(
+        &scratch.path().join("server"),
+        &socket,
+        Some(port),
+        &scratch.path().join("server.log"),
+    );
+    let (service, calls) = payments();
+    std::fs::write(scratch.path().join("go"), b"").unwrap();
+    let a = order_worker(&scratch, "a", &socket, &service, ORDERS, "go");
+    // Stopped as its first notification arrives: most of its orders are charged and
+    // in their packing timer, which runs out while it is stopped.
+    let notified_by = |pid: u32| {
+        let calls = calls.lock().unwrap();
+        calls.iter().any(|c| c.by == pid && c.what == "notify")
+    };
+    assert!(
+        wait_until(Duration::from_secs(20), || notified_by(a.pid())),
+        "a calls the service: {}",
+        a.log_text()
+    );
+    a.stop();
+    let b = order_worker(&scratch, "b", &socket, &service, ORDERS, "go");
+    assert!(
+        wait_until(Duration::from_secs(20), || held_by(port, b.pid())
+            == SHARDS as usize),
+        "b takes every shard after a's lease: {}",
+        b.log_text()
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    a.cont();
+    let woke = std::time::Instant::now();
+    let notified = |calls: &[Call]| {
+        calls
+            .iter()
+            .filter(|c| c.what == "notify")
+            .map(|c| c.key.split('/').next().unwrap().to_string())
+            .collect::<std::collections::BTreeSet<_>>()
+            .len()
+    };
+    assert!(
+        wait_until(Duration::from_secs(30), || notified(&calls.lock().unwrap())
+            == ORDERS as usize),
+        "every order is notified: {}",
+        b.log_text()
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let calls = calls.lock().unwrap().clone();
+    // What a had on the wire when it stopped may arrive as it wakes; nothing later.
+    let late: Vec<&Call> = calls
+        .iter()
+        .filter(|c| c.by == a.pid() && c.at > woke + Duration::from_millis(300))
+        .collect();
+    eprintln!(
+        "calls: {} by a, {} by b, {} in all for {ORDERS} orders",
+        calls.iter().filter(|c| c.by == a.pid()).count(),
+        calls.iter().filter(|c| c.by == b.pid()).count(),
+        calls.len()
+    );
+    assert!(
+        late.is_empty(),
+        "a called after waking: {late:?}\n{}",
+        a.log_text()
+    );
+    for n in 0..ORDERS {
+        let id = format!("order-{n:03}");
+        let keys: std::collections::BTreeSet<&str> = calls
+            .iter()
+            .filter(|c| c.what == "charge" && c.key.starts_with(&format!("{id}/")))
+            .map(|c| c.key.as_str())
+            .collect();
+        assert_eq!(keys.len(), 1, "{id} is charged under one key: {keys:?}");
+    }
+    assert_eq!(b.term(Duration::from_secs(10)), Some(0));
+    assert_eq!(a.term(Duration::from_secs(10)), Some(0));
     drop(server);
 }
