@@ -12,6 +12,16 @@
 //!       p50/p99 of each and the difference. Pipelined: that many records appended
 //!       at once, records/s until the last is acknowledged, and the server log's
 //!       records per sync.
+//!   remote --dir D [--transport unix|tcp] [--workers 1] [--shards 4] [--steps 1000]
+//!          [--n 10000] [--wsteps 10]
+//!       W1 and W2 through a server (docs/flow-server.md): a `ferry flow serve` server
+//!       in this process (its own runtime) on a Unix socket or TCP on 127.0.0.1, and
+//!       K engines in this process opened as its workers, each run started on the worker
+//!       holding its shard; beside it, the same on an embedded engine with as many
+//!       shards in the same directory. W1: one workflow of `steps` sequential steps, the
+//!       gap between step completions (p50/p99); W2: n workflows of `wsteps` steps
+//!       started at once, steps/s and syncs per 1,000 steps (the server's log's syncs
+//!       over a worker, the engine's own log's embedded).
 //!   floor --dir D [--n 2000]
 //!       Overwrite 4 KiB of a zero-filled file and fdatasync it, n times at consecutive
 //!       offsets: the pattern of ferry-log's writer (it writes over zeroes laid ahead, so
@@ -178,8 +188,13 @@ fn main() {
     }
     // Runtimes of its own (a server's, and one to wait on the worker's stream), so not
     // inside the client's.
-    if args.get(1).is_some_and(|a| a == "server") {
-        match server(&args) {
+    if args.get(1).is_some_and(|a| a == "server" || a == "remote") {
+        let out = if args[1] == "server" {
+            server(&args)
+        } else {
+            remote(&args)
+        };
+        match out {
             Ok(v) => println!("{v}"),
             Err(e) => {
                 eprintln!("error: {e}");
@@ -807,6 +822,188 @@ fn server(args: &[String]) -> Result<Value, String> {
         }
     });
     Ok(out)
+}
+
+static W1CHAIN: Workflow<u32, u32> = Workflow::new("w1-chain");
+
+/// Step completion marks of the W1 workflow.
+static MARKS: Mutex<Vec<Instant>> = Mutex::new(Vec::new());
+
+/// W1's workflow: `steps` no-op steps, each completion marked.
+async fn marked_chain(ctx: Ctx, steps: u32) -> Result<u32, FlowError> {
+    MARKS.lock().expect("marks").push(Instant::now());
+    for _ in 0..steps {
+        noop(&ctx).await?;
+        MARKS.lock().expect("marks").push(Instant::now());
+    }
+    Ok(steps)
+}
+
+/// W1 then W2 on `engines` (runs started on the one holding their shard, when there
+/// are several): the gaps of W1, and W2's steps/s; `syncs` reads the log's syncs.
+fn w1_w2(
+    engines: &[Engine],
+    shards: u32,
+    args: &[String],
+    syncs: &dyn Fn() -> u64,
+) -> Result<Value, String> {
+    let steps: u32 = num(args, "--steps", 1000);
+    let (n, wsteps): (u32, u32) = (num(args, "--n", 10_000), num(args, "--wsteps", 10));
+    let holder = |id: &str| -> &Engine {
+        let shard = ferry_flow::shard_of(id, shards);
+        engines
+            .iter()
+            .find(|e| e.held_shards().iter().any(|(s, _)| *s == shard))
+            .unwrap_or(&engines[0])
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .map_err(err)?;
+    rt.block_on(async {
+        MARKS.lock().expect("marks").clear();
+        holder("w1")
+            .start(W1CHAIN, "w1", &steps)
+            .await
+            .map_err(err)?
+            .result()
+            .await
+            .map_err(err)?;
+        let marks = MARKS.lock().expect("marks").clone();
+        let gaps: Vec<Duration> = marks[1..].windows(2).map(|w| w[1] - w[0]).collect();
+        let syncs0 = syncs();
+        let t = Instant::now();
+        let mut waits = Vec::with_capacity(n as usize);
+        for i in 0..n {
+            let id = format!("w2-{i}");
+            waits.push(holder(&id).start(CHAIN, &id, &wsteps).await.map_err(err)?);
+        }
+        for h in waits {
+            h.result().await.map_err(err)?;
+        }
+        let secs = t.elapsed().as_secs_f64();
+        let total = f64::from(n) * f64::from(wsteps);
+        Ok(json!({
+            "w1_gap": spread(gaps),
+            "w2_steps_per_sec": total / secs,
+            "w2_syncs_per_1k_steps": (syncs() - syncs0) as f64 * 1000.0 / total,
+        }))
+    })
+}
+
+fn remote(args: &[String]) -> Result<Value, String> {
+    use ferry_flow_server::server::{Server, Settings};
+    let dir = fresh_dir(args, "remote")?;
+    let workers: usize = num(args, "--workers", 1);
+    let shards: u32 = num(args, "--shards", 4);
+    let tcp = flag(args, "--transport").is_some_and(|t| t == "tcp");
+    let embedded = {
+        let engine = Engine::builder(dir.join("embedded"))
+            .shards(shards as usize)
+            .register(CHAIN, chain)
+            .register(W1CHAIN, marked_chain)
+            .open()
+            .map_err(err)?;
+        w1_w2(std::slice::from_ref(&engine), shards, args, &|| {
+            engine.log_stats().syncs
+        })?
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(err)?;
+    let socket = dir.join("flow.sock");
+    let (server, accept, addr) = rt.block_on(async {
+        let server = Arc::new(
+            Server::open(
+                &dir.join("server"),
+                Settings {
+                    shards,
+                    ..Settings::default()
+                },
+                ferry_log::Config::default(),
+            )
+            .map_err(err)?,
+        );
+        server.start();
+        let c = server.connector();
+        let (accept, addr) = if tcp {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .map_err(err)?;
+            let addr = listener.local_addr().map_err(err)?.to_string();
+            let accept = tokio::spawn(async move {
+                while let Ok((stream, _)) = listener.accept().await {
+                    let _ = stream.set_nodelay(true);
+                    tokio::spawn(c.connection(stream));
+                }
+            });
+            (accept, addr)
+        } else {
+            let listener = tokio::net::UnixListener::bind(&socket).map_err(err)?;
+            let accept = tokio::spawn(async move {
+                while let Ok((stream, _)) = listener.accept().await {
+                    tokio::spawn(c.connection(stream));
+                }
+            });
+            (accept, format!("unix:{}", socket.display()))
+        };
+        Ok::<_, String>((server, accept, addr))
+    })?;
+    let mut engines = Vec::new();
+    for k in 0..workers {
+        engines.push(
+            Engine::builder(dir.join(format!("worker-{k}")))
+                .server(addr.clone())
+                .register(CHAIN, chain)
+                .register(W1CHAIN, marked_chain)
+                .open()
+                .map_err(err)?,
+        );
+    }
+    // Every shard held, spread over the workers.
+    let spread_out = Instant::now() + Duration::from_secs(30);
+    loop {
+        let held: Vec<usize> = engines.iter().map(|e| e.held_shards().len()).collect();
+        let all = held.iter().sum::<usize>() == shards as usize;
+        if all
+            && held
+                .iter()
+                .all(|h| *h >= (shards as usize / workers).max(1))
+        {
+            break;
+        }
+        if Instant::now() > spread_out {
+            return Err(format!(
+                "the shards did not spread over the workers: {held:?}"
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let through = w1_w2(&engines, shards, args, &|| server.status().log.syncs)?;
+    drop(engines);
+    rt.block_on(async {
+        accept.abort();
+        let _ = accept.await;
+        if let Some(s) = Arc::into_inner(server) {
+            s.shutdown().await;
+        }
+    });
+    let p50 = |v: &Value| v["w1_gap"]["p50_us"].as_f64().unwrap_or(f64::NAN);
+    let sps = |v: &Value| v["w2_steps_per_sec"].as_f64().unwrap_or(f64::NAN);
+    let spk = |v: &Value| v["w2_syncs_per_1k_steps"].as_f64().unwrap_or(f64::NAN);
+    Ok(json!({
+        "workload": "remote",
+        "transport": if tcp { "tcp" } else { "unix" },
+        "workers": workers,
+        "shards": shards,
+        "embedded": embedded,
+        "server": through,
+        "w1_added_p50_us": p50(&through) - p50(&embedded),
+        "w2_ratio_to_embedded": sps(&through) / sps(&embedded),
+        "syncs_ratio_to_embedded": spk(&through) / spk(&embedded),
+    }))
 }
 
 fn floor(args: &[String]) -> Result<Value, String> {
