@@ -261,14 +261,8 @@ impl Holding {
         let (read, resumed) = match recovered {
             Ok(r) => r,
             Err(e) => {
-                tracing::error!(
-                    shard,
-                    epoch,
-                    "recovering the shard failed; handing it back: {e}"
-                );
-                self.forget_runs(shard as usize);
-                self.worker.release(shard);
-                return;
+                tracing::error!(shard, epoch, "recovering the shard failed: {e}");
+                return self.give_up(shard);
             }
         };
         // No step body starts before the server confirmed the grant (§5.3): a run that
@@ -280,14 +274,8 @@ impl Holding {
             std::thread::sleep(Duration::from_millis(1));
         }
         if !stream.may_act() {
-            tracing::warn!(
-                shard,
-                epoch,
-                "the server did not confirm the grant; handing it back"
-            );
-            self.forget_runs(shard as usize);
-            self.worker.release(shard);
-            return;
+            tracing::warn!(shard, epoch, "the server did not confirm the grant");
+            return self.give_up(shard);
         }
         *self.shared.lanes[shard as usize]
             .write()
@@ -337,6 +325,14 @@ impl Holding {
         self.ending[i] = Some(held.thread);
         self.forget_runs(i);
         tracing::info!(shard, epoch, "shard let go: {why}");
+    }
+
+    /// A grant not taken after all: forget what its recovery put in the map and hand
+    /// it back, for the server to grant again (elsewhere, if it can).
+    fn give_up(&mut self, shard: u32) {
+        tracing::warn!(shard, "handing the shard back untaken");
+        self.forget_runs(shard as usize);
+        self.worker.release(shard);
     }
 
     /// Drop shard `shard`'s runs from the map: whoever waits on one hears that it is

@@ -315,20 +315,16 @@ struct Receiver {
 
 impl Receiver {
     fn start(dir: &Path, port: u16, root: &Path) -> anyhow::Result<Receiver> {
-        let exe = std::env::current_exe().context("finding the ferry executable")?;
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(root.join("receiver.log"))?;
-        let child = Command::new(exe)
-            .args(["ship", "receive", "--dir"])
-            .arg(dir)
-            .args(["--listen", &format!("127.0.0.1:{port}")])
-            .env("FERRY_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .context("starting the receiver")?;
+        let listen = format!("127.0.0.1:{port}");
+        let args = [
+            "ship".as_ref(),
+            "receive".as_ref(),
+            "--dir".as_ref(),
+            dir.as_os_str(),
+            "--listen".as_ref(),
+            listen.as_ref(),
+        ];
+        let child = spawn_ferry::<&std::ffi::OsStr>("receiver", &args, &root.join("receiver.log"))?;
         let r = Receiver { child };
         if !wait_for(Duration::from_secs(10), || {
             std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
@@ -364,6 +360,31 @@ impl Drop for Receiver {
             let _ = self.child.wait();
         }
     }
+}
+
+/// Start this executable as a child of the demo with `args`, its stderr appended to
+/// `log` (its logs at warn, or at `FERRY_DEMO_CHILD_LOG` to look into a run).
+pub(crate) fn spawn_ferry<S: AsRef<std::ffi::OsStr>>(
+    what: &str,
+    args: &[S],
+    log: &Path,
+) -> anyhow::Result<Child> {
+    let exe = std::env::current_exe().context("finding the ferry executable")?;
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)?;
+    Command::new(exe)
+        .args(args)
+        .env(
+            "FERRY_LOG",
+            std::env::var("FERRY_DEMO_CHILD_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .with_context(|| format!("starting the {what}"))
 }
 
 pub(crate) fn free_port() -> anyhow::Result<u16> {

@@ -26,7 +26,7 @@ use ferry_flow::{Ctx, Engine, FlowError, Retry, Signal, StepError, Workflow};
 use serde::Deserialize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -78,12 +78,7 @@ pub fn engine(a: EngineArgs) -> anyhow::Result<()> {
 }
 
 async fn order(ctx: Ctx, n: u32, service: Arc<String>) -> Result<String, FlowError> {
-    let charge: String = ctx
-        .step("charge", |s| {
-            call(&service, "charge", s.key().to_string(), n)
-        })
-        .retry(Retry::exponential(10, Duration::from_millis(50)))
-        .await?;
+    let charge = service_step(&ctx, &service, "charge", n).await?;
     ctx.publish(&format!("charged {charge}, packing"))?;
     ctx.sleep(Duration::from_millis(300)).await?;
     ctx.publish(&format!("charged {charge}, waiting for shipment"))?;
@@ -91,13 +86,21 @@ async fn order(ctx: Ctx, n: u32, service: Arc<String>) -> Result<String, FlowErr
         .wait_for(SHIPPED, Some(Duration::from_secs(120)))
         .await?
         .unwrap_or_else(|| "nobody (timed out)".into());
-    let _: String = ctx
-        .step("notify", |s| {
-            call(&service, "notify", s.key().to_string(), n)
-        })
-        .retry(Retry::exponential(10, Duration::from_millis(50)))
-        .await?;
+    service_step(&ctx, &service, "notify", n).await?;
     Ok(format!("{charge} shipped by {carrier}"))
+}
+
+/// A step named `what` that calls the service's `what` with the step's key for order
+/// `n`, retried on failure; the effect's id.
+pub(crate) async fn service_step(
+    ctx: &Ctx,
+    service: &str,
+    what: &'static str,
+    n: u32,
+) -> Result<String, FlowError> {
+    ctx.step(what, |s| call(service, what, s.key().to_string(), n))
+        .retry(Retry::exponential(10, Duration::from_millis(50)))
+        .await
 }
 
 /// POST to the service; its answer is the effect's id.
@@ -195,20 +198,17 @@ struct EngineProcess {
 
 impl EngineProcess {
     fn start(dir: &Path, service: &str, orders: u32, log: &Path) -> anyhow::Result<Self> {
-        let exe = std::env::current_exe().context("finding the ferry executable")?;
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(log)?;
-        let child = Command::new(exe)
-            .args(["demo-flow-engine", "--dir"])
-            .arg(dir)
-            .args(["--service", service, "--orders", &orders.to_string()])
-            .env("FERRY_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .context("starting the flow engine")?;
+        let orders = orders.to_string();
+        let args = [
+            "demo-flow-engine".as_ref(),
+            "--dir".as_ref(),
+            dir.as_os_str(),
+            "--service".as_ref(),
+            service.as_ref(),
+            "--orders".as_ref(),
+            orders.as_ref(),
+        ];
+        let child = crate::demo::spawn_ferry::<&std::ffi::OsStr>("flow engine", &args, log)?;
         Ok(EngineProcess { child })
     }
 

@@ -18,13 +18,13 @@
 //!    by a kill, run again), and that no order was charged after it was notified (a
 //!    step whose result was acknowledged never runs again).
 
-use crate::demo_flow::{Service, call, start_service};
+use crate::demo_flow::{Service, service_step, start_service};
 use crate::report::{fact, say};
 use anyhow::{Context, bail, ensure};
 use clap::Args;
-use ferry_flow::{Ctx, Engine, FlowError, Retry, Workflow};
+use ferry_flow::{Ctx, Engine, FlowError, Workflow};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -127,19 +127,9 @@ pub fn worker(a: WorkerArgs) -> anyhow::Result<()> {
 }
 
 async fn order(ctx: Ctx, n: u32, service: Arc<String>) -> Result<String, FlowError> {
-    let charge: String = ctx
-        .step("charge", |s| {
-            call(&service, "charge", s.key().to_string(), n)
-        })
-        .retry(Retry::exponential(10, Duration::from_millis(50)))
-        .await?;
+    let charge = service_step(&ctx, &service, "charge", n).await?;
     ctx.sleep(Duration::from_millis(300)).await?;
-    let _: String = ctx
-        .step("notify", |s| {
-            call(&service, "notify", s.key().to_string(), n)
-        })
-        .retry(Retry::exponential(10, Duration::from_millis(50)))
-        .await?;
+    service_step(&ctx, &service, "notify", n).await?;
     Ok(charge)
 }
 
@@ -151,22 +141,7 @@ struct Proc {
 
 impl Proc {
     fn start(what: &'static str, args: &[&str], log: &Path) -> anyhow::Result<Proc> {
-        let exe = std::env::current_exe().context("finding the ferry executable")?;
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(log)?;
-        let child = Command::new(exe)
-            .args(args)
-            // FERRY_DEMO_CHILD_LOG: the children's FERRY_LOG, to look into a run.
-            .env(
-                "FERRY_LOG",
-                std::env::var("FERRY_DEMO_CHILD_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .with_context(|| format!("starting the {what}"))?;
+        let child = crate::demo::spawn_ferry(what, args, log)?;
         Ok(Proc { child, what })
     }
 

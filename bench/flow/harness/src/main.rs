@@ -718,7 +718,6 @@ fn ideal_engine(syncs: &[Duration], k: usize) -> Value {
 /// `server`: see the module doc.
 fn server(args: &[String]) -> Result<Value, String> {
     use ferry_flow::remote::worker::{Event, Worker, WorkerSettings};
-    use ferry_flow_server::server::{Server, Settings};
     let dir = fresh_dir(args, "server")?;
     let n: usize = num(args, "--n", 2000);
     let pipelined: u64 = num(args, "--pipelined", 100_000);
@@ -741,31 +740,8 @@ fn server(args: &[String]) -> Result<Value, String> {
         .enable_all()
         .build()
         .map_err(err)?;
-    let socket = dir.join("flow.sock");
-    let (server, accept) = rt.block_on(async {
-        let server = std::sync::Arc::new(
-            Server::open(
-                &dir.join("server"),
-                Settings {
-                    shards: 1,
-                    ..Settings::default()
-                },
-                ferry_log::Config::default(),
-            )
-            .map_err(err)?,
-        );
-        server.start();
-        let listener = tokio::net::UnixListener::bind(&socket).map_err(err)?;
-        let c = server.connector();
-        let accept = tokio::spawn(async move {
-            while let Ok((stream, _)) = listener.accept().await {
-                tokio::spawn(c.connection(stream));
-            }
-        });
-        Ok::<_, String>((server, accept))
-    })?;
-    let worker =
-        Worker::connect(WorkerSettings::new(format!("unix:{}", socket.display()))).map_err(err)?;
+    let (server, accept, addr) = start_server(&rt, &dir, 1, false)?;
+    let worker = Worker::connect(WorkerSettings::new(addr)).map_err(err)?;
     match worker.next_event(Duration::from_secs(10)) {
         Some(Event::Granted { shard: 0, .. }) => {}
         other => return Err(format!("no grant: {other:?}")),
@@ -891,30 +867,24 @@ fn w1_w2(
     })
 }
 
-fn remote(args: &[String]) -> Result<Value, String> {
+/// The server, its accept loop, and the address a worker dials.
+type Serving = (
+    Arc<ferry_flow_server::server::Server>,
+    tokio::task::JoinHandle<()>,
+    String,
+);
+
+/// A flow server on `dir/server` with `shards` shards, run on `rt`, listening on a
+/// Unix socket in `dir` or (`tcp`) on 127.0.0.1.
+fn start_server(
+    rt: &tokio::runtime::Runtime,
+    dir: &Path,
+    shards: u32,
+    tcp: bool,
+) -> Result<Serving, String> {
     use ferry_flow_server::server::{Server, Settings};
-    let dir = fresh_dir(args, "remote")?;
-    let workers: usize = num(args, "--workers", 1);
-    let shards: u32 = num(args, "--shards", 4);
-    let tcp = flag(args, "--transport").is_some_and(|t| t == "tcp");
-    let embedded = {
-        let engine = Engine::builder(dir.join("embedded"))
-            .shards(shards as usize)
-            .register(CHAIN, chain)
-            .register(W1CHAIN, marked_chain)
-            .open()
-            .map_err(err)?;
-        w1_w2(std::slice::from_ref(&engine), shards, args, &|| {
-            engine.log_stats().syncs
-        })?
-    };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(err)?;
     let socket = dir.join("flow.sock");
-    let (server, accept, addr) = rt.block_on(async {
+    rt.block_on(async {
         let server = Arc::new(
             Server::open(
                 &dir.join("server"),
@@ -950,7 +920,31 @@ fn remote(args: &[String]) -> Result<Value, String> {
             (accept, format!("unix:{}", socket.display()))
         };
         Ok::<_, String>((server, accept, addr))
-    })?;
+    })
+}
+
+fn remote(args: &[String]) -> Result<Value, String> {
+    let dir = fresh_dir(args, "remote")?;
+    let workers: usize = num(args, "--workers", 1);
+    let shards: u32 = num(args, "--shards", 4);
+    let tcp = flag(args, "--transport").is_some_and(|t| t == "tcp");
+    let embedded = {
+        let engine = Engine::builder(dir.join("embedded"))
+            .shards(shards as usize)
+            .register(CHAIN, chain)
+            .register(W1CHAIN, marked_chain)
+            .open()
+            .map_err(err)?;
+        w1_w2(std::slice::from_ref(&engine), shards, args, &|| {
+            engine.log_stats().syncs
+        })?
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(err)?;
+    let (server, accept, addr) = start_server(&rt, &dir, shards, tcp)?;
     let mut engines = Vec::new();
     for k in 0..workers {
         engines.push(

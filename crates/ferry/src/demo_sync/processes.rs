@@ -22,19 +22,7 @@ impl Kids {
         args: &[&std::ffi::OsStr],
         log: &Path,
     ) -> anyhow::Result<()> {
-        let exe = std::env::current_exe().context("finding the ferry executable")?;
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(log)?;
-        let child = Command::new(exe)
-            .args(args)
-            .env("FERRY_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .with_context(|| format!("starting {kid:?}"))?;
+        let child = crate::demo::spawn_ferry(&format!("{kid:?}"), args, log)?;
         self.running.insert(kid, child);
         Ok(())
     }
