@@ -135,6 +135,10 @@ struct Inner {
     state: Mutex<State>,
     /// Woken by every append and every grant, for the durability task.
     appended: Notify,
+    /// The durability task as the log's writer sees it: after a sync that woke it, the
+    /// writer waits (up to the log's `follow`) until the workers it acknowledged have
+    /// sent their next appends, so that those ride the next sync.
+    follower: ferry_flow::log::Follower,
     /// Turns true when the server stops: connections and tasks end.
     stop: watch::Sender<bool>,
     /// The timer and the durability task, once started.
@@ -172,6 +176,9 @@ struct State {
     failed: bool,
     /// What each worker called itself, for status.
     names: HashMap<SessionId, String>,
+    /// Sessions the last round of acknowledgements reached that have not appended
+    /// since: the durability task's follower goes idle once none is left.
+    replies_due: std::collections::HashSet<SessionId>,
 }
 
 /// What `/status` answers (version 1): each shard's epoch, holder and records, each
@@ -225,6 +232,7 @@ impl Server {
             ))
         })?;
         let (log, _) = Log::open_dir(&dir.join("log"), log)?;
+        let follower = log.follower();
         let log = Arc::new(log);
         let (store, opened) = Store::open(log.clone(), settings.shards)?;
         tracing::info!(
@@ -253,8 +261,10 @@ impl Server {
                     grants: Vec::new(),
                     failed: false,
                     names: HashMap::new(),
+                    replies_due: std::collections::HashSet::new(),
                 }),
                 appended: Notify::new(),
+                follower,
                 stop: watch::channel(false).0,
                 tasks: Mutex::new(Vec::new()),
                 counts: Counts::default(),
@@ -529,7 +539,7 @@ async fn pump(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
         appended.as_mut().enable();
         let target = inner.log.end_lsn();
         if inner.log.durable_lsn() < target
-            && let Err(e) = inner.log.durable(target).await
+            && let Err(e) = inner.log.durable_following(target, &inner.follower).await
         {
             fail(&inner, &e);
             return;
@@ -556,8 +566,15 @@ fn deliver(inner: &Inner) {
     let durable = inner.log.durable_lsn();
     let mut state = ferry_core::sync::lock(&inner.state);
     let state = &mut *state;
+    // Whom this round acknowledges: the log's writer waits for their replies.
+    state.replies_due.clear();
     for (shard, position) in state.store.advance(durable) {
         let (epoch, holder) = state.table.holder(shard);
+        if let Some(h) = holder
+            && state.conns.contains_key(&h)
+        {
+            state.replies_due.insert(h);
+        }
         if let Some((_, tx)) = holder.and_then(|h| state.conns.get(&h)) {
             let _ = tx.send(Frame {
                 id: 0,
@@ -592,6 +609,10 @@ fn deliver(inner: &Inner) {
                 }]),
             });
         }
+    }
+    // Nobody to wait for: the writer may go on.
+    if state.replies_due.is_empty() {
+        inner.follower.idle();
     }
 }
 
@@ -977,6 +998,9 @@ fn handle(
             match appended {
                 Ok(Some(_)) => {
                     inner.appended.notify_one();
+                    if state.replies_due.remove(&session) && state.replies_due.is_empty() {
+                        inner.follower.idle();
+                    }
                     None
                 }
                 // Every record was there already: acknowledge what of it is durable now;

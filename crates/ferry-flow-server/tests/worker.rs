@@ -325,6 +325,8 @@ async fn a_connection_cut_mid_frame_resumes_without_replay() {
         s.append(1, &rec(i)).unwrap();
     }
     s.durable(100, None).await.unwrap();
+    // Confirmed by a ping first: a grant never confirmed is not resumed.
+    assert!(ferry_testkit::wait_until(Duration::from_secs(5), || s.may_act()));
     // The next 300 records go out as frames of several KiB: the cut lands inside one.
     proxy.faults().cut_after.store(3_001, SeqCst);
     for i in 100..400u32 {

@@ -37,6 +37,11 @@ pub struct ServeArgs {
     /// permissions, or a private network.
     #[arg(long)]
     pub token_file: Option<PathBuf>,
+    /// After a sync, wait up to this long for the workers it acknowledged to send their
+    /// next appends, so that they ride the next sync: fewer syncs, for latency (0: do
+    /// not wait). docs/notes/2026-12-07-flow-server-engine.md has what it did.
+    #[arg(long, default_value_t = 0)]
+    pub follow_us: u64,
     /// Serve /metrics (Prometheus), /status (JSON) and /healthz on this HOST:PORT.
     #[arg(long)]
     pub metrics_listen: Option<String>,
@@ -83,7 +88,11 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
     })?;
     let rt = tokio::runtime::Runtime::new().context("starting the runtime")?;
     rt.block_on(async move {
-        let server = Server::open(&a.dir, settings, LogConfig::default())
+        let log = LogConfig {
+            follow: Duration::from_micros(a.follow_us),
+            ..LogConfig::default()
+        };
+        let server = Server::open(&a.dir, settings, log)
             .with_context(|| format!("cannot open the server's directory --dir {}", a.dir.display()))?;
         let server = Arc::new(server);
         server.start();

@@ -13,7 +13,7 @@
 //!       at once, records/s until the last is acknowledged, and the server log's
 //!       records per sync.
 //!   remote --dir D [--transport unix|tcp] [--workers 1] [--shards 4] [--steps 1000]
-//!          [--n 10000] [--wsteps 10]
+//!          [--n 10000] [--wsteps 10] [--follow-us N]
 //!       W1 and W2 through a server (docs/flow-server.md): a `ferry flow serve` server
 //!       in this process (its own runtime) on a Unix socket or TCP on 127.0.0.1, and
 //!       K engines in this process opened as its workers, each run started on the worker
@@ -21,7 +21,10 @@
 //!       shards in the same directory. W1: one workflow of `steps` sequential steps, the
 //!       gap between step completions (p50/p99); W2: n workflows of `wsteps` steps
 //!       started at once, steps/s and syncs per 1,000 steps (the server's log's syncs
-//!       over a worker, the engine's own log's embedded).
+//!       over a worker, the engine's own log's embedded). `--follow-us`: the server
+//!       log's `Config::follow` (how long its writer waits, after a sync, for the
+//!       workers it acknowledged to send their next appends), 0 as `ferry flow serve`
+//!       if absent.
 //!   floor --dir D [--n 2000]
 //!       Overwrite 4 KiB of a zero-filled file and fdatasync it, n times at consecutive
 //!       offsets: the pattern of ferry-log's writer (it writes over zeroes laid ahead, so
@@ -740,7 +743,7 @@ fn server(args: &[String]) -> Result<Value, String> {
         .enable_all()
         .build()
         .map_err(err)?;
-    let (server, accept, addr) = start_server(&rt, &dir, 1, false)?;
+    let (server, accept, addr) = start_server(&rt, &dir, 1, false, None)?;
     let worker = Worker::connect(WorkerSettings::new(addr)).map_err(err)?;
     match worker.next_event(Duration::from_secs(10)) {
         Some(Event::Granted { shard: 0, .. }) => {}
@@ -881,7 +884,12 @@ fn start_server(
     dir: &Path,
     shards: u32,
     tcp: bool,
+    follow: Option<Duration>,
 ) -> Result<Serving, String> {
+    let mut log = ferry_log::Config::default();
+    if let Some(f) = follow {
+        log.follow = f;
+    }
     use ferry_flow_server::server::{Server, Settings};
     let socket = dir.join("flow.sock");
     rt.block_on(async {
@@ -892,7 +900,7 @@ fn start_server(
                     shards,
                     ..Settings::default()
                 },
-                ferry_log::Config::default(),
+                log,
             )
             .map_err(err)?,
         );
@@ -944,7 +952,13 @@ fn remote(args: &[String]) -> Result<Value, String> {
         .enable_all()
         .build()
         .map_err(err)?;
-    let (server, accept, addr) = start_server(&rt, &dir, shards, tcp)?;
+    let (server, accept, addr) = start_server(
+        &rt,
+        &dir,
+        shards,
+        tcp,
+        Some(Duration::from_micros(num(args, "--follow-us", 0))),
+    )?;
     let mut engines = Vec::new();
     for k in 0..workers {
         engines.push(
