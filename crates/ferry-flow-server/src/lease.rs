@@ -75,6 +75,10 @@ struct Shard {
     epoch: u64,
     /// When the last ping confirming the holder arrived (or the grant, before any).
     confirmed_at: Instant,
+    /// A ping confirmed the holder since its grant (or it was resumed, or held before
+    /// a restart): until then the holder acts on nothing of it (docs/flow-server.md
+    /// §5.3), so its disconnect frees the shard at once.
+    confirmed: bool,
     turns: u64,
     turned_at: Instant,
     /// The session it was last taken from as stuck, or that gave it up (handed it back,
@@ -123,6 +127,7 @@ impl LeaseTable {
                     },
                     epoch,
                     confirmed_at: now,
+                    confirmed: true,
                     turns: 0,
                     turned_at: now,
                     avoid: None,
@@ -201,6 +206,7 @@ impl LeaseTable {
             let epoch = shard.epoch;
             if resume.contains(&(i as u32, epoch)) {
                 shard.confirmed_at = now;
+                shard.confirmed = true;
                 shard.turned_at = now;
                 actions.push(Action::Resumed {
                     session,
@@ -226,12 +232,24 @@ impl LeaseTable {
         actions
     }
 
-    /// The session's connection closed: it keeps its shards until its lease runs out,
-    /// for a resume.
-    pub fn disconnect(&mut self, session: SessionId) {
+    /// The session's connection closed: it keeps the shards a ping confirmed until its
+    /// lease runs out, for a resume; the others are granted elsewhere now.
+    pub fn disconnect(&mut self, session: SessionId, now: Instant) -> Vec<Action> {
         if let Some(s) = self.sessions.get_mut(&session) {
             s.connected = false;
         }
+        // A grant no ping confirmed was never acted on: free at once, for another
+        // session (a worker that closed as the grant came, or died before its first
+        // ping, would otherwise keep it for a lease).
+        for shard in &mut self.shards {
+            if matches!(shard.hold, Hold::Held { session: h, .. } if h == session)
+                && !shard.confirmed
+            {
+                shard.hold = Hold::Free;
+                shard.avoid = Some(session);
+            }
+        }
+        self.assign(now)
     }
 
     /// A ping arrived: `turns` lists (shard, epoch, turn count). Answers the shards it
@@ -257,6 +275,7 @@ impl LeaseTable {
                 continue;
             }
             sh.confirmed_at = now;
+            sh.confirmed = true;
             if count != sh.turns {
                 sh.turns = count;
                 sh.turned_at = now;
@@ -425,6 +444,7 @@ impl LeaseTable {
                 draining: None,
             };
             shard.confirmed_at = now;
+            shard.confirmed = false;
             shard.turned_at = now;
             if shard.avoid != Some(session) {
                 shard.avoid = None;

@@ -143,6 +143,21 @@ impl Peer {
         got
     }
 
+    /// Ping for `shard` at `epoch` and wait for the `Pong`: the grant is confirmed, as
+    /// a real worker's is before it acts (a grant never confirmed does not outlive its
+    /// connection, docs/flow-server.md §5.1).
+    pub async fn confirm(&mut self, shard: u32, epoch: u64) {
+        let turns = vec![ferry_flow::remote::proto::Turns {
+            shard,
+            epoch,
+            turns: 0,
+        }];
+        self.send(Body::Ping(turns))
+            .await
+            .expect("the connection stays open");
+        self.until(|b| matches!(b, Body::Pong(_))).await;
+    }
+
     /// Frames until `shard` is durable up to `position` (at once if it already is).
     pub async fn durable_to(&mut self, shard: u32, position: u64) {
         while self.durable.get(&shard).copied().unwrap_or(0) < position {

@@ -179,6 +179,8 @@ struct State {
     /// Sessions the last round of acknowledgements reached that have not appended
     /// since: the durability task's follower goes idle once none is left.
     replies_due: std::collections::HashSet<SessionId>,
+    /// Shards whose current grant found its session's connection gone: never sent.
+    unsent: std::collections::HashSet<u32>,
 }
 
 /// What `/status` answers (version 1): each shard's epoch, holder and records, each
@@ -262,6 +264,7 @@ impl Server {
                     failed: false,
                     names: HashMap::new(),
                     replies_due: std::collections::HashSet::new(),
+                    unsent: std::collections::HashSet::new(),
                 }),
                 appended: Notify::new(),
                 follower,
@@ -331,7 +334,9 @@ impl Server {
                     shard,
                     epoch,
                     holder: holder.map(session_tag),
-                    granted: holder.is_some() && !state.grants.iter().any(|g| g.2 == shard),
+                    granted: holder.is_some()
+                        && !state.grants.iter().any(|g| g.2 == shard)
+                        && !state.unsent.contains(&shard),
                     records: state.store.end(shard),
                     durable: state.store.durable(shard),
                 }
@@ -598,7 +603,9 @@ fn deliver(inner: &Inner) {
             continue;
         }
         tracing::info!(shard, epoch, session = %session_tag(session), "ferry flow server: shard granted");
+        state.unsent.insert(shard);
         if let Some((_, tx)) = state.conns.get(&session) {
+            state.unsent.remove(&shard);
             let _ = tx.send(Frame {
                 id: 0,
                 body: Body::Grant(vec![Granted {
@@ -813,7 +820,12 @@ where
         // Only if this connection is still the session's (a reconnect replaces it).
         if state.conns.get(&s).is_some_and(|(n, _)| *n == conn_no) {
             state.conns.remove(&s);
-            state.table.disconnect(s);
+            let actions = state.table.disconnect(s, Instant::now());
+            carry_out(&inner, &mut state, actions);
+            // No reply will come from it.
+            if state.replies_due.remove(&s) && state.replies_due.is_empty() {
+                inner.follower.idle();
+            }
         }
     }
     drop(tx);
@@ -989,6 +1001,11 @@ fn handle(
             let count = a.records.len() as u64;
             let before = state.store.end(a.shard);
             let appended = state.store.append(a.shard, a.epoch, a.first, &a.records);
+            // A reply from a worker the last round acknowledged, whatever it held: once
+            // it is in the log, the writer need not wait for it.
+            if state.replies_due.remove(&session) && state.replies_due.is_empty() {
+                inner.follower.idle();
+            }
             let new = state.store.end(a.shard) - before;
             inner.counts.records.fetch_add(new, Relaxed);
             inner
@@ -998,9 +1015,6 @@ fn handle(
             match appended {
                 Ok(Some(_)) => {
                     inner.appended.notify_one();
-                    if state.replies_due.remove(&session) && state.replies_due.is_empty() {
-                        inner.follower.idle();
-                    }
                     None
                 }
                 // Every record was there already: acknowledge what of it is durable now;

@@ -230,7 +230,7 @@ fn a_worker_that_reconnects_within_its_lease_resumes_at_the_same_epochs() {
     let mut table = LeaseTable::new(settings(2), &[], t0);
     table.connect(1, 0, &[], t0);
     table.ping(1, &[(0, 1, 1), (1, 1, 1)], t0 + ms(100));
-    table.disconnect(1);
+    assert!(grants(&table.disconnect(1, t0 + ms(150))).is_empty());
     table.connect(2, 0, &[], t0 + ms(200)); // a standby, present all along
     let mut now = t0 + ms(200);
     while now < t0 + ms(3000) {
@@ -258,7 +258,7 @@ fn a_worker_that_reconnects_within_its_lease_resumes_at_the_same_epochs() {
 
     // Now it goes away for longer than a lease: its shards move, and a late resume
     // gets nothing back.
-    table.disconnect(1);
+    table.disconnect(1, now);
     let gone = now;
     while now < gone + LEASE + ms(500) {
         now += ms(250);
@@ -388,7 +388,7 @@ fn walk(seed: u64) {
             1 => {
                 let w = workers.get_mut(&id).unwrap();
                 w.connected = false;
-                table.disconnect(id);
+                actions = table.disconnect(id, now);
             }
             2..=6 => {
                 let w = workers.get_mut(&id).unwrap();
@@ -483,5 +483,38 @@ fn walk(seed: u64) {
     assert!(
         granted > 10,
         "seed {seed}: the walk granted only {granted} times"
+    );
+}
+
+/// Guards §5.1's disconnect: a grant no ping confirmed was never acted on (the worker
+/// starts a grant's runs only once confirmed), so when its session's connection closes
+/// the shard goes to another session at once, not a lease later; a confirmed one waits
+/// for the resume.
+#[test]
+fn a_grant_never_confirmed_is_granted_elsewhere_as_its_session_disconnects() {
+    let t0 = Instant::now();
+    let mut table = LeaseTable::new(settings(2), &[], t0);
+    table.connect(1, 0, &[], t0);
+    table.connect(2, 1, &[], t0);
+    // Session 1 confirms shard 0 only; shard 1 was granted to it, never confirmed.
+    let (h0, h1) = (table.holder(0), table.holder(1));
+    assert_eq!(
+        (h0.1, h1.1),
+        (Some(1), Some(1)),
+        "both went to the first session"
+    );
+    table.ping(1, &[(0, h0.0, 1)], t0 + ms(10));
+    table.ping(2, &[], t0 + ms(10));
+    let moved = grants(&table.disconnect(1, t0 + ms(20)));
+    assert_eq!(moved.len(), 1, "{moved:?}");
+    assert_eq!(
+        table.holder(1).1,
+        Some(2),
+        "the unconfirmed shard moved at once"
+    );
+    assert_eq!(
+        table.holder(0).1,
+        Some(1),
+        "the confirmed one waits for a resume"
     );
 }

@@ -195,6 +195,7 @@ async fn a_reconnect_within_the_lease_resumes_and_resent_records_are_not_written
     a.grants(1).await;
     a.send(append(0, 1, 0, recs("a", 3))).await.unwrap();
     a.durable_to(0, 3).await;
+    a.confirm(0, 1).await;
     drop(a); // the connection is cut
     let (mut a, welcome) = Peer::hello(
         &run.socket,

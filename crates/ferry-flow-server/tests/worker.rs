@@ -252,7 +252,7 @@ async fn a_release_waits_for_acknowledgements_then_hands_the_shard_back() {
     for i in 0..300u32 {
         end = s.append(1, format!("r{i}").as_bytes()).unwrap();
     }
-    a.release(0);
+    a.release(0, s.epoch());
     assert!(s.append(1, b"after the release").is_err());
     s.durable(end, None).await.unwrap();
     let g = b.ping_until_grants(1, Duration::from_millis(50)).await;

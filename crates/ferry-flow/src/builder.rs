@@ -54,6 +54,9 @@ pub struct EngineBuilder {
     on_this_thread: Option<u64>,
     /// A server's worker: where the server is, and how it holds shards there.
     server: Option<WorkerSettings>,
+    /// `server_token` and `max_shards`, kept for `server` in whichever order they come.
+    server_token: String,
+    max_shards: u32,
 }
 
 /// The most shards an engine runs (each is a thread).
@@ -146,18 +149,14 @@ impl EngineBuilder {
 
     /// With [`EngineBuilder::server`]: the token the server asks for (its `--token`).
     pub fn server_token(mut self, token: impl Into<String>) -> Self {
-        if let Some(s) = &mut self.server {
-            s.token = token.into();
-        }
+        self.server_token = token.into();
         self
     }
 
     /// With [`EngineBuilder::server`]: hold at most `n` shards (0, the default: as many
     /// as the server grants).
     pub fn max_shards(mut self, n: u32) -> Self {
-        if let Some(s) = &mut self.server {
-            s.max_shards = n;
-        }
+        self.max_shards = n;
         self
     }
 
@@ -470,7 +469,9 @@ impl EngineBuilder {
 
 impl EngineBuilder {
     /// Open as a server's worker: connect, then hold what the server grants.
-    fn open_worker(self, settings: WorkerSettings) -> Result<Engine, FlowError> {
+    fn open_worker(self, mut settings: WorkerSettings) -> Result<Engine, FlowError> {
+        settings.token = self.server_token.clone();
+        settings.max_shards = self.max_shards;
         let worker = Worker::connect(settings)?;
         let shards = worker.shards() as usize;
         let running = self.max_running;
@@ -531,6 +532,8 @@ impl Engine {
             clock: Arc::new(SystemClock),
             on_this_thread: None,
             server: None,
+            server_token: String::new(),
+            max_shards: 0,
         }
     }
 }

@@ -86,7 +86,15 @@ impl Engine {
     /// What run `id` last published with `ctx.publish` (rebuilt by replay after a
     /// restart), if anything.
     pub fn query<T: DeserializeOwned>(&self, id: &str) -> Result<Option<T>, FlowError> {
-        self.shared.held(id)?;
+        // On a worker, an answer leaves only while the shard's lease deadline is ahead
+        // (docs/flow-server.md §5.3).
+        let lane = self.shared.held(id)?;
+        if self.shared.on_server && !lane.journal.may_act() {
+            return Err(FlowError::NotHeld {
+                run: id.to_string(),
+                shard: self.shared.shard_of(id) as u32,
+            });
+        }
         let v = {
             let runs = lock(&self.shared.runs);
             let e = runs

@@ -16,7 +16,13 @@
 //! - **Stuck**: a shard whose thread has not turned for `stuck_after` is handed back
 //!   the same way (the server would revoke it).
 //!
-//! Closing hands every shard back and waits, up to a lease, for each to go.
+//! Closing hands every shard back and waits, up to a lease, for each to go, then up to
+//! another for the shard threads to end (one a step body blocks is left behind).
+//!
+//! The holder does one thing at a time: while it recovers a grant (reading pages from
+//! the server, waiting for the grant's confirmation), other shards' events wait. Their
+//! streams are fenced by the connection whatever the holder does; what waits is only
+//! the engine's view (`NotHeld`, forgotten runs).
 
 use crate::api::FlowError;
 use crate::journal_log::{Durable, JournalLog, OnDurable, Watched};
@@ -262,7 +268,7 @@ impl Holding {
             Ok(r) => r,
             Err(e) => {
                 tracing::error!(shard, epoch, "recovering the shard failed: {e}");
-                return self.give_up(shard);
+                return self.give_up(shard, epoch);
             }
         };
         // No step body starts before the server confirmed the grant (§5.3): a run that
@@ -271,11 +277,12 @@ impl Holding {
         // a grant that is not confirmed within a lease is handed back.
         let until = Instant::now() + self.worker.timing().lease;
         while !stream.may_act() && !stream.is_lost() && Instant::now() < until {
+            stream.turns.fetch_add(1, Ordering::Relaxed);
             std::thread::sleep(Duration::from_millis(1));
         }
         if !stream.may_act() {
             tracing::warn!(shard, epoch, "the server did not confirm the grant");
-            return self.give_up(shard);
+            return self.give_up(shard, epoch);
         }
         *self.shared.lanes[shard as usize]
             .write()
@@ -329,10 +336,10 @@ impl Holding {
 
     /// A grant not taken after all: forget what its recovery put in the map and hand
     /// it back, for the server to grant again (elsewhere, if it can).
-    fn give_up(&mut self, shard: u32) {
-        tracing::warn!(shard, "handing the shard back untaken");
+    fn give_up(&mut self, shard: u32, epoch: u64) {
+        tracing::warn!(shard, epoch, "handing the shard back untaken");
         self.forget_runs(shard as usize);
-        self.worker.release(shard);
+        self.worker.release(shard, epoch);
     }
 
     /// Drop shard `shard`'s runs from the map: whoever waits on one hears that it is
@@ -356,7 +363,7 @@ impl Holding {
         {
             h.releasing = true;
             tracing::info!(shard, epoch = h.epoch, "handing the shard back: {why}");
-            self.worker.release(shard);
+            self.worker.release(shard, h.epoch);
         }
     }
 
@@ -380,19 +387,26 @@ impl Holding {
     }
 
     /// Hand every shard back and wait, up to a lease, for each to go; then stop every
-    /// shard thread.
+    /// shard thread, waiting up to another lease for them (a thread a step body blocks
+    /// is left behind, so that closing ends).
     fn close(&mut self) {
         let shards: Vec<u32> = (0..self.held.len() as u32).collect();
         for shard in shards {
             self.hand_back(shard, "the engine is closing");
         }
-        let until = Instant::now() + self.worker.timing().lease;
-        while self.held.iter().any(Option::is_some) && Instant::now() < until {
-            // Grants that come meanwhile are not taken.
-            self.waiting.clear();
+        let lease = self.worker.timing().lease;
+        let until = Instant::now() + lease;
+        loop {
+            // Grants not taken are handed back at once.
+            for (shard, epoch) in std::mem::take(&mut self.waiting) {
+                self.worker.release(shard, epoch);
+            }
+            if self.held.iter().all(Option::is_none) || Instant::now() >= until {
+                break;
+            }
             match self.worker.next_event(Duration::from_millis(20)) {
                 Some(Event::Lost { shard, epoch, why }) => self.lose(shard, epoch, &why),
-                Some(Event::Granted { shard, .. }) => self.worker.release(shard),
+                Some(Event::Granted { shard, epoch }) => self.waiting.push((shard, epoch)),
                 _ => {}
             }
         }
@@ -401,8 +415,20 @@ impl Holding {
                 self.lose(i as u32, epoch, "the engine closed");
             }
         }
-        for t in self.ending.iter_mut().flatten() {
-            t.stop();
+        let until = Instant::now() + lease;
+        while self.ending.iter().flatten().any(|t| !t.is_finished()) && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        for (i, t) in self.ending.iter_mut().enumerate() {
+            match t.take() {
+                Some(mut t) if t.is_finished() => t.stop(),
+                Some(_) => tracing::warn!(
+                    shard = i,
+                    "the shard's thread is still blocked (a step body that does not \
+                     return); the engine closes without it"
+                ),
+                None => {}
+            }
         }
     }
 }

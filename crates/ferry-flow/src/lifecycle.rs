@@ -173,7 +173,12 @@ fn next_generation(
     }
     let (workflow, parent) = {
         let runs = lock(&shared.runs);
-        let e = runs.get(&run.run).expect("a running run has an entry");
+        // Gone only on a worker whose shard was just lost (its runs are forgotten while
+        // its thread stops): the run goes on wherever the shard is held next.
+        let Some(e) = runs.get(&run.run) else {
+            run.fenced.set(true);
+            return Err(run.fence());
+        };
         (e.workflow, e.parent().cloned())
     };
     let next = next_start(

@@ -179,6 +179,21 @@ impl Shared {
         Ok(lane)
     }
 
+    /// `lane`, read before the runs lock was taken, is still `run`'s shard's (checked
+    /// with that lock held): otherwise the runs map may hold what a later grant
+    /// recovered, which a call through `lane` must not touch.
+    pub(crate) fn still(&self, lane: &Arc<Lane>, run: &str) -> Result<(), FlowError> {
+        let shard = self.shard_of(run);
+        if Arc::ptr_eq(&self.lane(shard), lane) {
+            Ok(())
+        } else {
+            Err(FlowError::NotHeld {
+                run: run.to_string(),
+                shard: shard as u32,
+            })
+        }
+    }
+
     /// Hand `job` to its shard once `end` (its start record in `lane`'s journal) is
     /// durable ([`Starts`]).
     pub(crate) fn spawn_when_durable(&self, lane: &Lane, end: Lsn, job: Job) {
@@ -218,6 +233,7 @@ impl Shared {
         let handler = handler.clone();
         let lane = self.held(id)?;
         let mut runs = lock(&self.runs);
+        self.still(&lane, id)?;
         if let Some(e) = runs.get(id) {
             // The id is taken: the same workflow gets that run back (whatever the
             // input: docs/flow.md §1.6), another workflow would get a handle whose
@@ -274,9 +290,11 @@ impl Shared {
 
     /// Ask run `id` to cancel (docs/flow.md §2). False if it had already finished.
     pub(crate) async fn cancel(&self, id: &str) -> Result<bool, FlowError> {
-        let journal = self.held(id)?.journal.clone();
+        let lane = self.held(id)?;
+        let journal = lane.journal.clone();
         let (end, then) = {
             let mut runs = lock(&self.runs);
+            self.still(&lane, id)?;
             let e = runs
                 .get_mut(id)
                 .ok_or_else(|| FlowError::UnknownRun { id: id.into() })?;
@@ -350,9 +368,11 @@ impl Shared {
         key: Option<&str>,
     ) -> Result<(), FlowError> {
         let shared = self;
-        let journal = shared.held(id)?.journal.clone();
+        let lane = shared.held(id)?;
+        let journal = lane.journal.clone();
         let (end, fresh) = {
             let mut runs = lock(&shared.runs);
+            shared.still(&lane, id)?;
             let e = runs
                 .get_mut(id)
                 .ok_or_else(|| FlowError::UnknownRun { id: id.into() })?;
@@ -448,10 +468,10 @@ impl Shared {
     pub(crate) fn park(&self, run: &RunCtx, reason: String) {
         tracing::error!(run = %run.run, "parked: {reason}");
         let at = (run.generation, run.replay.borrow().len());
-        lock(&self.runs)
-            .get_mut(&run.run)
-            .expect("a running run has an entry")
-            .set_parked_at(Some(at));
+        // Gone only on a worker whose shard was just lost: nothing to settle here.
+        if let Some(e) = lock(&self.runs).get_mut(&run.run) {
+            e.set_parked_at(Some(at));
+        }
         self.settle(&run.run, RunStatus::Parked(reason));
     }
 }

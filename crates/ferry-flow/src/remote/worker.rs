@@ -338,6 +338,9 @@ impl JournalLog for ShardStream {
                     self.shard
                 ))
             })??;
+            // A page read is progress (docs/flow-server.md §7): a long recovery is not
+            // a stuck shard.
+            self.turns.fetch_add(1, Ordering::Relaxed);
             for rec in &page.0 {
                 at += 1;
                 f(Record {
@@ -531,8 +534,8 @@ impl Worker {
 
     /// Hand the shard back (docs/flow-server.md §8.2): it takes no more appends, and the
     /// `Release` goes once everything appended is acknowledged; then it is lost here.
-    pub fn release(&self, shard: u32) {
-        if let Some(s) = self.conn.current(shard) {
+    pub fn release(&self, shard: u32, epoch: u64) {
+        if let Some(s) = self.conn.current(shard).filter(|s| s.epoch == epoch) {
             lock(&s.state).releasing = true;
             self.conn.wake.notify_one();
         }
@@ -754,6 +757,28 @@ async fn session(
     let mut heard = Instant::now();
     let result = 'conn: loop {
         if conn.stop.load(Ordering::SeqCst) {
+            // Stopping: hand back every grant with nothing unacknowledged (those the
+            // engine never took: they came while it closed), so that the server need
+            // not keep them for a lease. The rest go as after a crash.
+            for s in conn.streams() {
+                let end = {
+                    let st = lock(&s.state);
+                    (st.unsent.is_empty() && st.acked == st.next).then_some(st.acked)
+                };
+                if let Some(end) = end {
+                    conn.lose(&s, "the worker stopped");
+                    let (shard, epoch) = (s.shard, s.epoch);
+                    let release = Body::Release { shard, epoch, end };
+                    let _ = send(
+                        &mut wr,
+                        Frame {
+                            id: next_id(),
+                            body: release,
+                        },
+                    )
+                    .await;
+                }
+            }
             break Ok(());
         }
         for s in conn.streams() {
