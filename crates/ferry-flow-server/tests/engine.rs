@@ -207,3 +207,93 @@ async fn a_wedged_shard_moves() {
     close(a).await;
     server.stop().await;
 }
+
+static MIX: Workflow<u32, u64> = Workflow::new("mix");
+static KID: Workflow<u32, u64> = Workflow::new("kid");
+
+/// A workflow that uses most of what a run can do: a step, a child, a signal, a
+/// durable sleep, continue-as-new, a drawn value.
+async fn mix(ctx: Ctx, n: u32) -> Result<u64, FlowError> {
+    let a: u64 = ctx
+        .step("a", |_| async move { Ok(u64::from(n) * 2) })
+        .await?;
+    let kid: u64 = ctx.child(KID, &n).await?;
+    let go = ctx.wait_for(GO, None).await?.unwrap_or(0);
+    ctx.sleep(std::time::Duration::from_millis(10)).await?;
+    if n < 1_000 && n.is_multiple_of(3) {
+        return Err(ctx.continue_as_new(&(n + 1_000)));
+    }
+    // A drawn value is journaled like a step (what it is differs between engines).
+    ctx.random_u64()?;
+    ctx.step("b", |_| async move { Ok(a + kid + u64::from(go)) })
+        .await
+}
+
+/// The runs an engine lists, without what may differ between two engines.
+fn listing(e: &Engine) -> Vec<(String, String, u32, String, Option<String>)> {
+    e.runs()
+        .into_iter()
+        .map(|r| {
+            let status = format!("{:?}", r.status);
+            (r.id, r.workflow, r.generation, status, r.parent)
+        })
+        .collect()
+}
+
+/// Guards guarantee 7's first half (T1, without the HTTP API yet): the same workflow
+/// code on a worker of a server and on an embedded engine gives the same results and
+/// the same runs (children, generations, statuses), signals included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_and_a_worker_match_the_embedded_engine() {
+    const RUNS: u32 = 12;
+    let scratch = Scratch::new("flow-engine-match");
+    let socket = scratch.path().join("s.sock");
+    let server = start(scratch.path(), &socket, 4);
+    let open = |dir: std::path::PathBuf, addr: Option<String>| {
+        tokio::task::spawn_blocking(move || {
+            let mut b = Engine::builder(dir).shards(4);
+            if let Some(addr) = addr {
+                b = b.server(addr);
+            }
+            b.register(MIX, mix)
+                .register(KID, |ctx: Ctx, n: u32| async move {
+                    ctx.step("k", |_| async move { Ok(u64::from(n) + 1) }).await
+                })
+                .open()
+                .unwrap()
+        })
+    };
+    let embedded = open(scratch.dir("embedded"), None).await.unwrap();
+    let worker = open(
+        scratch.dir("worker"),
+        Some(format!("unix:{}", socket.display())),
+    )
+    .await
+    .unwrap();
+    eventually("the worker to hold every shard", || {
+        worker.held_shards().len() == 4
+    })
+    .await;
+    let mut outputs = Vec::new();
+    for e in [&embedded, &worker] {
+        for i in 0..RUNS {
+            e.start(MIX, &format!("mix-{i}"), &i).await.unwrap();
+        }
+        let mut out = Vec::new();
+        for i in 0..RUNS {
+            let id = format!("mix-{i}");
+            // A signal for each generation's wait.
+            while e.status(&id) == Some(ferry_flow::RunStatus::Running) {
+                let _ = e.signal(&id, GO, &(i + 5)).await;
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            out.push(e.run::<u64>(&id).unwrap().result().await.unwrap());
+        }
+        outputs.push(out);
+    }
+    assert_eq!(outputs[0], outputs[1], "the same results");
+    assert_eq!(listing(&embedded), listing(&worker), "the same runs");
+    close(worker).await;
+    drop(embedded);
+    server.stop().await;
+}
