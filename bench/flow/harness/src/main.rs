@@ -25,6 +25,14 @@
 //!       log's `Config::follow` (how long its writer waits, after a sync, for the
 //!       workers it acknowledged to send their next appends), 0 as `ferry flow serve`
 //!       if absent.
+//!   takeover --dir D [--shards 4] [--runs 1000] [--trials 20] [--lease-ms 1000]
+//!            [--ping-ms 200]
+//!       Takeover after a worker's SIGKILL (docs/flow-server.md §2.4): a server in this
+//!       process, a worker engine in this process and a worker child process
+//!       (`takeover-child`) that starts `runs` unfinished runs (parked in `wait_for`) on
+//!       each shard it holds. Per trial: SIGKILL the child, and time until this
+//!       process's worker holds every shard and has recovered every run; p50/p99 over
+//!       the trials, against the bound lease + 1 s.
 //!   floor --dir D [--n 2000]
 //!       Overwrite 4 KiB of a zero-filled file and fdatasync it, n times at consecutive
 //!       offsets: the pattern of ferry-log's writer (it writes over zeroes laid ahead, so
@@ -191,11 +199,17 @@ fn main() {
     }
     // Runtimes of its own (a server's, and one to wait on the worker's stream), so not
     // inside the client's.
-    if args.get(1).is_some_and(|a| a == "server" || a == "remote") {
-        let out = if args[1] == "server" {
-            server(&args)
-        } else {
-            remote(&args)
+    if args.get(1).is_some_and(|a| {
+        matches!(
+            a.as_str(),
+            "server" | "remote" | "takeover" | "takeover-child"
+        )
+    }) {
+        let out = match args[1].as_str() {
+            "server" => server(&args),
+            "remote" => remote(&args),
+            "takeover" => takeover(&args),
+            _ => takeover_child(&args),
         };
         match out {
             Ok(v) => println!("{v}"),
@@ -929,6 +943,192 @@ fn start_server(
         };
         Ok::<_, String>((server, accept, addr))
     })
+}
+
+/// The parked workflow of `takeover` (and `idle`): waits for a signal that never comes.
+async fn parked(ctx: Ctx, _: u32) -> Result<u32, FlowError> {
+    let got = ctx.wait_for(PING, None).await?;
+    Ok(got.map_or(0, |v| v.len() as u32))
+}
+
+/// `takeover-child --server ADDR --runs N --prefix P`: a worker that starts N parked
+/// runs on each shard it holds once the shards settle, says `ready`, and waits to be
+/// killed.
+fn takeover_child(args: &[String]) -> Result<Value, String> {
+    let addr = flag(args, "--server").ok_or("--server")?;
+    let runs: usize = num(args, "--runs", 1000);
+    let prefix = flag(args, "--prefix").ok_or("--prefix")?;
+    let dir = PathBuf::from(flag(args, "--dir").ok_or("--dir")?);
+    let engine = Engine::builder(dir)
+        .server(addr)
+        .register(PARK, parked)
+        .open()
+        .map_err(err)?;
+    let shards: u32 = num(args, "--shards", 4);
+    // Settled: half of the shards (the other worker holds the rest).
+    let until = Instant::now() + Duration::from_secs(30);
+    while engine.held_shards().len() != (shards as usize).div_ceil(2) {
+        if Instant::now() > until {
+            return Err(format!("held {:?}", engine.held_shards()));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let held: Vec<u32> = engine.held_shards().iter().map(|(s, _)| *s).collect();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .map_err(err)?;
+    let started = rt.block_on(async {
+        let mut count: BTreeMap<u32, usize> = BTreeMap::new();
+        let mut started = 0;
+        let mut i = 0u32;
+        while held
+            .iter()
+            .any(|s| count.get(s).copied().unwrap_or(0) < runs)
+        {
+            let id = format!("{prefix}-{i}");
+            i += 1;
+            let shard = ferry_flow::shard_of(&id, shards);
+            let c = count.entry(shard).or_default();
+            if held.contains(&shard) && *c < runs {
+                engine.start(PARK, &id, &i).await.map_err(err)?;
+                *c += 1;
+                started += 1;
+            }
+        }
+        Ok::<_, String>(started)
+    })?;
+    println!("ready {started}");
+    let _ = std::io::stdout().flush();
+    loop {
+        std::thread::sleep(Duration::from_secs(3600));
+    }
+}
+
+fn takeover(args: &[String]) -> Result<Value, String> {
+    use ferry_flow_server::server::{Server, Settings};
+    use std::io::BufRead;
+    let dir = fresh_dir(args, "takeover")?;
+    let shards: u32 = num(args, "--shards", 4);
+    let runs: usize = num(args, "--runs", 1000);
+    let trials: usize = num(args, "--trials", 20);
+    let lease = Duration::from_millis(num(args, "--lease-ms", 1000));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(err)?;
+    let exe = std::env::current_exe().map_err(err)?;
+    let mut times = Vec::new();
+    let mut recovered_runs = Vec::new();
+    for trial in 0..trials {
+        // A server of its own per trial: only this trial's runs to take over.
+        let socket = dir.join(format!("flow-{trial}.sock"));
+        let (server, accept) = rt.block_on(async {
+            let server = Arc::new(
+                Server::open(
+                    &dir.join(format!("server-{trial}")),
+                    Settings {
+                        shards,
+                        lease,
+                        ping_every: Duration::from_millis(num(args, "--ping-ms", 200)),
+                        ..Settings::default()
+                    },
+                    ferry_log::Config::default(),
+                )
+                .map_err(err)?,
+            );
+            server.start();
+            let listener = tokio::net::UnixListener::bind(&socket).map_err(err)?;
+            let c = server.connector();
+            let accept = tokio::spawn(async move {
+                while let Ok((stream, _)) = listener.accept().await {
+                    tokio::spawn(c.connection(stream));
+                }
+            });
+            Ok::<_, String>((server, accept))
+        })?;
+        let addr = format!("unix:{}", socket.display());
+        // The child first, so that it holds every shard, then this process's worker,
+        // which the server gives half of them.
+        let mut child = std::process::Command::new(&exe)
+            .args(["takeover-child", "--server", &addr, "--prefix"])
+            .arg(format!("t{trial}"))
+            .args(["--runs", &runs.to_string(), "--shards", &shards.to_string()])
+            .arg("--dir")
+            .arg(dir.join(format!("child-{trial}")))
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .map_err(err)?;
+        let until = Instant::now() + Duration::from_secs(30);
+        while server
+            .status()
+            .workers
+            .iter()
+            .filter(|w| w.connected)
+            .count()
+            < 1
+        {
+            if Instant::now() > until {
+                return Err("the child did not connect".into());
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let survivor = Engine::builder(dir.join(format!("survivor-{trial}")))
+            .server(addr.clone())
+            .register(PARK, parked)
+            .open()
+            .map_err(err)?;
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().ok_or("no stdout")?)
+            .read_line(&mut line)
+            .map_err(err)?;
+        let started: usize = line
+            .trim()
+            .strip_prefix("ready ")
+            .and_then(|n| n.parse().ok())
+            .ok_or_else(|| format!("the child said {line:?}"))?;
+        let before = survivor.runs().len();
+        let t = Instant::now();
+        child.kill().map_err(err)?;
+        child.wait().map_err(err)?;
+        let until = t + Duration::from_secs(60);
+        while survivor.held_shards().len() != shards as usize
+            || survivor.runs().len() < before + started
+        {
+            if Instant::now() > until {
+                return Err(format!(
+                    "trial {trial}: the survivor holds {:?} and {} runs after 60 s",
+                    survivor.held_shards(),
+                    survivor.runs().len()
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        times.push(t.elapsed());
+        recovered_runs.push(started);
+        drop(survivor);
+        rt.block_on(async {
+            accept.abort();
+            let _ = accept.await;
+            if let Some(s) = Arc::into_inner(server) {
+                s.shutdown().await;
+            }
+        });
+    }
+    let bound = lease + Duration::from_secs(1);
+    let mut sorted = times.clone();
+    sorted.sort();
+    Ok(json!({
+        "workload": "takeover",
+        "shards": shards,
+        "runs_per_shard": runs,
+        "runs_taken_over": recovered_runs,
+        "lease_ms": lease.as_millis() as u64,
+        "takeover": spread(times),
+        "bound_ms": bound.as_millis() as u64,
+        "within_bound": sorted.last().is_some_and(|w| *w <= bound),
+    }))
 }
 
 fn remote(args: &[String]) -> Result<Value, String> {
