@@ -690,6 +690,14 @@ fn carry_out(inner: &Inner, state: &mut State, actions: Vec<Action>) {
     }
 }
 
+/// `session` will not be waited for after the last round of acknowledgements (it
+/// replied, or left): the log's writer goes on once nobody is left to wait for.
+fn replied(inner: &Inner, state: &mut State, session: SessionId) {
+    if state.replies_due.remove(&session) && state.replies_due.is_empty() {
+        inner.follower.idle();
+    }
+}
+
 fn send(state: &State, session: SessionId, body: Body) {
     if let Some((_, tx)) = state.conns.get(&session) {
         let _ = tx.send(Frame { id: 0, body });
@@ -823,9 +831,7 @@ where
             let actions = state.table.disconnect(s, Instant::now());
             carry_out(&inner, &mut state, actions);
             // No reply will come from it.
-            if state.replies_due.remove(&s) && state.replies_due.is_empty() {
-                inner.follower.idle();
-            }
+            replied(&inner, &mut state, s);
         }
     }
     drop(tx);
@@ -1003,9 +1009,7 @@ fn handle(
             let appended = state.store.append(a.shard, a.epoch, a.first, &a.records);
             // A reply from a worker the last round acknowledged, whatever it held: once
             // it is in the log, the writer need not wait for it.
-            if state.replies_due.remove(&session) && state.replies_due.is_empty() {
-                inner.follower.idle();
-            }
+            replied(inner, state, session);
             let new = state.store.end(a.shard) - before;
             inner.counts.records.fetch_add(new, Relaxed);
             inner

@@ -9,9 +9,8 @@ use ferry_flow::JournalLog;
 use ferry_flow::remote::worker::{Event, Worker, WorkerSettings};
 mod common;
 
-use common::{LEASE, Running, start, start_with};
+use common::{LEASE, Running, long_lease, start, start_with};
 use ferry_flow_server::peer::{Peer, hello};
-use ferry_flow_server::server::Settings;
 use ferry_testkit::Scratch;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -89,13 +88,7 @@ async fn appends_through_a_shard_stream_wait_for_the_servers_acknowledgement() {
 async fn a_restarted_server_is_resumed_and_nothing_is_lost_or_written_twice() {
     let scratch = Scratch::new("flow-worker-restart");
     let socket = scratch.path().join("s.sock");
-    // The resume must come within the lease: one long enough for a busy machine to
-    // stop and start the server in.
-    let long = Settings {
-        lease: Duration::from_secs(4),
-        ..common::settings(1)
-    };
-    let run = start_with(scratch.path(), &socket, long.clone());
+    let run = start_with(scratch.path(), &socket, long_lease(1));
     let w = worker(format!("unix:{}", socket.display())).await;
     assert_eq!(granted(&w, 1).await, vec![(0, 1)]);
     let s = w.stream(0).unwrap();
@@ -111,7 +104,7 @@ async fn a_restarted_server_is_resumed_and_nothing_is_lost_or_written_twice() {
     for i in 200..250u32 {
         s.append(1, format!("r{i}").as_bytes()).unwrap();
     }
-    let run = start_with(scratch.path(), &socket, long);
+    let run = start_with(scratch.path(), &socket, long_lease(1));
     s.durable(250, None).await.unwrap();
     assert_eq!(s.epoch(), 1, "resumed, not granted anew");
     let back = read_back(&w, 0).await;
@@ -309,24 +302,16 @@ async fn a_worker_cut_off_one_way_fences_itself_and_hands_the_shard_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_cut_mid_frame_resumes_without_replay() {
     use std::sync::atomic::Ordering::SeqCst;
-    let scratch = Scratch::new("flow-worker-cut");
+    let scratch = Scratch::new("flow-worker-cut-mid-frame");
     let socket = scratch.path().join("s.sock");
-    let long = Settings {
-        lease: Duration::from_secs(4),
-        ..common::settings(1)
-    };
-    let run = start_with(scratch.path(), &socket, long);
-    let proxy = ferry_testkit::proxy::FaultProxy::start(run.tcp);
-    let w = worker(format!("127.0.0.1:{}", proxy.port())).await;
-    assert_eq!(granted(&w, 1).await, vec![(0, 1)]);
-    let s = w.stream(0).unwrap();
+    let run = start_with(scratch.path(), &socket, long_lease(1));
+    // Confirmed by a ping first: a grant never confirmed is not resumed.
+    let (proxy, w, s) = worker_through_proxy(&run).await;
     let rec = |i: u32| format!("r{i} {}", "x".repeat(40)).into_bytes();
     for i in 0..100u32 {
         s.append(1, &rec(i)).unwrap();
     }
     s.durable(100, None).await.unwrap();
-    // Confirmed by a ping first: a grant never confirmed is not resumed.
-    assert!(ferry_testkit::wait_until(Duration::from_secs(5), || s.may_act()));
     // The next 300 records go out as frames of several KiB: the cut lands inside one.
     proxy.faults().cut_after.store(3_001, SeqCst);
     for i in 100..400u32 {

@@ -166,9 +166,7 @@ impl Engine {
 impl Drop for Engine {
     fn drop(&mut self) {
         // A worker hands its shards back first (docs/flow-server.md §8.2).
-        if let Some(mut h) = self.holder.take() {
-            h.close();
-        }
+        drop(self.holder.take());
         for s in &mut self.shards {
             s.stop();
         }

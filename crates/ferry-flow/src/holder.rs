@@ -172,19 +172,16 @@ impl Holder {
             thread: Some(thread),
         })
     }
+}
 
-    /// Hand every shard back, stop their threads, close the connection.
-    pub(crate) fn close(&mut self) {
+/// Dropping the holder hands every shard back, stops their threads and closes the
+/// connection.
+impl Drop for Holder {
+    fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
-    }
-}
-
-impl Drop for Holder {
-    fn drop(&mut self) {
-        self.close();
     }
 }
 

@@ -166,7 +166,10 @@ impl Shared {
         }
     }
 
-    /// `run`'s shard's lane, if this engine holds the shard (embedded: always).
+    /// `run`'s shard's lane, if this engine holds the shard (embedded: always). A call
+    /// that touches the runs map reads it with the map's lock held: a worker's holder
+    /// swaps a shard's lane and changes its runs one after the other, never both at
+    /// once, so the lane and the runs such a call sees belong to the same grant.
     pub(crate) fn held(&self, run: &str) -> Result<Arc<Lane>, FlowError> {
         let shard = self.shard_of(run);
         let lane = self.lane(shard);
@@ -177,21 +180,6 @@ impl Shared {
             });
         }
         Ok(lane)
-    }
-
-    /// `lane`, read before the runs lock was taken, is still `run`'s shard's (checked
-    /// with that lock held): otherwise the runs map may hold what a later grant
-    /// recovered, which a call through `lane` must not touch.
-    pub(crate) fn still(&self, lane: &Arc<Lane>, run: &str) -> Result<(), FlowError> {
-        let shard = self.shard_of(run);
-        if Arc::ptr_eq(&self.lane(shard), lane) {
-            Ok(())
-        } else {
-            Err(FlowError::NotHeld {
-                run: run.to_string(),
-                shard: shard as u32,
-            })
-        }
     }
 
     /// Hand `job` to its shard once `end` (its start record in `lane`'s journal) is
@@ -231,9 +219,8 @@ impl Shared {
             FlowError::Invalid(format!("no workflow named {workflow:?} is registered"))
         })?;
         let handler = handler.clone();
-        let lane = self.held(id)?;
         let mut runs = lock(&self.runs);
-        self.still(&lane, id)?;
+        let lane = self.held(id)?;
         if let Some(e) = runs.get(id) {
             // The id is taken: the same workflow gets that run back (whatever the
             // input: docs/flow.md §1.6), another workflow would get a handle whose
@@ -290,23 +277,23 @@ impl Shared {
 
     /// Ask run `id` to cancel (docs/flow.md §2). False if it had already finished.
     pub(crate) async fn cancel(&self, id: &str) -> Result<bool, FlowError> {
-        let lane = self.held(id)?;
-        let journal = lane.journal.clone();
-        let (end, then) = {
+        let (journal, end, then) = {
             let mut runs = lock(&self.runs);
-            self.still(&lane, id)?;
+            let journal = self.held(id)?.journal.clone();
             let e = runs
                 .get_mut(id)
                 .ok_or_else(|| FlowError::UnknownRun { id: id.into() })?;
             if matches!(e.status, RunStatus::Finished(_)) {
                 return Ok(false);
             }
-            if e.inbox.wake.cancel.swap(true, Ordering::Relaxed) && e.parked_at().is_none() {
-                // Asked before: answer once that request is durable.
-                (journal.end_lsn(), Then::Answer)
-            } else {
-                self.journal_cancel(&journal, id, e)?
-            }
+            let (end, then) =
+                if e.inbox.wake.cancel.swap(true, Ordering::Relaxed) && e.parked_at().is_none() {
+                    // Asked before: answer once that request is durable.
+                    (journal.end_lsn(), Then::Answer)
+                } else {
+                    self.journal_cancel(&journal, id, e)?
+                };
+            (journal, end, then)
         };
         crate::durable::durable(&journal, end).await?;
         match then {
@@ -368,15 +355,13 @@ impl Shared {
         key: Option<&str>,
     ) -> Result<(), FlowError> {
         let shared = self;
-        let lane = shared.held(id)?;
-        let journal = lane.journal.clone();
-        let (end, fresh) = {
+        let (journal, end, fresh) = {
             let mut runs = lock(&shared.runs);
-            shared.still(&lane, id)?;
+            let journal = shared.held(id)?.journal.clone();
             let e = runs
                 .get_mut(id)
                 .ok_or_else(|| FlowError::UnknownRun { id: id.into() })?;
-            if let Some(k) = key
+            let (end, fresh) = if let Some(k) = key
                 && e.inbox.has_key(k)
             {
                 // Delivered before (perhaps before the run finished): answer once that
@@ -401,7 +386,8 @@ impl Shared {
                 let bytes = rec.encode();
                 shared.check_payload(bytes.len())?;
                 shared.journal_signal(&journal, &mut e.inbox, &bytes, name, value, key)?
-            }
+            };
+            (journal, end, fresh)
         };
         crate::durable::durable(&journal, end).await?;
         if fresh {

@@ -21,6 +21,7 @@ use anyhow::{Context, bail, ensure};
 use axum::extract::{Query, State};
 use axum::routing::post;
 use clap::Args;
+use ferry_core::sync::lock;
 use ferry_flow::admin::{self, Request};
 use ferry_flow::{Ctx, Engine, FlowError, Retry, Signal, StepError, Workflow};
 use serde::Deserialize;
@@ -143,6 +144,34 @@ pub(crate) struct Service {
     pub(crate) answered: usize,
 }
 
+impl Service {
+    /// The effect ids of `what` (charge, notify) made for run `id`.
+    pub(crate) fn effects_of(&self, what: &str, id: &str) -> Vec<&String> {
+        let prefix = format!("{id}/");
+        self.effects
+            .iter()
+            .filter(|((w, key), _)| w == what && key.starts_with(&prefix))
+            .map(|(_, effect)| effect)
+            .collect()
+    }
+
+    /// Order `n` was charged after its first notification: a step acknowledged durable
+    /// (notify starts only once the charge's result is) ran again.
+    pub(crate) fn charged_after_notifying(&self, n: u32) -> bool {
+        let calls: Vec<&(String, u32, String)> = self.calls.iter().filter(|c| c.1 == n).collect();
+        calls
+            .iter()
+            .position(|c| c.0 == "notify")
+            .is_some_and(|first| calls[first..].iter().any(|c| c.0 == "charge"))
+    }
+
+    /// Calls of `what` made again with a key already called.
+    pub(crate) fn repeats(&self, what: &str) -> usize {
+        self.calls.iter().filter(|c| c.0 == what).count()
+            - self.effects.keys().filter(|(w, _)| w == what).count()
+    }
+}
+
 #[derive(Deserialize)]
 struct CallQuery {
     key: String,
@@ -154,7 +183,7 @@ async fn serve_call(
     Query(q): Query<CallQuery>,
 ) -> String {
     let effect = {
-        let mut s = svc.lock().unwrap_or_else(|p| p.into_inner());
+        let mut s = lock(&svc);
         s.calls.push((what.to_string(), q.order, q.key.clone()));
         let next = s.effects.len();
         s.effects
@@ -166,15 +195,20 @@ async fn serve_call(
         // A card network takes its time: 0.2 to 1 s, so the kill finds charges under way.
         let ms = 200 + u64::from(q.order) * 37 % 800;
         tokio::time::sleep(Duration::from_millis(ms)).await;
-        svc.lock().unwrap_or_else(|p| p.into_inner()).answered += 1;
+        lock(&svc).answered += 1;
     }
     effect
 }
 
-/// Start the payments service on `rt`: its state, and its URL.
+/// The payments service on a runtime of `threads` threads of its own: the runtime (the
+/// service lives as long as it), the service's state, and its URL.
 pub(crate) fn start_service(
-    rt: &tokio::runtime::Runtime,
-) -> anyhow::Result<(Arc<Mutex<Service>>, String)> {
+    threads: usize,
+) -> anyhow::Result<(tokio::runtime::Runtime, Arc<Mutex<Service>>, String)> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .enable_all()
+        .build()?;
     let svc = Arc::new(Mutex::new(Service::default()));
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
     let service = format!("http://{}", listener.local_addr()?);
@@ -188,7 +222,7 @@ pub(crate) fn start_service(
             post(serve_call).with_state((svc.clone(), "notify")),
         );
     rt.spawn(async move { axum::serve(listener, app).await });
-    Ok((svc, service))
+    Ok((rt, svc, service))
 }
 
 /// The engine as a child process.
@@ -286,11 +320,7 @@ fn wait_started(dir: &Path, orders: u32) -> anyhow::Result<()> {
 }
 
 pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    let (svc, service) = start_service(&rt)?;
+    let (_rt, svc, service) = start_service(2)?;
 
     say!();
     say!(
@@ -303,7 +333,7 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
     let mut engine = EngineProcess::start(&dir, &service, orders, &log)?;
     wait_started(&dir, orders)?;
     ship(&dir, (0..orders).filter(|n| n % 2 == 0))?;
-    let charged = |svc: &Mutex<Service>| svc.lock().unwrap_or_else(|p| p.into_inner()).answered;
+    let charged = |svc: &Mutex<Service>| lock(svc).answered;
     let deadline = Instant::now() + Duration::from_secs(30);
     while charged(&svc) < orders as usize / 2 {
         ensure!(
@@ -319,7 +349,7 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
     // What the journal holds now is what the restart replays: none of those steps may
     // call the service again (a step cut short by the kill may, with the same key).
     let held = held_steps(&dir)?;
-    let calls_at_kill = svc.lock().unwrap_or_else(|p| p.into_inner()).calls.len();
+    let calls_at_kill = lock(&svc).calls.len();
     say!(
         "  signalled the even orders \"shipped\"; SIGKILLed the engine when {at_kill} of {orders} charges were answered; restarted it and signalled the odd orders"
     );
@@ -336,7 +366,7 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
 
     // The status the engine left on exit, and what the service saw.
     let status = admin::read_status(&dir).map_err(|e| anyhow::anyhow!(e))?;
-    let s = svc.lock().unwrap_or_else(|p| p.into_inner());
+    let s = lock(&svc);
     let finished = status.runs.iter().filter(|r| r.state == "finished").count();
     let mut bad = Vec::new();
     for r in &status.runs {
@@ -345,22 +375,11 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
                 .parse()
                 .unwrap_or(u32::MAX);
         let output = r.detail.as_ref().and_then(|d| d.as_str()).unwrap_or("");
-        let charges: Vec<&String> = s
-            .effects
-            .iter()
-            .filter(|((what, key), _)| what == "charge" && key.starts_with(&format!("{}/", r.id)))
-            .map(|(_, id)| id)
-            .collect();
+        let charges = s.effects_of("charge", &r.id);
         if charges.len() != 1 || !output.starts_with(charges[0].as_str()) {
             bad.push(format!("{}: output {output:?}, charges {charges:?}", r.id));
         }
-        // No charge call after the order's first notify call: a later step starts only
-        // once the earlier one's result is durable, so that would be an acknowledged
-        // step running again.
-        let calls: Vec<&(String, u32, String)> = s.calls.iter().filter(|c| c.1 == n).collect();
-        if let Some(first_notify) = calls.iter().position(|c| c.0 == "notify")
-            && calls[first_notify..].iter().any(|c| c.0 == "charge")
-        {
+        if s.charged_after_notifying(n) {
             bad.push(format!("{}: charged again after notifying", r.id));
         }
     }
@@ -371,10 +390,7 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
             ));
         }
     }
-    let repeats = |what: &str| {
-        s.calls.iter().filter(|c| c.0 == what).count()
-            - s.effects.keys().filter(|(w, _)| w == what).count()
-    };
+    let repeats = |what: &str| s.repeats(what);
     fact("flow", "orders", orders);
     fact("flow", "finished", finished);
     fact("flow", "secs", elapsed.as_secs_f64());

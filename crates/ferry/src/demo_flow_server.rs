@@ -22,6 +22,7 @@ use crate::demo_flow::{Service, service_step, start_service};
 use crate::report::{fact, say};
 use anyhow::{Context, bail, ensure};
 use clap::Args;
+use ferry_core::sync::lock;
 use ferry_flow::{Ctx, Engine, FlowError, Workflow};
 use std::path::{Path, PathBuf};
 use std::process::Child;
@@ -240,11 +241,7 @@ fn serve_args<'a>(dir: &'a str, socket: &'a str, metrics: &'a str) -> Vec<&'a st
 }
 
 pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()?;
-    let (svc, service) = start_service(&rt)?;
+    let (_rt, svc, service) = start_service(1)?;
     say!();
     say!(
         "ferry demo: ferry-flow's server mode runs {orders} orders (charge, packing timer, notify) on two worker processes through a worker's SIGKILL and the server's"
@@ -287,7 +284,7 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
         )
     };
     let mut workers = vec![worker("a")?, worker("b")?];
-    let charged = |svc: &Mutex<Service>| svc.lock().unwrap_or_else(|p| p.into_inner()).answered;
+    let charged = |svc: &Mutex<Service>| lock(svc).answered;
     let wait_charged = |n: usize| -> anyhow::Result<()> {
         let deadline = Instant::now() + Duration::from_secs(60);
         while charged(&svc) < n {
@@ -358,7 +355,7 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
     wait_charged((orders as usize * 2 / 3).max(charged(&svc) + orders as usize / 6))?;
     server.kill()?;
     let at_server_kill = charged(&svc);
-    let calls_at_server_kill = svc.lock().unwrap_or_else(|p| p.into_inner()).calls.len();
+    let calls_at_server_kill = lock(&svc).calls.len();
     let server = Proc::start("flow server", &serve_args(&dir_s, &socket, &metrics), &log)?;
     let resumed = until(
         &metrics,
@@ -373,19 +370,18 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
 
     // Every order notified.
     let notified = |svc: &Mutex<Service>| {
-        let s = svc.lock().unwrap_or_else(|p| p.into_inner());
-        s.effects.keys().filter(|(w, _)| w == "notify").count()
+        lock(svc)
+            .effects
+            .keys()
+            .filter(|(w, _)| w == "notify")
+            .count()
     };
     let deadline = Instant::now() + Duration::from_secs(60);
     while notified(&svc) < orders as usize {
         if Instant::now() >= deadline {
-            let s = svc.lock().unwrap_or_else(|p| p.into_inner());
+            let s = lock(&svc);
             let late: Vec<String> = (0..orders)
-                .filter(|n| {
-                    !s.effects
-                        .keys()
-                        .any(|(w, k)| w == "notify" && k.starts_with(&format!("{}/", order_id(*n))))
-                })
+                .filter(|n| s.effects_of("notify", &order_id(*n)).is_empty())
                 .map(|n| {
                     let calls = s.calls.iter().filter(|c| c.1 == n).count();
                     format!(
@@ -409,16 +405,11 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
     let handed_back = survivor.terminate(Duration::from_secs(10))?;
     server.terminate(Duration::from_secs(10))?;
 
-    let s = svc.lock().unwrap_or_else(|p| p.into_inner());
+    let s = lock(&svc);
     let mut bad = Vec::new();
     for n in 0..orders {
         let id = order_id(n);
-        let effects = |what: &str| {
-            s.effects
-                .keys()
-                .filter(|(w, key)| w == what && key.starts_with(&format!("{id}/")))
-                .count()
-        };
+        let effects = |what: &str| s.effects_of(what, &id).len();
         if effects("charge") != 1 || effects("notify") != 1 {
             bad.push(format!(
                 "{id}: {} charges, {} notifications",
@@ -426,10 +417,7 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
                 effects("notify")
             ));
         }
-        let calls: Vec<&(String, u32, String)> = s.calls.iter().filter(|c| c.1 == n).collect();
-        if let Some(first_notify) = calls.iter().position(|c| c.0 == "notify")
-            && calls[first_notify..].iter().any(|c| c.0 == "charge")
-        {
+        if s.charged_after_notifying(n) {
             bad.push(format!("{id}: charged again after notifying"));
         }
     }
@@ -444,10 +432,7 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
         .filter(|c| !victim_held.contains(&ferry_flow::shard_of(&order_id(c.1), SHARDS as u32)))
         .filter(|c| before.iter().any(|b| b.0 == c.0 && b.2 == c.2))
         .count();
-    let repeats = |what: &str| {
-        s.calls.iter().filter(|c| c.0 == what).count()
-            - s.effects.keys().filter(|(w, _)| w == what).count()
-    };
+    let repeats = |what: &str| s.repeats(what);
     fact("flow_server", "orders", orders);
     fact("flow_server", "secs", elapsed.as_secs_f64());
     fact("flow_server", "takeover_ms", takeover.as_secs_f64() * 1e3);

@@ -20,6 +20,21 @@ fn serve(dir: &Path, socket: &Path, metrics: Option<u16>, log: &Path) -> Proc {
     serve_with(dir, socket, metrics, log, "3000")
 }
 
+/// A server with its directory, socket and log in `scratch`, a lease of `lease_ms` and
+/// /metrics on a free port: the server, its socket, the port.
+fn serve_in(scratch: &Scratch, lease_ms: &str) -> (Proc, std::path::PathBuf, u16) {
+    let socket = scratch.path().join("flow.sock");
+    let port = free_port();
+    let server = serve_with(
+        &scratch.path().join("server"),
+        &socket,
+        Some(port),
+        &scratch.path().join("server.log"),
+        lease_ms,
+    );
+    (server, socket, port)
+}
+
 /// [`serve`] with a lease of `lease_ms`.
 fn serve_with(dir: &Path, socket: &Path, metrics: Option<u16>, log: &Path, lease_ms: &str) -> Proc {
     let listen = format!("unix:{}", socket.display());
@@ -179,14 +194,7 @@ async fn server_kills_lose_nothing_acknowledged_and_the_holder_resumes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_closes_the_server_and_metrics_and_status_answer() {
     let scratch = Scratch::new("flow-serve-term");
-    let socket = scratch.path().join("flow.sock");
-    let port = free_port();
-    let server = serve(
-        &scratch.path().join("server"),
-        &socket,
-        Some(port),
-        &scratch.path().join("server.log"),
-    );
+    let (server, socket, port) = serve_in(&scratch, "3000");
     let (mut peer, _) = Peer::hello(&socket, hello(9, "", vec![])).await.unwrap();
     peer.grants(SHARDS as usize).await;
     peer.send(append(2, 1, 0, vec![rec(2, 0)])).await.unwrap();
@@ -360,15 +368,7 @@ fn order_worker(
 #[test]
 fn sigterm_hands_back_at_once() {
     let scratch = Scratch::new("flow-serve-handback");
-    let socket = scratch.path().join("flow.sock");
-    let port = free_port();
-    let server = serve_with(
-        &scratch.path().join("server"),
-        &socket,
-        Some(port),
-        &scratch.path().join("server.log"),
-        "6000",
-    );
+    let (server, socket, port) = serve_in(&scratch, "6000");
     let a = idle_worker(&scratch, "a", &socket);
     assert!(
         wait_until(Duration::from_secs(20), || held_by(port, a.pid())
@@ -474,14 +474,7 @@ fn payments() -> (String, std::sync::Arc<std::sync::Mutex<Vec<Call>>>) {
 fn a_paused_worker_is_refused_and_starts_nothing() {
     const ORDERS: u32 = 40;
     let scratch = Scratch::new("flow-serve-pause");
-    let socket = scratch.path().join("flow.sock");
-    let port = free_port();
-    let server = serve(
-        &scratch.path().join("server"),
-        &socket,
-        Some(port),
-        &scratch.path().join("server.log"),
-    );
+    let (server, socket, port) = serve_in(&scratch, "3000");
     let (service, calls) = payments();
     std::fs::write(scratch.path().join("go"), b"").unwrap();
     let a = order_worker(&scratch, "a", &socket, &service, ORDERS, "go");

@@ -752,13 +752,17 @@ fn server(args: &[String]) -> Result<Value, String> {
         }
         lat
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(err)?;
-    let (server, accept, addr) = start_server(&rt, &dir, 1, false, None)?;
-    let worker = Worker::connect(WorkerSettings::new(addr)).map_err(err)?;
+    let serving = Serving::start(
+        &dir,
+        ferry_flow_server::server::Settings {
+            shards: 1,
+            ..Default::default()
+        },
+        ferry_log::Config::default(),
+        false,
+    )?;
+    let server = &serving.server;
+    let worker = Worker::connect(WorkerSettings::new(serving.addr.clone())).map_err(err)?;
     match worker.next_event(Duration::from_secs(10)) {
         Some(Event::Granted { shard: 0, .. }) => {}
         other => return Err(format!("no grant: {other:?}")),
@@ -807,13 +811,7 @@ fn server(args: &[String]) -> Result<Value, String> {
             "records_per_sync": pipelined as f64 / syncs.max(1) as f64,
         },
     });
-    rt.block_on(async {
-        accept.abort();
-        let _ = accept.await;
-        if let Some(s) = std::sync::Arc::into_inner(server) {
-            s.shutdown().await;
-        }
-    });
+    serving.stop();
     Ok(out)
 }
 
@@ -884,65 +882,81 @@ fn w1_w2(
     })
 }
 
-/// The server, its accept loop, and the address a worker dials.
-type Serving = (
-    Arc<ferry_flow_server::server::Server>,
-    tokio::task::JoinHandle<()>,
-    String,
-);
+/// A flow server in this process, on a runtime of its own.
+struct Serving {
+    rt: tokio::runtime::Runtime,
+    server: Arc<ferry_flow_server::server::Server>,
+    accept: tokio::task::JoinHandle<()>,
+    /// What a worker dials.
+    addr: String,
+}
 
-/// A flow server on `dir/server` with `shards` shards, run on `rt`, listening on a
-/// Unix socket in `dir` or (`tcp`) on 127.0.0.1.
-fn start_server(
-    rt: &tokio::runtime::Runtime,
-    dir: &Path,
-    shards: u32,
-    tcp: bool,
-    follow: Option<Duration>,
-) -> Result<Serving, String> {
-    let mut log = ferry_log::Config::default();
-    if let Some(f) = follow {
-        log.follow = f;
+impl Serving {
+    /// A server on `dir/server` with `settings` and `log`, listening on a Unix socket
+    /// in `dir` or (`tcp`) on 127.0.0.1.
+    fn start(
+        dir: &Path,
+        settings: ferry_flow_server::server::Settings,
+        log: ferry_log::Config,
+        tcp: bool,
+    ) -> Result<Serving, String> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .map_err(err)?;
+        let socket = dir.join("flow.sock");
+        let (server, accept, addr) = rt.block_on(async {
+            let server = Arc::new(
+                ferry_flow_server::server::Server::open(&dir.join("server"), settings, log)
+                    .map_err(err)?,
+            );
+            server.start();
+            let c = server.connector();
+            let (accept, addr) = if tcp {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                    .await
+                    .map_err(err)?;
+                let addr = listener.local_addr().map_err(err)?.to_string();
+                let accept = tokio::spawn(async move {
+                    while let Ok((stream, _)) = listener.accept().await {
+                        let _ = stream.set_nodelay(true);
+                        tokio::spawn(c.connection(stream));
+                    }
+                });
+                (accept, addr)
+            } else {
+                let listener = tokio::net::UnixListener::bind(&socket).map_err(err)?;
+                let accept = tokio::spawn(async move {
+                    while let Ok((stream, _)) = listener.accept().await {
+                        tokio::spawn(c.connection(stream));
+                    }
+                });
+                (accept, format!("unix:{}", socket.display()))
+            };
+            Ok::<_, String>((server, accept, addr))
+        })?;
+        Ok(Serving {
+            rt,
+            server,
+            accept,
+            addr,
+        })
     }
-    use ferry_flow_server::server::{Server, Settings};
-    let socket = dir.join("flow.sock");
-    rt.block_on(async {
-        let server = Arc::new(
-            Server::open(
-                &dir.join("server"),
-                Settings {
-                    shards,
-                    ..Settings::default()
-                },
-                log,
-            )
-            .map_err(err)?,
-        );
-        server.start();
-        let c = server.connector();
-        let (accept, addr) = if tcp {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-                .await
-                .map_err(err)?;
-            let addr = listener.local_addr().map_err(err)?.to_string();
-            let accept = tokio::spawn(async move {
-                while let Ok((stream, _)) = listener.accept().await {
-                    let _ = stream.set_nodelay(true);
-                    tokio::spawn(c.connection(stream));
-                }
-            });
-            (accept, addr)
-        } else {
-            let listener = tokio::net::UnixListener::bind(&socket).map_err(err)?;
-            let accept = tokio::spawn(async move {
-                while let Ok((stream, _)) = listener.accept().await {
-                    tokio::spawn(c.connection(stream));
-                }
-            });
-            (accept, format!("unix:{}", socket.display()))
-        };
-        Ok::<_, String>((server, accept, addr))
-    })
+
+    /// Stop accepting, and shut the server down once its connections have let go.
+    fn stop(self) {
+        let Serving {
+            rt, server, accept, ..
+        } = self;
+        rt.block_on(async {
+            accept.abort();
+            let _ = accept.await;
+            if let Some(s) = Arc::into_inner(server) {
+                s.shutdown().await;
+            }
+        });
+    }
 }
 
 /// The parked workflow of `takeover` (and `idle`): waits for a signal that never comes.
@@ -1006,53 +1020,33 @@ fn takeover_child(args: &[String]) -> Result<Value, String> {
 }
 
 fn takeover(args: &[String]) -> Result<Value, String> {
-    use ferry_flow_server::server::{Server, Settings};
     use std::io::BufRead;
     let dir = fresh_dir(args, "takeover")?;
     let shards: u32 = num(args, "--shards", 4);
     let runs: usize = num(args, "--runs", 1000);
     let trials: usize = num(args, "--trials", 20);
     let lease = Duration::from_millis(num(args, "--lease-ms", 1000));
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(err)?;
     let exe = std::env::current_exe().map_err(err)?;
     let mut times = Vec::new();
     let mut recovered_runs = Vec::new();
     for trial in 0..trials {
         // A server of its own per trial: only this trial's runs to take over.
-        let socket = dir.join(format!("flow-{trial}.sock"));
-        let (server, accept) = rt.block_on(async {
-            let server = Arc::new(
-                Server::open(
-                    &dir.join(format!("server-{trial}")),
-                    Settings {
-                        shards,
-                        lease,
-                        ping_every: Duration::from_millis(num(args, "--ping-ms", 200)),
-                        ..Settings::default()
-                    },
-                    ferry_log::Config::default(),
-                )
-                .map_err(err)?,
-            );
-            server.start();
-            let listener = tokio::net::UnixListener::bind(&socket).map_err(err)?;
-            let c = server.connector();
-            let accept = tokio::spawn(async move {
-                while let Ok((stream, _)) = listener.accept().await {
-                    tokio::spawn(c.connection(stream));
-                }
-            });
-            Ok::<_, String>((server, accept))
-        })?;
-        let addr = format!("unix:{}", socket.display());
+        let serving = Serving::start(
+            &dir.join(format!("trial-{trial}")),
+            ferry_flow_server::server::Settings {
+                shards,
+                lease,
+                ping_every: Duration::from_millis(num(args, "--ping-ms", 200)),
+                ..Default::default()
+            },
+            ferry_log::Config::default(),
+            false,
+        )?;
+        let (server, addr) = (&serving.server, &serving.addr);
         // The child first, so that it holds every shard, then this process's worker,
         // which the server gives half of them.
         let mut child = std::process::Command::new(&exe)
-            .args(["takeover-child", "--server", &addr, "--prefix"])
+            .args(["takeover-child", "--server", addr, "--prefix"])
             .arg(format!("t{trial}"))
             .args(["--runs", &runs.to_string(), "--shards", &shards.to_string()])
             .arg("--dir")
@@ -1108,13 +1102,7 @@ fn takeover(args: &[String]) -> Result<Value, String> {
         times.push(t.elapsed());
         recovered_runs.push(started);
         drop(survivor);
-        rt.block_on(async {
-            accept.abort();
-            let _ = accept.await;
-            if let Some(s) = Arc::into_inner(server) {
-                s.shutdown().await;
-            }
-        });
+        serving.stop();
     }
     let bound = lease + Duration::from_secs(1);
     let mut sorted = times.clone();
@@ -1147,18 +1135,19 @@ fn remote(args: &[String]) -> Result<Value, String> {
             engine.log_stats().syncs
         })?
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(err)?;
-    let (server, accept, addr) = start_server(
-        &rt,
+    let serving = Serving::start(
         &dir,
-        shards,
+        ferry_flow_server::server::Settings {
+            shards,
+            ..Default::default()
+        },
+        ferry_log::Config {
+            follow: Duration::from_micros(num(args, "--follow-us", 0)),
+            ..Default::default()
+        },
         tcp,
-        Some(Duration::from_micros(num(args, "--follow-us", 0))),
     )?;
+    let (server, addr) = (&serving.server, &serving.addr);
     let mut engines = Vec::new();
     for k in 0..workers {
         engines.push(
@@ -1191,13 +1180,7 @@ fn remote(args: &[String]) -> Result<Value, String> {
     }
     let through = w1_w2(&engines, shards, args, &|| server.status().log.syncs)?;
     drop(engines);
-    rt.block_on(async {
-        accept.abort();
-        let _ = accept.await;
-        if let Some(s) = Arc::into_inner(server) {
-            s.shutdown().await;
-        }
-    });
+    serving.stop();
     let p50 = |v: &Value| v["w1_gap"]["p50_us"].as_f64().unwrap_or(f64::NAN);
     let sps = |v: &Value| v["w2_steps_per_sec"].as_f64().unwrap_or(f64::NAN);
     let spk = |v: &Value| v["w2_syncs_per_1k_steps"].as_f64().unwrap_or(f64::NAN);
@@ -2037,10 +2020,7 @@ async fn idle(args: &[String]) -> Result<Value, String> {
     let engine = Rc::new(
         Engine::builder(dir.join("flow"))
             .shards(num(args, "--shards", 2))
-            .register(PARK, |ctx: Ctx, _: u32| async move {
-                let got = ctx.wait_for(PING, None).await?;
-                Ok(got.map_or(0, |v| v.len() as u32))
-            })
+            .register(PARK, parked)
             .open()
             .map_err(err)?,
     );

@@ -22,6 +22,15 @@ pub fn settings(shards: u32) -> Settings {
     }
 }
 
+/// [`settings`] with a lease long enough for a busy machine to stop and start the
+/// server, or reconnect, within it (tests of a resume).
+pub fn long_lease(shards: u32) -> Settings {
+    Settings {
+        lease: Duration::from_secs(4),
+        ..settings(shards)
+    }
+}
+
 pub struct Running {
     pub server: Arc<Server>,
     accept: Vec<tokio::task::JoinHandle<()>>,

@@ -136,6 +136,12 @@ impl ShardStream {
         s.failed.is_none() && !s.releasing && s.deadline.is_some_and(|d| boot_now() < d)
     }
 
+    /// Where the grant's records end, if every one appended is acknowledged.
+    fn settled(&self) -> Option<u64> {
+        let st = lock(&self.state);
+        (st.unsent.is_empty() && st.acked == st.next).then_some(st.acked)
+    }
+
     /// The grant is lost (for good).
     pub fn is_lost(&self) -> bool {
         lock(&self.state).failed.is_some()
@@ -419,6 +425,20 @@ impl Conn {
 
     fn current(&self, shard: u32) -> Option<Arc<ShardStream>> {
         lock(&self.slots).get(shard as usize).cloned().flatten()
+    }
+
+    /// Lose the grant `s` and hand it back: the `Release` (request `id`) that tells the
+    /// server its records end at `end`.
+    fn let_go(&self, s: &Arc<ShardStream>, end: u64, why: &str, id: u64) -> Frame {
+        self.lose(s, why);
+        Frame {
+            id,
+            body: Body::Release {
+                shard: s.shard,
+                epoch: s.epoch,
+                end,
+            },
+        }
     }
 
     /// Lose the grant and drop it from its slot (if it is still the current one).
@@ -761,22 +781,9 @@ async fn session(
             // engine never took: they came while it closed), so that the server need
             // not keep them for a lease. The rest go as after a crash.
             for s in conn.streams() {
-                let end = {
-                    let st = lock(&s.state);
-                    (st.unsent.is_empty() && st.acked == st.next).then_some(st.acked)
-                };
-                if let Some(end) = end {
-                    conn.lose(&s, "the worker stopped");
-                    let (shard, epoch) = (s.shard, s.epoch);
-                    let release = Body::Release { shard, epoch, end };
-                    let _ = send(
-                        &mut wr,
-                        Frame {
-                            id: next_id(),
-                            body: release,
-                        },
-                    )
-                    .await;
+                if let Some(end) = s.settled() {
+                    let release = conn.let_go(&s, end, "the worker stopped", next_id());
+                    let _ = send(&mut wr, release).await;
                 }
             }
             break Ok(());
@@ -801,21 +808,9 @@ async fn session(
                 }
             }
             // A shard being handed back goes once everything is acknowledged.
-            let done = {
-                let st = lock(&s.state);
-                (st.releasing && st.unsent.is_empty() && st.acked == st.next).then_some(st.acked)
-            };
-            if let Some(end) = done {
-                conn.lose(&s, "released");
-                let rid = next_id();
-                let release = Frame {
-                    id: rid,
-                    body: Body::Release {
-                        shard: s.shard,
-                        epoch: s.epoch,
-                        end,
-                    },
-                };
+            let releasing = lock(&s.state).releasing;
+            if releasing && let Some(end) = s.settled() {
+                let release = conn.let_go(&s, end, "released", next_id());
                 if let Err(e) = send(&mut wr, release).await {
                     break 'conn Err(e);
                 }
@@ -855,9 +850,8 @@ async fn session(
                         (past, st.acked)
                     };
                     if past {
-                        conn.lose(&s, "its lease ran out, or the server did not acknowledge its records within a lease");
-                        let rid = next_id();
-                        let release = Frame { id: rid, body: Body::Release { shard: s.shard, epoch: s.epoch, end: acked } };
+                        let why = "its lease ran out, or the server did not acknowledge its records within a lease";
+                        let release = conn.let_go(&s, acked, why, next_id());
                         if let Err(e) = send(&mut wr, release).await {
                             break 'conn Err(e);
                         }
