@@ -11,6 +11,8 @@
 //!
 //! Not built yet (§15): checkpoints per shard, calls across shards, the HTTP API.
 
+pub mod http;
+pub mod index;
 pub mod lease;
 pub mod peer;
 pub mod server;

@@ -8,13 +8,15 @@
 //! returns). Nothing waits for the disk under it: the durability task waits outside and
 //! takes it to hand out what a sync covered.
 
+use crate::index::{Index, RunSummary};
 use crate::lease::{Action, LeaseTable, SessionId};
 use crate::store::{AppendError, Store};
 use ferry_core::ConfigError;
 use ferry_flow::log::{Config as LogConfig, Error as LogError, Log, Lsn};
 use ferry_flow::remote::io::{FrameReader, ReadError, write_frame};
 use ferry_flow::remote::proto::{
-    self, Body, Frame, Granted, Hello, PROTOCOL, Refused, Role, ShardPos, Welcome,
+    self, Body, Call, CallKind, Frame, Granted, Hello, Outcome, PROTOCOL, Refused, Role, ShardPos,
+    Welcome,
 };
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
@@ -23,7 +25,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
-use tokio::sync::{Notify, mpsc, watch};
+use tokio::sync::{Notify, mpsc, oneshot, watch};
 
 /// The server's settings (docs/flow-server.md §3, §13).
 #[derive(Clone, Debug)]
@@ -37,6 +39,9 @@ pub struct Settings {
     pub tokens: Vec<[u8; 32]>,
     /// The largest record taken, in bytes.
     pub record_max: u32,
+    /// How long a call waits for its run's shard to have a holder before it is refused
+    /// as `NoHolder` (docs/flow-server.md §9).
+    pub call_wait: Duration,
 }
 
 pub const SHARDS_MAX: u32 = 1024;
@@ -57,6 +62,7 @@ impl Default for Settings {
             stuck_after: Duration::from_secs(10),
             tokens: Vec::new(),
             record_max: (1 << 20) + 64,
+            call_wait: Duration::from_secs(5),
         }
     }
 }
@@ -105,6 +111,13 @@ impl Settings {
                 ),
             ));
         }
+        if self.call_wait > LEASE_MAX {
+            return Err(ConfigError::new(
+                "call_wait",
+                format!("{:?}", self.call_wait),
+                format!("must be at most {LEASE_MAX:?}: a caller waits this long for a holder"),
+            ));
+        }
         if self.record_max as usize + 64 > proto::FRAME_MAX {
             return Err(ConfigError::new(
                 "record_max",
@@ -144,6 +157,11 @@ struct Inner {
     /// The timer and the durability task, once started.
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     counts: Counts,
+    /// The runs, from durable records (list, show, result). Its own lock, taken after
+    /// `state`'s where both are: a list does not hold up appends.
+    index: Mutex<Index>,
+    /// Woken when a run finishes or parks: long-polled results look again.
+    ended: Notify,
 }
 
 /// Counters for /metrics, from the server's start.
@@ -181,6 +199,22 @@ struct State {
     replies_due: std::collections::HashSet<SessionId>,
     /// Shards whose current grant found its session's connection gone: never sent.
     unsent: std::collections::HashSet<u32>,
+    /// Calls on their way to their run's holder, by the id they are forwarded under.
+    calls: HashMap<u64, Forward>,
+    next_call: u64,
+}
+
+/// A call on its way to the holder of its run's shard (docs/flow-server.md §9).
+struct Forward {
+    call: Call,
+    shard: u32,
+    /// The session and epoch it was sent to; none while it waits for a holder.
+    sent: Option<(SessionId, u64)>,
+    /// Not sent again before this (the holder was still recovering the shard).
+    not_before: Instant,
+    /// Refused as `NoHolder` if it found none by then.
+    until: Instant,
+    reply: oneshot::Sender<Result<Outcome, Refused>>,
 }
 
 /// What `/status` answers (version 1): each shard's epoch, holder and records, each
@@ -236,9 +270,14 @@ impl Server {
         let (log, _) = Log::open_dir(&dir.join("log"), log)?;
         let follower = log.follower();
         let log = Arc::new(log);
-        let (store, opened) = Store::open(log.clone(), settings.shards)?;
+        let mut index = Index::new(settings.shards);
+        let (store, opened) =
+            Store::open(log.clone(), settings.shards, &mut |shard, kind, bytes| {
+                index.durable_record(shard, kind, bytes)
+            })?;
         tracing::info!(
             records = opened.records,
+            runs = index.len(),
             shards = settings.shards,
             "ferry flow server: log read back"
         );
@@ -265,12 +304,16 @@ impl Server {
                     names: HashMap::new(),
                     replies_due: std::collections::HashSet::new(),
                     unsent: std::collections::HashSet::new(),
+                    calls: HashMap::new(),
+                    next_call: 0,
                 }),
                 appended: Notify::new(),
                 follower,
                 stop: watch::channel(false).0,
                 tasks: Mutex::new(Vec::new()),
                 counts: Counts::default(),
+                index: Mutex::new(index),
+                ended: Notify::new(),
             }),
         })
     }
@@ -475,6 +518,43 @@ impl Server {
         ferry_core::sync::lock(&self.inner.state).failed
     }
 
+    /// Make a call about a run (docs/flow-server.md §9): a start, signal, cancel or query
+    /// goes to the holder of the run's shard (waiting up to `call_wait` for one); a
+    /// result is answered from the index, waiting up to its `wait_ms` for the run to
+    /// end.
+    pub fn call(
+        &self,
+        call: Call,
+    ) -> impl std::future::Future<Output = Result<Outcome, Refused>> + Send + 'static {
+        call_in(self.inner.clone(), call)
+    }
+
+    /// Runs by id from the index (durable records), in `state` if given, after `after`,
+    /// at most `limit`.
+    pub fn runs(&self, state: Option<&str>, after: Option<&str>, limit: usize) -> Vec<RunSummary> {
+        ferry_core::sync::lock(&self.inner.index).list(state, after, limit)
+    }
+
+    /// Whether `token` may use the server: one of its tokens, or any when it has none.
+    pub fn authorized(&self, token: Option<&str>) -> bool {
+        let tokens = &self.inner.settings.tokens;
+        tokens.is_empty()
+            || token.is_some_and(|t| {
+                let given = token_hash(t);
+                tokens.iter().any(|h| constant_time_eq(h, &given))
+            })
+    }
+
+    /// The largest record the server takes.
+    pub fn record_max(&self) -> u32 {
+        self.inner.settings.record_max
+    }
+
+    /// One run from the index.
+    pub fn run(&self, id: &str) -> Option<RunSummary> {
+        ferry_core::sync::lock(&self.inner.index).get(id).cloned()
+    }
+
     /// Each shard's epoch and holder as the table sees it (for status and tests).
     pub fn holders(&self) -> Vec<(u64, Option<SessionId>)> {
         let state = ferry_core::sync::lock(&self.inner.state);
@@ -522,6 +602,7 @@ async fn tick(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
         let mut state = ferry_core::sync::lock(&inner.state);
         let actions = state.table.tick(Instant::now());
         carry_out(&inner, &mut state, actions);
+        route(&mut state, Instant::now(), inner.settings.call_wait);
         // Names of sessions the table forgot go with them.
         if state.names.len() > state.conns.len() {
             let known: std::collections::HashSet<SessionId> = state
@@ -573,7 +654,19 @@ fn deliver(inner: &Inner) {
     let state = &mut *state;
     // Whom this round acknowledges: the log's writer waits for their replies.
     state.replies_due.clear();
-    for (shard, position) in state.store.advance(durable) {
+    let mut ended = false;
+    let moved = state.store.advance(durable);
+    if !moved.is_empty() {
+        // Before the acknowledgements: what a worker was told is durable, the index shows.
+        let mut index = ferry_core::sync::lock(&inner.index);
+        for &(shard, position) in &moved {
+            ended |= index.durable(shard, position);
+        }
+    }
+    if ended {
+        inner.ended.notify_waiters();
+    }
+    for (shard, position) in moved {
         let (epoch, holder) = state.table.holder(shard);
         if let Some(h) = holder
             && state.conns.contains_key(&h)
@@ -620,6 +713,10 @@ fn deliver(inner: &Inner) {
     // Nobody to wait for: the writer may go on.
     if state.replies_due.is_empty() {
         inner.follower.idle();
+    }
+    // Calls that waited for a grant just sent.
+    if !state.calls.is_empty() {
+        route(state, Instant::now(), inner.settings.call_wait);
     }
 }
 
@@ -696,6 +793,147 @@ fn replied(inner: &Inner, state: &mut State, session: SessionId) {
     if state.replies_due.remove(&session) && state.replies_due.is_empty() {
         inner.follower.idle();
     }
+}
+
+/// A call arrives (from a connection or the HTTP API): a result is answered from the
+/// index; the rest are forwarded to the run's holder.
+async fn call_in(inner: Arc<Inner>, call: Call) -> Result<Outcome, Refused> {
+    if let CallKind::Result { id, wait_ms } = &call.kind {
+        return result(&inner, id, Duration::from_millis(u64::from(*wait_ms))).await;
+    }
+    let shard = ferry_flow::shard_of(call.kind.run(), inner.settings.shards);
+    let (tx, rx) = oneshot::channel();
+    {
+        let mut state = ferry_core::sync::lock(&inner.state);
+        let now = Instant::now();
+        state.next_call += 1;
+        let id = state.next_call;
+        state.calls.insert(
+            id,
+            Forward {
+                call,
+                shard,
+                sent: None,
+                not_before: now,
+                until: now + inner.settings.call_wait,
+                reply: tx,
+            },
+        );
+        route(&mut state, now, inner.settings.call_wait);
+    }
+    // The server stopping drops the call.
+    rx.await.unwrap_or(Err(Refused::Unavailable {
+        retry_after_ms: 1000,
+    }))
+}
+
+/// Run `id`'s outcome from the index, once it ended (waiting up to `wait`): the run's
+/// summary as JSON, state running if it had not ended by then.
+async fn result(inner: &Inner, id: &str, wait: Duration) -> Result<Outcome, Refused> {
+    let until = tokio::time::Instant::now() + wait.min(Duration::from_secs(60));
+    loop {
+        let ended = inner.ended.notified();
+        tokio::pin!(ended);
+        ended.as_mut().enable();
+        let run = ferry_core::sync::lock(&inner.index).get(id).cloned();
+        let Some(run) = run else {
+            return Ok(Outcome::Err {
+                kind: "unknown_run".into(),
+                message: format!("no run {id:?}: it was never started (durably) on this server"),
+            });
+        };
+        let past = tokio::time::Instant::now() >= until;
+        if run.finished() || run.state == "parked" || past {
+            let json = serde_json::to_vec(&run).expect("a summary serializes");
+            return Ok(Outcome::Ok(json));
+        }
+        tokio::select! {
+            _ = ended => {}
+            _ = tokio::time::sleep_until(until) => {}
+        }
+    }
+}
+
+/// Send each waiting call to its shard's holder, once it has one whose grant went out;
+/// take back calls whose holder lost the shard (they go to the next one: their keys make
+/// a second delivery a no-op); refuse those that waited `call_wait` for a holder.
+fn route(state: &mut State, now: Instant, call_wait: Duration) {
+    let State {
+        calls,
+        table,
+        conns,
+        grants,
+        unsent,
+        ..
+    } = state;
+    calls.retain(|&id, f| {
+        let (epoch, holder) = table.holder(f.shard);
+        let ready = holder.filter(|h| {
+            conns.contains_key(h)
+                && !unsent.contains(&f.shard)
+                && !grants.iter().any(|g| g.2 == f.shard)
+        });
+        if let Some(sent) = f.sent
+            && (Some(sent.0), sent.1) != (ready, epoch)
+        {
+            // Its holder let go before answering: the next one gets as long.
+            f.sent = None;
+            f.until = now + call_wait;
+        }
+        if f.sent.is_some() {
+            return true;
+        }
+        if let Some(h) = ready
+            && now >= f.not_before
+        {
+            let (_, tx) = &conns[&h];
+            let _ = tx.send(Frame {
+                id,
+                body: Body::Call(f.call.clone()),
+            });
+            f.sent = Some((h, epoch));
+            return true;
+        }
+        true
+    });
+    for (_, f) in calls.extract_if(|_, f| f.sent.is_none() && now >= f.until) {
+        let _ = f.reply.send(Err(Refused::NoHolder { shard: f.shard }));
+    }
+}
+
+/// `session`'s connection went: the calls sent on it go again (to whichever holder).
+fn unsend(state: &mut State, session: SessionId) {
+    for f in state.calls.values_mut() {
+        if f.sent.is_some_and(|(h, _)| h == session) {
+            f.sent = None;
+        }
+    }
+}
+
+/// The holder `session` answered call `id`. A holder still recovering the shard answers
+/// `not_held`: the call is sent again shortly.
+fn answered(
+    state: &mut State,
+    session: SessionId,
+    id: u64,
+    outcome: Outcome,
+    now: Instant,
+    call_wait: Duration,
+) {
+    let Some(f) = state.calls.get_mut(&id) else {
+        return;
+    };
+    if f.sent.is_none_or(|(h, _)| h != session) {
+        return;
+    }
+    if matches!(&outcome, Outcome::Err { kind, .. } if kind == "not_held") {
+        f.sent = None;
+        f.not_before = now + Duration::from_millis(20);
+        f.until = f.until.max(now + call_wait);
+        return;
+    }
+    let f = state.calls.remove(&id).expect("looked at it");
+    let _ = f.reply.send(Ok(outcome));
 }
 
 fn send(state: &State, session: SessionId, body: Body) {
@@ -790,13 +1028,20 @@ where
                     what: "the first frame must be a Hello".into(),
                 },
             )),
-            // Calls across shards are not built yet (docs/flow-server.md §9).
-            (Some(Peer::Client), Body::Call(_)) => Some(refused(
-                id,
-                Refused::Unavailable {
-                    retry_after_ms: 1000,
-                },
-            )),
+            (Some(_), Body::Call(call)) => {
+                let answer = call_in(inner.clone(), call);
+                let tx = tx.clone();
+                tokio::spawn(async move {
+                    let _ = tx.send(match answer.await {
+                        Ok(outcome) => Frame {
+                            id: 0,
+                            body: Body::Answer { call: id, outcome },
+                        },
+                        Err(r) => refused(id, r),
+                    });
+                });
+                None
+            }
             (Some(Peer::Client), _) => Some(refused(
                 id,
                 Refused::Malformed {
@@ -828,6 +1073,7 @@ where
         // Only if this connection is still the session's (a reconnect replaces it).
         if state.conns.get(&s).is_some_and(|(n, _)| *n == conn_no) {
             state.conns.remove(&s);
+            unsend(&mut state, s);
             let actions = state.table.disconnect(s, Instant::now());
             carry_out(&inner, &mut state, actions);
             // No reply will come from it.
@@ -909,6 +1155,8 @@ fn hello_in(
         ));
     }
     state.conns.insert(hello.session, (conn_no, tx.clone()));
+    // Answers to calls sent on the old connection may never come: they go again.
+    unsend(state, hello.session);
     state.names.insert(hello.session, hello.name.clone());
     // A shard whose acknowledged records the server no longer has durable is not
     // resumed: that would build on a hole (the server lost what it acknowledged, which
@@ -1011,6 +1259,13 @@ fn handle(
             // it is in the log, the writer need not wait for it.
             replied(inner, state, session);
             let new = state.store.end(a.shard) - before;
+            if new > 0 {
+                let skip = (before - a.first) as usize;
+                let mut index = ferry_core::sync::lock(&inner.index);
+                for (i, r) in a.records[skip..skip + new as usize].iter().enumerate() {
+                    index.appended(a.shard, before + i as u64 + 1, r.kind, &r.bytes);
+                }
+            }
             inner.counts.records.fetch_add(new, Relaxed);
             inner
                 .counts
@@ -1111,12 +1366,10 @@ fn handle(
             });
             None
         }
-        Body::Call(_) => Some(refused(
-            id,
-            Refused::Unavailable {
-                retry_after_ms: 1000,
-            },
-        )),
+        Body::Answer { call, outcome } => {
+            answered(state, session, call, outcome, now, inner.settings.call_wait);
+            None
+        }
         Body::Hello(_) => Some(refused(
             id,
             Refused::Malformed {

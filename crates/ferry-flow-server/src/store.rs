@@ -9,7 +9,8 @@
 //!   grant is sent;
 //! - kind 4, the server's shape: `shards u32`, the first record of a new log.
 //!
-//! Not here yet: checkpoints per shard and retiring segments (§15 step 3).
+//! Not here yet: checkpoints per shard and retiring segments (§15 step 3). The index of
+//! runs (`index.rs`) is fed from here at open and from the server's appends.
 
 use ferry_flow::log::{Error, Log, Lsn};
 use ferry_flow::remote::proto::{Rec, Refused};
@@ -60,9 +61,14 @@ fn corrupted(lsn: Lsn, reason: String) -> Error {
 }
 
 impl Store {
-    /// Open the log (recovered already by `Log::open*`) and read it back. A new log gets
-    /// the shape record; an existing one must have been made for `shards` shards.
-    pub fn open(log: Arc<Log>, shards: u32) -> Result<(Store, Opened), Error> {
+    /// Open the log (recovered already by `Log::open*`) and read it back, handing each
+    /// shard record to `on_record` (shard, kind, bytes). A new log gets the shape
+    /// record; an existing one must have been made for `shards` shards.
+    pub fn open(
+        log: Arc<Log>,
+        shards: u32,
+        on_record: &mut dyn FnMut(u32, u8, &[u8]),
+    ) -> Result<(Store, Opened), Error> {
         let mut streams: Vec<Stream> = (0..shards).map(|_| Stream::default()).collect();
         let mut shape = None;
         let mut records = 0u64;
@@ -96,6 +102,7 @@ impl Store {
                     }
                     s.index
                         .push((r.end, crc32c::crc32c(&p[20..]), (p.len() - 20) as u32));
+                    on_record(shard, p[20], &p[21..]);
                 }
                 EPOCH_RECORD if p.len() == 28 => {
                     let shard = u32::from_be_bytes(p[..4].try_into().unwrap());

@@ -138,6 +138,63 @@ pub enum FlowError {
          worker that holds it, through the server, or again later"
     )]
     NotHeld { run: String, shard: u32 },
+    /// A call made through the server failed on the worker that holds the run, or on
+    /// the server, with an error of kind `kind` that has no variant of its own here
+    /// ([`FlowError::from_remote`]); or the server could not be asked (`kind` "server":
+    /// transient, ask again).
+    #[error("through the flow server: {message} ({kind})")]
+    Remote { kind: String, message: String },
+}
+
+impl FlowError {
+    /// The variant's name in snake case: what a call answered through the server
+    /// carries (`remote::proto::Outcome::Err`), and what the HTTP API's refusals say.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            FlowError::Step { .. } => "step",
+            FlowError::Child { .. } => "child",
+            FlowError::RunFailed { .. } => "run_failed",
+            FlowError::Cancelled => "cancelled",
+            FlowError::Nondeterminism(_) => "nondeterminism",
+            FlowError::Parked(_) => "parked",
+            FlowError::LimitExceeded { .. } => "limit_exceeded",
+            FlowError::ContinuedAsNew => "continued_as_new",
+            FlowError::Log(_) => "log",
+            FlowError::Codec(_) => "codec",
+            FlowError::Damaged { .. } => "damaged",
+            FlowError::UnknownRun { .. } => "unknown_run",
+            FlowError::RunFinished { .. } => "run_finished",
+            FlowError::Config(_) => "config",
+            FlowError::Invalid(_) => "invalid",
+            FlowError::Io { .. } => "io",
+            FlowError::Stopped => "stopped",
+            FlowError::NotHeld { .. } => "not_held",
+            FlowError::Remote { .. } => "remote",
+        }
+    }
+
+    /// The error a call answered through the server stands for, from its `kind` and
+    /// `message` and the call's run and signal: the variants a caller acts on come back
+    /// as themselves; the rest as `Remote`.
+    pub fn from_remote(kind: &str, message: String, run: &str, signal: &str) -> FlowError {
+        match kind {
+            "unknown_run" => FlowError::UnknownRun { id: run.into() },
+            "run_finished" => FlowError::RunFinished {
+                id: run.into(),
+                signal: signal.into(),
+            },
+            "cancelled" => FlowError::Cancelled,
+            "run_failed" => FlowError::RunFailed { error: message },
+            "parked" => FlowError::Parked(message),
+            "invalid" => FlowError::Invalid(message),
+            "codec" => FlowError::Codec(message),
+            "stopped" => FlowError::Stopped,
+            _ => FlowError::Remote {
+                kind: kind.to_string(),
+                message,
+            },
+        }
+    }
 }
 
 impl Classify for FlowError {
@@ -147,6 +204,11 @@ impl Classify for FlowError {
             FlowError::Io { source, .. } => source.class(),
             FlowError::Damaged { .. } => Class::Corrupted,
             FlowError::Stopped | FlowError::NotHeld { .. } => Class::Transient,
+            FlowError::Remote { kind, .. } => match kind.as_str() {
+                "server" | "no_holder" | "log" | "io" | "not_held" => Class::Transient,
+                "damaged" => Class::Corrupted,
+                _ => Class::Permanent,
+            },
             FlowError::Step { .. }
             | FlowError::Child { .. }
             | FlowError::RunFailed { .. }

@@ -463,6 +463,7 @@ impl EngineBuilder {
             recovery,
             admin,
             holder: None,
+            caller: None,
         })
     }
 }
@@ -493,10 +494,21 @@ impl EngineBuilder {
             failure: Arc::new(Failure::default()),
             on_server: true,
         });
+        let caller = worker.caller();
+        let calls = worker
+            .take_calls()
+            .expect("a new worker's calls are untaken");
         let holder = Holder::start(shared.clone(), worker, running).map_err(|e| FlowError::Io {
             what: "start the thread that holds shards for",
             path: self.dir.clone(),
             source: Arc::new(e),
+        })?;
+        crate::calls::serve(Arc::downgrade(&shared), calls, caller.clone()).map_err(|e| {
+            FlowError::Io {
+                what: "start the thread that answers calls for",
+                path: self.dir.clone(),
+                source: Arc::new(e),
+            }
         })?;
         Ok(Engine {
             shared,
@@ -509,6 +521,7 @@ impl EngineBuilder {
             },
             admin: None,
             holder: Some(holder),
+            caller: Some(caller),
         })
     }
 }

@@ -3,7 +3,10 @@
 //! call goes to the shared state (`shared.rs`); opening is `builder.rs`.
 
 use crate::api::{FlowError, Recovery, RunInfo, RunStatus, Signal, Workflow, decode, encode};
+use crate::calls;
 use crate::journal::{Json, Outcome};
+use crate::remote::proto::CallKind;
+use crate::remote::worker::Caller;
 use crate::shard::Shard;
 use crate::shared::Shared;
 use crate::upkeep::Admin;
@@ -22,27 +25,67 @@ pub struct Engine {
     pub(crate) admin: Option<Admin>,
     /// A server's worker: what takes and lets go of its shards.
     pub(crate) holder: Option<crate::holder::Holder>,
+    /// A server's worker: what makes calls about runs on other workers' shards.
+    pub(crate) caller: Option<Caller>,
 }
 
 impl Engine {
     /// Start `workflow` as run `id`, or return the run that already has that id
     /// (running, parked or finished: docs/flow.md §1.6). Returns once the start is
     /// durable.
+    ///
+    /// On a server's worker, a run whose shard another worker holds is started there,
+    /// through the server (docs/flow-server.md §9), and so are the signals, cancels and
+    /// results below.
     pub async fn start<I: Serialize, O: DeserializeOwned>(
         &self,
         workflow: Workflow<I, O>,
         id: &str,
         input: &I,
     ) -> Result<RunHandle<O>, FlowError> {
-        self.shared
-            .start_run(workflow.name(), id, encode(input)?, None)?
-            .durable()
-            .await?;
-        Ok(RunHandle {
+        let input = encode(input)?;
+        match self.elsewhere(id) {
+            None => {
+                self.shared
+                    .start_run(workflow.name(), id, input, None)?
+                    .durable()
+                    .await?
+            }
+            Some(c) => {
+                let kind = CallKind::Start {
+                    workflow: workflow.name().to_string(),
+                    id: id.to_string(),
+                    input: serde_json::to_vec(&input).expect("JSON serializes"),
+                };
+                calls::remote(c, kind, id.to_string()).await?;
+            }
+        }
+        Ok(self.handle(id))
+    }
+
+    fn handle<O>(&self, id: &str) -> RunHandle<O> {
+        RunHandle {
             shared: Arc::downgrade(&self.shared),
             id: id.to_string(),
+            caller: self.caller.clone(),
             _out: PhantomData,
-        })
+        }
+    }
+
+    /// On a server's worker, the caller to use for run `id` when this worker does not
+    /// hold its shard.
+    fn elsewhere(&self, id: &str) -> Option<&Caller> {
+        self.caller
+            .as_ref()
+            .filter(|_| calls::elsewhere(&self.shared.held(id)))
+    }
+
+    /// A fresh key for a signal sent through the server: sent again after a broken
+    /// connection, it is delivered once.
+    fn fresh_key(&self) -> String {
+        use ferry_core::seams::Rng;
+        let mut rng = lock(&self.shared.rng);
+        format!("call/{:016x}{:016x}", rng.next_u64(), rng.next_u64())
     }
 
     /// Deliver `value` as signal `signal` to run `id`; returns once it is durable. The
@@ -67,12 +110,31 @@ impl Engine {
         key: &str,
     ) -> Result<(), FlowError> {
         let value = encode(value)?;
-        self.shared.deliver(id, signal.name, value, Some(key)).await
+        self.deliver(id, signal.name, value, Some(key)).await
     }
 
     /// [`Engine::signal`] with an untyped value.
     pub async fn signal_json(&self, id: &str, name: &str, value: Json) -> Result<(), FlowError> {
-        self.shared.deliver(id, name, value, None).await
+        self.deliver(id, name, value, None).await
+    }
+
+    async fn deliver(
+        &self,
+        id: &str,
+        name: &str,
+        value: Json,
+        key: Option<&str>,
+    ) -> Result<(), FlowError> {
+        let Some(c) = self.elsewhere(id) else {
+            return self.shared.deliver(id, name, value, key).await;
+        };
+        let key = key.map_or_else(|| self.fresh_key(), str::to_string);
+        let kind = CallKind::Signal {
+            id: id.to_string(),
+            name: name.to_string(),
+            value: serde_json::to_vec(&value).expect("JSON serializes"),
+        };
+        calls::remote(c, kind, key).await.map(drop)
     }
 
     /// Ask run `id` to cancel; returns once the request is durable. The run's next
@@ -80,39 +142,43 @@ impl Engine {
     /// [`FlowError::Cancelled`]; a parked run ends cancelled at once. False if the run
     /// had already finished.
     pub async fn cancel(&self, id: &str) -> Result<bool, FlowError> {
-        self.shared.cancel(id).await
+        let Some(c) = self.elsewhere(id) else {
+            return self.shared.cancel(id).await;
+        };
+        let kind = CallKind::Cancel { id: id.to_string() };
+        let key = self.fresh_key();
+        Ok(calls::remote(c, kind, key).await? == Json::Bool(true))
     }
 
     /// What run `id` last published with `ctx.publish` (rebuilt by replay after a
     /// restart), if anything.
+    /// On a server's worker, this answers only for runs on shards this worker holds
+    /// (else `NotHeld`); [`Engine::query_anywhere`] asks the holder through the server.
     pub fn query<T: DeserializeOwned>(&self, id: &str) -> Result<Option<T>, FlowError> {
-        // On a worker, an answer leaves only while the shard's lease deadline is ahead
-        // (docs/flow-server.md §5.3).
-        let lane = self.shared.held(id)?;
-        if self.shared.on_server && !lane.journal.may_act() {
-            return Err(FlowError::NotHeld {
-                run: id.to_string(),
-                shard: self.shared.shard_of(id) as u32,
-            });
-        }
-        let v = {
-            let runs = lock(&self.shared.runs);
-            let e = runs
-                .get(id)
-                .ok_or_else(|| FlowError::UnknownRun { id: id.into() })?;
-            e.published().cloned()
-        };
-        v.map(decode).transpose()
+        self.shared.published(id)?.map(decode).transpose()
     }
 
-    /// A handle on an existing run (for `result` after a restart).
+    /// [`Engine::query`], and on a server's worker for a run on a shard another worker
+    /// holds, asked of that worker through the server.
+    pub async fn query_anywhere<T: DeserializeOwned>(
+        &self,
+        id: &str,
+    ) -> Result<Option<T>, FlowError> {
+        let Some(c) = self.elsewhere(id) else {
+            return self.query(id);
+        };
+        let kind = CallKind::Query { id: id.to_string() };
+        match calls::remote(c, kind, String::new()).await? {
+            Json::Null => Ok(None),
+            v => decode(v).map(Some),
+        }
+    }
+
+    /// A handle on an existing run (for `result` after a restart). On a server's worker,
+    /// any id gets one: the server knows whether the run exists.
     pub fn run<O: DeserializeOwned>(&self, id: &str) -> Option<RunHandle<O>> {
-        let runs = lock(&self.shared.runs);
-        runs.contains_key(id).then(|| RunHandle {
-            shared: Arc::downgrade(&self.shared),
-            id: id.to_string(),
-            _out: PhantomData,
-        })
+        let known = self.caller.is_some() || lock(&self.shared.runs).contains_key(id);
+        known.then(|| self.handle(id))
     }
 
     pub fn status(&self, id: &str) -> Option<RunStatus> {
@@ -189,6 +255,8 @@ impl Drop for Engine {
 pub struct RunHandle<O> {
     shared: std::sync::Weak<Shared>,
     id: String,
+    /// On a server's worker: where to ask when the run is not here.
+    caller: Option<Caller>,
     _out: PhantomData<fn() -> O>,
 }
 
@@ -202,7 +270,18 @@ impl<O: DeserializeOwned> RunHandle<O> {
     /// (`FlowError::Log`: no run goes on in this process; this one may have finished
     /// durably just before, or resumes from what is durable when the engine is
     /// reopened, so ask again then), or the engine was dropped (`FlowError::Stopped`).
+    ///
+    /// On a server's worker, the result of a run on a shard this worker does not hold
+    /// (or stopped holding while waiting) comes from the server's index once durable.
     pub async fn result(&self) -> Result<O, FlowError> {
+        let here = self.local_result().await;
+        match &self.caller {
+            Some(c) if calls::elsewhere(&here) => calls::remote_result(c, &self.id).await,
+            _ => here,
+        }
+    }
+
+    async fn local_result(&self) -> Result<O, FlowError> {
         let (rx, failure) = {
             let shared = self.shared.upgrade().ok_or(FlowError::Stopped)?;
             let mut runs = lock(&shared.runs);

@@ -23,6 +23,7 @@
 pub mod admin;
 mod api;
 mod builder;
+mod calls;
 mod checkpoint;
 mod ctx;
 mod durable;

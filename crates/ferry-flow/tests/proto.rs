@@ -121,7 +121,7 @@ fn any_frame(rng: &mut SplitMix64, ty: u64) -> Frame {
             max_bytes: rng.next_u64() as u32,
         },
         5 => Body::Call(Call {
-            kind: match rng.below(4) {
+            kind: match rng.below(5) {
                 0 => CallKind::Start {
                     workflow: text(rng, 10),
                     id: text(rng, 10),
@@ -133,7 +133,11 @@ fn any_frame(rng: &mut SplitMix64, ty: u64) -> Frame {
                     value: bytes(rng, 20),
                 },
                 2 => CallKind::Cancel { id: text(rng, 10) },
-                _ => CallKind::Query { id: text(rng, 10) },
+                3 => CallKind::Query { id: text(rng, 10) },
+                _ => CallKind::Result {
+                    id: text(rng, 10),
+                    wait_ms: rng.next_u64() as u32,
+                },
             },
             key: text(rng, 10),
         }),

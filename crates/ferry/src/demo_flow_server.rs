@@ -52,6 +52,14 @@ pub struct WorkerArgs {
     /// shards).
     #[arg(long)]
     go: PathBuf,
+    /// The token the server asks for (its --token-file).
+    #[arg(
+        long,
+        env = "FERRY_FLOW_TOKEN",
+        hide_env_values = true,
+        default_value = ""
+    )]
+    token: String,
 }
 
 /// `ferry demo-flow-server`: this part of the demo alone (for its test).
@@ -92,6 +100,7 @@ pub fn worker(a: WorkerArgs) -> anyhow::Result<()> {
         let engine = tokio::task::spawn_blocking(move || {
             Engine::builder(dir)
                 .server(server)
+                .server_token(a.token)
                 .register(ORDER, move |ctx: Ctx, n: u32| {
                     order(ctx, n, service.clone())
                 })

@@ -1,6 +1,8 @@
 //! `ferry flow list|show|metrics|signal|cancel --dir DIR`: look at and steer the runs of a
 //! ferry-flow engine from outside its process, through the status file and request
 //! inbox it keeps in its directory (docs/flow.md §7; `ferry_flow::admin`).
+//! With `--server URL` instead of `--dir`, the same commands (and `start`, `result`) go
+//! to a flow server's HTTP API (`flow_client.rs`).
 //! `ferry flow serve`: server mode's server (docs/flow-server.md; `flow_serve.rs`).
 
 use crate::table;
@@ -24,6 +26,11 @@ pub enum FlowSub {
     /// Ask a run to cancel: its next suspension point returns Cancelled, so it can
     /// run cleanup steps; a parked run ends cancelled at once.
     Cancel(CancelArgs),
+    /// Start a run on a flow server's workers (INPUT is JSON; default null). Returns
+    /// once the start is durable; starting an existing id returns that run.
+    Start(StartArgs),
+    /// Wait for a run on a flow server to end, and show how it ended.
+    Result(ResultArgs),
     /// Server mode's server: holds the journal of every shard in DIR and leases the
     /// shards to workers (applications opened with `.server(ADDR)`) under epochs
     /// (docs/flow-server.md). Runs until SIGTERM.
@@ -35,6 +42,62 @@ pub struct DirArg {
     /// The engine's directory (its log, status file and inbox).
     #[arg(long)]
     pub dir: PathBuf,
+}
+
+/// An embedded engine's directory, or a flow server's HTTP API.
+#[derive(Args)]
+pub struct Target {
+    #[command(flatten)]
+    pub at: Where,
+    /// With --server: a bearer token the server knows (its --token-file).
+    #[arg(long, env = "FERRY_FLOW_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+}
+
+#[derive(Args)]
+#[group(required = true, multiple = false)]
+pub struct Where {
+    /// The engine's directory (its log, status file and inbox).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// A flow server's HTTP API instead (`ferry flow serve --http`): http://HOST:PORT.
+    #[arg(long)]
+    pub server: Option<String>,
+}
+
+/// A flow server's HTTP API, for the commands only a server answers.
+#[derive(Args)]
+pub struct ServerArg {
+    /// The flow server's HTTP API (`ferry flow serve --http`): http://HOST:PORT.
+    #[arg(long)]
+    pub server: String,
+    /// A bearer token the server knows (its --token-file).
+    #[arg(long, env = "FERRY_FLOW_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+}
+
+impl Target {
+    /// The server client, if the target is a server.
+    fn client(&self, timeout_ms: u64) -> anyhow::Result<Option<crate::flow_client::Client>> {
+        self.at
+            .server
+            .as_deref()
+            .map(|s| {
+                crate::flow_client::Client::new(
+                    s,
+                    self.token.clone(),
+                    Duration::from_millis(timeout_ms),
+                )
+            })
+            .transpose()
+    }
+
+    fn dir(&self) -> &Path {
+        self.at
+            .dir
+            .as_deref()
+            .expect("clap asks for --dir or --server")
+    }
 }
 
 #[derive(Args)]
@@ -49,7 +112,7 @@ pub struct MetricsArgs {
 #[derive(Args)]
 pub struct ListArgs {
     #[command(flatten)]
-    pub dir: DirArg,
+    pub target: Target,
     /// Only runs in this state: running, finished, failed, cancelled, parked.
     #[arg(long)]
     pub state: Option<String>,
@@ -61,7 +124,7 @@ pub struct ListArgs {
 #[derive(Args)]
 pub struct ShowArgs {
     #[command(flatten)]
-    pub dir: DirArg,
+    pub target: Target,
     /// The run's id.
     pub id: String,
     /// Print JSON.
@@ -72,7 +135,7 @@ pub struct ShowArgs {
 #[derive(Args)]
 pub struct SignalArgs {
     #[command(flatten)]
-    pub dir: DirArg,
+    pub target: Target,
     /// The run's id.
     pub id: String,
     /// The signal's name, as the workflow's `Signal::new` spells it.
@@ -83,7 +146,41 @@ pub struct SignalArgs {
     /// How long to wait for the engine's answer, in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     pub timeout_ms: u64,
+    /// With --server: deliver it once per KEY, however often it is sent.
+    #[arg(long, requires = "server")]
+    pub key: Option<String>,
     /// Print the answer as JSON: {"ok", "queued", "message"}.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args)]
+pub struct StartArgs {
+    #[command(flatten)]
+    pub server: ServerArg,
+    /// The workflow, as the workers register it.
+    pub workflow: String,
+    /// The run's id (also what makes a second start return the first run).
+    pub id: String,
+    /// The input, as JSON.
+    #[arg(default_value = "null")]
+    pub input: String,
+    /// Print the answer as JSON: {"ok", "queued", "message"}.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args)]
+pub struct ResultArgs {
+    #[command(flatten)]
+    pub server: ServerArg,
+    /// The run's id.
+    pub id: String,
+    /// How long to wait for the run to end, in milliseconds (it shows as running past
+    /// that).
+    #[arg(long, default_value_t = 60_000)]
+    pub wait_ms: u64,
+    /// Print JSON.
     #[arg(long)]
     pub json: bool,
 }
@@ -91,7 +188,7 @@ pub struct SignalArgs {
 #[derive(Args)]
 pub struct CancelArgs {
     #[command(flatten)]
-    pub dir: DirArg,
+    pub target: Target,
     /// The run's id.
     pub id: String,
     /// How long to wait for the engine's answer, in milliseconds.
@@ -102,32 +199,65 @@ pub struct CancelArgs {
     pub json: bool,
 }
 
+/// How long a command waits for a server's answer by default.
+const SERVER_WAIT_MS: u64 = 30_000;
+
+fn json_arg(text: &str, what: &str) -> anyhow::Result<serde_json::Value> {
+    serde_json::from_str(text)
+        .map_err(|e| anyhow::anyhow!("{what} {text:?} is not JSON ({e}); quote strings: '\"yes\"'"))
+}
+
+fn server_client(s: &ServerArg, timeout_ms: u64) -> anyhow::Result<crate::flow_client::Client> {
+    crate::flow_client::Client::new(
+        &s.server,
+        s.token.clone(),
+        Duration::from_millis(timeout_ms),
+    )
+}
+
 pub fn run(sub: FlowSub) -> anyhow::Result<()> {
+    use crate::flow_client as server;
     match sub {
-        FlowSub::List(a) => list(a),
-        FlowSub::Show(a) => show(a),
+        FlowSub::List(a) => match a.target.client(SERVER_WAIT_MS)? {
+            Some(c) => server::list(&c, a.state.as_deref(), a.json),
+            None => list(a),
+        },
+        FlowSub::Show(a) => match a.target.client(SERVER_WAIT_MS)? {
+            Some(c) => server::show(&c, &a.id, a.json),
+            None => show(a),
+        },
         FlowSub::Metrics(a) => metrics(&a.dir.dir, a.json),
         FlowSub::Signal(a) => {
-            let value: serde_json::Value = serde_json::from_str(&a.value).map_err(|e| {
-                anyhow::anyhow!(
-                    "the signal's value {:?} is not JSON ({e}); quote strings: '\"yes\"'",
-                    a.value
-                )
-            })?;
+            let value = json_arg(&a.value, "the signal's value")?;
+            if let Some(c) = a.target.client(a.timeout_ms)? {
+                return server::signal(&c, &a.id, &a.name, value, a.key.as_deref(), a.json);
+            }
             let req = Request::Signal {
                 run: a.id,
                 name: a.name,
                 value,
             };
-            request(&a.dir.dir, &req, a.timeout_ms, a.json)
+            request(a.target.dir(), &req, a.timeout_ms, a.json)
         }
         FlowSub::Serve(a) => crate::flow_serve::serve(a),
-        FlowSub::Cancel(a) => request(
-            &a.dir.dir,
-            &Request::Cancel { run: a.id },
-            a.timeout_ms,
-            a.json,
-        ),
+        FlowSub::Cancel(a) => match a.target.client(a.timeout_ms)? {
+            Some(c) => server::cancel(&c, &a.id, a.json),
+            None => request(
+                a.target.dir(),
+                &Request::Cancel { run: a.id },
+                a.timeout_ms,
+                a.json,
+            ),
+        },
+        FlowSub::Start(a) => {
+            let input = json_arg(&a.input, "the input")?;
+            let c = server_client(&a.server, SERVER_WAIT_MS)?;
+            server::start(&c, &a.workflow, &a.id, input, a.json)
+        }
+        FlowSub::Result(a) => {
+            let c = server_client(&a.server, a.wait_ms + SERVER_WAIT_MS)?;
+            server::result(&c, &a.id, a.wait_ms, a.json)
+        }
     }
 }
 
@@ -136,7 +266,7 @@ fn status(dir: &Path) -> anyhow::Result<Status> {
 }
 
 fn list(a: ListArgs) -> anyhow::Result<()> {
-    let mut st = status(&a.dir.dir)?;
+    let mut st = status(a.target.dir())?;
     if let Some(state) = &a.state {
         const STATES: [&str; 5] = ["running", "finished", "failed", "cancelled", "parked"];
         if !STATES.contains(&state.as_str()) {
@@ -225,7 +355,7 @@ fn header(st: &Status) -> String {
 }
 
 /// A value on one line, cut to fit a table.
-fn short(v: &serde_json::Value) -> String {
+pub(crate) fn short(v: &serde_json::Value) -> String {
     let s = match v {
         serde_json::Value::String(s) => s.clone(),
         other => other.to_string(),
@@ -239,13 +369,14 @@ fn short(v: &serde_json::Value) -> String {
 }
 
 fn show(a: ShowArgs) -> anyhow::Result<()> {
-    let st = status(&a.dir.dir)?;
+    let dir = a.target.dir();
+    let st = status(dir)?;
     let Some(run) = st.runs.iter().find(|r| r.id == a.id) else {
         anyhow::bail!(
             "no run {:?} in {} (`ferry flow list --dir {}` lists them)",
             a.id,
-            a.dir.dir.display(),
-            a.dir.dir.display()
+            dir.display(),
+            dir.display()
         );
     };
     if a.json {
@@ -289,7 +420,7 @@ fn render_run(r: &RunView, st: &Status) -> String {
     out
 }
 
-fn pretty(v: &serde_json::Value) -> String {
+pub(crate) fn pretty(v: &serde_json::Value) -> String {
     match v {
         serde_json::Value::String(s) => s.clone(),
         other => other.to_string(),

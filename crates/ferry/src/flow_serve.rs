@@ -1,6 +1,7 @@
 //! `ferry flow serve`: server mode's server (docs/flow-server.md) as a process. Listens
-//! on TCP or a Unix socket for workers, serves /metrics, /status and /healthz on
-//! `--metrics-listen`, logs what changes every 10 s, and on SIGTERM closes every
+//! on TCP or a Unix socket for workers, serves the HTTP/JSON API on `--http` (§10),
+//! /metrics, /status and /healthz on `--metrics-listen`, logs what changes every 10 s,
+//! and on SIGTERM closes every
 //! connection and the log (what was appended is synced; workers resume elsewhere or
 //! when it is back).
 
@@ -32,11 +33,20 @@ pub struct ServeArgs {
     /// A shard whose thread has not turned for this long is taken from its worker.
     #[arg(long, default_value_t = 10_000)]
     pub stuck_ms: u64,
-    /// A file of tokens, one per line, of which a worker must present one. Without it,
-    /// any process that can reach --listen may hold shards: use a Unix socket's
-    /// permissions, or a private network.
+    /// A file of tokens, one per line, of which a worker, a client and an HTTP request
+    /// (`Authorization: Bearer`) must present one. Without it, any process that can
+    /// reach --listen may hold shards: use a Unix socket's permissions, or a private
+    /// network; and --http must be on a loopback address.
     #[arg(long)]
     pub token_file: Option<PathBuf>,
+    /// Serve the HTTP/JSON API (start, signal, cancel, query, result, list, show under
+    /// /v1) on this HOST:PORT.
+    #[arg(long)]
+    pub http: Option<String>,
+    /// How long a start, signal, cancel or query waits for its run's shard to have a
+    /// worker before it is refused as transient.
+    #[arg(long, default_value_t = 5_000)]
+    pub call_wait_ms: u64,
     /// After a sync, wait up to this long for the workers it acknowledged to send their
     /// next appends, so that they ride the next sync: fewer syncs, for latency (0: do
     /// not wait). docs/notes/2026-12-07-flow-server-engine.md has what it did.
@@ -73,15 +83,28 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
         lease: Duration::from_millis(a.lease_ms),
         ping_every: Duration::from_millis(a.ping_ms),
         stuck_after: Duration::from_millis(a.stuck_ms),
+        call_wait: Duration::from_millis(a.call_wait_ms),
         tokens,
         ..Settings::default()
     };
+    if let Some(addr) = &a.http {
+        let loopback = addr
+            .parse::<std::net::SocketAddr>()
+            .map(|s| s.ip().is_loopback())
+            .unwrap_or_else(|_| addr.starts_with("localhost:"));
+        if settings.tokens.is_empty() && !loopback {
+            anyhow::bail!(
+                "--http {addr}: an API on an address other machines reach needs --token-file                  (or serve it on 127.0.0.1)"
+            );
+        }
+    }
     settings.check().map_err(|e| {
         let flag = match e.setting {
             "shards" => "--shards",
             "lease" => "--lease-ms",
             "ping_every" => "--ping-ms",
             "stuck_after" => "--stuck-ms",
+            "call_wait" => "--call-wait-ms",
             other => other,
         };
         anyhow::anyhow!("{flag}: {}", e.reason)
@@ -101,6 +124,18 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
                 .await
                 .with_context(|| format!("cannot listen on --metrics-listen {addr}"))?;
             serve_metrics(listener, server.clone());
+        }
+        if let Some(addr) = &a.http {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on --http {addr}"))?;
+            let app = ferry_flow_server::http::router(&server);
+            tokio::spawn(async move {
+                if let Err(e) = axum::serve(listener, app).await {
+                    tracing::error!("the HTTP API stopped: {e}");
+                }
+            });
+            tracing::info!(http = %addr, "ferry flow serve: serving the HTTP API");
         }
         let accept = accept(&a.listen, &server).await?;
         tracing::info!(listen = %a.listen, dir = %a.dir.display(), shards = a.shards, "ferry flow serve: serving workers");

@@ -8,6 +8,7 @@ mod demo_flow_server;
 mod demo_outbox;
 mod demo_sync;
 mod flow;
+mod flow_client;
 mod flow_serve;
 mod grammar;
 mod outbox;

@@ -37,6 +37,18 @@ fn serve_in(scratch: &Scratch, lease_ms: &str) -> (Proc, std::path::PathBuf, u16
 
 /// [`serve`] with a lease of `lease_ms`.
 fn serve_with(dir: &Path, socket: &Path, metrics: Option<u16>, log: &Path, lease_ms: &str) -> Proc {
+    serve_more(dir, socket, metrics, log, lease_ms, &[])
+}
+
+/// [`serve_with`] and `more` flags.
+fn serve_more(
+    dir: &Path,
+    socket: &Path,
+    metrics: Option<u16>,
+    log: &Path,
+    lease_ms: &str,
+    more: &[&str],
+) -> Proc {
     let listen = format!("unix:{}", socket.display());
     let dir = dir.display().to_string();
     let metrics = metrics.map(|p| format!("127.0.0.1:{p}"));
@@ -57,6 +69,7 @@ fn serve_with(dir: &Path, socket: &Path, metrics: Option<u16>, log: &Path, lease
     if let Some(m) = &metrics {
         args.extend(["--metrics-listen", m.as_str()]);
     }
+    args.extend(more);
     let p = Proc::spawn("ferry flow serve", Path::new(FERRY), &args, &[], log);
     assert!(
         wait_until(Duration::from_secs(20), || {
@@ -325,7 +338,8 @@ fn idle_worker(scratch: &Scratch, name: &str, socket: &Path) -> Proc {
 }
 
 /// A worker process of the demo's running `orders` orders against the payments
-/// service at `service`, once the file `go` in the scratch directory exists.
+/// service at `service`, once the file `go` in the scratch directory exists; its token
+/// is "sesame".
 fn order_worker(
     scratch: &Scratch,
     name: &str,
@@ -357,7 +371,8 @@ fn order_worker(
             "--go",
             &go,
         ],
-        &[],
+        // The token of the servers that ask for one (the rest ask for none).
+        &[("FERRY_FLOW_TOKEN", "sesame")],
         &scratch.path().join(format!("{name}.log")),
     )
 }
@@ -544,4 +559,119 @@ fn a_paused_worker_is_refused_and_starts_nothing() {
     assert_eq!(b.term(Duration::from_secs(10)), Some(0));
     assert_eq!(a.term(Duration::from_secs(10)), Some(0));
     drop(server);
+}
+
+/// `ferry flow ...` with `args`; its exit code, stdout and stderr.
+fn ferry_flow(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let mut all = vec!["flow"];
+    all.extend(args);
+    ferry_testkit::proc::run(Path::new(FERRY), &all, env)
+}
+
+/// Guards guarantee 7 through the CLI (T1's list and show half, §10): `ferry flow
+/// list|show|start|result|signal|cancel --server` against a real `ferry flow serve
+/// --http` with a worker process; list and show still answer once the worker is
+/// SIGKILLed; a missing token is refused by name and changes nothing.
+#[test]
+fn the_cli_reaches_runs_through_the_servers_http_api() {
+    const ORDERS: u32 = 6;
+    let scratch = Scratch::new("flow-serve-cli");
+    let socket = scratch.path().join("flow.sock");
+    let http = free_port();
+    let api = format!("http://127.0.0.1:{http}");
+    let tokens = scratch.path().join("tokens");
+    std::fs::write(&tokens, "sesame\n").unwrap();
+    let http_flag = format!("127.0.0.1:{http}");
+    let tokens_flag = tokens.display().to_string();
+    let server = serve_more(
+        &scratch.path().join("server"),
+        &socket,
+        None,
+        &scratch.path().join("server.log"),
+        "3000",
+        &[
+            "--http",
+            &http_flag,
+            "--token-file",
+            &tokens_flag,
+            "--call-wait-ms",
+            "500",
+        ],
+    );
+    let (service, _calls) = payments();
+    std::fs::write(scratch.path().join("go"), b"").unwrap();
+    let worker = order_worker(&scratch, "w", &socket, &service, ORDERS, "go");
+    let token = [("FERRY_FLOW_TOKEN", "sesame")];
+    let list = || {
+        let (code, out, err) = ferry_flow(&["list", "--server", &api, "--json"], &token);
+        (code == 0)
+            .then(|| serde_json::from_str::<serde_json::Value>(&out).unwrap())
+            .ok_or(err)
+    };
+    let finished = |v: &serde_json::Value| {
+        v["runs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["state"] == "finished")
+            .count()
+    };
+    assert!(
+        wait_until(Duration::from_secs(60), || list()
+            .is_ok_and(|v| finished(&v) == ORDERS as usize)),
+        "every order finishes: {:?}\n{}",
+        list(),
+        worker.log_text()
+    );
+    // Start and wait for one more from the CLI; it runs on the worker.
+    let (code, out, err) = ferry_flow(&["start", "--server", &api, "order", "cli-1", "7"], &token);
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, err) = ferry_flow(
+        &[
+            "result",
+            "--server",
+            &api,
+            "cli-1",
+            "--wait-ms",
+            "30000",
+            "--json",
+        ],
+        &token,
+    );
+    assert_eq!(code, 0, "{err}");
+    let r: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(r["state"], "finished", "{r}");
+    // A finished run takes no signal, and has nothing to cancel.
+    let (code, _, err) = ferry_flow(&["signal", "--server", &api, "cli-1", "x"], &token);
+    assert_ne!(code, 0);
+    assert!(err.contains("had finished"), "{err}");
+    let (code, out, err) = ferry_flow(&["cancel", "--server", &api, "cli-1"], &token);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("already finished"), "{out}");
+    // No token: refused by name, nothing started.
+    let (code, _, err) = ferry_flow(&["start", "--server", &api, "order", "cli-2", "1"], &[]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("401") && err.contains("FERRY_FLOW_TOKEN"),
+        "{err}"
+    );
+    // With the worker gone, list and show still answer from the server.
+    worker.kill9();
+    let v = list().unwrap();
+    assert_eq!(finished(&v), ORDERS as usize + 1, "{v}");
+    assert!(
+        v["runs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|r| r["id"] != "cli-2")
+    );
+    let (code, out, err) = ferry_flow(&["show", "--server", &api, "cli-1"], &token);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("state      finished"), "{out}");
+    // A call needs a worker: refused as transient.
+    let (code, _, err) = ferry_flow(&["cancel", "--server", &api, "cli-1"], &token);
+    assert_ne!(code, 0);
+    assert!(err.contains("503") && err.contains("try again"), "{err}");
+    server.term(Duration::from_secs(10));
 }

@@ -152,6 +152,25 @@ pub enum CallKind {
     Query {
         id: String,
     },
+    /// The run's outcome once it finished, waiting up to `wait_ms` for it: answered by
+    /// the server from its index of durable records, not forwarded (§10).
+    Result {
+        id: String,
+        wait_ms: u32,
+    },
+}
+
+impl CallKind {
+    /// The run the call is about.
+    pub fn run(&self) -> &str {
+        match self {
+            CallKind::Start { id, .. }
+            | CallKind::Signal { id, .. }
+            | CallKind::Cancel { id }
+            | CallKind::Query { id }
+            | CallKind::Result { id, .. } => id,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -458,6 +477,11 @@ fn fields(w: &mut W, body: &Body) {
                     w.u8(4);
                     w.str(id);
                 }
+                CallKind::Result { id, wait_ms } => {
+                    w.u8(5);
+                    w.str(id);
+                    w.u32(*wait_ms);
+                }
             }
             w.str(&c.key);
         }
@@ -762,7 +786,11 @@ pub fn decode(buf: &[u8]) -> Result<Frame, DecodeError> {
                 4 => CallKind::Query {
                     id: r.str("the run id")?,
                 },
-                v => return Err(bad(format!("the call's kind: {v} is not 1 to 4"))),
+                5 => CallKind::Result {
+                    id: r.str("the run id")?,
+                    wait_ms: r.u32("the wait")?,
+                },
+                v => return Err(bad(format!("the call's kind: {v} is not 1 to 5"))),
             },
             key: r.str("the call's key")?,
         }),

@@ -15,7 +15,8 @@
 
 use super::io::{FrameReader, write_frame};
 use super::proto::{
-    Append, Body, FRAME_MAX, Frame, Hello, PROTOCOL, Rec, Refused, Resume, Role, Turns,
+    Append, Body, Call, FRAME_MAX, Frame, Hello, Outcome, PROTOCOL, Rec, Refused, Resume, Role,
+    Turns,
 };
 use crate::journal_log::{Durable, JournalLog, OnDurable};
 use ferry_core::sync::lock;
@@ -26,7 +27,7 @@ use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::{Notify, mpsc, oneshot};
 
 /// Where and how to reach the server.
 #[derive(Clone, Debug)]
@@ -402,7 +403,18 @@ struct Conn {
     record_max: AtomicU32,
     /// The server's `lease`, `ping_every` and `stuck_after` (from the Welcome).
     timing: Mutex<Timing>,
+    /// Calls the server forwards to this worker (their id, the call), for the engine.
+    calls_in: mpsc::UnboundedSender<(u64, Call)>,
+    /// Frames to send as they are: answers to forwarded calls.
+    outgoing: Mutex<VecDeque<Frame>>,
+    /// This worker's own calls through the server, as they are made.
+    calls_out: mpsc::UnboundedSender<(Call, CallReply)>,
+    /// Calls not answered when a connection broke: sent again on the next.
+    calls_again: Mutex<Vec<(Call, CallReply)>>,
 }
+
+/// Where the answer to a call through the server goes.
+type CallReply = oneshot::Sender<Result<Outcome, Refused>>;
 
 /// The server's times a worker keeps to (docs/flow-server.md §3).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -465,6 +477,47 @@ impl Conn {
 pub struct Worker {
     conn: Arc<Conn>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// The calls the server forwards, until the engine takes them.
+    calls: Mutex<Option<mpsc::UnboundedReceiver<(u64, Call)>>>,
+}
+
+/// Answers calls the server forwarded to a worker, and makes calls through the server,
+/// without keeping the worker's connection open.
+#[derive(Clone)]
+pub struct Caller {
+    conn: Weak<Conn>,
+}
+
+impl Caller {
+    /// Answer the forwarded call `id`.
+    pub fn answer(&self, id: u64, outcome: Outcome) {
+        if let Some(conn) = self.conn.upgrade() {
+            lock(&conn.outgoing).push_back(Frame {
+                id: 0,
+                body: Body::Answer { call: id, outcome },
+            });
+            conn.wake.notify_one();
+        }
+    }
+
+    /// Make `call` through the server (docs/flow-server.md §9). A call the connection
+    /// breaks under is sent again on the next one (its key makes that safe); the worker
+    /// stopping answers `Unavailable`.
+    pub async fn call(&self, call: Call) -> Result<Outcome, Refused> {
+        let unavailable = Refused::Unavailable {
+            retry_after_ms: 1000,
+        };
+        let (tx, rx) = oneshot::channel();
+        match self.conn.upgrade() {
+            Some(conn) if !conn.stop.load(Ordering::SeqCst) => {
+                if conn.calls_out.send((call, tx)).is_err() {
+                    return Err(unavailable);
+                }
+            }
+            _ => return Err(unavailable),
+        }
+        rx.await.unwrap_or(Err(unavailable))
+    }
 }
 
 impl Worker {
@@ -472,6 +525,8 @@ impl Worker {
     /// it did not). Shards come as [`Event::Granted`].
     pub fn connect(settings: WorkerSettings) -> Result<Worker, Error> {
         let (reads_tx, reads_rx) = mpsc::unbounded_channel();
+        let (calls_in, calls_rx) = mpsc::unbounded_channel();
+        let (calls_out, calls_out_rx) = mpsc::unbounded_channel();
         let session = {
             use ferry_core::seams::{Rng, SplitMix64};
             let mut r = SplitMix64::from_entropy();
@@ -492,6 +547,10 @@ impl Worker {
                 ping_every: Duration::from_secs(1),
                 stuck_after: Duration::from_secs(10),
             }),
+            calls_in,
+            outgoing: Mutex::new(VecDeque::new()),
+            calls_out,
+            calls_again: Mutex::new(Vec::new()),
         });
         let (first_tx, first_rx) = std::sync::mpsc::channel();
         let c = conn.clone();
@@ -502,7 +561,7 @@ impl Worker {
                     .enable_all()
                     .build()
                     .expect("a current-thread runtime builds");
-                rt.block_on(run(c, reads_rx, first_tx));
+                rt.block_on(run(c, reads_rx, calls_out_rx, first_tx));
             })
             .map_err(|e| Error::Io {
                 what: "start the worker's connection thread",
@@ -512,6 +571,7 @@ impl Worker {
             Ok(Ok(())) => Ok(Worker {
                 conn,
                 thread: Some(thread),
+                calls: Mutex::new(Some(calls_rx)),
             }),
             Ok(Err(e)) => {
                 let _ = thread.join();
@@ -566,6 +626,19 @@ impl Worker {
         *lock(&self.conn.timing)
     }
 
+    /// The calls the server forwards to this worker (their id, the call), to answer with
+    /// [`Caller::answer`]; the first asker gets them.
+    pub fn take_calls(&self) -> Option<mpsc::UnboundedReceiver<(u64, Call)>> {
+        lock(&self.calls).take()
+    }
+
+    /// What answers forwarded calls and makes calls through the server.
+    pub fn caller(&self) -> Caller {
+        Caller {
+            conn: Arc::downgrade(&self.conn),
+        }
+    }
+
     /// This worker's session (for the server's status).
     pub fn session(&self) -> u128 {
         self.conn.session
@@ -604,12 +677,13 @@ async fn dial(server: &str) -> std::io::Result<Box<dyn Stream>> {
 async fn run(
     conn: Arc<Conn>,
     mut reads: mpsc::UnboundedReceiver<(u32, u64, u64, ReadReply)>,
+    mut calls: mpsc::UnboundedReceiver<(Call, CallReply)>,
     first: std::sync::mpsc::Sender<Result<(), Error>>,
 ) {
     let mut first = Some(first);
     let mut backoff = Duration::from_millis(100);
     while !conn.stop.load(Ordering::SeqCst) {
-        match session(&conn, &mut reads, &mut first).await {
+        match session(&conn, &mut reads, &mut calls, &mut first).await {
             Ok(()) => backoff = Duration::from_millis(100),
             Err(e) => {
                 if let Some(f) = first.take() {
@@ -641,6 +715,9 @@ async fn run(
     for s in conn.streams() {
         conn.lose(&s, "the worker stopped");
     }
+    // Calls not answered hear that the worker stopped (their senders drop).
+    lock(&conn.calls_again).clear();
+    calls.close();
 }
 
 /// Writes a frame within [`IO_WITHIN`], or says the connection is broken.
@@ -655,6 +732,7 @@ async fn send<W: AsyncWrite + Unpin>(w: &mut W, frame: Frame) -> Result<(), Erro
 async fn session(
     conn: &Arc<Conn>,
     reads: &mut mpsc::UnboundedReceiver<(u32, u64, u64, ReadReply)>,
+    calls_out: &mut mpsc::UnboundedReceiver<(Call, CallReply)>,
     first: &mut Option<std::sync::mpsc::Sender<Result<(), Error>>>,
 ) -> Result<(), Error> {
     let stream = dial(&conn.settings.server).await.map_err(|e| Error::Io {
@@ -764,6 +842,21 @@ async fn session(
     let mut appends: HashMap<u64, (u32, u64, u64)> = HashMap::new();
     let mut pending_reads: HashMap<u64, ReadReply> = HashMap::new();
     let mut pings: HashMap<u64, Duration> = HashMap::new();
+    // This worker's calls in flight, by request id; those a break left unanswered first.
+    let mut calls: HashMap<u64, (Call, CallReply)> = HashMap::new();
+    let again: Vec<_> = lock(&conn.calls_again).drain(..).collect();
+    for (call, reply) in again {
+        let rid = next_id();
+        send(
+            &mut wr,
+            Frame {
+                id: rid,
+                body: Body::Call(call.clone()),
+            },
+        )
+        .await?;
+        calls.insert(rid, (call, reply));
+    }
     let mut tick = tokio::time::interval(ping_every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let (frames_tx, mut frames) = mpsc::unbounded_channel();
@@ -787,6 +880,12 @@ async fn session(
                 }
             }
             break Ok(());
+        }
+        let answers: Vec<Frame> = lock(&conn.outgoing).drain(..).collect();
+        for a in answers {
+            if let Err(e) = send(&mut wr, a).await {
+                break 'conn Err(e);
+            }
         }
         for s in conn.streams() {
             // Send what was appended, in batches.
@@ -821,7 +920,7 @@ async fn session(
             f = frames.recv() => {
                 let Some(f) = f else { break Err(Error::Closed) };
                 heard = Instant::now();
-                if handle(conn, f, &mut appends, &mut pending_reads, &mut pings, lease, ping_every) {
+                if handle(conn, f, &mut appends, &mut pending_reads, &mut pings, &mut calls, lease, ping_every) {
                     tick.reset_immediately();
                 }
             }
@@ -867,10 +966,20 @@ async fn session(
                     break Err(e);
                 }
             }
+            c = calls_out.recv() => {
+                let Some((call, reply)) = c else { break Ok(()) };
+                let rid = next_id();
+                let frame = Frame { id: rid, body: Body::Call(call.clone()) };
+                calls.insert(rid, (call, reply));
+                if let Err(e) = send(&mut wr, frame).await {
+                    break Err(e);
+                }
+            }
             _ = conn.wake.notified() => {}
         }
     };
     reader.abort();
+    lock(&conn.calls_again).extend(calls.into_values());
     for (_, reply) in pending_reads {
         let _ = reply.send(Err(Error::Closed));
     }
@@ -878,12 +987,14 @@ async fn session(
 }
 
 /// One frame from the server; true: ping at once (new grants want a deadline).
+#[allow(clippy::too_many_arguments)]
 fn handle(
     conn: &Arc<Conn>,
     f: Frame,
     appends: &mut HashMap<u64, (u32, u64, u64)>,
     reads: &mut HashMap<u64, ReadReply>,
     pings: &mut HashMap<u64, Duration>,
+    calls: &mut HashMap<u64, (Call, CallReply)>,
     lease: Duration,
     ping_every: Duration,
 ) -> bool {
@@ -972,7 +1083,18 @@ fn handle(
                 let _ = reply.send(Ok((r.records, r.last)));
             }
         }
+        Body::Call(call) => {
+            let _ = conn.calls_in.send((f.id, call));
+        }
+        Body::Answer { call, outcome } => {
+            if let Some((_, reply)) = calls.remove(&call) {
+                let _ = reply.send(Ok(outcome));
+            }
+        }
         Body::Refused { to, refused } => {
+            if let Some((_, reply)) = calls.remove(&to) {
+                let _ = reply.send(Err(refused.clone()));
+            }
             if let Some(reply) = reads.remove(&to) {
                 let _ = reply.send(Err(refused_error(&refused)));
             }
