@@ -3,13 +3,16 @@
 //! - `lease`: the lease table, pure (§5.1).
 //! - `store`: the server's log, every shard's records and every grant's epoch in one
 //!   ferry-log, with each shard's positions (§6).
-//! - `server`: connections, the table and the store driven by them, and the task that
-//!   answers `Durable` once a sync covers an append (§4–§8).
+//! - `server`: connections, the table and the store driven by them, the task that
+//!   answers `Durable` once a sync covers an append (§4–§8), and calls across shards
+//!   (§9).
+//! - `index`: the runs, from durable records (list, show, result; §10).
+//! - `http`: the HTTP/JSON API (§10).
 //!
 //! - `peer`: a worker's end of a connection with no engine behind it, for tests and
 //!   probes.
 //!
-//! Not built yet (§15): checkpoints per shard, calls across shards, the HTTP API.
+//! Not built yet (§15): checkpoints per shard, the outbox for calls made by runs.
 
 pub mod http;
 pub mod index;

@@ -1,0 +1,164 @@
+//! Calls across shards on the server (docs/flow-server.md §9): each waits for the holder
+//! of its run's shard, goes to it, and goes again to the next holder if the one it went
+//! to let go before answering; a result is answered from the index.
+
+use super::{Inner, State};
+use crate::lease::SessionId;
+use ferry_flow::remote::proto::{Body, Call, CallKind, Frame, Outcome, Refused};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::oneshot;
+
+/// A call on its way to the holder of its run's shard (docs/flow-server.md §9).
+pub(super) struct Forward {
+    call: Call,
+    shard: u32,
+    /// The session and epoch it was sent to; none while it waits for a holder.
+    sent: Option<(SessionId, u64)>,
+    /// Not sent again before this (the holder was still recovering the shard).
+    not_before: Instant,
+    /// Refused as `NoHolder` if it found none by then.
+    until: Instant,
+    reply: oneshot::Sender<Result<Outcome, Refused>>,
+}
+
+/// A call arrives (from a connection or the HTTP API): a result is answered from the
+/// index; the rest are forwarded to the run's holder.
+pub(super) async fn call_in(inner: Arc<Inner>, call: Call) -> Result<Outcome, Refused> {
+    if let CallKind::Result { id, wait_ms } = &call.kind {
+        return result(&inner, id, Duration::from_millis(u64::from(*wait_ms))).await;
+    }
+    let shard = ferry_flow::shard_of(call.kind.run(), inner.settings.shards);
+    let (tx, rx) = oneshot::channel();
+    {
+        let mut state = ferry_core::sync::lock(&inner.state);
+        let now = Instant::now();
+        state.next_call += 1;
+        let id = state.next_call;
+        state.calls.insert(
+            id,
+            Forward {
+                call,
+                shard,
+                sent: None,
+                not_before: now,
+                until: now + inner.settings.call_wait,
+                reply: tx,
+            },
+        );
+        route(&mut state, now, inner.settings.call_wait);
+    }
+    // The server stopping drops the call.
+    rx.await.unwrap_or(Err(Refused::Unavailable {
+        retry_after_ms: 1000,
+    }))
+}
+
+/// Run `id`'s outcome from the index, once it ended (waiting up to `wait`): the run's
+/// summary as JSON, state running if it had not ended by then.
+async fn result(inner: &Inner, id: &str, wait: Duration) -> Result<Outcome, Refused> {
+    let until = tokio::time::Instant::now() + wait.min(Duration::from_secs(60));
+    loop {
+        let ended = inner.ended.notified();
+        tokio::pin!(ended);
+        ended.as_mut().enable();
+        let run = ferry_core::sync::lock(&inner.index).get(id).cloned();
+        let Some(run) = run else {
+            return Ok(Outcome::Err {
+                kind: "unknown_run".into(),
+                message: format!("no run {id:?}: it was never started (durably) on this server"),
+            });
+        };
+        let past = tokio::time::Instant::now() >= until;
+        if run.finished() || run.state == "parked" || past {
+            let json = serde_json::to_vec(&run).expect("a summary serializes");
+            return Ok(Outcome::Ok(json));
+        }
+        tokio::select! {
+            _ = ended => {}
+            _ = tokio::time::sleep_until(until) => {}
+        }
+    }
+}
+
+/// Send each waiting call to its shard's holder, once it has one whose grant went out;
+/// take back calls whose holder lost the shard (they go to the next one: their keys make
+/// a second delivery a no-op); refuse those that waited `call_wait` for a holder.
+pub(super) fn route(state: &mut State, now: Instant, call_wait: Duration) {
+    let State {
+        calls,
+        table,
+        conns,
+        grants,
+        unsent,
+        ..
+    } = state;
+    calls.retain(|&id, f| {
+        let (epoch, holder) = table.holder(f.shard);
+        let ready = holder.filter(|h| {
+            conns.contains_key(h)
+                && !unsent.contains(&f.shard)
+                && !grants.iter().any(|g| g.2 == f.shard)
+        });
+        if let Some(sent) = f.sent
+            && (Some(sent.0), sent.1) != (ready, epoch)
+        {
+            // Its holder let go before answering: the next one gets as long.
+            f.sent = None;
+            f.until = now + call_wait;
+        }
+        if f.sent.is_some() {
+            return true;
+        }
+        if let Some(h) = ready
+            && now >= f.not_before
+        {
+            let (_, tx) = &conns[&h];
+            let _ = tx.send(Frame {
+                id,
+                body: Body::Call(f.call.clone()),
+            });
+            f.sent = Some((h, epoch));
+            return true;
+        }
+        true
+    });
+    for (_, f) in calls.extract_if(|_, f| f.sent.is_none() && now >= f.until) {
+        let _ = f.reply.send(Err(Refused::NoHolder { shard: f.shard }));
+    }
+}
+
+/// `session`'s connection went: the calls sent on it go again (to whichever holder).
+pub(super) fn unsend(state: &mut State, session: SessionId) {
+    for f in state.calls.values_mut() {
+        if f.sent.is_some_and(|(h, _)| h == session) {
+            f.sent = None;
+        }
+    }
+}
+
+/// The holder `session` answered call `id`. A holder still recovering the shard answers
+/// `not_held`: the call is sent again shortly.
+pub(super) fn answered(
+    state: &mut State,
+    session: SessionId,
+    id: u64,
+    outcome: Outcome,
+    now: Instant,
+    call_wait: Duration,
+) {
+    let Some(f) = state.calls.get_mut(&id) else {
+        return;
+    };
+    if f.sent.is_none_or(|(h, _)| h != session) {
+        return;
+    }
+    if matches!(&outcome, Outcome::Err { kind, .. } if kind == "not_held") {
+        f.sent = None;
+        f.not_before = now + Duration::from_millis(20);
+        f.until = f.until.max(now + call_wait);
+        return;
+    }
+    let f = state.calls.remove(&id).expect("looked at it");
+    let _ = f.reply.send(Ok(outcome));
+}
