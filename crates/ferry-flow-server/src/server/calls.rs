@@ -9,6 +9,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
+/// The most calls one shard may have in flight on the server (docs/flow-server.md §14).
+pub const CALLS_MAX: usize = 4096;
+
 /// A call on its way to the holder of its run's shard (docs/flow-server.md §9).
 pub(super) struct Forward {
     call: Call,
@@ -33,6 +36,12 @@ pub(super) async fn call_in(inner: Arc<Inner>, call: Call) -> Result<Outcome, Re
     {
         let mut state = ferry_core::sync::lock(&inner.state);
         let now = Instant::now();
+        let waiting = state.calls.values().filter(|f| f.shard == shard).count();
+        if waiting >= CALLS_MAX {
+            return Err(Refused::Unavailable {
+                retry_after_ms: 1000,
+            });
+        }
         state.next_call += 1;
         let id = state.next_call;
         state.calls.insert(
