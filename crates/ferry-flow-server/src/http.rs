@@ -10,6 +10,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use ferry_flow::remote::fresh_key;
 use ferry_flow::remote::proto::{Call, CallKind, Outcome, Refused};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -65,20 +66,21 @@ fn failure(status: StatusCode, kind: &str, message: impl Into<String>) -> Failur
 }
 
 /// The server, if the request may use it: running, and the bearer token one of its
-/// tokens (when it has any).
-fn open(api: &Weak<Server>, headers: &HeaderMap) -> Result<Arc<Server>, Failure> {
-    let server = api.upgrade().ok_or_else(|| Failure {
-        retry_after_s: Some(1),
-        ..failure(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "server",
-            "the server is stopping",
-        )
-    })?;
+/// tokens. A server with no tokens serves loopback only (`ferry flow serve` checks its
+/// address): it also refuses a `Host` that is not a loopback name (DNS rebinding). A
+/// `POST` must say its body is JSON, which a web page cannot send to another origin
+/// without asking first (CORS), so a page the server's user visits cannot start or
+/// cancel runs.
+fn open(api: &Weak<Server>, headers: &HeaderMap, post: bool) -> Result<Arc<Server>, Failure> {
+    let server = api
+        .upgrade()
+        .ok_or_else(|| unavailable("server", "the server is stopping"))?;
     let token = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, t)| t.trim());
     if !server.authorized(token) {
         return Err(failure(
             StatusCode::UNAUTHORIZED,
@@ -86,11 +88,45 @@ fn open(api: &Weak<Server>, headers: &HeaderMap) -> Result<Arc<Server>, Failure>
             "a bearer token the server knows is needed: Authorization: Bearer <token>",
         ));
     }
+    if !server.has_tokens() {
+        let host = headers
+            .get(header::HOST)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        let name = host.rsplit_once(':').map_or(host, |(n, _)| n);
+        if !matches!(name, "127.0.0.1" | "localhost" | "[::1]") {
+            return Err(failure(
+                StatusCode::FORBIDDEN,
+                "forbidden",
+                format!("Host {host:?}: a server with no tokens answers loopback names only"),
+            ));
+        }
+    }
+    let json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if post && !json {
+        return Err(failure(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "invalid",
+            "a POST must have Content-Type: application/json",
+        ));
+    }
     Ok(server)
 }
 
+fn unavailable(kind: &str, message: impl Into<String>) -> Failure {
+    Failure {
+        retry_after_s: Some(1),
+        ..failure(StatusCode::SERVICE_UNAVAILABLE, kind, message)
+    }
+}
+
+type Answer = Result<Json<Value>, Failure>;
+
 /// A call's answer as a response: its JSON, or its error with the status of its class.
-async fn answer(server: Arc<Server>, kind: CallKind, key: String) -> Result<Json<Value>, Failure> {
+async fn answer(server: Arc<Server>, kind: CallKind, key: String) -> Answer {
     let answer = server.call(Call { kind, key });
     drop(server);
     match answer.await {
@@ -101,35 +137,29 @@ async fn answer(server: Arc<Server>, kind: CallKind, key: String) -> Result<Json
                 format!("the worker's answer is not JSON: {e}"),
             )
         }),
-        Ok(Outcome::Err { kind, message }) => {
-            let status = match kind.as_str() {
-                "unknown_run" => StatusCode::NOT_FOUND,
-                "invalid" | "codec" => StatusCode::BAD_REQUEST,
-                "run_finished" => StatusCode::CONFLICT,
-                "limit_exceeded" => StatusCode::PAYLOAD_TOO_LARGE,
-                "not_held" | "stopped" | "log" => StatusCode::SERVICE_UNAVAILABLE,
-                _ => StatusCode::INTERNAL_SERVER_ERROR,
-            };
-            Err(failure(status, &kind, message))
-        }
+        Ok(Outcome::Err { kind, message }) => Err(match kind.as_str() {
+            "unknown_run" => failure(StatusCode::NOT_FOUND, &kind, message),
+            "invalid" | "codec" => failure(StatusCode::BAD_REQUEST, &kind, message),
+            "run_finished" => failure(StatusCode::CONFLICT, &kind, message),
+            "limit_exceeded" => failure(StatusCode::PAYLOAD_TOO_LARGE, &kind, message),
+            "not_held" | "stopped" | "log" | "io" => unavailable(&kind, message),
+            _ => failure(StatusCode::INTERNAL_SERVER_ERROR, &kind, message),
+        }),
         Err(r) => Err(refusal(r)),
     }
 }
 
 fn refusal(r: Refused) -> Failure {
-    let (status, kind, retry) = match &r {
-        Refused::NoHolder { .. } => (StatusCode::SERVICE_UNAVAILABLE, "no_holder", Some(1)),
-        Refused::Unavailable { retry_after_ms } => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "server",
-            Some(retry_after_ms.div_ceil(1000)),
-        ),
-        Refused::TooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "too_large", None),
-        _ => (StatusCode::BAD_REQUEST, "refused", None),
-    };
-    Failure {
-        retry_after_s: retry,
-        ..failure(status, kind, r.to_string())
+    match &r {
+        Refused::NoHolder { .. } => unavailable("no_holder", r.to_string()),
+        Refused::Unavailable { retry_after_ms } => Failure {
+            retry_after_s: Some(retry_after_ms.div_ceil(1000)),
+            ..unavailable("server", r.to_string())
+        },
+        Refused::TooLarge { .. } => {
+            failure(StatusCode::PAYLOAD_TOO_LARGE, "too_large", r.to_string())
+        }
+        _ => failure(StatusCode::BAD_REQUEST, "refused", r.to_string()),
     }
 }
 
@@ -152,18 +182,15 @@ struct StartBody {
     input: Value,
 }
 
-async fn start(State(api): Api, headers: HeaderMap, bytes: axum::body::Bytes) -> Response {
-    let run = async {
-        let server = open(&api, &headers)?;
-        let b: StartBody = body(&bytes, r#"{"workflow", "id", "input"}"#)?;
-        let kind = CallKind::Start {
-            workflow: b.workflow,
-            input: serde_json::to_vec(&b.input).expect("JSON serializes"),
-            id: b.id.clone(),
-        };
-        answer(server, kind, b.id).await
+async fn start(State(api): Api, headers: HeaderMap, bytes: axum::body::Bytes) -> Answer {
+    let server = open(&api, &headers, true)?;
+    let b: StartBody = body(&bytes, r#"{"workflow", "id", "input"}"#)?;
+    let kind = CallKind::Start {
+        workflow: b.workflow,
+        input: serde_json::to_vec(&b.input).expect("JSON serializes"),
+        id: b.id.clone(),
     };
-    run.await.into_response()
+    answer(server, kind, b.id).await
 }
 
 #[derive(Deserialize)]
@@ -178,47 +205,38 @@ async fn signal(
     Path((id, name)): Path<(String, String)>,
     headers: HeaderMap,
     bytes: axum::body::Bytes,
-) -> Response {
-    let run = async {
-        let server = open(&api, &headers)?;
-        let b: SignalBody = if bytes.is_empty() {
-            SignalBody { value: Value::Null }
-        } else {
-            body(&bytes, r#"{"value"}"#)?
-        };
-        let key = match headers.get("idempotency-key") {
-            Some(k) => k
-                .to_str()
-                .map_err(|_| bad_request("the Idempotency-Key header must be text"))?
-                .to_string(),
-            None => fresh_key(),
-        };
-        let kind = CallKind::Signal {
-            id,
-            name,
-            value: serde_json::to_vec(&b.value).expect("JSON serializes"),
-        };
-        answer(server, kind, key).await.map(|_| Json(json!({})))
+) -> Answer {
+    let server = open(&api, &headers, true)?;
+    let b: SignalBody = if bytes.is_empty() {
+        SignalBody { value: Value::Null }
+    } else {
+        body(&bytes, r#"{"value"}"#)?
     };
-    run.await.into_response()
+    let key = match headers.get("idempotency-key") {
+        Some(k) => k
+            .to_str()
+            .map_err(|_| bad_request("the Idempotency-Key header must be text"))?
+            .to_string(),
+        None => fresh_key("http"),
+    };
+    let kind = CallKind::Signal {
+        id,
+        name,
+        value: serde_json::to_vec(&b.value).expect("JSON serializes"),
+    };
+    answer(server, kind, key).await.map(|_| Json(json!({})))
 }
 
-async fn cancel(State(api): Api, Path(id): Path<String>, headers: HeaderMap) -> Response {
-    let run = async {
-        let server = open(&api, &headers)?;
-        let cancelled = answer(server, CallKind::Cancel { id }, fresh_key()).await?;
-        Ok::<_, Failure>(Json(json!({ "cancelled": cancelled.0 })))
-    };
-    run.await.into_response()
+async fn cancel(State(api): Api, Path(id): Path<String>, headers: HeaderMap) -> Answer {
+    let server = open(&api, &headers, true)?;
+    let cancelled = answer(server, CallKind::Cancel { id }, fresh_key("http")).await?;
+    Ok(Json(json!({ "cancelled": cancelled.0 })))
 }
 
-async fn query(State(api): Api, Path(id): Path<String>, headers: HeaderMap) -> Response {
-    let run = async {
-        let server = open(&api, &headers)?;
-        let published = answer(server, CallKind::Query { id }, String::new()).await?;
-        Ok::<_, Failure>(Json(json!({ "published": published.0 })))
-    };
-    run.await.into_response()
+async fn query(State(api): Api, Path(id): Path<String>, headers: HeaderMap) -> Answer {
+    let server = open(&api, &headers, false)?;
+    let published = answer(server, CallKind::Query { id }, String::new()).await?;
+    Ok(Json(json!({ "published": published.0 })))
 }
 
 #[derive(Deserialize)]
@@ -233,21 +251,18 @@ async fn result(
     Path(id): Path<String>,
     params: Result<Query<ResultParams>, axum::extract::rejection::QueryRejection>,
     headers: HeaderMap,
-) -> Response {
-    let run = async {
-        let server = open(&api, &headers)?;
-        let Query(p) = params.map_err(|e| bad_request(format!("?wait_ms=MILLISECONDS: {e}")))?;
-        answer(
-            server,
-            CallKind::Result {
-                id,
-                wait_ms: p.wait_ms,
-            },
-            String::new(),
-        )
-        .await
-    };
-    run.await.into_response()
+) -> Answer {
+    let server = open(&api, &headers, false)?;
+    let Query(p) = params.map_err(|e| bad_request(format!("?wait_ms=MILLISECONDS: {e}")))?;
+    answer(
+        server,
+        CallKind::Result {
+            id,
+            wait_ms: p.wait_ms,
+        },
+        String::new(),
+    )
+    .await
 }
 
 #[derive(Deserialize)]
@@ -258,53 +273,39 @@ struct ListParams {
     limit: Option<usize>,
 }
 
-const STATES: [&str; 5] = ["running", "finished", "failed", "cancelled", "parked"];
+/// The states a run has in the index.
+const STATES: [&str; 4] = ["running", "finished", "failed", "cancelled"];
 
 async fn list(
     State(api): Api,
     params: Result<Query<ListParams>, axum::extract::rejection::QueryRejection>,
     headers: HeaderMap,
-) -> Response {
-    let run = async {
-        let server = open(&api, &headers)?;
-        let Query(p) =
-            params.map_err(|e| bad_request(format!("?state=S&after=ID&limit=N: {e}")))?;
-        if let Some(s) = &p.state
-            && !STATES.contains(&s.as_str())
-        {
-            return Err(bad_request(format!(
-                "state {s:?} is not one of {}",
-                STATES.join(", ")
-            )));
-        }
-        let limit = p.limit.unwrap_or(LIST_MAX).clamp(1, LIST_MAX);
-        let runs: Vec<RunSummary> = server.runs(p.state.as_deref(), p.after.as_deref(), limit);
-        // Where the next page starts, if this one is full.
-        let next = (runs.len() == limit).then(|| runs[runs.len() - 1].id.clone());
-        Ok(Json(json!({ "runs": runs, "next": next })))
-    };
-    run.await.into_response()
+) -> Answer {
+    let server = open(&api, &headers, false)?;
+    let Query(p) = params.map_err(|e| bad_request(format!("?state=S&after=ID&limit=N: {e}")))?;
+    if let Some(s) = &p.state
+        && !STATES.contains(&s.as_str())
+    {
+        return Err(bad_request(format!(
+            "state {s:?} is not one of {}",
+            STATES.join(", ")
+        )));
+    }
+    let limit = p.limit.unwrap_or(LIST_MAX).clamp(1, LIST_MAX);
+    let runs: Vec<RunSummary> = server.runs(p.state.as_deref(), p.after.as_deref(), limit);
+    // Where the next page starts, if this one is full.
+    let next = (runs.len() == limit).then(|| runs[runs.len() - 1].id.clone());
+    Ok(Json(json!({ "runs": runs, "next": next })))
 }
 
-async fn show(State(api): Api, Path(id): Path<String>, headers: HeaderMap) -> Response {
-    let run = async {
-        let server = open(&api, &headers)?;
-        match server.run(&id) {
-            Some(r) => Ok(Json(serde_json::to_value(r).expect("a summary serializes"))),
-            None => Err(failure(
-                StatusCode::NOT_FOUND,
-                "unknown_run",
-                format!("no run {id:?}: it was never started (durably) on this server"),
-            )),
-        }
-    };
-    run.await.into_response()
-}
-
-/// A key for a signal or cancel the caller gave none for: a call the server sends again
-/// (its holder changed) is still delivered once.
-fn fresh_key() -> String {
-    use ferry_core::seams::{Rng, SplitMix64};
-    let mut r = SplitMix64::from_entropy();
-    format!("http/{:016x}{:016x}", r.next_u64(), r.next_u64())
+async fn show(State(api): Api, Path(id): Path<String>, headers: HeaderMap) -> Answer {
+    let server = open(&api, &headers, false)?;
+    match server.run(&id) {
+        Some(r) => Ok(Json(serde_json::to_value(r).expect("a summary serializes"))),
+        None => Err(failure(
+            StatusCode::NOT_FOUND,
+            "unknown_run",
+            format!("no run {id:?}: it was never started (durably) on this server"),
+        )),
+    }
 }

@@ -3,13 +3,16 @@
 //! they become durable (and from the whole log at start), so it never shows what a
 //! crash could take back.
 //!
-//! Only three entries move a run: `Started` (a run, or a generation of it, begins),
-//! `Finished` and `Parked`. An append costs the index a look at each record's header and
-//! the first bytes of its entry; those three are parsed whole.
+//! Two entries move a run: `Started` (a run, or a generation of it, begins) and
+//! `Finished`. A record costs the index a look at its header and the first bytes of its
+//! entry, made before the server's lock is taken ([`updates_of`]). A parked run shows as
+//! running: parking is not journaled (each recovery decides it anew, on the worker).
 
 use ferry_flow::journal::{Entry, Json, Outcome, RECORD_KIND, Record};
+use ferry_flow::remote::proto::Rec;
+use serde::Deserialize;
 use serde::Serialize;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 
 /// One run as the server's index knows it.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -18,9 +21,9 @@ pub struct RunSummary {
     pub workflow: String,
     pub shard: u32,
     pub generation: u32,
-    /// running, finished, failed, cancelled or parked (as `ferry flow list` says them).
+    /// running, finished, failed or cancelled (as `ferry flow list` says them).
     pub state: &'static str,
-    /// The output (finished), the error (failed) or the reason (parked).
+    /// The output (finished) or the error (failed).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub detail: Option<Json>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -35,7 +38,10 @@ impl RunSummary {
 
 /// What one record changes.
 #[derive(Debug)]
-enum Update {
+pub struct Update(Change);
+
+#[derive(Debug)]
+enum Change {
     Started {
         run: String,
         generation: u32,
@@ -46,19 +52,31 @@ enum Update {
         run: String,
         outcome: Outcome,
     },
-    Parked {
-        run: String,
-        reason: String,
-    },
+}
+
+/// A `Started` entry without its input (which may be large, and the index does not keep).
+#[derive(Deserialize)]
+struct StartedHead {
+    workflow: String,
+    parent: Option<String>,
 }
 
 /// The index (module doc).
 #[derive(Default)]
 pub struct Index {
-    runs: HashMap<String, RunSummary>,
+    runs: BTreeMap<String, RunSummary>,
     /// Per shard: updates from records appended and not yet durable, with the position
     /// after their record.
     pending: Vec<VecDeque<(u64, Update)>>,
+}
+
+/// What each of `records` would do to the index: read before the server's lock is
+/// taken, handed to [`Index::appended`] for the records that turn out new.
+pub fn updates_of(records: &[Rec]) -> Vec<Option<Update>> {
+    records
+        .iter()
+        .map(|r| update_of(r.kind, &r.bytes))
+        .collect()
 }
 
 /// What a record does to the index, if anything. Cheap for the records that do nothing
@@ -68,43 +86,33 @@ fn update_of(kind: u8, bytes: &[u8]) -> Option<Update> {
         return None;
     }
     let peek = Record::peek(bytes).ok()?;
-    let tag = peek.entry_json;
-    let moves = [
-        &b"{\"t\":\"started\""[..],
-        b"{\"t\":\"finished\"",
-        b"{\"t\":\"parked\"",
-    ]
-    .iter()
-    .any(|t| tag.starts_with(t));
-    if !moves {
+    let json = peek.entry_json;
+    let change = if json.starts_with(b"{\"t\":\"started\"") {
+        let head: StartedHead = serde_json::from_slice(json).ok()?;
+        Change::Started {
+            run: peek.run.to_string(),
+            generation: peek.generation,
+            workflow: head.workflow,
+            parent: head.parent,
+        }
+    } else if json.starts_with(b"{\"t\":\"finished\"") {
+        match Record::decode(bytes).ok()?.entry {
+            Entry::Finished { outcome } => Change::Finished {
+                run: peek.run.to_string(),
+                outcome,
+            },
+            _ => return None,
+        }
+    } else {
         return None;
-    }
-    let rec = Record::decode(bytes).ok()?;
-    Some(match rec.entry {
-        Entry::Started {
-            workflow, parent, ..
-        } => Update::Started {
-            run: rec.run,
-            generation: rec.generation,
-            workflow,
-            parent,
-        },
-        Entry::Finished { outcome } => Update::Finished {
-            run: rec.run,
-            outcome,
-        },
-        Entry::Parked { reason } => Update::Parked {
-            run: rec.run,
-            reason,
-        },
-        _ => return None,
-    })
+    };
+    Some(Update(change))
 }
 
 impl Index {
     pub fn new(shards: u32) -> Index {
         Index {
-            runs: HashMap::new(),
+            runs: BTreeMap::new(),
             pending: (0..shards).map(|_| VecDeque::new()).collect(),
         }
     }
@@ -116,32 +124,31 @@ impl Index {
         }
     }
 
-    /// A record appended to `shard`, ending at `position`: applied once that is durable.
-    pub fn appended(&mut self, shard: u32, position: u64, kind: u8, bytes: &[u8]) {
-        if let Some(u) = update_of(kind, bytes)
-            && let Some(p) = self.pending.get_mut(shard as usize)
-        {
-            p.push_back((position, u));
+    /// A record appended to `shard`, ending at `position`, with what it does
+    /// ([`updates_of`]): applied once that is durable.
+    pub fn appended(&mut self, shard: u32, position: u64, update: Update) {
+        if let Some(p) = self.pending.get_mut(shard as usize) {
+            p.push_back((position, update));
         }
     }
 
-    /// Every record of `shard` before `position` is durable. True if a run finished or
-    /// parked (result waiters look again).
+    /// Every record of `shard` before `position` is durable. True if a run finished
+    /// (result waiters look again).
     pub fn durable(&mut self, shard: u32, position: u64) -> bool {
         let mut ended = false;
         while let Some(p) = self.pending.get_mut(shard as usize)
             && p.front().is_some_and(|(end, _)| *end <= position)
         {
             let (_, u) = p.pop_front().expect("looked at it");
-            ended |= !matches!(u, Update::Started { .. });
+            ended |= matches!(u.0, Change::Finished { .. });
             self.apply(shard, u);
         }
         ended
     }
 
     fn apply(&mut self, shard: u32, u: Update) {
-        match u {
-            Update::Started {
+        match u.0 {
+            Change::Started {
                 run,
                 generation,
                 workflow,
@@ -162,19 +169,13 @@ impl Index {
                 e.detail = None;
                 e.parent = parent;
             }
-            Update::Finished { run, outcome } => {
+            Change::Finished { run, outcome } => {
                 if let Some(e) = self.runs.get_mut(&run) {
                     (e.state, e.detail) = match outcome {
                         Outcome::Ok(v) => ("finished", Some(v)),
                         Outcome::Err(error) => ("failed", Some(Json::String(error))),
                         Outcome::Cancelled => ("cancelled", None),
                     };
-                }
-            }
-            Update::Parked { run, reason } => {
-                if let Some(e) = self.runs.get_mut(&run) {
-                    e.state = "parked";
-                    e.detail = Some(Json::String(reason));
                 }
             }
         }
@@ -186,14 +187,15 @@ impl Index {
 
     /// Runs by id, in a state if given, from after `after`, at most `limit`.
     pub fn list(&self, state: Option<&str>, after: Option<&str>, limit: usize) -> Vec<RunSummary> {
-        let mut v: Vec<&RunSummary> = self
-            .runs
-            .values()
+        use std::ops::Bound::{Excluded, Unbounded};
+        let from = after.map_or(Unbounded, |a| Excluded(a.to_string()));
+        self.runs
+            .range((from, Unbounded))
+            .map(|(_, r)| r)
             .filter(|r| state.is_none_or(|s| r.state == s))
-            .filter(|r| after.is_none_or(|a| r.id.as_str() > a))
-            .collect();
-        v.sort_unstable_by(|a, b| a.id.cmp(&b.id));
-        v.into_iter().take(limit).cloned().collect()
+            .take(limit)
+            .cloned()
+            .collect()
     }
 
     pub fn len(&self) -> usize {

@@ -19,7 +19,7 @@ mod status;
 pub use conn::session_tag;
 pub use status::{LogStatus, ShardStatus, Status, WorkerStatus};
 
-use calls::{Forward, call_in, route};
+use calls::{Forward, call_in, route, stop_calls};
 use conn::connection;
 
 use crate::index::{Index, RunSummary};
@@ -287,6 +287,8 @@ impl Server {
     /// is written and synced by the log's close; nothing unacknowledged is promised.
     pub async fn shutdown(self) {
         let _ = self.inner.stop.send(true);
+        // Calls in flight hold the server until they are answered.
+        stop_calls(&mut ferry_core::sync::lock(&self.inner.state));
         let tasks: Vec<_> = ferry_core::sync::lock(&self.inner.tasks)
             .drain(..)
             .collect();
@@ -358,6 +360,11 @@ impl Server {
         authorized(&self.inner.settings, token)
     }
 
+    /// Whether the server asks for tokens.
+    pub fn has_tokens(&self) -> bool {
+        !self.inner.settings.tokens.is_empty()
+    }
+
     /// The largest record the server takes.
     pub fn record_max(&self) -> u32 {
         self.inner.settings.record_max
@@ -415,7 +422,7 @@ async fn tick(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
         let mut state = ferry_core::sync::lock(&inner.state);
         let actions = state.table.tick(Instant::now());
         carry_out(&inner, &mut state, actions);
-        route(&mut state, Instant::now(), inner.settings.call_wait);
+        route(&mut state, Instant::now(), &inner.settings);
         // Names of sessions the table forgot go with them.
         if state.names.len() > state.conns.len() {
             let known: std::collections::HashSet<SessionId> = state
@@ -529,7 +536,7 @@ fn deliver(inner: &Inner) {
     }
     // Calls that waited for a grant just sent.
     if !state.calls.is_empty() {
-        route(state, Instant::now(), inner.settings.call_wait);
+        route(state, Instant::now(), &inner.settings);
     }
 }
 
@@ -538,8 +545,10 @@ fn deliver(inner: &Inner) {
 /// answer for records it may not have. A restart recovers the log.
 fn fail(inner: &Inner, e: &LogError) {
     tracing::error!(error = %e, "ferry flow server: the log failed; the server stops, and recovers when started again");
-    ferry_core::sync::lock(&inner.state).failed = true;
+    let mut state = ferry_core::sync::lock(&inner.state);
+    state.failed = true;
     let _ = inner.stop.send(true);
+    stop_calls(&mut state);
 }
 
 /// Do what the table asked: write epochs (grants go out once durable), send revokes and

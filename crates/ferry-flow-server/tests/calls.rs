@@ -89,7 +89,10 @@ async fn request(
             .build()
             .new_agent();
         let resp = if method == "POST" {
-            let mut r = agent.post(&url).header("Content-Type", "application/json");
+            let mut r = agent.post(&url);
+            if !headers.iter().any(|(h, _)| *h == "Content-Type") {
+                r = r.header("Content-Type", "application/json");
+            }
             for (h, v) in &headers {
                 r = r.header(*h, v);
             }
@@ -163,7 +166,8 @@ async fn calls_from_any_worker_reach_the_holder_and_the_index_answers_without_wo
             if q.as_deref() == Some("charged") {
                 break;
             }
-            assert!(asked.elapsed() < Duration::from_secs(20), "{id}: {q:?}");
+            // A guard against hanging, not a timing.
+            assert!(asked.elapsed() < Duration::from_secs(120), "{id}: {q:?}");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
@@ -381,4 +385,64 @@ async fn signals_sent_while_shards_move_arrive_once() {
     assert_eq!(in_index.len(), RUNS as usize);
     close(b).await;
     server.stop().await;
+}
+
+/// Guards the API's loopback rules (§10) and a stopping server: a server with no tokens
+/// refuses a POST that is not JSON (what a web page could send) and a Host that is not
+/// a loopback name; a call waiting for a holder when the server stops is answered
+/// (transient) and does not hold the stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_takes_no_cross_site_requests_and_a_stop_answers_waiting_calls() {
+    let scratch = Scratch::new("flow-calls-stop");
+    let socket = scratch.path().join("s.sock");
+    let settings = Settings {
+        call_wait: Duration::from_secs(60),
+        ..common::settings(2)
+    };
+    let server = common::start_with(scratch.path(), &socket, settings);
+    let base = http(&server.server).await;
+    let start = r#"{"workflow": "order", "id": "s", "input": 1}"#;
+    let (status, body) = request(
+        "POST",
+        format!("{base}/v1/runs"),
+        Some(start),
+        vec![("Content-Type", "text/plain".into())],
+    )
+    .await;
+    assert_eq!(
+        (status, body["kind"].as_str()),
+        (415, Some("invalid")),
+        "{body}"
+    );
+    let (status, body) = request(
+        "GET",
+        format!("{base}/v1/runs"),
+        None,
+        vec![("Host", "evil.example".into())],
+    )
+    .await;
+    assert_eq!(
+        (status, body["kind"].as_str()),
+        (403, Some("forbidden")),
+        "{body}"
+    );
+    // A start waits for a holder (60 s); the server stops meanwhile.
+    let waiting = tokio::spawn(request(
+        "POST",
+        format!("{base}/v1/runs"),
+        Some(start),
+        vec![],
+    ));
+    eventually("the start to wait on the server", || {
+        server.server.status().shards.len() == 2 && !waiting.is_finished()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    server.stop().await;
+    let (status, body) = waiting.await.unwrap();
+    assert_eq!(
+        (status, body["kind"].as_str()),
+        (503, Some("server")),
+        "{body}"
+    );
 }

@@ -47,12 +47,17 @@ pub(crate) fn serve(
                             // The shard moved while the call was carried out: whether
                             // its record is durable, the next holder finds out (the
                             // call's key makes a second delivery a no-op).
+                            // ... or it is closing: the next holder answers.
                             Err(FlowError::Log(ferry_log::Error::Fenced(why))) => {
                                 proto::Outcome::Err {
                                     kind: "not_held".into(),
                                     message: why,
                                 }
                             }
+                            Err(e @ FlowError::Stopped) => proto::Outcome::Err {
+                                kind: "not_held".into(),
+                                message: e.to_string(),
+                            },
                             Err(e) => proto::Outcome::Err {
                                 kind: e.kind().into(),
                                 message: e.to_string(),

@@ -80,14 +80,6 @@ impl Engine {
             .filter(|_| calls::elsewhere(&self.shared.held(id)))
     }
 
-    /// A fresh key for a signal sent through the server: sent again after a broken
-    /// connection, it is delivered once.
-    fn fresh_key(&self) -> String {
-        use ferry_core::seams::Rng;
-        let mut rng = lock(&self.shared.rng);
-        format!("call/{:016x}{:016x}", rng.next_u64(), rng.next_u64())
-    }
-
     /// Deliver `value` as signal `signal` to run `id`; returns once it is durable. The
     /// run's `wait_for` calls consume a name's signals in arrival order.
     pub async fn signal<T: Serialize>(
@@ -128,7 +120,7 @@ impl Engine {
         let Some(c) = self.elsewhere(id) else {
             return self.shared.deliver(id, name, value, key).await;
         };
-        let key = key.map_or_else(|| self.fresh_key(), str::to_string);
+        let key = key.map_or_else(|| crate::remote::fresh_key("call"), str::to_string);
         let kind = CallKind::Signal {
             id: id.to_string(),
             name: name.to_string(),
@@ -146,7 +138,7 @@ impl Engine {
             return self.shared.cancel(id).await;
         };
         let kind = CallKind::Cancel { id: id.to_string() };
-        let key = self.fresh_key();
+        let key = crate::remote::fresh_key("call");
         Ok(calls::remote(c, kind, key).await? == Json::Bool(true))
     }
 

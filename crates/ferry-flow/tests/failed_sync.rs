@@ -77,7 +77,8 @@ async fn a_failed_sync_ends_the_waits_of_runs_on_shard_threads() {
     let bad = engine.start(W, "bad", &1).await.unwrap();
     let bad_result = tokio::spawn(async move { bad.result().await });
     eventually("step a's body", || entered.load(Ordering::SeqCst)).await;
-    storage.fail_sync_after(1);
+    // Every sync from now fails (the next one alone could be a sync of something else).
+    storage.fail_syncs_from_now();
     release.store(true, Ordering::SeqCst);
     eventually("the run to see the error", || {
         seen.lock().unwrap().is_some()
@@ -165,7 +166,7 @@ async fn a_failure_met_by_a_signal_reaches_the_callers_of_waiting_runs() {
         .await;
         waiting.push((id, tokio::spawn(async move { h.result().await })));
     }
-    storage.fail_sync_after(1);
+    storage.fail_syncs_from_now();
     let sent = engine.signal("a", GO, &()).await;
     assert!(matches!(sent, Err(FlowError::Log(_))), "{sent:?}");
     for (id, w) in waiting {

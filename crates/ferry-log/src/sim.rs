@@ -54,6 +54,8 @@ struct Sim {
     syncs: u64,
     fail_write_at: Option<u64>,
     fail_sync_at: Option<u64>,
+    /// Every sync from this one on fails (`fail_syncs_from_now`).
+    fail_syncs_from: Option<u64>,
     dir_syncs: u64,
     fail_sync_dir_at: Option<u64>,
     /// Between `halt` and `crash`: the process is dead, every call fails.
@@ -103,6 +105,7 @@ impl SimStorage {
                 syncs: 0,
                 fail_write_at: None,
                 fail_sync_at: None,
+                fail_syncs_from: None,
                 dir_syncs: 0,
                 fail_sync_dir_at: None,
                 halted: false,
@@ -120,6 +123,13 @@ impl SimStorage {
     pub fn fail_sync_after(&self, n: u64) {
         let mut s = lock(&self.sim);
         s.fail_sync_at = Some(s.syncs + n);
+    }
+
+    /// Fail every sync from now on, whichever file it is for (a disk gone bad): unlike
+    /// `fail_sync_after`, no background sync can take the failure in a test's place.
+    pub fn fail_syncs_from_now(&self) {
+        let mut s = lock(&self.sim);
+        s.fail_syncs_from = Some(s.syncs + 1);
     }
 
     /// Fail the `n`th directory sync from now: the creations, removals and renames it
@@ -142,6 +152,7 @@ impl SimStorage {
         s.halted = false;
         s.fail_write_at = None;
         s.fail_sync_at = None;
+        s.fail_syncs_from = None;
         s.fail_sync_dir_at = None;
     }
 
@@ -200,6 +211,7 @@ impl SimStorage {
         s.halted = false;
         s.fail_write_at = None;
         s.fail_sync_at = None;
+        s.fail_syncs_from = None;
         s.fail_sync_dir_at = None;
     }
 
@@ -311,7 +323,7 @@ impl Storage for SimStorage {
             return Err(halted());
         }
         s.syncs += 1;
-        if s.fail_sync_at == Some(s.syncs) {
+        if s.fail_sync_at == Some(s.syncs) || s.fail_syncs_from.is_some_and(|f| s.syncs >= f) {
             // What the failed sync covered may or may not reach the disk: it stays
             // unsynced, for a crash to decide.
             return Err(io::Error::other("injected sync failure"));

@@ -230,7 +230,7 @@ fn until(
     }
 }
 
-fn serve_args<'a>(dir: &'a str, socket: &'a str, metrics: &'a str) -> Vec<&'a str> {
+fn serve_args<'a>(dir: &'a str, socket: &'a str, metrics: &'a str, http: &'a str) -> Vec<&'a str> {
     vec![
         "flow",
         "serve",
@@ -246,7 +246,30 @@ fn serve_args<'a>(dir: &'a str, socket: &'a str, metrics: &'a str) -> Vec<&'a st
         "400",
         "--metrics-listen",
         metrics,
+        "--http",
+        http,
     ]
+}
+
+/// How many runs the server's index says finished (its HTTP API, §10), page by page.
+fn finished_in_index(http: &str) -> anyhow::Result<usize> {
+    let mut n = 0;
+    let mut after = String::new();
+    loop {
+        let url = format!("http://{http}/v1/runs?state=finished&after={after}");
+        let text = ureq::get(&url)
+            .call()
+            .with_context(|| format!("the server's API at {url}"))?
+            .body_mut()
+            .read_to_string()?;
+        let page: serde_json::Value =
+            serde_json::from_str(&text).context("the server's list of runs")?;
+        n += page["runs"].as_array().map_or(0, Vec::len);
+        match page["next"].as_str() {
+            Some(next) => after = next.to_string(),
+            None => return Ok(n),
+        }
+    }
 }
 
 pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
@@ -258,9 +281,14 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
     let dir = root.join("flow-server");
     let socket = format!("unix:{}", root.join("flow.sock").display());
     let metrics = format!("127.0.0.1:{}", crate::demo::free_port()?);
+    let http = format!("127.0.0.1:{}", crate::demo::free_port()?);
     let dir_s = dir.display().to_string();
     let log = root.join("flow-server.log");
-    let mut server = Proc::start("flow server", &serve_args(&dir_s, &socket, &metrics), &log)?;
+    let mut server = Proc::start(
+        "flow server",
+        &serve_args(&dir_s, &socket, &metrics, &http),
+        &log,
+    )?;
     until(
         &metrics,
         Duration::from_secs(10),
@@ -365,7 +393,11 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
     server.kill()?;
     let at_server_kill = charged(&svc);
     let calls_at_server_kill = lock(&svc).calls.len();
-    let server = Proc::start("flow server", &serve_args(&dir_s, &socket, &metrics), &log)?;
+    let server = Proc::start(
+        "flow server",
+        &serve_args(&dir_s, &socket, &metrics, &http),
+        &log,
+    )?;
     let resumed = until(
         &metrics,
         Duration::from_secs(20),
@@ -412,6 +444,8 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
     let elapsed = started.elapsed();
     let survivor = workers.pop().expect("one worker left");
     let handed_back = survivor.terminate(Duration::from_secs(10))?;
+    // With no worker left, the server still answers for every run (guarantee 7).
+    let in_index = finished_in_index(&http)?;
     server.terminate(Duration::from_secs(10))?;
 
     let s = lock(&svc);
@@ -453,6 +487,7 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
         again_after_server_kill,
     );
     fact("flow_server", "orders_wrong", bad.len());
+    fact("flow_server", "finished_in_index", in_index);
     say!(
         "  orders notified:          {orders} of {orders} (in {:.1} s)",
         elapsed.as_secs_f64()
@@ -474,11 +509,18 @@ pub fn run(root: &Path, orders: u32) -> anyhow::Result<()> {
         "  orders wrong:             {} (not charged and notified once each, or charged after notifying)",
         bad.len()
     );
+    say!(
+        "  the server's index, with no worker left: {in_index} of {orders} orders finished (ferry flow list --server)"
+    );
     ensure!(
         takeover <= Duration::from_millis(LEASE_MS) + Duration::from_secs(1),
         "the takeover took {takeover:?}, over the lease plus 1 s"
     );
     ensure!(bad.is_empty(), "orders that went wrong: {bad:?}");
+    ensure!(
+        in_index == orders as usize,
+        "the server's index shows {in_index} of {orders} orders finished"
+    );
     ensure!(
         again_after_server_kill == 0,
         "{again_after_server_kill} calls made before the server's kill were made again after it"

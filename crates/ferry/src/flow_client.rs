@@ -53,14 +53,15 @@ impl Client {
             headers.push(("Idempotency-Key", k.to_string()));
         }
         let sent = if method == "POST" {
-            let mut r = self.agent.post(&url);
+            let mut r = self
+                .agent
+                .post(&url)
+                .header("Content-Type", "application/json");
             for (h, v) in &headers {
                 r = r.header(*h, v);
             }
             match body {
-                Some(b) => r
-                    .header("Content-Type", "application/json")
-                    .send(b.to_string().as_str()),
+                Some(b) => r.send(b.to_string().as_str()),
                 None => r.send_empty(),
             }
         } else {

@@ -94,7 +94,8 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
             .unwrap_or_else(|_| addr.starts_with("localhost:"));
         if settings.tokens.is_empty() && !loopback {
             anyhow::bail!(
-                "--http {addr}: an API on an address other machines reach needs --token-file                  (or serve it on 127.0.0.1)"
+                "--http {addr}: an API on an address other machines reach needs --token-file \
+                 (or serve it on 127.0.0.1)"
             );
         }
     }

@@ -299,6 +299,7 @@ fn worker_kills_lose_nothing_and_take_over_within_the_bound() {
     let part = &doc["flow_server"];
     assert_eq!(part["orders_wrong"], 0, "{doc}");
     assert_eq!(part["calls_again_after_server_kill"], 0, "{doc}");
+    assert_eq!(part["finished_in_index"], 60, "{doc}");
     let takeover = part["takeover_ms"].as_f64().unwrap();
     assert!(takeover <= 3_000.0, "takeover {takeover} ms: {doc}");
 }

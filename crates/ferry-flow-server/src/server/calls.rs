@@ -2,7 +2,7 @@
 //! of its run's shard, goes to it, and goes again to the next holder if the one it went
 //! to let go before answering; a result is answered from the index.
 
-use super::{Inner, State};
+use super::{Inner, Settings, State};
 use crate::lease::SessionId;
 use ferry_flow::remote::proto::{Body, Call, CallKind, Frame, Outcome, Refused};
 use std::sync::Arc;
@@ -20,7 +20,9 @@ pub(super) struct Forward {
     sent: Option<(SessionId, u64)>,
     /// Not sent again before this (the holder was still recovering the shard).
     not_before: Instant,
-    /// Refused as `NoHolder` if it found none by then.
+    /// Unsent: refused as `NoHolder` if it found no holder by then. Sent: refused as
+    /// `Unavailable` if its holder has not answered by then (its key makes the
+    /// caller's retry safe).
     until: Instant,
     reply: oneshot::Sender<Result<Outcome, Refused>>,
 }
@@ -36,11 +38,10 @@ pub(super) async fn call_in(inner: Arc<Inner>, call: Call) -> Result<Outcome, Re
     {
         let mut state = ferry_core::sync::lock(&inner.state);
         let now = Instant::now();
-        let waiting = state.calls.values().filter(|f| f.shard == shard).count();
-        if waiting >= CALLS_MAX {
-            return Err(Refused::Unavailable {
-                retry_after_ms: 1000,
-            });
+        // A stopping server takes no call (`stop_calls` answered those it had).
+        let stopping = *inner.stop.borrow();
+        if stopping || state.calls.values().filter(|f| f.shard == shard).count() >= CALLS_MAX {
+            return Err(UNAVAILABLE);
         }
         state.next_call += 1;
         let id = state.next_call;
@@ -55,18 +56,28 @@ pub(super) async fn call_in(inner: Arc<Inner>, call: Call) -> Result<Outcome, Re
                 reply: tx,
             },
         );
-        route(&mut state, now, inner.settings.call_wait);
+        route(&mut state, now, &inner.settings);
     }
-    // The server stopping drops the call.
-    rx.await.unwrap_or(Err(Refused::Unavailable {
-        retry_after_ms: 1000,
-    }))
+    rx.await.unwrap_or(Err(UNAVAILABLE))
+}
+
+const UNAVAILABLE: Refused = Refused::Unavailable {
+    retry_after_ms: 1000,
+};
+
+/// The server stops: every call in flight is answered `Unavailable` (a caller tries
+/// again once the server is back; the keys make that safe).
+pub(super) fn stop_calls(state: &mut State) {
+    for (_, f) in state.calls.drain() {
+        let _ = f.reply.send(Err(UNAVAILABLE));
+    }
 }
 
 /// Run `id`'s outcome from the index, once it ended (waiting up to `wait`): the run's
 /// summary as JSON, state running if it had not ended by then.
 async fn result(inner: &Inner, id: &str, wait: Duration) -> Result<Outcome, Refused> {
     let until = tokio::time::Instant::now() + wait.min(Duration::from_secs(60));
+    let mut stop = inner.stop.subscribe();
     loop {
         let ended = inner.ended.notified();
         tokio::pin!(ended);
@@ -79,21 +90,24 @@ async fn result(inner: &Inner, id: &str, wait: Duration) -> Result<Outcome, Refu
             });
         };
         let past = tokio::time::Instant::now() >= until;
-        if run.finished() || run.state == "parked" || past {
+        if run.finished() || past {
             let json = serde_json::to_vec(&run).expect("a summary serializes");
             return Ok(Outcome::Ok(json));
         }
         tokio::select! {
             _ = ended => {}
             _ = tokio::time::sleep_until(until) => {}
+            _ = stop.wait_for(|s| *s) => return Err(UNAVAILABLE),
         }
     }
 }
 
 /// Send each waiting call to its shard's holder, once it has one whose grant went out;
 /// take back calls whose holder lost the shard (they go to the next one: their keys make
-/// a second delivery a no-op); refuse those that waited `call_wait` for a holder.
-pub(super) fn route(state: &mut State, now: Instant, call_wait: Duration) {
+/// a second delivery a no-op); refuse those that waited `call_wait` for a holder, or a
+/// lease past that for its answer.
+pub(super) fn route(state: &mut State, now: Instant, settings: &Settings) {
+    let call_wait = settings.call_wait;
     let State {
         calls,
         table,
@@ -128,12 +142,16 @@ pub(super) fn route(state: &mut State, now: Instant, call_wait: Duration) {
                 body: Body::Call(f.call.clone()),
             });
             f.sent = Some((h, epoch));
+            f.until = now + call_wait + settings.lease;
             return true;
         }
         true
     });
-    for (_, f) in calls.extract_if(|_, f| f.sent.is_none() && now >= f.until) {
-        let _ = f.reply.send(Err(Refused::NoHolder { shard: f.shard }));
+    for (_, f) in calls.extract_if(|_, f| now >= f.until) {
+        let _ = f.reply.send(Err(match f.sent {
+            None => Refused::NoHolder { shard: f.shard },
+            Some(_) => UNAVAILABLE,
+        }));
     }
 }
 
@@ -159,13 +177,15 @@ pub(super) fn answered(
     let Some(f) = state.calls.get_mut(&id) else {
         return;
     };
-    if f.sent.is_none_or(|(h, _)| h != session) {
+    // Only from whom it was sent to, still holding the shard at that epoch.
+    let Some((to, epoch)) = f.sent else { return };
+    if to != session || state.table.holder(f.shard) != (epoch, Some(session)) {
         return;
     }
     if matches!(&outcome, Outcome::Err { kind, .. } if kind == "not_held") {
         f.sent = None;
         f.not_before = now + Duration::from_millis(20);
-        f.until = f.until.max(now + call_wait);
+        f.until = now + call_wait;
         return;
     }
     let f = state.calls.remove(&id).expect("looked at it");

@@ -271,6 +271,11 @@ fn handle(
     id: u64,
     body: Body,
 ) -> Option<Frame> {
+    // What an append's records do to the index, read before the lock.
+    let mut updates = match &body {
+        Body::Append(a) => crate::index::updates_of(&a.records),
+        _ => Vec::new(),
+    };
     let mut state = ferry_core::sync::lock(&inner.state);
     let state = &mut *state;
     // A connection its session replaced speaks no more.
@@ -321,11 +326,18 @@ fn handle(
             // it is in the log, the writer need not wait for it.
             replied(inner, state, session);
             let new = state.store.end(a.shard) - before;
-            if new > 0 {
-                let skip = (before - a.first) as usize;
+            let skip = before.saturating_sub(a.first) as usize;
+            let moving: Vec<(u64, crate::index::Update)> = updates
+                .drain(..)
+                .enumerate()
+                .skip(skip)
+                .take(new as usize)
+                .filter_map(|(i, u)| Some((a.first + i as u64 + 1, u?)))
+                .collect();
+            if !moving.is_empty() {
                 let mut index = ferry_core::sync::lock(&inner.index);
-                for (i, r) in a.records[skip..skip + new as usize].iter().enumerate() {
-                    index.appended(a.shard, before + i as u64 + 1, r.kind, &r.bytes);
+                for (position, u) in moving {
+                    index.appended(a.shard, position, u);
                 }
             }
             inner.counts.records.fetch_add(new, Relaxed);

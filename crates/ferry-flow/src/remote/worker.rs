@@ -502,7 +502,7 @@ impl Caller {
 
     /// Make `call` through the server (docs/flow-server.md §9). A call the connection
     /// breaks under is sent again on the next one (its key makes that safe); the worker
-    /// stopping answers `Unavailable`.
+    /// stopping, or no answer within [`CALL_WITHIN`], answers `Unavailable`.
     pub async fn call(&self, call: Call) -> Result<Outcome, Refused> {
         let unavailable = Refused::Unavailable {
             retry_after_ms: 1000,
@@ -516,9 +516,16 @@ impl Caller {
             }
             _ => return Err(unavailable),
         }
-        rx.await.unwrap_or(Err(unavailable))
+        match tokio::time::timeout(CALL_WITHIN, rx).await {
+            Ok(Ok(answer)) => answer,
+            _ => Err(unavailable),
+        }
     }
 }
+
+/// The longest a worker waits for the answer to a call through the server: the server
+/// answers within `call_wait` + `lease` while it is reachable.
+pub const CALL_WITHIN: Duration = Duration::from_secs(60);
 
 impl Worker {
     /// Start connecting; returns once the server answered the first hello (or with why
@@ -847,15 +854,16 @@ async fn session(
     let again: Vec<_> = lock(&conn.calls_again).drain(..).collect();
     for (call, reply) in again {
         let rid = next_id();
-        send(
-            &mut wr,
-            Frame {
-                id: rid,
-                body: Body::Call(call.clone()),
-            },
-        )
-        .await?;
-        calls.insert(rid, (call, reply));
+        calls.insert(rid, (call.clone(), reply));
+        let frame = Frame {
+            id: rid,
+            body: Body::Call(call),
+        };
+        if let Err(e) = send(&mut wr, frame).await {
+            // For the next connection, with the rest.
+            lock(&conn.calls_again).extend(calls.into_values());
+            return Err(e);
+        }
     }
     let mut tick = tokio::time::interval(ping_every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
