@@ -124,6 +124,43 @@ impl Index {
         }
     }
 
+    /// A run a checkpoint keeps as finished (read at start).
+    pub fn finished_run(
+        &mut self,
+        shard: u32,
+        id: &str,
+        workflow: &str,
+        parent: Option<&str>,
+        generation: u32,
+        outcome: &Outcome,
+    ) {
+        self.apply(
+            shard,
+            Update(Change::Started {
+                run: id.to_string(),
+                generation,
+                workflow: workflow.to_string(),
+                parent: parent.map(str::to_string),
+            }),
+        );
+        self.apply(
+            shard,
+            Update(Change::Finished {
+                run: id.to_string(),
+                outcome: outcome.clone(),
+            }),
+        );
+    }
+
+    /// Runs the checkpoints no longer keep (finished longer than the retention ago).
+    pub fn forget(&mut self, ids: &[String]) {
+        for id in ids {
+            if self.runs.get(id).is_some_and(RunSummary::finished) {
+                self.runs.remove(id);
+            }
+        }
+    }
+
     /// A record appended to `shard`, ending at `position`, with what it does
     /// ([`updates_of`]): applied once that is durable.
     pub fn appended(&mut self, shard: u32, position: u64, update: Update) {

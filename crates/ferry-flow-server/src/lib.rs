@@ -12,8 +12,11 @@
 //! - `peer`: a worker's end of a connection with no engine behind it, for tests and
 //!   probes.
 //!
-//! Not built yet (§15): checkpoints per shard, the outbox for calls made by runs.
+//! - `checkpoints`: each shard's checkpoint, and retiring the log below them (§7).
+//!
+//! Not built yet (§15): the outbox for calls made by runs.
 
+pub mod checkpoints;
 pub mod http;
 pub mod index;
 pub mod lease;

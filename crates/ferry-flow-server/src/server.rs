@@ -22,9 +22,10 @@ pub use status::{LogStatus, ShardStatus, Status, WorkerStatus};
 use calls::{Forward, call_in, route, stop_calls};
 use conn::connection;
 
+use crate::checkpoints::{Checkpoints, CheckpointsError, Compacted, read_kept, write_kept};
 use crate::index::{Index, RunSummary};
 use crate::lease::{Action, LeaseTable, SessionId};
-use crate::store::Store;
+use crate::store::{Kept, Store};
 use ferry_core::ConfigError;
 use ferry_flow::log::{Config as LogConfig, Error as LogError, Log, Lsn};
 use ferry_flow::remote::proto::{self, Body, Call, Frame, Granted, Outcome, Refused, ShardPos};
@@ -52,6 +53,11 @@ pub struct Settings {
     /// How long a call waits for its run's shard to have a holder before it is refused
     /// as `NoHolder` (docs/flow-server.md §9).
     pub call_wait: Duration,
+    /// Compact once the log grew by this many bytes (or a minute passed) (§7).
+    pub compact_bytes: u64,
+    /// How long a finished run stays known (its result, its id taken) after the first
+    /// compaction that saw it finished.
+    pub retention: Duration,
 }
 
 pub const SHARDS_MAX: u32 = 1024;
@@ -73,6 +79,8 @@ impl Default for Settings {
             tokens: Vec::new(),
             record_max: (1 << 20) + 64,
             call_wait: Duration::from_secs(5),
+            compact_bytes: 64 << 20,
+            retention: Duration::from_secs(24 * 3600),
         }
     }
 }
@@ -170,8 +178,14 @@ struct Inner {
     /// The runs, from durable records (list, show, result). Its own lock, taken after
     /// `state`'s where both are: a list does not hold up appends.
     index: Mutex<Index>,
-    /// Woken when a run finishes or parks: long-polled results look again.
+    /// Woken when a run finishes: long-polled results look again.
     ended: Notify,
+    /// Each shard's checkpoint (taken before `state` where both are).
+    checkpoints: Mutex<Checkpoints>,
+    /// `DIR/shards`: the checkpoints and the kept epochs.
+    shards_dir: std::path::PathBuf,
+    /// When the last compaction ran, and where the log ended then.
+    compacted: Mutex<(Instant, Lsn)>,
 }
 
 /// Counters for /metrics, from the server's start.
@@ -224,14 +238,51 @@ impl Server {
                 dir.display()
             ))
         })?;
+        // A shard's record travels in the log with 21 bytes of its own.
+        if u64::from(settings.record_max) + 21 > u64::from(log.record_bytes_max) {
+            return Err(ConfigError::new(
+                "record_max",
+                settings.record_max,
+                format!(
+                    "must fit, with 21 bytes of framing, in the log's largest record ({})",
+                    log.record_bytes_max
+                ),
+            )
+            .into());
+        }
         let (log, _) = Log::open_dir(&dir.join("log"), log)?;
         let follower = log.follower();
         let log = Arc::new(log);
+        let shards_dir = dir.join("shards");
+        let kept = read_kept(&shards_dir)?;
+        if let Some(k) = &kept
+            && k.shards != settings.shards
+        {
+            return Err(OpenError::Dir(format!(
+                "this server's directory was made for {} shards, not {}: start it with \
+                 --shards {} (runs are placed by shard, so the count cannot change)",
+                k.shards, settings.shards, k.shards
+            )));
+        }
+        let checkpoints = Checkpoints::open(&shards_dir, settings.shards, log.start_lsn())?;
+        // The runs the checkpoints keep, then those of the log after them.
         let mut index = Index::new(settings.shards);
-        let (store, opened) =
-            Store::open(log.clone(), settings.shards, &mut |shard, kind, bytes| {
-                index.durable_record(shard, kind, bytes)
-            })?;
+        for k in 0..settings.shards {
+            let c = checkpoints.shard(k);
+            for (id, workflow, parent, generation, outcome) in c.finished() {
+                index.finished_run(k, id, workflow, parent, generation, outcome);
+            }
+            for rec in c.active_records() {
+                index.durable_record(k, ferry_flow::journal::RECORD_KIND, rec);
+            }
+        }
+        let (store, opened) = Store::open(
+            log.clone(),
+            settings.shards,
+            &checkpoints.bases(),
+            kept.as_ref(),
+            &mut |shard, kind, bytes| index.durable_record(shard, kind, bytes),
+        )?;
         tracing::info!(
             records = opened.records,
             runs = index.len(),
@@ -271,6 +322,9 @@ impl Server {
                 counts: Counts::default(),
                 index: Mutex::new(index),
                 ended: Notify::new(),
+                checkpoints: Mutex::new(checkpoints),
+                shards_dir,
+                compacted: Mutex::new((Instant::now(), 0)),
             }),
         })
     }
@@ -279,7 +333,15 @@ impl Server {
     pub fn start(&self) {
         let ticker = tokio::spawn(tick(self.inner.clone(), self.inner.stop.subscribe()));
         let pump = tokio::spawn(pump(self.inner.clone(), self.inner.stop.subscribe()));
-        ferry_core::sync::lock(&self.inner.tasks).extend([ticker, pump]);
+        let compactor = tokio::spawn(compactor(self.inner.clone(), self.inner.stop.subscribe()));
+        ferry_core::sync::lock(&self.inner.tasks).extend([ticker, pump, compactor]);
+    }
+
+    /// Compact now (docs/flow-server.md §7): fold what is durable into each shard's
+    /// checkpoint, forget runs finished longer than the retention ago, keep the
+    /// epochs, and retire the log below. Blocking (it reads the log and writes files).
+    pub fn compact(&self) -> Result<Compacted, CheckpointsError> {
+        compact(&self.inner)
     }
 
     /// Stop: every connection closes (its worker resumes elsewhere or later), the tasks
@@ -405,10 +467,72 @@ impl Connector {
 pub enum OpenError {
     #[error(transparent)]
     Config(#[from] ConfigError),
+    #[error(transparent)]
+    Checkpoints(#[from] CheckpointsError),
     #[error("{0}")]
     Dir(String),
     #[error(transparent)]
     Log(#[from] LogError),
+}
+
+/// Compacts (off the runtime's threads) once the log grew by `compact_bytes` since the
+/// last compaction, or a minute passed with anything new.
+async fn compactor(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
+    loop {
+        tokio::select! {
+            biased;
+            _ = stop.wait_for(|s| *s) => return,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+        let (last, at) = *ferry_core::sync::lock(&inner.compacted);
+        let durable = inner.log.durable_lsn();
+        let grown = durable.saturating_sub(at);
+        let due = grown >= inner.settings.compact_bytes
+            || (grown > 0 && last.elapsed() >= Duration::from_secs(60));
+        if !due {
+            continue;
+        }
+        let i = inner.clone();
+        match tokio::task::spawn_blocking(move || compact(&i)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "ferry flow server: compaction failed; tried again later")
+            }
+            Err(e) => tracing::error!(error = %e, "ferry flow server: compaction panicked"),
+        }
+    }
+}
+
+fn compact(inner: &Inner) -> Result<Compacted, CheckpointsError> {
+    let started = Instant::now();
+    let mut checkpoints = ferry_core::sync::lock(&inner.checkpoints);
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let retention_ms = inner.settings.retention.as_millis() as u64;
+    let done = checkpoints.compact(&inner.log, now_ms, retention_ms)?;
+    let kept = {
+        let mut state = ferry_core::sync::lock(&inner.state);
+        for &(shard, position) in &done.moved {
+            state.store.set_base(shard, position, done.read);
+        }
+        Kept {
+            shards: inner.settings.shards,
+            epochs: state.store.epochs(),
+        }
+    };
+    ferry_core::sync::lock(&inner.index).forget(&done.expired);
+    write_kept(&inner.shards_dir, &kept)?;
+    let retired = inner.log.retire_below(done.read)?;
+    *ferry_core::sync::lock(&inner.compacted) = (Instant::now(), done.read);
+    tracing::info!(
+        shards = done.moved.len(),
+        expired = done.expired.len(),
+        retired,
+        ms = started.elapsed().as_secs_f64() * 1e3,
+        "ferry flow server: checkpoints written"
+    );
+    Ok(done)
 }
 
 async fn tick(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
@@ -524,7 +648,7 @@ fn deliver(inner: &Inner) {
                 body: Body::Grant(vec![Granted {
                     shard,
                     epoch,
-                    checkpoint: 0,
+                    checkpoint: state.store.base(shard),
                     end: state.store.end(shard),
                 }]),
             });

@@ -9,8 +9,10 @@
 //!   grant is sent;
 //! - kind 4, the server's shape: `shards u32`, the first record of a new log.
 //!
-//! Not here yet: checkpoints per shard and retiring segments (§15 step 3). The index of
-//! runs (`index.rs`) is fed from here at open and from the server's appends.
+//! A shard's records before its *base* are in its checkpoint (`checkpoints.rs`); the
+//! log's segments below every shard's base are retired, so the shape and the epochs
+//! are also kept in `DIR/shards/epochs` (written before segments are retired). The
+//! index of runs (`index.rs`) is fed from here at open and from the server's appends.
 
 use ferry_flow::log::{Error, Log, Lsn};
 use ferry_flow::remote::proto::{Rec, Refused};
@@ -27,9 +29,13 @@ struct Stream {
     /// From the newest epoch record: the epoch and the session granted it.
     epoch: u64,
     holder: Option<u128>,
+    /// Records before this position are in the shard's checkpoint.
+    base: u64,
+    /// Where a read for the record at `base` may start in the log.
+    base_lsn: Lsn,
     /// Each record's end in the log (where a read for the next one starts), its CRC32C
     /// and its length (to tell a record sent again from a different one at the same
-    /// position), by position.
+    /// position), by position from `base`.
     index: Vec<(Lsn, u32, u32)>,
     /// Records appended and not yet durable: (end in the log, position after it).
     pending: VecDeque<(Lsn, u64)>,
@@ -64,13 +70,28 @@ impl Store {
     /// Open the log (recovered already by `Log::open*`) and read it back, handing each
     /// shard record to `on_record` (shard, kind, bytes). A new log gets the shape
     /// record; an existing one must have been made for `shards` shards.
+    /// `bases` are where each shard's checkpoint ends; `kept` the shape and epochs kept
+    /// beside the log (the log's own may be retired).
     pub fn open(
         log: Arc<Log>,
         shards: u32,
+        bases: &[u64],
+        kept: Option<&Kept>,
         on_record: &mut dyn FnMut(u32, u8, &[u8]),
     ) -> Result<(Store, Opened), Error> {
-        let mut streams: Vec<Stream> = (0..shards).map(|_| Stream::default()).collect();
-        let mut shape = None;
+        let mut streams: Vec<Stream> = (0..shards as usize)
+            .map(|k| Stream {
+                base: bases.get(k).copied().unwrap_or(0),
+                base_lsn: log.start_lsn(),
+                ..Stream::default()
+            })
+            .collect();
+        if let Some(kept) = kept {
+            for (s, &(epoch, holder)) in streams.iter_mut().zip(&kept.epochs) {
+                (s.epoch, s.holder) = (epoch, holder);
+            }
+        }
+        let mut shape = kept.map(|k| k.shards);
         let mut records = 0u64;
         let mut bad = None;
         log.read(log.start_lsn(), |r| {
@@ -81,7 +102,14 @@ impl Store {
             let p = r.payload;
             match r.kind {
                 SHAPE_RECORD if p.len() == 4 => {
-                    shape = Some(u32::from_be_bytes(p.try_into().unwrap()));
+                    let n = u32::from_be_bytes(p.try_into().unwrap());
+                    if shape.is_some_and(|k| k != n) {
+                        bad = Some(corrupted(
+                            r.lsn,
+                            format!("the log is shaped for {n} shards, DIR/shards/epochs for {shape:?}"),
+                        ));
+                    }
+                    shape = Some(n);
                 }
                 SHARD_RECORD if p.len() >= 21 => {
                     let shard = u32::from_be_bytes(p[..4].try_into().unwrap());
@@ -90,12 +118,16 @@ impl Store {
                         bad = Some(corrupted(r.lsn, format!("a record of shard {shard}")));
                         return;
                     };
-                    if position != s.index.len() as u64 {
+                    // Folded into the shard's checkpoint already.
+                    if position < s.base {
+                        return;
+                    }
+                    let next = s.base + s.index.len() as u64;
+                    if position != next {
                         bad = Some(corrupted(
                             r.lsn,
                             format!(
-                                "shard {shard}'s record at position {position}, where {} was next",
-                                s.index.len()
+                                "shard {shard}'s record at position {position}, where {next} was next"
                             ),
                         ));
                         return;
@@ -110,8 +142,12 @@ impl Store {
                         bad = Some(corrupted(r.lsn, format!("an epoch of shard {shard}")));
                         return;
                     };
-                    s.epoch = u64::from_be_bytes(p[4..12].try_into().unwrap());
-                    s.holder = Some(u128::from_be_bytes(p[12..28].try_into().unwrap()));
+                    let epoch = u64::from_be_bytes(p[4..12].try_into().unwrap());
+                    // Epochs only rise: one kept beside the log may be newer.
+                    if epoch >= s.epoch {
+                        s.epoch = epoch;
+                        s.holder = Some(u128::from_be_bytes(p[12..28].try_into().unwrap()));
+                    }
                 }
                 kind => {
                     bad = Some(corrupted(
@@ -145,7 +181,7 @@ impl Store {
             }
         }
         for s in &mut streams {
-            s.durable = s.index.len() as u64;
+            s.durable = s.base + s.index.len() as u64;
         }
         let epochs = streams.iter().map(|s| (s.epoch, s.holder)).collect();
         Ok((Store { log, streams }, Opened { epochs, records }))
@@ -157,7 +193,28 @@ impl Store {
 
     /// Where the shard's records end (durable or not).
     pub fn end(&self, shard: u32) -> u64 {
-        self.streams[shard as usize].index.len() as u64
+        let s = &self.streams[shard as usize];
+        s.base + s.index.len() as u64
+    }
+
+    /// Where the shard's checkpoint ends: its records before this are not in the log.
+    pub fn base(&self, shard: u32) -> u64 {
+        self.streams[shard as usize].base
+    }
+
+    /// Each shard's epoch and the session its newest epoch record names.
+    pub fn epochs(&self) -> Vec<(u64, Option<u128>)> {
+        self.streams.iter().map(|s| (s.epoch, s.holder)).collect()
+    }
+
+    /// The shard's records before `base` are now in its checkpoint, and every shard's
+    /// records from `base` on lie at or after `base_lsn` in the log: forget their index.
+    pub fn set_base(&mut self, shard: u32, base: u64, base_lsn: Lsn) {
+        let s = &mut self.streams[shard as usize];
+        let drop = base.saturating_sub(s.base).min(s.index.len() as u64) as usize;
+        s.index.drain(..drop);
+        s.base = s.base.max(base);
+        s.base_lsn = base_lsn;
     }
 
     /// Every record of the shard before this is durable.
@@ -178,7 +235,7 @@ impl Store {
         records: &[Rec],
     ) -> Result<Option<Lsn>, AppendError> {
         let s = &mut self.streams[shard as usize];
-        let end = s.index.len() as u64;
+        let end = s.base + s.index.len() as u64;
         if first > end {
             return Err(AppendError::Refused(Refused::PositionGap {
                 shard,
@@ -193,7 +250,11 @@ impl Store {
             payload.push(rec.kind);
             payload.extend_from_slice(&rec.bytes);
             let crc = crc32c::crc32c(&payload);
-            if let Some(&(_, had, len)) = s.index.get(position as usize) {
+            // Folded into the checkpoint: durable, and sent again.
+            if position < s.base {
+                continue;
+            }
+            if let Some(&(_, had, len)) = s.index.get((position - s.base) as usize) {
                 if (had, len as usize) != (crc, payload.len()) {
                     return Err(AppendError::Refused(Refused::PositionGap {
                         shard,
@@ -252,20 +313,22 @@ impl Store {
     /// What reading a page of the shard's durable records from position `from` needs,
     /// taken under the server's lock; the reading itself ([`Page::read`]) goes without
     /// it.
-    pub fn page(&self, shard: u32, from: u64) -> Page {
+    pub fn page(&self, shard: u32, from: u64) -> Option<Page> {
         let s = &self.streams[shard as usize];
-        Page {
+        // Before the base: in the checkpoint, which the reader fetches first.
+        let lsn = match from {
+            n if n < s.base => return None,
+            n if n == s.base => s.base_lsn,
+            n if n <= s.durable => s.index[(n - s.base) as usize - 1].0,
+            _ => 0,
+        };
+        Some(Page {
             log: self.log.clone(),
             shard,
             from,
             durable: s.durable,
-            // The record before `from` ends where a read for it starts.
-            lsn: match from {
-                0 => self.log.start_lsn(),
-                n if n <= s.durable => s.index[n as usize - 1].0,
-                _ => 0,
-            },
-        }
+            lsn,
+        })
     }
 }
 
@@ -299,6 +362,11 @@ impl Page {
                 return true;
             }
             let position = u64::from_be_bytes(p[12..20].try_into().unwrap());
+            // Before the page (read from a base that the log still holds older records
+            // of).
+            if position < next {
+                return true;
+            }
             if position != next {
                 bad = Some(corrupted(
                     r.lsn,
@@ -324,6 +392,14 @@ impl Page {
         }
         Ok((out, next >= durable))
     }
+}
+
+/// What the server keeps beside its log, for when the log's first segments are
+/// retired: the shard count and each shard's epoch and holder (`DIR/shards/epochs`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Kept {
+    pub shards: u32,
+    pub epochs: Vec<(u64, Option<u128>)>,
 }
 
 /// Why an append was not taken.

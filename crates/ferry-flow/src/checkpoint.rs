@@ -21,7 +21,7 @@ const MAGIC: &[u8; 8] = b"FERRYCKP";
 
 /// Why a checkpoint, or a record folded into one, cannot be used.
 #[derive(Debug, thiserror::Error)]
-pub(crate) enum CheckpointError {
+pub enum CheckpointError {
     #[error("not a ferry-flow checkpoint")]
     NotACheckpoint,
     #[error("its checksum does not match (damaged)")]
@@ -257,6 +257,83 @@ impl<'a> Reader<'a> {
         Ok(u64::from_le_bytes(
             self.take(8)?.try_into().expect("8 bytes"),
         ))
+    }
+}
+
+/// A shard's checkpoint on the flow server (docs/flow-server.md §7): an embedded
+/// engine's fold and file, its position a place in the shard's stream of records (the
+/// count of records it covers) rather than in a log.
+#[derive(Debug, Default)]
+pub struct ShardCheckpoint {
+    pub(crate) folded: Folded,
+}
+
+impl ShardCheckpoint {
+    pub fn decode(bytes: &[u8]) -> Result<ShardCheckpoint, CheckpointError> {
+        Folded::decode(bytes).map(|folded| ShardCheckpoint { folded })
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        self.folded.encode()
+    }
+
+    /// How many of the shard's records it covers.
+    pub fn position(&self) -> u64 {
+        self.folded.lsn
+    }
+
+    /// Fold the shard's record at `position` (the next one: records before it are in).
+    pub fn fold(
+        &mut self,
+        position: u64,
+        kind: u8,
+        payload: &[u8],
+        now_ms: u64,
+    ) -> Result<(), CheckpointError> {
+        if kind == crate::journal::RECORD_KIND {
+            self.folded.fold(payload, now_ms)?;
+        }
+        self.folded.lsn = position + 1;
+        Ok(())
+    }
+
+    /// Forget runs finished longer than `retention_ms` ago; their ids.
+    pub fn expire(&mut self, now_ms: u64, retention_ms: u64) -> Vec<String> {
+        self.folded.expire(now_ms, retention_ms)
+    }
+
+    /// The unfinished runs' records it keeps, as the log carried them.
+    pub fn active_records(&self) -> impl Iterator<Item = &[u8]> {
+        self.folded
+            .active
+            .values()
+            .flat_map(|a| a.records.iter().map(Vec::as_slice))
+    }
+
+    /// The finished runs it keeps: id, workflow, parent, generation, outcome.
+    pub fn finished(&self) -> impl Iterator<Item = (&str, &str, Option<&str>, u32, &Outcome)> {
+        self.folded.finished.iter().map(|(id, d)| {
+            (
+                id.as_str(),
+                d.workflow.as_str(),
+                d.parent.as_deref(),
+                d.generation,
+                &d.outcome,
+            )
+        })
+    }
+
+    /// Where the checkpoint of `position` lives in `dir`.
+    pub fn path(dir: &Path, position: u64) -> PathBuf {
+        path(dir, position)
+    }
+
+    /// The checkpoints in `dir` (a missing one: none), oldest first.
+    pub fn list(dir: &Path) -> std::io::Result<Vec<(u64, PathBuf)>> {
+        match list(dir) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+            r => r,
+        }
     }
 }
 

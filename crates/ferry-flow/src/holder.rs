@@ -25,8 +25,9 @@
 //! the engine's view (`NotHeld`, forgotten runs).
 
 use crate::api::FlowError;
+use crate::checkpoint::Folded;
 use crate::journal_log::{Durable, JournalLog, OnDurable, Watched};
-use crate::recovery::{Journaled, journaled, recover_run};
+use crate::recovery::{Journaled, journaled_from, recover_run};
 use crate::remote::worker::{Event, ShardStream, Worker};
 use crate::shard::Shard;
 use crate::shared::{Lane, Shared};
@@ -97,6 +98,28 @@ impl JournalLog for Vacant {
     fn may_act(&self) -> bool {
         false
     }
+}
+
+/// A granted shard's journal as the server holds it: its newest checkpoint, and the
+/// records after it (docs/flow-server.md §7).
+fn journal_of(stream: &ShardStream, journal: &dyn JournalLog) -> Result<Journaled, FlowError> {
+    let folded = match stream.checkpoint()? {
+        None => Folded::default(),
+        Some((position, bytes)) => {
+            let mut folded = Folded::decode(&bytes).map_err(|e| FlowError::Damaged {
+                what: format!(
+                    "shard {}'s checkpoint at {position} on the server",
+                    stream.shard()
+                ),
+                reason: e.to_string(),
+                hint: "the server's copy is damaged: restore the server's directory from a copy"
+                    .into(),
+            })?;
+            folded.lsn = position;
+            folded
+        }
+    };
+    journaled_from(folded, journal)
 }
 
 /// The lane of shard `shard` while this worker does not hold it.
@@ -239,7 +262,7 @@ impl Holding {
         // A read cut short by a blip of the connection is read again, while the grant
         // lasts (it is resumed with the connection, or lost).
         let read = loop {
-            match journaled(None, &*lane.journal) {
+            match journal_of(&stream, &*lane.journal) {
                 Err(FlowError::Log(e)) if !matches!(e, Error::Fenced(_)) && !stream.is_lost() => {
                     tracing::warn!(
                         shard,
@@ -252,7 +275,26 @@ impl Holding {
             }
         };
         let recovered = read.and_then(|j| {
-            let Journaled { by_run, read, .. } = j;
+            let Journaled {
+                folded,
+                by_run,
+                read,
+            } = j;
+            // Runs the checkpoint keeps as finished (their results, their ids taken).
+            {
+                let mut runs = lock(&self.shared.runs);
+                for (id, d) in folded.finished {
+                    let name = self.shared.workflow_name(&d.workflow);
+                    let mut e = crate::registry::RunEntry::new(
+                        name,
+                        d.parent,
+                        d.generation,
+                        crate::api::RunStatus::Finished(d.outcome),
+                    );
+                    e.inbox.remember_keys(&d.keys);
+                    self.shared.insert_recovered(&mut runs, id, e);
+                }
+            }
             let mut resumed = 0;
             for (run, records) in by_run {
                 if recover_run(&self.shared, &lane, run, records)? {

@@ -47,6 +47,7 @@ pub use api::{
     FlowError, Limit, Limits, Recovery, RunInfo, RunStatus, Signal, StepError, Workflow,
 };
 pub use builder::{DEFAULT_MAX_RUNNING, EngineBuilder, SHARDS_MAX};
+pub use checkpoint::{CheckpointError, ShardCheckpoint};
 pub use ctx::{Ctx, Retry, Step, StepCtx};
 pub use engine::{Engine, RunHandle};
 pub use ferry_core::{Class, Classify, ConfigError};

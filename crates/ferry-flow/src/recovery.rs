@@ -286,6 +286,11 @@ pub(crate) fn journaled(dir: Option<&Path>, log: &dyn JournalLog) -> Result<Jour
         Some(dir) => load_checkpoint(dir, log)?,
         None => Folded::default(),
     };
+    journaled_from(folded, log)
+}
+
+/// The records of `folded` (a checkpoint) and the log's after it.
+pub(crate) fn journaled_from(folded: Folded, log: &dyn JournalLog) -> Result<Journaled, FlowError> {
     let mut by_run: BTreeMap<String, Vec<Record>> =
         folded.active_records().map_err(|e| FlowError::Damaged {
             what: "a record in the newest checkpoint".into(),

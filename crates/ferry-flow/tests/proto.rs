@@ -74,7 +74,7 @@ fn refused(rng: &mut SplitMix64) -> Refused {
 fn any_frame(rng: &mut SplitMix64, ty: u64) -> Frame {
     let shard = rng.next_u64() as u32;
     let epoch = rng.next_u64();
-    let body = match ty % 16 {
+    let body = match ty % 18 {
         0 => Body::Hello(Hello {
             version: rng.next_u64() as u16,
             role: if rng.below(2) == 0 {
@@ -198,6 +198,21 @@ fn any_frame(rng: &mut SplitMix64, ty: u64) -> Frame {
             last: rng.below(2) == 0,
         }),
         14 => Body::Released { shard, epoch },
+        15 => Body::Fetch {
+            shard,
+            epoch,
+            position: rng.next_u64(),
+            offset: rng.next_u64(),
+            max_bytes: rng.next_u64() as u32,
+        },
+        16 => Body::Checkpoint {
+            shard,
+            epoch,
+            position: rng.next_u64(),
+            offset: rng.next_u64(),
+            bytes: bytes(rng, 40),
+            last: rng.below(2) == 0,
+        },
         _ => Body::Refused {
             to: rng.next_u64(),
             refused: refused(rng),

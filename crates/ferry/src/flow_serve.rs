@@ -47,6 +47,14 @@ pub struct ServeArgs {
     /// worker before it is refused as transient.
     #[arg(long, default_value_t = 5_000)]
     pub call_wait_ms: u64,
+    /// Write each shard's checkpoint and retire the log below them once the log grew by
+    /// this many bytes (or a minute passed with anything new).
+    #[arg(long, default_value_t = 64 << 20)]
+    pub compact_bytes: u64,
+    /// How long a finished run stays known (its result, its id taken) after the first
+    /// checkpoint that saw it finished.
+    #[arg(long, default_value_t = 24 * 3600 * 1000)]
+    pub retention_ms: u64,
     /// After a sync, wait up to this long for the workers it acknowledged to send their
     /// next appends, so that they ride the next sync: fewer syncs, for latency (0: do
     /// not wait). docs/notes/2026-12-07-flow-server-engine.md has what it did.
@@ -84,6 +92,8 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
         ping_every: Duration::from_millis(a.ping_ms),
         stuck_after: Duration::from_millis(a.stuck_ms),
         call_wait: Duration::from_millis(a.call_wait_ms),
+        compact_bytes: a.compact_bytes,
+        retention: Duration::from_millis(a.retention_ms),
         tokens,
         ..Settings::default()
     };

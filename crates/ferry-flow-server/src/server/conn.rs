@@ -250,7 +250,7 @@ fn hello_in(
             Action::Resumed { shard, epoch, .. } => Some(Granted {
                 shard,
                 epoch,
-                checkpoint: 0,
+                checkpoint: state.store.base(shard),
                 end: state.store.durable(shard),
             }),
             _ => None,
@@ -411,8 +411,12 @@ fn handle(
                 return Some(refused(id, r));
             }
             // Read without the lock (a page is up to 1 MiB, and the read passes other
-            // shards' records): every other connection's pings and appends go on.
-            let page = state.store.page(shard, from);
+            // shards' records): every other connection's pings and appends go on. A
+            // read from before the shard's checkpoint (a newer one than the reader
+            // fetched) is refused: the reader starts again from the checkpoint.
+            let Some(page) = state.store.page(shard, from) else {
+                return Some(refused(id, UNAVAILABLE));
+            };
             let tx = tx.clone();
             tokio::task::spawn_blocking(move || {
                 let answer = match page.read(max_bytes.clamp(1, PAGE_MAX)) {
@@ -440,6 +444,49 @@ fn handle(
             });
             None
         }
+        Body::Fetch {
+            shard,
+            epoch,
+            position,
+            offset,
+            max_bytes,
+        } => {
+            if let Err(r) = state.table.check(session, shard, epoch) {
+                return Some(refused(id, r));
+            }
+            let position = match position {
+                0 => state.store.base(shard),
+                p => p,
+            };
+            let chunk = move |bytes, last| Frame {
+                id,
+                body: Body::Checkpoint {
+                    shard,
+                    epoch,
+                    position,
+                    offset,
+                    bytes,
+                    last,
+                },
+            };
+            if position == 0 {
+                return Some(chunk(Vec::new(), true));
+            }
+            let path = ferry_core::sync::lock(&inner.checkpoints).path(shard, position);
+            let tx = tx.clone();
+            tokio::task::spawn_blocking(move || {
+                let answer = match read_chunk(&path, offset, max_bytes.clamp(1, PAGE_MAX)) {
+                    Ok((bytes, last)) => chunk(bytes, last),
+                    // Replaced by a newer one meanwhile: the reader starts again.
+                    Err(e) => {
+                        tracing::info!(error = %e, shard, "ferry flow server: a checkpoint could not be read");
+                        refused(id, UNAVAILABLE)
+                    }
+                };
+                let _ = tx.send(answer);
+            });
+            None
+        }
         Body::Answer { call, outcome } => {
             answered(state, session, call, outcome, now, inner.settings.call_wait);
             None
@@ -458,4 +505,20 @@ fn handle(
             },
         )),
     }
+}
+
+const UNAVAILABLE: Refused = Refused::Unavailable {
+    retry_after_ms: 1000,
+};
+
+/// Up to `max` bytes of the file at `path` from `offset`; whether they reach its end.
+fn read_chunk(path: &std::path::Path, offset: u64, max: u32) -> std::io::Result<(Vec<u8>, bool)> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::File::open(path)?;
+    let len = f.metadata()?.len();
+    f.seek(SeekFrom::Start(offset))?;
+    let mut bytes = Vec::new();
+    f.take(u64::from(max)).read_to_end(&mut bytes)?;
+    let last = offset + bytes.len() as u64 >= len;
+    Ok((bytes, last))
 }

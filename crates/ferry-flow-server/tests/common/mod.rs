@@ -54,9 +54,13 @@ pub fn start(dir: &Path, socket: &Path, shards: u32) -> Running {
 }
 
 pub fn start_with(dir: &Path, socket: &Path, settings: Settings) -> Running {
+    start_with_log(dir, socket, settings, LogConfig::default())
+}
+
+/// [`start_with`] and the log's configuration.
+pub fn start_with_log(dir: &Path, socket: &Path, settings: Settings, log: LogConfig) -> Running {
     let _ = std::fs::remove_file(socket);
-    let server =
-        Arc::new(Server::open(&dir.join("server"), settings, LogConfig::default()).unwrap());
+    let server = Arc::new(Server::open(&dir.join("server"), settings, log).unwrap());
     let listener = UnixListener::bind(socket).unwrap();
     server.start();
     let c = server.connector();

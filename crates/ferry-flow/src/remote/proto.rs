@@ -216,6 +216,14 @@ pub enum Body {
         from: u64,
         max_bytes: u32,
     },
+    /// A chunk of the shard's checkpoint at `position` (0: the newest), from `offset`.
+    Fetch {
+        shard: u32,
+        epoch: u64,
+        position: u64,
+        offset: u64,
+        max_bytes: u32,
+    },
     Call(Call),
     /// The outcome of the server's `Call` with request id `call`.
     Answer {
@@ -238,6 +246,16 @@ pub enum Body {
     },
     Durable(Vec<ShardPos>),
     Records(Records),
+    /// A chunk of the checkpoint at `position` (0 and no bytes: the shard has none),
+    /// from `offset`; `last` once it reaches the file's end.
+    Checkpoint {
+        shard: u32,
+        epoch: u64,
+        position: u64,
+        offset: u64,
+        bytes: Vec<u8>,
+        last: bool,
+    },
     Released {
         shard: u32,
         epoch: u64,
@@ -363,6 +381,7 @@ const RELEASE: u8 = 4;
 const RECOVER: u8 = 5;
 const CALL: u8 = 6;
 const ANSWER: u8 = 7;
+const FETCH: u8 = 8;
 const WELCOME: u8 = 64;
 const PONG: u8 = 65;
 const GRANT: u8 = 66;
@@ -372,6 +391,7 @@ const DURABLE: u8 = 69;
 const RECORDS: u8 = 70;
 const RELEASED: u8 = 71;
 const REFUSED: u8 = 72;
+const CHECKPOINT: u8 = 73;
 
 /// The frame's bytes on the wire, its length first.
 pub fn encode(frame: &Frame) -> Vec<u8> {
@@ -392,6 +412,7 @@ fn type_of(body: &Body) -> u8 {
         Body::Append(_) => APPEND,
         Body::Release { .. } => RELEASE,
         Body::Recover { .. } => RECOVER,
+        Body::Fetch { .. } => FETCH,
         Body::Call(_) => CALL,
         Body::Answer { .. } => ANSWER,
         Body::Welcome(_) => WELCOME,
@@ -401,6 +422,7 @@ fn type_of(body: &Body) -> u8 {
         Body::Drain { .. } => DRAIN,
         Body::Durable(_) => DURABLE,
         Body::Records(_) => RECORDS,
+        Body::Checkpoint { .. } => CHECKPOINT,
         Body::Released { .. } => RELEASED,
         Body::Refused { .. } => REFUSED,
     }
@@ -439,6 +461,34 @@ fn fields(w: &mut W, body: &Body) {
             w.u32(*shard);
             w.u64(*epoch);
             w.u64(*end);
+        }
+        Body::Fetch {
+            shard,
+            epoch,
+            position,
+            offset,
+            max_bytes,
+        } => {
+            w.u32(*shard);
+            w.u64(*epoch);
+            w.u64(*position);
+            w.u64(*offset);
+            w.u32(*max_bytes);
+        }
+        Body::Checkpoint {
+            shard,
+            epoch,
+            position,
+            offset,
+            bytes,
+            last,
+        } => {
+            w.u32(*shard);
+            w.u64(*epoch);
+            w.u64(*position);
+            w.u64(*offset);
+            w.bytes(bytes);
+            w.bool(*last);
         }
         Body::Recover {
             shard,
@@ -761,6 +811,21 @@ pub fn decode(buf: &[u8]) -> Result<Frame, DecodeError> {
             shard: r.u32("the shard")?,
             epoch: r.u64("the epoch")?,
             end: r.u64("the end position")?,
+        },
+        FETCH => Body::Fetch {
+            shard: r.u32("the shard")?,
+            epoch: r.u64("the epoch")?,
+            position: r.u64("the checkpoint's position")?,
+            offset: r.u64("the offset")?,
+            max_bytes: r.u32("the chunk's size")?,
+        },
+        CHECKPOINT => Body::Checkpoint {
+            shard: r.u32("the shard")?,
+            epoch: r.u64("the epoch")?,
+            position: r.u64("the checkpoint's position")?,
+            offset: r.u64("the offset")?,
+            bytes: r.bytes("the chunk")?,
+            last: r.bool("whether the chunk is the last")?,
         },
         RECOVER => Body::Recover {
             shard: r.u32("the shard")?,

@@ -137,6 +137,67 @@ impl ShardStream {
         s.failed.is_none() && !s.releasing && s.deadline.is_some_and(|d| boot_now() < d)
     }
 
+    /// Send a read for this grant's recovery and wait for its answer. A read is progress
+    /// (docs/flow-server.md §7): a long recovery is not a stuck shard.
+    fn ask(&self, request: Body) -> Result<Body, Error> {
+        if let Some(e) = lock(&self.state).failed.clone() {
+            return Err(e);
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        let conn = self.conn.upgrade().ok_or(Error::Closed)?;
+        conn.reads.send((request, tx)).map_err(|_| Error::Closed)?;
+        conn.wake.notify_one();
+        drop(conn);
+        let answer = rx.recv_timeout(IO_WITHIN * 3).map_err(|_| {
+            Error::Invalid(format!(
+                "shard {}'s recovery read got no answer from the server in time",
+                self.shard
+            ))
+        })??;
+        self.turns.fetch_add(1, Ordering::Relaxed);
+        Ok(answer)
+    }
+
+    /// The shard's newest checkpoint on the server, whole, with its position; `None`
+    /// if it has none (docs/flow-server.md §7).
+    pub fn checkpoint(&self) -> Result<Option<(u64, Vec<u8>)>, Error> {
+        let (mut position, mut bytes) = (0u64, Vec::new());
+        loop {
+            let fetch = Body::Fetch {
+                shard: self.shard,
+                epoch: self.epoch,
+                position,
+                offset: bytes.len() as u64,
+                max_bytes: 1 << 20,
+            };
+            let Body::Checkpoint {
+                position: p,
+                offset,
+                bytes: chunk,
+                last,
+                ..
+            } = self.ask(fetch)?
+            else {
+                return Err(Error::Invalid(
+                    "the server answered a Fetch with another frame".into(),
+                ));
+            };
+            if p == 0 {
+                return Ok(None);
+            }
+            if (position != 0 && p != position) || offset != bytes.len() as u64 {
+                return Err(Error::Invalid(
+                    "the server's checkpoint changed while it was read".into(),
+                ));
+            }
+            position = p;
+            bytes.extend_from_slice(&chunk);
+            if last {
+                return Ok(Some((position, bytes)));
+            }
+        }
+    }
+
     /// Where the grant's records end, if every one appended is acknowledged.
     fn settled(&self) -> Option<u64> {
         let st = lock(&self.state);
@@ -329,26 +390,18 @@ impl JournalLog for ShardStream {
     fn read(&self, from: Lsn, f: &mut dyn FnMut(Record<'_>)) -> Result<Lsn, Error> {
         let mut at = from;
         loop {
-            if let Some(e) = lock(&self.state).failed.clone() {
-                return Err(e);
-            }
-            let (tx, rx) = std::sync::mpsc::channel();
-            let conn = self.conn.upgrade().ok_or(Error::Closed)?;
-            conn.reads
-                .send((self.shard, self.epoch, at, tx))
-                .map_err(|_| Error::Closed)?;
-            conn.wake.notify_one();
-            drop(conn);
-            let page = rx.recv_timeout(IO_WITHIN * 3).map_err(|_| {
-                Error::Invalid(format!(
-                    "shard {}'s records did not come from the server in time",
-                    self.shard
-                ))
-            })??;
-            // A page read is progress (docs/flow-server.md §7): a long recovery is not
-            // a stuck shard.
-            self.turns.fetch_add(1, Ordering::Relaxed);
-            for rec in &page.0 {
+            let recover = Body::Recover {
+                shard: self.shard,
+                epoch: self.epoch,
+                from: at,
+                max_bytes: 1 << 20,
+            };
+            let Body::Records(page) = self.ask(recover)? else {
+                return Err(Error::Invalid(
+                    "the server answered a Recover with another frame".into(),
+                ));
+            };
+            for rec in &page.records {
                 at += 1;
                 f(Record {
                     lsn: at - 1,
@@ -357,7 +410,7 @@ impl JournalLog for ShardStream {
                     payload: &rec.bytes,
                 });
             }
-            if page.1 {
+            if page.last {
                 return Ok(at);
             }
         }
@@ -385,7 +438,9 @@ impl JournalLog for ShardStream {
     }
 }
 
-type ReadReply = std::sync::mpsc::Sender<Result<(Vec<Rec>, bool), Error>>;
+/// Where the answer to a read (`Recover` or `Fetch`) goes: the `Records` or
+/// `Checkpoint` that answered it.
+type ReadReply = std::sync::mpsc::Sender<Result<Body, Error>>;
 
 /// What the connection thread and the streams share.
 struct Conn {
@@ -395,7 +450,8 @@ struct Conn {
     slots: Mutex<Vec<Option<Arc<ShardStream>>>>,
     /// Appends, reads and releases wake the connection's writer.
     wake: Notify,
-    reads: mpsc::UnboundedSender<(u32, u64, u64, ReadReply)>,
+    /// Reads for a shard's recovery: the request (`Recover` or `Fetch`) and its reply.
+    reads: mpsc::UnboundedSender<(Body, ReadReply)>,
     events: Mutex<VecDeque<Event>>,
     event: Condvar,
     stop: AtomicBool,
@@ -683,7 +739,7 @@ async fn dial(server: &str) -> std::io::Result<Box<dyn Stream>> {
 /// The connection thread: connect, say hello, serve, and again after a break.
 async fn run(
     conn: Arc<Conn>,
-    mut reads: mpsc::UnboundedReceiver<(u32, u64, u64, ReadReply)>,
+    mut reads: mpsc::UnboundedReceiver<(Body, ReadReply)>,
     mut calls: mpsc::UnboundedReceiver<(Call, CallReply)>,
     first: std::sync::mpsc::Sender<Result<(), Error>>,
 ) {
@@ -738,7 +794,7 @@ async fn send<W: AsyncWrite + Unpin>(w: &mut W, frame: Frame) -> Result<(), Erro
 /// One connection, from hello until it breaks (Err) or the worker stops (Ok).
 async fn session(
     conn: &Arc<Conn>,
-    reads: &mut mpsc::UnboundedReceiver<(u32, u64, u64, ReadReply)>,
+    reads: &mut mpsc::UnboundedReceiver<(Body, ReadReply)>,
     calls_out: &mut mpsc::UnboundedReceiver<(Call, CallReply)>,
     first: &mut Option<std::sync::mpsc::Sender<Result<(), Error>>>,
 ) -> Result<(), Error> {
@@ -966,11 +1022,10 @@ async fn session(
                 }
             }
             r = reads.recv() => {
-                let Some((shard, epoch, from, reply)) = r else { break Ok(()) };
+                let Some((body, reply)) = r else { break Ok(()) };
                 let rid = next_id();
                 pending_reads.insert(rid, reply);
-                let recover = Frame { id: rid, body: Body::Recover { shard, epoch, from, max_bytes: 1 << 20 } };
-                if let Err(e) = send(&mut wr, recover).await {
+                if let Err(e) = send(&mut wr, Frame { id: rid, body }).await {
                     break Err(e);
                 }
             }
@@ -1086,9 +1141,9 @@ fn handle(
             }
         }
         Body::Drain { shard, epoch } => conn.emit(Event::Drain { shard, epoch }),
-        Body::Records(r) => {
+        body @ (Body::Records(_) | Body::Checkpoint { .. }) => {
             if let Some(reply) = reads.remove(&f.id) {
-                let _ = reply.send(Ok((r.records, r.last)));
+                let _ = reply.send(Ok(body));
             }
         }
         Body::Call(call) => {

@@ -1,0 +1,294 @@
+//! Each shard's checkpoint on the server, and retiring the log below them
+//! (docs/flow-server.md §7).
+//!
+//! One fold per shard (`ferry_flow::ShardCheckpoint`: the embedded engine's rules, its
+//! position a count of the shard's records) is kept in memory. A compaction reads the
+//! log's durable records once from where the last one stopped, folds each into its
+//! shard's checkpoint, expires finished runs past `retention`, writes every checkpoint
+//! that changed (`DIR/shards/<k>/checkpoint-<position>`, whole, atomically), then the
+//! shape and epochs (`DIR/shards/epochs`), and only then retires the log's segments
+//! below where it read: every record there is in a checkpoint, every epoch in the file.
+//!
+//! The previous checkpoint of a shard is kept until the next one is written, for a
+//! worker that is fetching it meanwhile.
+
+use crate::store::Kept;
+use ferry_flow::log::{Error as LogError, Log, Lsn};
+use ferry_flow::{CheckpointError, ShardCheckpoint};
+use std::path::{Path, PathBuf};
+
+/// Why a compaction or an open of the checkpoints failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointsError {
+    #[error("cannot {what} {}: {source}", path.display())]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{} is damaged: {source}; restore the server's directory from a copy", path.display())]
+    Damaged {
+        path: PathBuf,
+        source: CheckpointError,
+    },
+    #[error("{} is damaged: {reason}; restore the server's directory from a copy", path.display())]
+    Kept { path: PathBuf, reason: String },
+    #[error("shard {shard}'s record at log position {lsn} cannot be folded: {source}")]
+    Fold {
+        shard: u32,
+        lsn: Lsn,
+        source: CheckpointError,
+    },
+    #[error(
+        "shard {shard}'s record at log position {lsn} is its {position}th, where the {expected}th was next"
+    )]
+    Gap {
+        shard: u32,
+        lsn: Lsn,
+        position: u64,
+        expected: u64,
+    },
+    #[error(transparent)]
+    Log(#[from] LogError),
+}
+
+/// Every shard's checkpoint (module doc).
+pub struct Checkpoints {
+    dir: PathBuf,
+    folds: Vec<ShardCheckpoint>,
+    /// Every shard's durable records before this position in the log are folded.
+    read: Lsn,
+}
+
+/// What a compaction did.
+#[derive(Debug, Default)]
+pub struct Compacted {
+    /// The shards whose checkpoint moved, and to which position.
+    pub moved: Vec<(u32, u64)>,
+    /// Where the records not folded begin in the log.
+    pub read: Lsn,
+    /// Runs finished longer than the retention ago, forgotten.
+    pub expired: Vec<String>,
+}
+
+impl Checkpoints {
+    /// Load each shard's newest checkpoint from `dir` (`DIR/shards`); `start` is where the
+    /// log now starts (records before it are in the checkpoints).
+    pub fn open(dir: &Path, shards: u32, start: Lsn) -> Result<Checkpoints, CheckpointsError> {
+        let mut folds = Vec::with_capacity(shards as usize);
+        for k in 0..shards {
+            let sdir = shard_dir(dir, k);
+            let found = ShardCheckpoint::list(&sdir).map_err(|source| CheckpointsError::Io {
+                what: "list",
+                path: sdir.clone(),
+                source,
+            })?;
+            let fold = match found.last() {
+                None => ShardCheckpoint::default(),
+                Some((position, path)) => {
+                    let bytes = std::fs::read(path).map_err(|source| CheckpointsError::Io {
+                        what: "read",
+                        path: path.clone(),
+                        source,
+                    })?;
+                    let fold = ShardCheckpoint::decode(&bytes).map_err(|source| {
+                        CheckpointsError::Damaged {
+                            path: path.clone(),
+                            source,
+                        }
+                    })?;
+                    if fold.position() != *position {
+                        return Err(CheckpointsError::Kept {
+                            path: path.clone(),
+                            reason: format!(
+                                "its name says {position}, its content {}",
+                                fold.position()
+                            ),
+                        });
+                    }
+                    fold
+                }
+            };
+            folds.push(fold);
+        }
+        Ok(Checkpoints {
+            dir: dir.to_path_buf(),
+            folds,
+            read: start,
+        })
+    }
+
+    /// Where each shard's checkpoint ends.
+    pub fn bases(&self) -> Vec<u64> {
+        self.folds.iter().map(ShardCheckpoint::position).collect()
+    }
+
+    pub fn shard(&self, k: u32) -> &ShardCheckpoint {
+        &self.folds[k as usize]
+    }
+
+    /// The file of shard `k`'s checkpoint at `position`.
+    pub fn path(&self, k: u32, position: u64) -> PathBuf {
+        ShardCheckpoint::path(&shard_dir(&self.dir, k), position)
+    }
+
+    /// Fold what the log made durable since the last compaction, expire finished runs
+    /// older than `retention_ms`, and write the checkpoints that changed. The caller
+    /// writes the epochs ([`write_kept`]) and then retires the log below `read`.
+    pub fn compact(
+        &mut self,
+        log: &Log,
+        now_ms: u64,
+        retention_ms: u64,
+    ) -> Result<Compacted, CheckpointsError> {
+        let before = self.bases();
+        let mut bad = None;
+        let folds = &mut self.folds;
+        let read = log.read(self.read, |r| {
+            if r.kind != crate::store::SHARD_RECORD || r.payload.len() < 21 || bad.is_some() {
+                return;
+            }
+            let p = r.payload;
+            let shard = u32::from_be_bytes(p[..4].try_into().expect("4 bytes"));
+            let position = u64::from_be_bytes(p[12..20].try_into().expect("8 bytes"));
+            let Some(fold) = folds.get_mut(shard as usize) else {
+                return;
+            };
+            // Folded before (the log kept the segment it shares with newer records).
+            if position < fold.position() {
+                return;
+            }
+            if position > fold.position() {
+                bad = Some(CheckpointsError::Gap {
+                    shard,
+                    lsn: r.lsn,
+                    position,
+                    expected: fold.position(),
+                });
+                return;
+            }
+            if let Err(source) = fold.fold(position, p[20], &p[21..], now_ms) {
+                bad = Some(CheckpointsError::Fold {
+                    shard,
+                    lsn: r.lsn,
+                    source,
+                });
+            }
+        })?;
+        if let Some(e) = bad {
+            return Err(e);
+        }
+        let mut done = Compacted {
+            read,
+            ..Compacted::default()
+        };
+        for (k, fold) in self.folds.iter_mut().enumerate() {
+            let expired = fold.expire(now_ms, retention_ms);
+            let none_expired = expired.is_empty();
+            done.expired.extend(expired);
+            let position = fold.position();
+            if position == before[k] && none_expired {
+                continue;
+            }
+            let sdir = shard_dir(&self.dir, k as u32);
+            std::fs::create_dir_all(&sdir).map_err(|source| CheckpointsError::Io {
+                what: "create",
+                path: sdir.clone(),
+                source,
+            })?;
+            let path = ShardCheckpoint::path(&sdir, position);
+            ferry_core::fs::write_atomic(&path, &fold.encode()).map_err(|source| {
+                CheckpointsError::Io {
+                    what: "write",
+                    path: path.clone(),
+                    source,
+                }
+            })?;
+            // The one before it stays, for a fetch under way; older ones go.
+            if let Ok(found) = ShardCheckpoint::list(&sdir) {
+                let n = found.len();
+                for (_, old) in found.into_iter().take(n.saturating_sub(2)) {
+                    let _ = std::fs::remove_file(old);
+                }
+            }
+            done.moved.push((k as u32, position));
+        }
+        self.read = read;
+        Ok(done)
+    }
+}
+
+fn shard_dir(dir: &Path, k: u32) -> PathBuf {
+    dir.join(k.to_string())
+}
+
+/// The file that keeps the shape and epochs beside the log.
+pub fn kept_path(dir: &Path) -> PathBuf {
+    dir.join("epochs")
+}
+
+/// Write the shape and epochs (before the log's segments that hold their records are
+/// retired): one line `shards N`, then one per shard `EPOCH HOLDER` (32 hex digits,
+/// or `-`).
+pub fn write_kept(dir: &Path, kept: &Kept) -> Result<(), CheckpointsError> {
+    let mut text = format!("shards {}\n", kept.shards);
+    for (epoch, holder) in &kept.epochs {
+        match holder {
+            Some(h) => text.push_str(&format!("{epoch} {h:032x}\n")),
+            None => text.push_str(&format!("{epoch} -\n")),
+        }
+    }
+    let path = kept_path(dir);
+    std::fs::create_dir_all(dir).map_err(|source| CheckpointsError::Io {
+        what: "create",
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    ferry_core::fs::write_atomic(&path, text.as_bytes()).map_err(|source| CheckpointsError::Io {
+        what: "write",
+        path,
+        source,
+    })
+}
+
+/// Read what [`write_kept`] wrote; `None` if it never did.
+pub fn read_kept(dir: &Path) -> Result<Option<Kept>, CheckpointsError> {
+    let path = kept_path(dir);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(CheckpointsError::Io {
+                what: "read",
+                path,
+                source,
+            });
+        }
+    };
+    let bad = |reason: &str| CheckpointsError::Kept {
+        path: path.clone(),
+        reason: reason.to_string(),
+    };
+    let mut lines = text.lines();
+    let shards: u32 = lines
+        .next()
+        .and_then(|l| l.strip_prefix("shards "))
+        .and_then(|n| n.parse().ok())
+        .ok_or_else(|| bad("its first line is not `shards N`"))?;
+    let mut epochs = Vec::new();
+    for line in lines {
+        let (epoch, holder) = line
+            .split_once(' ')
+            .ok_or_else(|| bad("a line is not `EPOCH HOLDER`"))?;
+        let epoch: u64 = epoch.parse().map_err(|_| bad("an epoch is not a number"))?;
+        let holder = match holder {
+            "-" => None,
+            h => Some(u128::from_str_radix(h, 16).map_err(|_| bad("a holder is not hex"))?),
+        };
+        epochs.push((epoch, holder));
+    }
+    if epochs.len() != shards as usize {
+        return Err(bad("it does not list every shard"));
+    }
+    Ok(Some(Kept { shards, epochs }))
+}
