@@ -446,3 +446,96 @@ async fn the_api_takes_no_cross_site_requests_and_a_stop_answers_waiting_calls()
         "{body}"
     );
 }
+
+static SENDER: Workflow<(String, u32), u32> = Workflow::new("sender");
+static COLLECTOR: Workflow<u32, Vec<u32>> = Workflow::new("collector");
+static NOTE: Signal<u32> = Signal::new("note");
+
+/// A worker running the sender and the collector.
+async fn messenger(dir: &Path, socket: &Path, max_shards: u32) -> Engine {
+    let dir = dir.to_path_buf();
+    let addr = format!("unix:{}", socket.display());
+    tokio::task::spawn_blocking(move || {
+        Engine::builder(dir)
+            .server(addr)
+            .max_shards(max_shards)
+            .register(SENDER, |ctx: Ctx, (to, n): (String, u32)| async move {
+                for i in 0..n {
+                    ctx.signal(&to, NOTE, &i).await?;
+                    ctx.sleep(Duration::from_millis(15)).await?;
+                }
+                Ok(n)
+            })
+            .register(COLLECTOR, |ctx: Ctx, n: u32| async move {
+                let mut got = Vec::new();
+                while got.len() < n as usize {
+                    got.push(ctx.wait_for(NOTE, None).await?.unwrap_or(u32::MAX));
+                }
+                // Any note sent twice would come now.
+                if let Some(extra) = ctx.wait_for(NOTE, Some(Duration::from_millis(200))).await? {
+                    got.push(extra);
+                }
+                Ok(got)
+            })
+            .open()
+            .unwrap()
+    })
+    .await
+    .unwrap()
+}
+
+/// Guards guarantee 6 for what a run sends (T8, docs/flow-server.md §9): a run on one
+/// worker's shard signals a run on the other worker's shard 40 times (`ctx.signal`,
+/// through the server); its worker hands its shard back midway and the other worker
+/// carries the sender on. Every note arrives once, in the order sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runs_signals_to_another_shard_arrive_once_in_order_across_a_takeover() {
+    const NOTES: u32 = 40;
+    let scratch = Scratch::new("flow-calls-notes");
+    let socket = scratch.path().join("s.sock");
+    let server = common::start(scratch.path(), &socket, 2);
+    // a holds one shard at most; b takes what is left, and later a's.
+    let a = messenger(&scratch.dir("a"), &socket, 1).await;
+    let b = messenger(&scratch.dir("b"), &socket, 0).await;
+    eventually("one shard each", || {
+        a.held_shards().len() == 1 && b.held_shards().len() == 1
+    })
+    .await;
+    let (on_a, on_b) = (a.held_shards()[0].0, b.held_shards()[0].0);
+    let id_on = |shard: u32, what: &str| {
+        (0..)
+            .map(|i| format!("{what}-{i}"))
+            .find(|id| ferry_flow::shard_of(id, 2) == shard)
+            .unwrap()
+    };
+    let (sender, collector) = (id_on(on_a, "sender"), id_on(on_b, "collector"));
+    a.start(COLLECTOR, &collector, &NOTES).await.unwrap();
+    a.start(SENDER, &sender, &(collector.clone(), NOTES))
+        .await
+        .unwrap();
+    // Midway, a hands its shard (the sender's) back: b carries the sender on.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(
+        a.status(&sender),
+        Some(ferry_flow::RunStatus::Running),
+        "the sender is midway when its worker hands it back"
+    );
+    close(a).await;
+    let got = b
+        .run::<Vec<u32>>(&collector)
+        .unwrap()
+        .result()
+        .await
+        .unwrap();
+    assert_eq!(
+        got,
+        (0..NOTES).collect::<Vec<_>>(),
+        "each note once, in order"
+    );
+    assert_eq!(
+        b.run::<u32>(&sender).unwrap().result().await.unwrap(),
+        NOTES
+    );
+    close(b).await;
+    server.stop().await;
+}

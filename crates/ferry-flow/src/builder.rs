@@ -384,6 +384,7 @@ impl EngineBuilder {
             counters: Counters::default(),
             failure,
             on_server: false,
+            caller: std::sync::OnceLock::new(),
         });
         {
             let mut runs = lock(&shared.runs);
@@ -493,8 +494,10 @@ impl EngineBuilder {
             counters: Counters::default(),
             failure: Arc::new(Failure::default()),
             on_server: true,
+            caller: std::sync::OnceLock::new(),
         });
         let caller = worker.caller();
+        let _ = shared.caller.set(caller.clone());
         let calls = worker
             .take_calls()
             .expect("a new worker's calls are untaken");

@@ -622,6 +622,35 @@ impl Ctx {
         self.run.cancel_seen.get()
     }
 
+    /// Send `value` as signal `signal` to run `id`: any run, on any shard (on a server's
+    /// worker, through the server when another worker holds it; docs/flow-server.md §9).
+    /// It is a step: durable once sent, delivered once (its key is the step's) however
+    /// often the step runs again (a retry, a takeover), and a run's sends arrive in the
+    /// order it made them. Transient failures (no holder yet, the server away) are
+    /// retried for up to about twenty minutes; a run that had finished, or none by that
+    /// id, fails the step.
+    pub async fn signal<T: Serialize>(
+        &self,
+        id: &str,
+        signal: Signal<T>,
+        value: &T,
+    ) -> Result<(), FlowError> {
+        let value = encode(value)?;
+        let host = self.run.shared.clone();
+        let (id, name) = (id.to_string(), signal.name().to_string());
+        self.step(&format!("signal {name:?} to {id:?}"), move |s| {
+            let sent = host.send_signal(
+                id.clone(),
+                name.clone(),
+                value.clone(),
+                format!("signal/{}", s.key()),
+            );
+            async move { sent.await.map_err(|e| StepError::classified(&e)) }
+        })
+        .retry(Retry::exponential(30, Duration::from_millis(100)))
+        .await
+    }
+
     /// Make `state` what `engine.query(id)` returns for this run. Not journaled: replay
     /// publishes again as it passes the same code.
     pub fn publish<S: Serialize>(&self, state: &S) -> Result<(), FlowError> {

@@ -49,6 +49,15 @@ pub(crate) trait Host: Send + Sync {
     /// How run `id` stands for a parent waiting on it: finished, or a receiver told its
     /// status when it settles. An error if the engine does not know it.
     fn watch(&self, id: &str) -> Result<Watch, FlowError>;
+    /// Deliver signal `name` to run `id` once per `key`, wherever it is (on a worker,
+    /// through the server for a shard another worker holds).
+    fn send_signal(
+        &self,
+        id: String,
+        name: String,
+        value: Json,
+        key: String,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), FlowError>>>>;
     /// Ask run `id` to cancel, in the background (a cancelled parent's child).
     fn cancel_later(&self, id: String);
 }

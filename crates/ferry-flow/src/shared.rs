@@ -59,6 +59,8 @@ pub(crate) struct Shared {
     pub(crate) failure: Arc<Failure>,
     /// A worker of a server (`EngineBuilder::server`): shards come and go.
     pub(crate) on_server: bool,
+    /// On a server's worker: what reaches runs on shards other workers hold.
+    pub(crate) caller: std::sync::OnceLock<crate::remote::worker::Caller>,
 }
 
 /// The shard of run `run` among `shards`: FNV-1a of its root id (up to the first `/`)
@@ -550,6 +552,30 @@ impl Host for Shared {
                 let (tx, rx) = oneshot::channel();
                 child.add_waiter(tx);
                 Watch::Waiting(rx)
+            }
+        })
+    }
+
+    fn send_signal(
+        &self,
+        id: String,
+        name: String,
+        value: Json,
+        key: String,
+    ) -> std::pin::Pin<Box<dyn Future<Output = Result<(), FlowError>>>> {
+        let me = self.me.clone();
+        Box::pin(async move {
+            let shared = me.upgrade().ok_or(FlowError::Stopped)?;
+            match shared.caller.get() {
+                Some(c) if crate::calls::elsewhere(&shared.held(&id)) => {
+                    let kind = crate::remote::proto::CallKind::Signal {
+                        id,
+                        name,
+                        value: serde_json::to_vec(&value).expect("JSON serializes"),
+                    };
+                    crate::calls::remote(c, kind, key).await.map(drop)
+                }
+                _ => shared.deliver(&id, &name, value, Some(&key)).await,
             }
         })
     }
