@@ -2,15 +2,22 @@
 //! (docs/flow-server.md §7).
 //!
 //! One fold per shard (`ferry_flow::ShardCheckpoint`: the embedded engine's rules, its
-//! position a count of the shard's records) is kept in memory. A compaction reads the
-//! log's durable records once from where the last one stopped, folds each into its
-//! shard's checkpoint, expires finished runs past `retention`, writes every checkpoint
-//! that changed (`DIR/shards/<k>/checkpoint-<position>`, whole, atomically), then the
-//! shape and epochs (`DIR/shards/epochs`), and only then retires the log's segments
-//! below where it read: every record there is in a checkpoint, every epoch in the file.
+//! position a count of the shard's records) is kept in memory. A compaction:
 //!
-//! The previous checkpoint of a shard is kept until the next one is written, for a
-//! worker that is fetching it meanwhile.
+//! 1. reads the log's durable records once, from where the last compaction stopped, and
+//!    folds each into its shard's fold (a record that does not fold is skipped and
+//!    reported: it could not be replayed either);
+//! 2. for each shard whose fold moved (or that a failed compaction left unwritten):
+//!    expires its runs finished longer than `retention` ago and writes it whole to a
+//!    new file, `DIR/shards/<k>/checkpoint-<position>` (atomically; a file is never
+//!    rewritten, and the one before it is kept for a fetch under way);
+//! 3. writes the shape and epochs (`DIR/shards/epochs`);
+//! 4. retires the log's segments below where step 1 read.
+//!
+//! A crash before step 4 retires nothing: the next compaction, or the next start, reads
+//! those records again and skips what a checkpoint holds. A failure of a step leaves
+//! the rest undone (retried later): nothing is retired that is not on disk.
+//! Directories are created and made durable at open.
 
 use crate::store::Kept;
 use ferry_flow::log::{Error as LogError, Log, Lsn};
@@ -33,12 +40,6 @@ pub enum CheckpointsError {
     },
     #[error("{} is damaged: {reason}; restore the server's directory from a copy", path.display())]
     Kept { path: PathBuf, reason: String },
-    #[error("shard {shard}'s record at log position {lsn} cannot be folded: {source}")]
-    Fold {
-        shard: u32,
-        lsn: Lsn,
-        source: CheckpointError,
-    },
     #[error(
         "shard {shard}'s record at log position {lsn} is its {position}th, where the {expected}th was next"
     )]
@@ -56,6 +57,8 @@ pub enum CheckpointsError {
 pub struct Checkpoints {
     dir: PathBuf,
     folds: Vec<ShardCheckpoint>,
+    /// The position of each shard's checkpoint on disk.
+    written: Vec<u64>,
     /// Every shard's durable records before this position in the log are folded.
     read: Lsn,
 }
@@ -69,15 +72,31 @@ pub struct Compacted {
     pub read: Lsn,
     /// Runs finished longer than the retention ago, forgotten.
     pub expired: Vec<String>,
+    /// Records that did not fold (shard, position), left out.
+    pub skipped: Vec<(u32, u64)>,
 }
 
 impl Checkpoints {
-    /// Load each shard's newest checkpoint from `dir` (`DIR/shards`); `start` is where the
-    /// log now starts (records before it are in the checkpoints).
+    /// Load each shard's newest checkpoint from `dir` (`DIR/shards`, created durably if
+    /// new); `start` is where the log now starts (records before it are in the
+    /// checkpoints).
     pub fn open(dir: &Path, shards: u32, start: Lsn) -> Result<Checkpoints, CheckpointsError> {
+        let io = |what, path: &Path| {
+            let path = path.to_path_buf();
+            move |source| CheckpointsError::Io { what, path, source }
+        };
+        if !dir.join(format!("{}", shards - 1)).is_dir() {
+            for k in 0..shards {
+                std::fs::create_dir_all(shard_dir(dir, k)).map_err(io("create", dir))?;
+            }
+            ferry_core::fs::fsync_dir(dir).map_err(io("sync", dir))?;
+            let parent = ferry_core::fs::parent_dir(dir);
+            ferry_core::fs::fsync_dir(&parent).map_err(io("sync", &parent))?;
+        }
         let mut folds = Vec::with_capacity(shards as usize);
         for k in 0..shards {
             let sdir = shard_dir(dir, k);
+            ShardCheckpoint::remove_leftovers(&sdir);
             let found = ShardCheckpoint::list(&sdir).map_err(|source| CheckpointsError::Io {
                 what: "list",
                 path: sdir.clone(),
@@ -113,6 +132,7 @@ impl Checkpoints {
         }
         Ok(Checkpoints {
             dir: dir.to_path_buf(),
+            written: folds.iter().map(ShardCheckpoint::position).collect(),
             folds,
             read: start,
         })
@@ -127,11 +147,6 @@ impl Checkpoints {
         &self.folds[k as usize]
     }
 
-    /// The file of shard `k`'s checkpoint at `position`.
-    pub fn path(&self, k: u32, position: u64) -> PathBuf {
-        ShardCheckpoint::path(&shard_dir(&self.dir, k), position)
-    }
-
     /// Fold what the log made durable since the last compaction, expire finished runs
     /// older than `retention_ms`, and write the checkpoints that changed. The caller
     /// writes the epochs ([`write_kept`]) and then retires the log below `read`.
@@ -141,8 +156,8 @@ impl Checkpoints {
         now_ms: u64,
         retention_ms: u64,
     ) -> Result<Compacted, CheckpointsError> {
-        let before = self.bases();
         let mut bad = None;
+        let mut skipped = Vec::new();
         let folds = &mut self.folds;
         let read = log.read(self.read, |r| {
             if r.kind != crate::store::SHARD_RECORD || r.payload.len() < 21 || bad.is_some() {
@@ -167,12 +182,12 @@ impl Checkpoints {
                 });
                 return;
             }
-            if let Err(source) = fold.fold(position, p[20], &p[21..], now_ms) {
-                bad = Some(CheckpointsError::Fold {
-                    shard,
-                    lsn: r.lsn,
-                    source,
-                });
+            if let Err(e) = fold.fold(position, p[20], &p[21..], now_ms) {
+                // Nothing could replay it either: skipped, so that the log does not
+                // grow for ever behind it.
+                tracing::error!(shard, lsn = r.lsn, error = %e, "ferry flow server: a record that does not fold is left out of the shard's checkpoint");
+                skipped.push((shard, position));
+                fold.skip(position);
             }
         })?;
         if let Some(e) = bad {
@@ -180,16 +195,16 @@ impl Checkpoints {
         }
         let mut done = Compacted {
             read,
+            skipped,
             ..Compacted::default()
         };
         for (k, fold) in self.folds.iter_mut().enumerate() {
-            let expired = fold.expire(now_ms, retention_ms);
-            let none_expired = expired.is_empty();
-            done.expired.extend(expired);
             let position = fold.position();
-            if position == before[k] && none_expired {
+            // A file is never rewritten: expiry waits for the shard's next records.
+            if position == self.written[k] {
                 continue;
             }
+            done.expired.extend(fold.expire(now_ms, retention_ms));
             let sdir = shard_dir(&self.dir, k as u32);
             std::fs::create_dir_all(&sdir).map_err(|source| CheckpointsError::Io {
                 what: "create",
@@ -211,6 +226,7 @@ impl Checkpoints {
                     let _ = std::fs::remove_file(old);
                 }
             }
+            self.written[k] = position;
             done.moved.push((k as u32, position));
         }
         self.read = read;
@@ -220,6 +236,11 @@ impl Checkpoints {
 
 fn shard_dir(dir: &Path, k: u32) -> PathBuf {
     dir.join(k.to_string())
+}
+
+/// The file of shard `k`'s checkpoint at `position` under `dir` (`DIR/shards`).
+pub fn path(dir: &Path, k: u32, position: u64) -> PathBuf {
+    ShardCheckpoint::path(&shard_dir(dir, k), position)
 }
 
 /// The file that keeps the shape and epochs beside the log.

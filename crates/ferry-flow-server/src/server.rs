@@ -478,6 +478,7 @@ pub enum OpenError {
 /// Compacts (off the runtime's threads) once the log grew by `compact_bytes` since the
 /// last compaction, or a minute passed with anything new.
 async fn compactor(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
+    let mut failed = false;
     loop {
         tokio::select! {
             biased;
@@ -485,20 +486,28 @@ async fn compactor(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
         }
         let (last, at) = *ferry_core::sync::lock(&inner.compacted);
-        let durable = inner.log.durable_lsn();
-        let grown = durable.saturating_sub(at);
-        let due = grown >= inner.settings.compact_bytes
-            || (grown > 0 && last.elapsed() >= Duration::from_secs(60));
+        let grown = inner.log.durable_lsn().saturating_sub(at);
+        // After a failure, a minute (not at once: it would read the log again).
+        let minute = last.elapsed() >= Duration::from_secs(60);
+        let due =
+            (grown >= inner.settings.compact_bytes && (!failed || minute)) || (grown > 0 && minute);
         if !due {
             continue;
         }
         let i = inner.clone();
-        match tokio::task::spawn_blocking(move || compact(&i)).await {
-            Ok(Ok(_)) => {}
+        failed = match tokio::task::spawn_blocking(move || compact(&i)).await {
+            Ok(Ok(_)) => false,
             Ok(Err(e)) => {
-                tracing::warn!(error = %e, "ferry flow server: compaction failed; tried again later")
+                tracing::error!(error = %e, "ferry flow server: compaction failed; the log keeps everything, and it is tried again in a minute");
+                true
             }
-            Err(e) => tracing::error!(error = %e, "ferry flow server: compaction panicked"),
+            Err(e) => {
+                tracing::error!(error = %e, "ferry flow server: compaction panicked");
+                true
+            }
+        };
+        if failed {
+            ferry_core::sync::lock(&inner.compacted).0 = Instant::now();
         }
     }
 }
@@ -512,9 +521,12 @@ fn compact(inner: &Inner) -> Result<Compacted, CheckpointsError> {
     let retention_ms = inner.settings.retention.as_millis() as u64;
     let done = checkpoints.compact(&inner.log, now_ms, retention_ms)?;
     let kept = {
+        // Every shard's records below `done.read` are folded: reads of each start
+        // there (the segments below go).
+        let bases = checkpoints.bases();
         let mut state = ferry_core::sync::lock(&inner.state);
-        for &(shard, position) in &done.moved {
-            state.store.set_base(shard, position, done.read);
+        for (shard, &base) in bases.iter().enumerate() {
+            state.store.set_base(shard as u32, base, done.read);
         }
         Kept {
             shards: inner.settings.shards,
@@ -528,6 +540,7 @@ fn compact(inner: &Inner) -> Result<Compacted, CheckpointsError> {
     tracing::info!(
         shards = done.moved.len(),
         expired = done.expired.len(),
+        skipped = done.skipped.len(),
         retired,
         ms = started.elapsed().as_secs_f64() * 1e3,
         "ferry flow server: checkpoints written"

@@ -347,7 +347,12 @@ async fn bad_input_is_refused_by_name_and_the_connection_closed() {
     }))
     .await
     .unwrap();
-    assert_eq!(p.refusal().await, Refused::Version { supported: 1 });
+    assert_eq!(
+        p.refusal().await,
+        Refused::Version {
+            supported: PROTOCOL
+        }
+    );
 
     // Before a Hello, a frame may not announce more than 64 KiB.
     let mut p = Peer::connect(&run.socket).await.unwrap();

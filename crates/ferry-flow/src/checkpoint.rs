@@ -297,6 +297,11 @@ impl ShardCheckpoint {
         Ok(())
     }
 
+    /// Pass over the shard's record at `position` without folding it (it did not fold).
+    pub fn skip(&mut self, position: u64) {
+        self.folded.lsn = position + 1;
+    }
+
     /// Forget runs finished longer than `retention_ms` ago; their ids.
     pub fn expire(&mut self, now_ms: u64, retention_ms: u64) -> Vec<String> {
         self.folded.expire(now_ms, retention_ms)
@@ -326,6 +331,11 @@ impl ShardCheckpoint {
     /// Where the checkpoint of `position` lives in `dir`.
     pub fn path(dir: &Path, position: u64) -> PathBuf {
         path(dir, position)
+    }
+
+    /// Remove what writes a crash cut short left in `dir`.
+    pub fn remove_leftovers(dir: &Path) {
+        remove_leftovers(dir)
     }
 
     /// The checkpoints in `dir` (a missing one: none), oldest first.

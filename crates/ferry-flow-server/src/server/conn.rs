@@ -472,7 +472,7 @@ fn handle(
             if position == 0 {
                 return Some(chunk(Vec::new(), true));
             }
-            let path = ferry_core::sync::lock(&inner.checkpoints).path(shard, position);
+            let path = crate::checkpoints::path(&inner.shards_dir, shard, position);
             let tx = tx.clone();
             tokio::task::spawn_blocking(move || {
                 let answer = match read_chunk(&path, offset, max_bytes.clamp(1, PAGE_MAX)) {

@@ -10,8 +10,8 @@
 
 use ferry_core::{Class, Classify};
 
-/// The protocol this build speaks.
-pub const PROTOCOL: u16 = 1;
+/// The protocol this build speaks (2: checkpoints are fetched, calls answered).
+pub const PROTOCOL: u16 = 2;
 
 /// The most a frame may hold after its length: a record of the largest payload with
 /// room for the framing.
