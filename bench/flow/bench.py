@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """ferry-flow benchmark driver (run through bench/flow/run), after §5.3 of
 shared/research/flow.md at sizes that fit this 2-core machine: the fdatasync floor of the
-bench directory's disk, then W1-W6 and idle memory for ferry, and W1/W2 for DBOS (on
-SQLite and on Postgres), the Temporal dev server and a Restate server, every system RUNS
-times interleaved
-(medians of RUNS). Sync calls per 1,000 steps come from a separate, shorter run of each
+bench directory's disk, then W1-W6 and idle memory for ferry, W1/W2 through ferry's
+flow server (Unix socket and TCP, 1, 2 and 4 workers) and its takeover time, and W1/W2
+for DBOS (on SQLite and on Postgres), the Temporal dev server and a Restate server,
+every system RUNS times interleaved (medians of RUNS). Sync calls per 1,000 steps come from a separate, shorter run of each
 system under `strace -f -c`. Writes bench/results/flow.md and bench/results/flow.png.
 
   python3 bench/flow/bench.py [--quick]
@@ -63,6 +63,12 @@ IDLE_N = 10_000
 STRACE_N = {"ferry": 1000, "dbos-sqlite": 100, "dbos-postgres": 100, "temporal": 30 if QUICK else 50,
             "restate": 100}
 PEERS = ["dbos-sqlite", "dbos-postgres", "temporal", "restate"]
+# Server mode (docs/flow-server.md): W1 and W2 through `ferry flow serve`'s server in
+# the harness's process, each beside the embedded engine of the same run; and the
+# takeover after a worker's SIGKILL (round 1 only: its 20 trials give the p99).
+SERVER_CASES = [("unix", 1), ("unix", 2), ("unix", 4), ("tcp", 1), ("tcp", 4)]
+SERVER_N = 2000 if QUICK else 4000
+TAKEOVER_TRIALS = 5 if QUICK else 20
 
 
 def log(m):
@@ -190,7 +196,21 @@ def ferry_round():
         f"acknowledged steps re-run {r['w6']['check']['acknowledged_steps_rerun']}")
     r["idle"] = harness("idle", "--n", IDLE_N)
     log(f"ferry idle: {r['idle']['bytes_per_run']:.0f} B RSS, {r['idle']['live_heap_per_run']:.0f} B live heap per parked run")
+    r["server"] = []
+    for transport, workers in SERVER_CASES:
+        x = harness("remote", "--transport", transport, "--workers", workers, "--n", SERVER_N)
+        log(f"ferry server mode, {transport}, {workers} worker(s): W1 +{x['w1_added_p50_us']:.0f} µs p50, "
+            f"W2 {x['server']['w2_steps_per_sec']:,.0f} steps/s ({x['w2_ratio_to_embedded']:.2f}× embedded), "
+            f"syncs {x['syncs_ratio_to_embedded']:.2f}× embedded")
+        r["server"].append(x)
     return r
+
+
+def takeover():
+    t = harness("takeover", "--trials", TAKEOVER_TRIALS, "--runs", 1000)
+    log(f"ferry server mode takeover: p50 {t['takeover']['p50_us'] / 1e3:.0f} ms, "
+        f"p99 {t['takeover']['p99_us'] / 1e3:.0f} ms (bound {t['bound_ms']} ms)")
+    return t
 
 
 def strace_cmd(out):
@@ -738,6 +758,7 @@ def report(ferry, peers, fair, m):
           f"- ≤ 2 KiB per idle parked run: RSS growth {idle:,.0f} B (live heap {live:,.0f} B) — "
           f"{mark(idle <= 2048 and live <= 2048)}",
           f"- W6: no acknowledged step re-ran ({ack} in the worst round) and every step ran ({every}) — {mark(ack == 0 and every)}",
+          *server_section(ferry, w2, names),
           "", "## Not run", "",
           "- Restate's start-up check for a newer release (a GitHub API call, `octocrab: failed with error client "
           "error (Connect)` in its log on this loopback-only machine) has no switch in 1.7.12: `check_if_latest_version` "
@@ -747,6 +768,50 @@ def report(ferry, peers, fair, m):
           "", "![flow](flow.png)", ""]
     (RESULTS / "flow.md").write_text("\n".join(L))
     plot(w1, w2, w3, fl, names)
+
+
+def server_section(ferry, w2, names):
+    """Server mode's rows and targets (docs/flow-server.md, issue 29): each case's medians
+    over the rounds, beside the embedded engine measured in the same harness run."""
+    if not all("server" in r for r in ferry):
+        return ["", "## Server mode", "", "- not in this run (`bench/flow/run` measures it since 2026-12-07)"]
+    L = ["", "## Server mode", "",
+         "W1 (one workflow's step gap) and W2 (steps/s, 1,000-step bursts of 10-step workflows: "
+         f"{SERVER_N:,} workflows) through the flow server (`ferry_flow_server::server` in the harness's process, "
+         "its default settings, 4 shards), with its workers as engines in the same process, each case beside the "
+         "embedded engine measured in the same harness run (`ferry-bench-flow remote`). Medians of the rounds.", "",
+         "| transport | workers | W1 p50 µs (embedded) | W1 added µs | W2 steps/s (embedded) | W2 ÷ embedded | syncs per 1k steps ÷ embedded |",
+         "|---|---|---|---|---|---|---|"]
+    rows = {}
+    for j, (transport, workers) in enumerate(SERVER_CASES):
+        rs = [r["server"][j] for r in ferry]
+        v = {k: med([get(x, k) for x in rs]) for k in
+             ["server.w1_gap.p50_us", "embedded.w1_gap.p50_us", "w1_added_p50_us", "server.w2_steps_per_sec",
+              "embedded.w2_steps_per_sec", "w2_ratio_to_embedded", "syncs_ratio_to_embedded"]}
+        rows[(transport, workers)] = v
+        L.append(f"| {transport} | {workers} | {v['server.w1_gap.p50_us']:,.0f} ({v['embedded.w1_gap.p50_us']:,.0f}) | "
+                 f"{v['w1_added_p50_us']:+,.0f} | {v['server.w2_steps_per_sec']:,.0f} ({v['embedded.w2_steps_per_sec']:,.0f}) | "
+                 f"{v['w2_ratio_to_embedded']:.2f}× | {v['syncs_ratio_to_embedded']:.2f}× |")
+    one = rows[("unix", 1)]
+    tcp = rows[("tcp", 1)]
+    ratios = [rows[("unix", k)]["w2_ratio_to_embedded"] for k in (1, 2, 4)]
+    sps = one["server.w2_steps_per_sec"]
+    t = ferry[0].get("takeover")
+    L += ["", "Targets (issue 29):", "",
+          f"- W1 p50 over a Unix socket ≤ embedded + 30 µs: +{one['w1_added_p50_us']:.0f} µs — {mark(one['w1_added_p50_us'] <= 30)}",
+          f"- W1 p50 over TCP ≤ embedded + a round trip + 30 µs: +{tcp['w1_added_p50_us']:.0f} µs (loopback; the round trip is "
+          f"not measured apart: the Unix socket's +{one['w1_added_p50_us']:.0f} µs bounds what is not the transport)",
+          f"- W2 with one worker ≥ 60% of embedded: {one['w2_ratio_to_embedded']:.0%} — {mark(one['w2_ratio_to_embedded'] >= 0.6)}",
+          "- W2 rising with 2 and 4 workers: " + ", ".join(f"{r:.2f}×" for r in ratios)
+          + f" — {mark(ratios[0] < ratios[1] < ratios[2])} (the workers share the harness's process and the machine's cores)",
+          f"- syncs per 1,000 steps ≤ 1.5× embedded: {one['syncs_ratio_to_embedded']:.2f}× — {mark(one['syncs_ratio_to_embedded'] <= 1.5)}",
+          f"- ≥ 10× Restate's W2 steps/s: {sps / w2['restate']['steps_per_sec']:,.0f}× — {mark(sps >= 10 * w2['restate']['steps_per_sec'])}",
+          f"- ≥ 100× Temporal's W2 steps/s: {sps / w2['temporal']['steps_per_sec']:,.0f}× — {mark(sps >= 100 * w2['temporal']['steps_per_sec'])}"]
+    if t:
+        L.append(f"- takeover after a worker's SIGKILL, {t['runs_per_shard']:,} unfinished runs per shard, {TAKEOVER_TRIALS} "
+                 f"trials: p50 {t['takeover']['p50_us'] / 1e3:,.0f} ms, p99 {t['takeover']['p99_us'] / 1e3:,.0f} ms ≤ lease "
+                 f"{t['lease_ms']:,} ms + 1 s — {mark(t['within_bound'])}")
+    return L
 
 
 def plot(w1, w2, w3, fl, names):
@@ -802,6 +867,8 @@ def main():
         log(f"== round {i + 1} of {RUNS}")
         quiet()
         ferry.append(ferry_round())
+        if i == 0:
+            ferry[0]["takeover"] = takeover()
         for s in PEERS:
             quiet()
             r = {"w1": peer(s, "w1")}
