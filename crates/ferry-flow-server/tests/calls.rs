@@ -6,6 +6,8 @@
 
 mod common;
 
+use common::{close, more_than_once, open_worker};
+
 use ferry_flow::{Ctx, Engine, FlowError, Signal, Workflow};
 use ferry_flow_server::server::{Server, Settings, token_hash};
 use ferry_testkit::{Scratch, eventually};
@@ -45,25 +47,6 @@ async fn order(ctx: Ctx, n: u32) -> Result<u64, FlowError> {
         })
         .await?;
     Ok(charged + shipped)
-}
-
-async fn worker(dir: &Path, socket: &Path, max_shards: u32) -> Engine {
-    let dir = dir.to_path_buf();
-    let addr = format!("unix:{}", socket.display());
-    tokio::task::spawn_blocking(move || {
-        Engine::builder(dir)
-            .server(addr)
-            .max_shards(max_shards)
-            .register(ORDER, order)
-            .open()
-            .unwrap()
-    })
-    .await
-    .unwrap()
-}
-
-async fn close(e: Engine) {
-    tokio::task::spawn_blocking(move || drop(e)).await.unwrap();
 }
 
 /// The server's HTTP API on a free loopback port.
@@ -116,15 +99,6 @@ async fn request(
     .unwrap()
 }
 
-fn ran_more_than_once() -> Vec<(String, u32)> {
-    RAN.lock()
-        .unwrap()
-        .iter()
-        .filter(|(_, n)| **n > 1)
-        .map(|(k, n)| (k.clone(), *n))
-        .collect()
-}
-
 /// Guards guarantee 6's calls and 7 (T1's list and show half): two workers hold two
 /// shards each; every call is made on the first (or over HTTP), so half of them reach
 /// the second through the server. Each run starts, answers its query, takes its signal
@@ -142,8 +116,14 @@ async fn calls_from_any_worker_reach_the_holder_and_the_index_answers_without_wo
     };
     let server = common::start_with(scratch.path(), &socket, settings);
     let base = http(&server.server).await;
-    let a = worker(&scratch.dir("a"), &socket, 2).await;
-    let b = worker(&scratch.dir("b"), &socket, 2).await;
+    let a = open_worker(&scratch.dir("a"), &socket, |b| {
+        b.max_shards(2).register(ORDER, order)
+    })
+    .await;
+    let b = open_worker(&scratch.dir("b"), &socket, |b| {
+        b.max_shards(2).register(ORDER, order)
+    })
+    .await;
     eventually("the shards to spread over both workers", || {
         a.held_shards().len() == 2 && b.held_shards().len() == 2
     })
@@ -187,7 +167,7 @@ async fn calls_from_any_worker_reach_the_holder_and_the_index_answers_without_wo
         .await
         .expect_err("a finished run takes no signal");
     assert!(matches!(e, FlowError::RunFinished { .. }), "{e}");
-    assert_eq!(ran_more_than_once(), Vec::<(String, u32)>::new());
+    assert_eq!(more_than_once(&RAN), Vec::<(String, u32)>::new());
 
     // Over HTTP: start, signal (keyed twice), result.
     let (status, body) = request(
@@ -347,7 +327,10 @@ async fn signals_sent_while_shards_move_arrive_once() {
     let socket = scratch.path().join("s.sock");
     let server = common::start(scratch.path(), &socket, SHARDS);
     let base = http(&server.server).await;
-    let a = worker(&scratch.dir("a"), &socket, 0).await;
+    let a = open_worker(&scratch.dir("a"), &socket, |b| {
+        b.max_shards(0).register(ORDER, order)
+    })
+    .await;
     eventually("a to hold every shard", || {
         a.held_shards().len() == SHARDS as usize
     })
@@ -356,7 +339,10 @@ async fn signals_sent_while_shards_move_arrive_once() {
     for (i, id) in ids.iter().enumerate() {
         a.start(ORDER, id, &(i as u32)).await.unwrap();
     }
-    let b = worker(&scratch.dir("b"), &socket, 0).await;
+    let b = open_worker(&scratch.dir("b"), &socket, |b| {
+        b.max_shards(0).register(ORDER, order)
+    })
+    .await;
     // Signals over HTTP, each with its key, while a closes (hands everything to b).
     let sends = {
         let base = base.clone();
@@ -453,12 +439,8 @@ static NOTE: Signal<u32> = Signal::new("note");
 
 /// A worker running the sender and the collector.
 async fn messenger(dir: &Path, socket: &Path, max_shards: u32) -> Engine {
-    let dir = dir.to_path_buf();
-    let addr = format!("unix:{}", socket.display());
-    tokio::task::spawn_blocking(move || {
-        Engine::builder(dir)
-            .server(addr)
-            .max_shards(max_shards)
+    open_worker(dir, socket, move |b| {
+        b.max_shards(max_shards)
             .register(SENDER, |ctx: Ctx, (to, n): (String, u32)| async move {
                 for i in 0..n {
                     ctx.signal(&to, NOTE, &i).await?;
@@ -477,11 +459,8 @@ async fn messenger(dir: &Path, socket: &Path, max_shards: u32) -> Engine {
                 }
                 Ok(got)
             })
-            .open()
-            .unwrap()
     })
     .await
-    .unwrap()
 }
 
 /// Guards guarantee 6 for what a run sends (T8, docs/flow-server.md §9): a run on one

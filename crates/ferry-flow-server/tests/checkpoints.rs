@@ -7,12 +7,12 @@
 
 mod common;
 
+use common::{close, more_than_once, open_worker};
 use ferry_flow::log::Config as LogConfig;
-use ferry_flow::{Ctx, Engine, FlowError, Signal, Workflow};
+use ferry_flow::{Ctx, FlowError, Signal, Workflow};
 use ferry_flow_server::server::Settings;
 use ferry_testkit::{Scratch, eventually};
 use std::collections::BTreeMap;
-use std::path::Path;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -32,24 +32,6 @@ async fn order(ctx: Ctx, n: u32) -> Result<u64, FlowError> {
         .await?;
     let go = ctx.wait_for(GO, None).await?.unwrap_or(0);
     Ok(charged + u64::from(go))
-}
-
-async fn worker(dir: &Path, socket: &Path) -> Engine {
-    let dir = dir.to_path_buf();
-    let addr = format!("unix:{}", socket.display());
-    tokio::task::spawn_blocking(move || {
-        Engine::builder(dir)
-            .server(addr)
-            .register(ORDER, order)
-            .open()
-            .unwrap()
-    })
-    .await
-    .unwrap()
-}
-
-async fn close(e: Engine) {
-    tokio::task::spawn_blocking(move || drop(e)).await.unwrap();
 }
 
 fn small_segments() -> LogConfig {
@@ -74,7 +56,7 @@ async fn a_new_holder_and_a_restarted_server_recover_from_checkpoints() {
         ..common::long_lease(SHARDS)
     };
     let server = common::start_with_log(scratch.path(), &socket, settings(), small_segments());
-    let a = worker(&scratch.dir("a"), &socket).await;
+    let a = open_worker(&scratch.dir("a"), &socket, |b| b.register(ORDER, order)).await;
     eventually("a to hold every shard", || {
         a.held_shards().len() == SHARDS as usize
     })
@@ -120,7 +102,7 @@ async fn a_new_holder_and_a_restarted_server_recover_from_checkpoints() {
     a.start(ORDER, "after", &7).await.unwrap();
     // A new holder: from the checkpoints and the records after them.
     close(a).await;
-    let b = worker(&scratch.dir("b"), &socket).await;
+    let b = open_worker(&scratch.dir("b"), &socket, |b| b.register(ORDER, order)).await;
     eventually("b to hold every shard", || {
         b.held_shards().len() == SHARDS as usize
     })
@@ -148,7 +130,7 @@ async fn a_new_holder_and_a_restarted_server_recover_from_checkpoints() {
     assert_eq!(again, epochs, "epochs survive the retired segments");
     let runs = server.server.runs(Some("finished"), None, 1000);
     assert_eq!(runs.len(), RUNS as usize + 1);
-    let c = worker(&scratch.dir("c"), &socket).await;
+    let c = open_worker(&scratch.dir("c"), &socket, |b| b.register(ORDER, order)).await;
     eventually("c to hold every shard", || {
         c.held_shards().len() == SHARDS as usize
     })
@@ -157,14 +139,11 @@ async fn a_new_holder_and_a_restarted_server_recover_from_checkpoints() {
         c.run::<u64>(&id(150)).unwrap().result().await.unwrap(),
         1502
     );
-    let twice: Vec<_> = RAN
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|(_, n)| **n > 1)
-        .map(|(k, n)| (k.clone(), *n))
-        .collect();
-    assert_eq!(twice, Vec::<(String, u32)>::new(), "no step body ran twice");
+    assert_eq!(
+        more_than_once(&RAN),
+        Vec::<(String, u32)>::new(),
+        "no step body ran twice"
+    );
     close(c).await;
     server.stop().await;
 }
@@ -181,7 +160,7 @@ async fn finished_runs_past_the_retention_are_forgotten() {
         ..common::long_lease(1)
     };
     let server = common::start_with(scratch.path(), &socket, settings);
-    let a = worker(&scratch.dir("a"), &socket).await;
+    let a = open_worker(&scratch.dir("a"), &socket, |b| b.register(ORDER, order)).await;
     eventually("a to hold the shard", || a.held_shards().len() == 1).await;
     a.start(ORDER, "done", &1).await.unwrap();
     a.start(ORDER, "waiting", &2).await.unwrap();

@@ -6,11 +6,10 @@
 
 mod common;
 
-use common::start;
+use common::{close, more_than_once, open_worker, start};
 use ferry_flow::{Ctx, Engine, FlowError, Signal, Workflow};
 use ferry_testkit::{Scratch, eventually};
 use std::collections::BTreeMap;
-use std::path::Path;
 use std::sync::Mutex;
 
 static ORDER: Workflow<u32, u64> = Workflow::new("order");
@@ -38,36 +37,6 @@ async fn order(ctx: Ctx, n: u32) -> Result<u64, FlowError> {
     Ok(charged + shipped)
 }
 
-/// A worker of the server at `socket`, opened off the test's runtime (it waits for the
-/// server's welcome).
-async fn worker(dir: &Path, socket: &Path) -> Engine {
-    let dir = dir.to_path_buf();
-    let addr = format!("unix:{}", socket.display());
-    tokio::task::spawn_blocking(move || {
-        Engine::builder(dir)
-            .server(addr)
-            .register(ORDER, order)
-            .open()
-            .unwrap()
-    })
-    .await
-    .unwrap()
-}
-
-/// Drop an engine off the test's runtime (closing hands its shards back and waits).
-async fn close(e: Engine) {
-    tokio::task::spawn_blocking(move || drop(e)).await.unwrap();
-}
-
-fn ran_more_than_once() -> Vec<(String, u32)> {
-    RAN.lock()
-        .unwrap()
-        .iter()
-        .filter(|(_, n)| **n > 1)
-        .map(|(k, n)| (k.clone(), *n))
-        .collect()
-}
-
 /// Guards guarantees 4 and 5 with real engines: one worker runs orders on the shards
 /// it is granted; a second worker joining takes some shards over (rebalance); the first
 /// closing hands the rest back; every order, started on the first, finishes on the
@@ -79,7 +48,7 @@ async fn shards_move_between_worker_engines_and_every_run_finishes_once() {
     let scratch = Scratch::new("flow-engine-move");
     let socket = scratch.path().join("s.sock");
     let server = start(scratch.path(), &socket, SHARDS);
-    let a = worker(&scratch.dir("a"), &socket).await;
+    let a = open_worker(&scratch.dir("a"), &socket, |b| b.register(ORDER, order)).await;
     eventually("the first worker to hold every shard", || {
         a.held_shards().len() == SHARDS as usize
     })
@@ -98,7 +67,7 @@ async fn shards_move_between_worker_engines_and_every_run_finishes_once() {
     })
     .await;
     // A second worker: the server asks the first for half of the shards.
-    let b = worker(&scratch.dir("b"), &socket).await;
+    let b = open_worker(&scratch.dir("b"), &socket, |b| b.register(ORDER, order)).await;
     eventually("the shards to spread over both workers", || {
         a.held_shards().len() == 2 && b.held_shards().len() == 2
     })
@@ -131,7 +100,7 @@ async fn shards_move_between_worker_engines_and_every_run_finishes_once() {
             .unwrap();
         assert_eq!(out, u64::from(i) * 10 + 1);
     }
-    assert_eq!(ran_more_than_once(), Vec::<(String, u32)>::new());
+    assert_eq!(more_than_once(&RAN), Vec::<(String, u32)>::new());
     assert_eq!(RAN.lock().unwrap().len(), 2 * RUNS as usize);
     close(b).await;
     server.stop().await;

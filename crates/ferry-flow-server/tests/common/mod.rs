@@ -85,3 +85,39 @@ pub fn start_with_log(dir: &Path, socket: &Path, settings: Settings, log: LogCon
         tcp,
     }
 }
+
+/// A worker engine of the server at `socket`, its builder finished by `build` (its
+/// workflows, `max_shards`), opened off the test's runtime (it waits for the server's
+/// welcome).
+pub async fn open_worker(
+    dir: &Path,
+    socket: &Path,
+    build: impl FnOnce(ferry_flow::EngineBuilder) -> ferry_flow::EngineBuilder + Send + 'static,
+) -> ferry_flow::Engine {
+    let dir = dir.to_path_buf();
+    let addr = format!("unix:{}", socket.display());
+    tokio::task::spawn_blocking(move || {
+        build(ferry_flow::Engine::builder(dir).server(addr))
+            .open()
+            .unwrap()
+    })
+    .await
+    .unwrap()
+}
+
+/// Drop an engine off the test's runtime (closing hands its shards back and waits).
+pub async fn close(e: ferry_flow::Engine) {
+    tokio::task::spawn_blocking(move || drop(e)).await.unwrap();
+}
+
+/// The keys counted more than once in `ran` (each step body's runs, by key).
+pub fn more_than_once(
+    ran: &std::sync::Mutex<std::collections::BTreeMap<String, u32>>,
+) -> Vec<(String, u32)> {
+    ran.lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .map(|(k, n)| (k.clone(), *n))
+        .collect()
+}
