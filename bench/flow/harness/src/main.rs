@@ -831,16 +831,18 @@ async fn marked_chain(ctx: Ctx, steps: u32) -> Result<u32, FlowError> {
 }
 
 /// W1 then W2 on `engines` (runs started on the one holding their shard, when there
-/// are several): the gaps of W1, and W2's steps/s; `syncs` reads the log's syncs.
+/// are several): the gaps of W1, and W2's steps/s with every workflow started at once,
+/// as the embedded W2's bursts and the peers' W2 start them; `syncs` reads the log's
+/// syncs.
 fn w1_w2(
-    engines: &[Engine],
+    engines: &[Rc<Engine>],
     shards: u32,
     args: &[String],
     syncs: &dyn Fn() -> u64,
 ) -> Result<Value, String> {
     let steps: u32 = num(args, "--steps", 1000);
     let (n, wsteps): (u32, u32) = (num(args, "--n", 10_000), num(args, "--wsteps", 10));
-    let holder = |id: &str| -> &Engine {
+    let holder = |id: &str| -> &Rc<Engine> {
         let shard = ferry_flow::shard_of(id, shards);
         engines
             .iter()
@@ -851,7 +853,8 @@ fn w1_w2(
         .enable_time()
         .build()
         .map_err(err)?;
-    rt.block_on(async {
+    let local = tokio::task::LocalSet::new();
+    local.block_on(&rt, async {
         MARKS.lock().expect("marks").clear();
         holder("w1")
             .start(W1CHAIN, "w1", &steps)
@@ -864,13 +867,16 @@ fn w1_w2(
         let gaps: Vec<Duration> = marks[1..].windows(2).map(|w| w[1] - w[0]).collect();
         let syncs0 = syncs();
         let t = Instant::now();
-        let mut waits = Vec::with_capacity(n as usize);
+        let mut tasks = Vec::with_capacity(n as usize);
         for i in 0..n {
             let id = format!("w2-{i}");
-            waits.push(holder(&id).start(CHAIN, &id, &wsteps).await.map_err(err)?);
+            let e = holder(&id).clone();
+            tasks.push(tokio::task::spawn_local(async move {
+                e.start(CHAIN, &id, &wsteps).await?.result().await
+            }));
         }
-        for h in waits {
-            h.result().await.map_err(err)?;
+        for t in tasks {
+            t.await.map_err(err)?.map_err(err)?;
         }
         let secs = t.elapsed().as_secs_f64();
         let total = f64::from(n) * f64::from(wsteps);
@@ -1125,12 +1131,14 @@ fn remote(args: &[String]) -> Result<Value, String> {
     let shards: u32 = num(args, "--shards", 4);
     let tcp = flag(args, "--transport").is_some_and(|t| t == "tcp");
     let embedded = {
-        let engine = Engine::builder(dir.join("embedded"))
-            .shards(shards as usize)
-            .register(CHAIN, chain)
-            .register(W1CHAIN, marked_chain)
-            .open()
-            .map_err(err)?;
+        let engine = Rc::new(
+            Engine::builder(dir.join("embedded"))
+                .shards(shards as usize)
+                .register(CHAIN, chain)
+                .register(W1CHAIN, marked_chain)
+                .open()
+                .map_err(err)?,
+        );
         w1_w2(std::slice::from_ref(&engine), shards, args, &|| {
             engine.log_stats().syncs
         })?
@@ -1150,14 +1158,14 @@ fn remote(args: &[String]) -> Result<Value, String> {
     let (server, addr) = (&serving.server, &serving.addr);
     let mut engines = Vec::new();
     for k in 0..workers {
-        engines.push(
+        engines.push(Rc::new(
             Engine::builder(dir.join(format!("worker-{k}")))
                 .server(addr.clone())
                 .register(CHAIN, chain)
                 .register(W1CHAIN, marked_chain)
                 .open()
                 .map_err(err)?,
-        );
+        ));
     }
     // Every shard held, spread over the workers.
     let spread_out = Instant::now() + Duration::from_secs(30);
