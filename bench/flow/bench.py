@@ -776,8 +776,9 @@ def server_section(ferry, w2, names):
     if not all("server" in r for r in ferry):
         return ["", "## Server mode", "", "- not in this run (`bench/flow/run` measures it since 2026-12-07)"]
     L = ["", "## Server mode", "",
-         "W1 (one workflow's step gap) and W2 (steps/s, 1,000-step bursts of 10-step workflows: "
-         f"{SERVER_N:,} workflows) through the flow server (`ferry_flow_server::server` in the harness's process, "
+         "W1 (one workflow's step gap, 1,000 steps) and W2 (steps/s: one burst of "
+         f"{SERVER_N:,} 10-step workflows started at once, about a tenth of a second here, so single bursts "
+         "vary by 1.5× from round to round) through the flow server (`ferry_flow_server::server` in the harness's process, "
          "its default settings, 4 shards), with its workers as engines in the same process, each case beside the "
          "embedded engine measured in the same harness run (`ferry-bench-flow remote`). Medians of the rounds.", "",
          "| transport | workers | W1 p50 µs (embedded) | W1 added µs | W2 steps/s (embedded) | W2 ÷ embedded | syncs per 1k steps ÷ embedded |",
