@@ -116,7 +116,7 @@ pub(super) fn route(state: &mut State, now: Instant, settings: &Settings) {
         unsent,
         ..
     } = state;
-    calls.retain(|&id, f| {
+    for (&id, f) in calls.iter_mut() {
         let (epoch, holder) = table.holder(f.shard);
         let ready = holder.filter(|h| {
             conns.contains_key(h)
@@ -130,10 +130,8 @@ pub(super) fn route(state: &mut State, now: Instant, settings: &Settings) {
             f.sent = None;
             f.until = now + call_wait;
         }
-        if f.sent.is_some() {
-            return true;
-        }
-        if let Some(h) = ready
+        if f.sent.is_none()
+            && let Some(h) = ready
             && now >= f.not_before
         {
             let (_, tx) = &conns[&h];
@@ -143,10 +141,8 @@ pub(super) fn route(state: &mut State, now: Instant, settings: &Settings) {
             });
             f.sent = Some((h, epoch));
             f.until = now + call_wait + settings.lease;
-            return true;
         }
-        true
-    });
+    }
     for (_, f) in calls.extract_if(|_, f| now >= f.until) {
         let _ = f.reply.send(Err(match f.sent {
             None => Refused::NoHolder { shard: f.shard },
