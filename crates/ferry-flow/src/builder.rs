@@ -464,7 +464,6 @@ impl EngineBuilder {
             recovery,
             admin,
             holder: None,
-            caller: None,
         })
     }
 }
@@ -524,7 +523,6 @@ impl EngineBuilder {
             },
             admin: None,
             holder: Some(holder),
-            caller: Some(caller),
         })
     }
 }

@@ -169,6 +169,28 @@ pub(crate) async fn remote_result<O: DeserializeOwned>(
 }
 
 impl Shared {
+    /// [`Shared::deliver`] here, or on a server's worker through the server when another
+    /// worker holds the run's shard (with a fresh key if the caller gave none, so that a
+    /// call sent again is delivered once).
+    pub(crate) async fn deliver_anywhere(
+        &self,
+        id: &str,
+        name: &str,
+        value: Json,
+        key: Option<&str>,
+    ) -> Result<(), FlowError> {
+        let Some(c) = self.caller.get().filter(|_| elsewhere(&self.held(id))) else {
+            return self.deliver(id, name, value, key).await;
+        };
+        let kind = CallKind::Signal {
+            id: id.to_string(),
+            name: name.to_string(),
+            value: serde_json::to_vec(&value).expect("JSON serializes"),
+        };
+        let key = key.map_or_else(|| crate::remote::fresh_key("call"), str::to_string);
+        remote(c, kind, key).await.map(drop)
+    }
+
     /// What run `id` last published (`ctx.publish`), if anything. On a worker, an
     /// answer leaves only while the shard's lease deadline is ahead
     /// (docs/flow-server.md §5.3).

@@ -25,8 +25,6 @@ pub struct Engine {
     pub(crate) admin: Option<Admin>,
     /// A server's worker: what takes and lets go of its shards.
     pub(crate) holder: Option<crate::holder::Holder>,
-    /// A server's worker: what makes calls about runs on other workers' shards.
-    pub(crate) caller: Option<Caller>,
 }
 
 impl Engine {
@@ -67,7 +65,7 @@ impl Engine {
         RunHandle {
             shared: Arc::downgrade(&self.shared),
             id: id.to_string(),
-            caller: self.caller.clone(),
+            caller: self.shared.caller.get().cloned(),
             _out: PhantomData,
         }
     }
@@ -75,8 +73,9 @@ impl Engine {
     /// On a server's worker, the caller to use for run `id` when this worker does not
     /// hold its shard.
     fn elsewhere(&self, id: &str) -> Option<&Caller> {
-        self.caller
-            .as_ref()
+        self.shared
+            .caller
+            .get()
             .filter(|_| calls::elsewhere(&self.shared.held(id)))
     }
 
@@ -117,16 +116,7 @@ impl Engine {
         value: Json,
         key: Option<&str>,
     ) -> Result<(), FlowError> {
-        let Some(c) = self.elsewhere(id) else {
-            return self.shared.deliver(id, name, value, key).await;
-        };
-        let key = key.map_or_else(|| crate::remote::fresh_key("call"), str::to_string);
-        let kind = CallKind::Signal {
-            id: id.to_string(),
-            name: name.to_string(),
-            value: serde_json::to_vec(&value).expect("JSON serializes"),
-        };
-        calls::remote(c, kind, key).await.map(drop)
+        self.shared.deliver_anywhere(id, name, value, key).await
     }
 
     /// Ask run `id` to cancel; returns once the request is durable. The run's next
@@ -169,7 +159,7 @@ impl Engine {
     /// A handle on an existing run (for `result` after a restart). On a server's worker,
     /// any id gets one: the server knows whether the run exists.
     pub fn run<O: DeserializeOwned>(&self, id: &str) -> Option<RunHandle<O>> {
-        let known = self.caller.is_some() || lock(&self.shared.runs).contains_key(id);
+        let known = self.shared.caller.get().is_some() || lock(&self.shared.runs).contains_key(id);
         known.then(|| self.handle(id))
     }
 

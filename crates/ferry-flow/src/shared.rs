@@ -566,17 +566,7 @@ impl Host for Shared {
         let me = self.me.clone();
         Box::pin(async move {
             let shared = me.upgrade().ok_or(FlowError::Stopped)?;
-            match shared.caller.get() {
-                Some(c) if crate::calls::elsewhere(&shared.held(&id)) => {
-                    let kind = crate::remote::proto::CallKind::Signal {
-                        id,
-                        name,
-                        value: serde_json::to_vec(&value).expect("JSON serializes"),
-                    };
-                    crate::calls::remote(c, kind, key).await.map(drop)
-                }
-                _ => shared.deliver(&id, &name, value, Some(&key)).await,
-            }
+            shared.deliver_anywhere(&id, &name, value, Some(&key)).await
         })
     }
 
