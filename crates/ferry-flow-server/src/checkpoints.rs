@@ -147,31 +147,39 @@ impl Checkpoints {
         &self.folds[k as usize]
     }
 
-    /// Fold what the log made durable since the last compaction, expire finished runs
+    /// Fold what the log made durable since the last compaction (up to `upto`: with a
+    /// replicated log, what the stream has too), expire finished runs
     /// older than `retention_ms`, and write the checkpoints that changed. The caller
     /// writes the epochs ([`write_kept`]) and then retires the log below `read`.
     pub fn compact(
         &mut self,
         log: &Log,
+        upto: Lsn,
         now_ms: u64,
         retention_ms: u64,
     ) -> Result<Compacted, CheckpointsError> {
         let mut bad = None;
         let mut skipped = Vec::new();
         let folds = &mut self.folds;
-        let read = log.read(self.read, |r| {
+        // Where the records folded end (a record past `upto` stops the read unread).
+        let mut read = self.read;
+        log.read_while(self.read, |r| {
+            if r.end > upto {
+                return false;
+            }
+            read = r.end;
             if r.kind != crate::store::SHARD_RECORD || r.payload.len() < 21 || bad.is_some() {
-                return;
+                return true;
             }
             let p = r.payload;
             let shard = u32::from_be_bytes(p[..4].try_into().expect("4 bytes"));
             let position = u64::from_be_bytes(p[12..20].try_into().expect("8 bytes"));
             let Some(fold) = folds.get_mut(shard as usize) else {
-                return;
+                return true;
             };
             // Folded before (the log kept the segment it shares with newer records).
             if position < fold.position() {
-                return;
+                return true;
             }
             if position > fold.position() {
                 bad = Some(CheckpointsError::Gap {
@@ -180,7 +188,7 @@ impl Checkpoints {
                     position,
                     expected: fold.position(),
                 });
-                return;
+                return true;
             }
             if let Err(e) = fold.fold(position, p[20], &p[21..], now_ms) {
                 // Nothing could replay it either: skipped, so that the log does not
@@ -189,6 +197,7 @@ impl Checkpoints {
                 skipped.push((shard, position));
                 fold.skip(position);
             }
+            true
         })?;
         if let Some(e) = bad {
             return Err(e);

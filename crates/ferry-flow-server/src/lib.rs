@@ -13,6 +13,8 @@
 //!   probes.
 //!
 //! - `checkpoints`: each shard's checkpoint, and retiring the log below them (§7).
+//! - `replica`: the log kept in a JetStream stream too, the lock and the takeover of a
+//!   standby server (docs/flow-server-replica.md).
 //!
 //! Not built yet (§15): the outbox for calls made by runs.
 
@@ -21,5 +23,6 @@ pub mod http;
 pub mod index;
 pub mod lease;
 pub mod peer;
+pub mod replica;
 pub mod server;
 pub mod store;

@@ -25,6 +25,7 @@ use conn::connection;
 use crate::checkpoints::{Checkpoints, CheckpointsError, Compacted, read_kept, write_kept};
 use crate::index::{Index, RunSummary};
 use crate::lease::{Action, LeaseTable, SessionId};
+use crate::replica::{self, Replica};
 use crate::store::{Kept, Store};
 use ferry_core::ConfigError;
 use ferry_flow::log::{Config as LogConfig, Error as LogError, Log, Lsn};
@@ -186,6 +187,19 @@ struct Inner {
     shards_dir: std::path::PathBuf,
     /// When the last compaction ran, and where the log ended then.
     compacted: Mutex<(Instant, Lsn)>,
+    /// With `--replicate`: the log kept in a JetStream stream too.
+    replicated: Option<Replicated>,
+}
+
+/// The log kept in a JetStream stream too (docs/flow-server-replica.md): a record is
+/// durable once the stream has it as well.
+struct Replicated {
+    /// Every record of the log before this is in the stream.
+    lsn: AtomicU64,
+    /// Woken when the log's durable position moved.
+    wake: Notify,
+    /// Taken by the replicating task when the server starts.
+    replica: Mutex<Option<Replica>>,
 }
 
 /// Counters for /metrics, from the server's start.
@@ -231,6 +245,27 @@ struct State {
 impl Server {
     /// Open (or create) the server's log in `dir` and read it back.
     pub fn open(dir: &Path, settings: Settings, log: LogConfig) -> Result<Server, OpenError> {
+        Server::open_with(dir, settings, log, None)
+    }
+
+    /// [`Server::open`] on a directory that [`Replica::restore`] just rebuilt (so the
+    /// stream has everything its log holds), publishing every record to the stream as
+    /// well: records and grants count as durable once the stream has them too.
+    pub fn open_replicated(
+        dir: &Path,
+        settings: Settings,
+        log: LogConfig,
+        replica: Replica,
+    ) -> Result<Server, OpenError> {
+        Server::open_with(dir, settings, log, Some(replica))
+    }
+
+    fn open_with(
+        dir: &Path,
+        settings: Settings,
+        log: LogConfig,
+        replica: Option<Replica>,
+    ) -> Result<Server, OpenError> {
         settings.check()?;
         std::fs::create_dir_all(dir).map_err(|e| {
             OpenError::Dir(format!(
@@ -251,6 +286,8 @@ impl Server {
             .into());
         }
         let (log, _) = Log::open_dir(&dir.join("log"), log)?;
+        // Rebuilt from the stream: all of it is there.
+        let in_stream = log.end_lsn();
         let follower = log.follower();
         let log = Arc::new(log);
         let shards_dir = dir.join("shards");
@@ -325,6 +362,11 @@ impl Server {
                 checkpoints: Mutex::new(checkpoints),
                 shards_dir,
                 compacted: Mutex::new((Instant::now(), 0)),
+                replicated: replica.map(|replica| Replicated {
+                    lsn: AtomicU64::new(in_stream),
+                    wake: Notify::new(),
+                    replica: Mutex::new(Some(replica)),
+                }),
             }),
         })
     }
@@ -334,7 +376,17 @@ impl Server {
         let ticker = tokio::spawn(tick(self.inner.clone(), self.inner.stop.subscribe()));
         let pump = tokio::spawn(pump(self.inner.clone(), self.inner.stop.subscribe()));
         let compactor = tokio::spawn(compactor(self.inner.clone(), self.inner.stop.subscribe()));
-        ferry_core::sync::lock(&self.inner.tasks).extend([ticker, pump, compactor]);
+        let mut tasks = ferry_core::sync::lock(&self.inner.tasks);
+        tasks.extend([ticker, pump, compactor]);
+        if let Some(r) = &self.inner.replicated
+            && let Some(replica) = ferry_core::sync::lock(&r.replica).take()
+        {
+            tasks.push(tokio::spawn(replicate(
+                self.inner.clone(),
+                replica,
+                self.inner.stop.subscribe(),
+            )));
+        }
     }
 
     /// Compact now (docs/flow-server.md §7): fold what is durable into each shard's
@@ -486,7 +538,7 @@ async fn compactor(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
         }
         let (last, at) = *ferry_core::sync::lock(&inner.compacted);
-        let grown = inner.log.durable_lsn().saturating_sub(at);
+        let grown = durable_lsn(&inner).saturating_sub(at);
         // After a failure, a minute (not at once: it would read the log again).
         let minute = last.elapsed() >= Duration::from_secs(60);
         let due =
@@ -519,7 +571,7 @@ fn compact(inner: &Inner) -> Result<Compacted, CheckpointsError> {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64);
     let retention_ms = inner.settings.retention.as_millis() as u64;
-    let done = checkpoints.compact(&inner.log, now_ms, retention_ms)?;
+    let done = checkpoints.compact(&inner.log, durable_lsn(inner), now_ms, retention_ms)?;
     let kept = {
         // Every shard's records below `done.read` are folded: reads of each start
         // there (the segments below go).
@@ -584,8 +636,11 @@ async fn pump(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
         if inner.log.durable_lsn() < target
             && let Err(e) = inner.log.durable_following(target, &inner.follower).await
         {
-            fail(&inner, &e);
+            fail(&inner, &format!("the log failed: {e}"));
             return;
+        }
+        if let Some(r) = &inner.replicated {
+            r.wake.notify_one();
         }
         // Whatever is durable now is answered, however it got there: by this wait, or
         // by a sync before it. (Answering only after a wait of its own left a grant
@@ -606,7 +661,7 @@ async fn pump(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
 /// Answer `Durable` to each shard's holder for what is durable, and send the grants
 /// whose epochs are.
 fn deliver(inner: &Inner) {
-    let durable = inner.log.durable_lsn();
+    let durable = durable_lsn(inner);
     let mut state = ferry_core::sync::lock(&inner.state);
     let state = &mut *state;
     // Whom this round acknowledges: the log's writer waits for their replies.
@@ -677,11 +732,100 @@ fn deliver(inner: &Inner) {
     }
 }
 
-/// The log failed: nothing it holds past its last sync can be promised, so the server
-/// stops (every connection closes; workers wait for it to come back) rather than
-/// answer for records it may not have. A restart recovers the log.
-fn fail(inner: &Inner, e: &LogError) {
-    tracing::error!(error = %e, "ferry flow server: the log failed; the server stops, and recovers when started again");
+/// Everything before this is durable: synced, and with `--replicate` in the stream too.
+fn durable_lsn(inner: &Inner) -> Lsn {
+    let synced = inner.log.durable_lsn();
+    match &inner.replicated {
+        Some(r) => synced.min(r.lsn.load(Relaxed)),
+        None => synced,
+    }
+}
+
+/// Publishes what the log made durable to the stream, one batch at a time (what the
+/// log syncs meanwhile rides the next), and answers for it once the stream has it.
+async fn replicate(inner: Arc<Inner>, mut replica: Replica, stop: watch::Receiver<bool>) {
+    let lost = replica.lost();
+    tokio::select! {
+        biased;
+        why = lost => fail(&inner, &why),
+        _ = replicating(&inner, &mut replica, stop) => {}
+    }
+    // Stopping (or deposed): a standby may take over at once.
+    replica.release().await;
+}
+
+async fn replicating(inner: &Inner, replica: &mut Replica, mut stop: watch::Receiver<bool>) {
+    let r = inner.replicated.as_ref().expect("replicated");
+    // A batch not yet in the stream: sent again, the same bytes, until it is.
+    let mut pending: Option<(Vec<u8>, Lsn)> = None;
+    loop {
+        let woken = r.wake.notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
+        let from = r.lsn.load(Relaxed);
+        if pending.is_none() && from < inner.log.durable_lsn() {
+            let log = inner.log.clone();
+            match tokio::task::spawn_blocking(move || replica::read_batch(&log, from)).await {
+                Ok(Ok((batch, end))) if end > from => pending = Some((batch, end)),
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => {
+                    fail(
+                        inner,
+                        &format!("reading the log to replicate it failed: {e}"),
+                    );
+                    return;
+                }
+                Err(e) => {
+                    fail(
+                        inner,
+                        &format!("reading the log to replicate it panicked: {e}"),
+                    );
+                    return;
+                }
+            }
+        }
+        if let Some((batch, end)) = &pending {
+            let published = tokio::select! {
+                biased;
+                _ = stop.wait_for(|s| *s) => return,
+                p = replica.publish_batch(batch) => p,
+            };
+            match published {
+                Ok(()) => {
+                    r.lsn.store(*end, Relaxed);
+                    pending = None;
+                    deliver(inner);
+                    continue;
+                }
+                Err(e) if e.transient() => {
+                    tracing::warn!(error = %e, "ferry flow server: the stream did not take a batch; sending it again (nothing in it is acknowledged until it does)");
+                    tokio::select! {
+                        biased;
+                        _ = stop.wait_for(|s| *s) => return,
+                        _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                    }
+                    continue;
+                }
+                Err(e) => {
+                    fail(inner, &e);
+                    return;
+                }
+            }
+        }
+        tokio::select! {
+            biased;
+            _ = stop.wait_for(|s| *s) => return,
+            _ = woken => {}
+        }
+    }
+}
+
+/// The log failed, or the stream went to another server: nothing past what was
+/// answered can be promised, so the server stops (every connection closes; workers
+/// wait for it to come back, or go to a standby) rather than answer for records it may
+/// not have. A restart recovers the log.
+fn fail(inner: &Inner, e: &dyn std::fmt::Display) {
+    tracing::error!(error = %e, "ferry flow server: stopping; started again, it recovers what was durable");
     let mut state = ferry_core::sync::lock(&inner.state);
     state.failed = true;
     let _ = inner.stop.send(true);

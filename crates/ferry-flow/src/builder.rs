@@ -135,8 +135,9 @@ impl EngineBuilder {
         self
     }
 
-    /// Be a worker of the flow server at `addr` (`unix:/path` or `host:port`) instead of
-    /// keeping a log in the directory (docs/flow-server.md): the server holds the
+    /// Be a worker of the flow server at `addr` (`unix:/path` or `host:port`; several,
+    /// comma-separated, for a server and its standbys) instead of keeping a log in the
+    /// directory (docs/flow-server.md): the server holds the
     /// journal, and grants this engine shards, which it recovers from the server and
     /// runs; it stands by for the rest. The shard count is the server's (`shards` is
     /// not used). Runs on a shard this worker does not hold are refused with

@@ -222,3 +222,103 @@ impl Drop for PrivateNats {
         self.kill();
     }
 }
+
+/// Three NATS servers with JetStream in one cluster, of the test's own: a stream with
+/// three replicas keeps working with any one of them down.
+pub struct NatsCluster {
+    pub ports: Vec<u16>,
+    routes: Vec<u16>,
+    dir: PathBuf,
+    procs: Vec<Option<crate::proc::Proc>>,
+}
+
+impl NatsCluster {
+    pub fn start(dir: &Path) -> NatsCluster {
+        let n = 3;
+        let mut c = NatsCluster {
+            ports: (0..n).map(|_| crate::free_port()).collect(),
+            routes: (0..n).map(|_| crate::free_port()).collect(),
+            dir: dir.to_path_buf(),
+            procs: (0..n).map(|_| None).collect(),
+        };
+        for i in 0..n {
+            c.up(i);
+        }
+        c
+    }
+
+    /// Every server's address, comma-separated, as clients take them.
+    pub fn url(&self) -> String {
+        self.ports
+            .iter()
+            .map(|p| format!("nats://127.0.0.1:{p}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Start server `i` (again) on its ports and store.
+    pub fn up(&mut self, i: usize) {
+        assert!(self.procs[i].is_none(), "nats-server {i} already running");
+        let bin = std::env::var("FERRY_NATS_SERVER").unwrap_or_else(|_| "nats-server".into());
+        let port = self.ports[i].to_string();
+        let cluster = format!("nats://127.0.0.1:{}", self.routes[i]);
+        let routes = self
+            .routes
+            .iter()
+            .enumerate()
+            .filter(|&(j, _)| j != i)
+            .map(|(_, p)| format!("nats://127.0.0.1:{p}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let store = self.dir.join(format!("nats-{i}"));
+        let name = format!("n{i}");
+        let p = crate::proc::Proc::spawn(
+            "nats-server",
+            Path::new(&bin),
+            &[
+                "-js",
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &port,
+                "-sd",
+                store.to_str().unwrap(),
+                "-n",
+                &name,
+                "--cluster_name",
+                "ferry",
+                "--cluster",
+                &cluster,
+                "--routes",
+                &routes,
+            ],
+            &[],
+            &self.dir.join(format!("nats-{i}.log")),
+        );
+        assert!(
+            crate::wait_until(Duration::from_secs(20), || std::net::TcpStream::connect((
+                "127.0.0.1",
+                self.ports[i]
+            ))
+            .is_ok()),
+            "nats-server {i} did not start; see {}",
+            self.dir.join(format!("nats-{i}.log")).display()
+        );
+        self.procs[i] = Some(p);
+    }
+
+    /// SIGKILL server `i`.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(p) = self.procs[i].take() {
+            p.kill9();
+        }
+    }
+}
+
+impl Drop for NatsCluster {
+    fn drop(&mut self) {
+        for i in 0..self.procs.len() {
+            self.kill(i);
+        }
+    }
+}

@@ -8,6 +8,7 @@
 use anyhow::Context;
 use clap::Args;
 use ferry_flow::LogConfig;
+use ferry_flow_server::replica::{Replica, ReplicaSettings};
 use ferry_flow_server::server::{Server, Settings, token_hash};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -63,6 +64,23 @@ pub struct ServeArgs {
     /// Serve /metrics (Prometheus), /status (JSON) and /healthz on this HOST:PORT.
     #[arg(long)]
     pub metrics_listen: Option<String>,
+    /// Keep the log in a NATS JetStream stream too (`nats://HOST:PORT`, several
+    /// comma-separated), so that it outlives this machine
+    /// (docs/flow-server-replica.md): a record is acknowledged once the stream has it.
+    /// Every server started with the same --replicate and --stream is one server and
+    /// its standbys: the one holding the stream's lock serves, the others wait, and
+    /// the next takes over within a lease of the last renewal. DIR is then a copy of
+    /// the stream, rebuilt at every start.
+    #[arg(long)]
+    pub replicate: Option<String>,
+    /// With --replicate: the stream's name (its subject is `ferry.flow.<name>`, its
+    /// lock bucket `<name>_LOCK`).
+    #[arg(long, default_value = "FERRY_FLOW")]
+    pub stream: String,
+    /// With --replicate: the replicas of the stream and its lock, when this server
+    /// creates them (3 in production: a quorum of them holds each record).
+    #[arg(long, default_value_t = 3)]
+    pub replicas: usize,
 }
 
 pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
@@ -126,8 +144,33 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
             follow: Duration::from_micros(a.follow_us),
             ..LogConfig::default()
         };
-        let server = Server::open(&a.dir, settings, log)
-            .with_context(|| format!("cannot open the server's directory --dir {}", a.dir.display()))?;
+        let server = match &a.replicate {
+            None => Server::open(&a.dir, settings, log),
+            Some(url) => {
+                let replicated = ReplicaSettings {
+                    url: url.clone(),
+                    stream: a.stream.clone(),
+                    replicas: a.replicas,
+                    lease: settings.lease,
+                };
+                let mut replica = Replica::connect(&replicated)
+                    .await
+                    .context("--replicate: the stream cannot be used")?;
+                tokio::select! {
+                    taken = replica.acquire() => taken.context("--replicate")?,
+                    _ = crate::terminated() => {
+                        tracing::info!("ferry flow serve: stopped while standing by");
+                        return Ok(());
+                    }
+                }
+                replica
+                    .restore(&a.dir, log.clone())
+                    .await
+                    .context("--replicate: the log could not be rebuilt from the stream")?;
+                Server::open_replicated(&a.dir, settings, log, replica)
+            }
+        }
+        .with_context(|| format!("cannot open the server's directory --dir {}", a.dir.display()))?;
         let server = Arc::new(server);
         server.start();
         if let Some(addr) = &a.metrics_listen {
@@ -168,8 +211,9 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
         }
         if failed {
             anyhow::bail!(
-                "the server's log failed (see the error above); start the server again: it \
-                 recovers what was durable, and workers resume"
+                "the server stopped on an error (see above): its log failed, or with \
+                 --replicate the stream went to another server; start it again: it recovers \
+                 what was durable, and workers resume"
             );
         }
         tracing::info!("ferry flow serve: stopped");

@@ -32,7 +32,8 @@ use tokio::sync::{Notify, mpsc, oneshot};
 /// Where and how to reach the server.
 #[derive(Clone, Debug)]
 pub struct WorkerSettings {
-    /// `unix:/path` or `HOST:PORT`.
+    /// `unix:/path` or `HOST:PORT`; several, comma-separated, for a server and its
+    /// standbys (tried in turn).
     pub server: String,
     pub token: String,
     /// The most shards to hold; 0: all.
@@ -721,7 +722,20 @@ impl Drop for Worker {
 trait Stream: AsyncRead + AsyncWrite + Send + Unpin {}
 impl<T: AsyncRead + AsyncWrite + Send + Unpin> Stream for T {}
 
-async fn dial(server: &str) -> std::io::Result<Box<dyn Stream>> {
+/// Connect to the first of `servers` (comma-separated: a server and its standbys,
+/// docs/flow-server-replica.md) that answers.
+async fn dial(servers: &str) -> std::io::Result<Box<dyn Stream>> {
+    let mut last = std::io::Error::new(std::io::ErrorKind::InvalidInput, "no server address");
+    for server in servers.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        match dial_one(server).await {
+            Ok(s) => return Ok(s),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
+
+async fn dial_one(server: &str) -> std::io::Result<Box<dyn Stream>> {
     let dialed = tokio::time::timeout(IO_WITHIN, async {
         Ok::<Box<dyn Stream>, std::io::Error>(match server.strip_prefix("unix:") {
             Some(path) => Box::new(tokio::net::UnixStream::connect(path).await?),

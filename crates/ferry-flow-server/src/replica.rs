@@ -1,0 +1,764 @@
+//! The server's log beyond its machine (docs/flow-server-replica.md): every record the
+//! local log makes durable is also published to a NATS JetStream stream (three replicas
+//! in production), and counts as durable only once the stream has it. A standby server
+//! takes a lock, rebuilds its directory from the stream, and fences the server before
+//! it with a takeover message: every publish names the stream sequence it follows, so a
+//! server that is not the newest writer fails its next one and stops.
+//!
+//! A message is `type u8 ‖ bytes`:
+//! - `PART` (1) and `LAST` (2): a batch of records, `kind u8 ‖ len u32 ‖ payload` each,
+//!   cut into parts of at most the server's message size; a batch counts once its
+//!   `LAST` part is in the stream;
+//! - `TAKEOVER` (3): `server id u128`; an unfinished batch before it is void.
+
+use async_nats::jetstream::{self, message::PublishMessage, stream};
+use bytes::Bytes;
+use ferry_flow::log::{Config as LogConfig, Error as LogError, Log, Lsn};
+use futures_util::StreamExt;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+const PART: u8 = 1;
+const LAST: u8 = 2;
+const TAKEOVER: u8 = 3;
+/// The most records one batch carries, in bytes (it may be cut into several parts).
+pub const BATCH_MAX: usize = 8 << 20;
+/// Room kept in a message for its headers.
+const HEADROOM: usize = 1024;
+
+/// Where the stream is and how it is shaped (`ferry flow serve --replicate`).
+#[derive(Clone, Debug)]
+pub struct ReplicaSettings {
+    /// NATS servers, comma-separated (`nats://a:4222,nats://b:4222`).
+    pub url: String,
+    /// The stream's name; its subject is `ferry.flow.<name>`, its lock's stream
+    /// `<name>_LOCK`.
+    pub stream: String,
+    /// Replicas of the stream and the lock, when this server creates them.
+    pub replicas: usize,
+    /// A lock that stands still this long is taken over by a standby; its holder
+    /// renews it every third of it, and stops once it could not for two thirds (the
+    /// server's lease).
+    pub lease: Duration,
+}
+
+/// Why the stream could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplicaError {
+    #[error("NATS at {url}: {detail}")]
+    Nats { url: String, detail: String },
+    #[error(
+        "stream {stream} on NATS at {url}, message {seq}: {reason} (it is not a ferry flow server's log, or it was damaged)"
+    )]
+    Corrupted {
+        url: String,
+        stream: String,
+        seq: u64,
+        reason: String,
+    },
+    #[error(
+        "another server wrote to stream {stream} after this one (at message {seq}): it took over, and this server stops"
+    )]
+    Deposed { stream: String, seq: u64 },
+    #[error("rebuilding the server's directory from the stream: {0}")]
+    Log(#[from] LogError),
+    #[error("rebuilding the server's directory from the stream: {0}")]
+    Dir(String),
+}
+
+impl ReplicaError {
+    /// Whether trying again later may succeed (NATS away, a timeout).
+    pub fn transient(&self) -> bool {
+        matches!(self, ReplicaError::Nats { .. })
+    }
+}
+
+/// This server's hold on the stream (module doc).
+pub struct Replica {
+    url: String,
+    name: String,
+    subject: String,
+    js: jetstream::Context,
+    lock: stream::Stream,
+    lock_subject: String,
+    /// This server, as its lock and its takeover name it.
+    id: u128,
+    /// The most bytes of records one message carries.
+    part_max: usize,
+    lease: Duration,
+    /// The lock's revision while held.
+    revision: u64,
+    /// The stream's last sequence as this server knows it (read or written).
+    last: u64,
+    /// Parts of the batch being published that the stream acknowledged.
+    done: usize,
+    /// A publish failed transiently: parts past `last` may have landed.
+    unsure: bool,
+    /// Once the lock is held: its keeper (stopped by `release`), and why the lock was
+    /// lost, once it was.
+    keeper: Option<(
+        tokio::sync::watch::Sender<bool>,
+        tokio::task::JoinHandle<()>,
+    )>,
+    lost: tokio::sync::watch::Receiver<Option<String>>,
+    lost_tx: std::sync::Arc<tokio::sync::watch::Sender<Option<String>>>,
+}
+
+impl Replica {
+    /// Connect, and create the stream and the lock bucket if they are missing.
+    pub async fn connect(settings: &ReplicaSettings) -> Result<Replica, ReplicaError> {
+        let url = settings.url.clone();
+        let nats = |detail: String| ReplicaError::Nats {
+            url: url.clone(),
+            detail,
+        };
+        let addrs = settings
+            .url
+            .split(',')
+            .map(|u| u.trim().parse::<async_nats::ServerAddr>())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| nats(format!("not a NATS address: {e}")))?;
+        let client = async_nats::ConnectOptions::new()
+            .connection_timeout(Duration::from_secs(5))
+            .max_reconnects(None)
+            .connect(addrs.as_slice())
+            .await
+            .map_err(|e| nats(format!("cannot connect: {e}")))?;
+        let max_payload = client.server_info().max_payload;
+        if max_payload < 64 << 10 {
+            return Err(nats(format!(
+                "it takes messages of at most {max_payload} bytes (max_payload); the flow server needs 64 KiB"
+            )));
+        }
+        let mut js = jetstream::new(client);
+        js.set_timeout(settings.lease.max(Duration::from_secs(1)));
+        let subject = format!("ferry.flow.{}", settings.stream);
+        let stream = open_stream(
+            &js,
+            stream::Config {
+                name: settings.stream.clone(),
+                subjects: vec![subject.clone()],
+                num_replicas: settings.replicas,
+                storage: stream::StorageType::File,
+                duplicate_window: Duration::from_secs(120),
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|e| {
+            nats(format!(
+                "cannot open or create stream {}: {e}",
+                settings.stream
+            ))
+        })?;
+        let replicas = stream.cached_info().config.num_replicas;
+        if replicas != settings.replicas {
+            tracing::warn!(
+                stream = settings.stream,
+                replicas,
+                asked = settings.replicas,
+                "ferry flow server: the stream exists with another number of replicas; it is used as it is"
+            );
+        }
+        // The lock is a stream of one message: the holder's id, renewed by publishing
+        // after its own (see `acquire`).
+        let lock_name = format!("{}_LOCK", settings.stream);
+        let lock_subject = format!("ferry.flow.{}.lock", settings.stream);
+        let lock = open_stream(
+            &js,
+            stream::Config {
+                name: lock_name.clone(),
+                subjects: vec![lock_subject.clone()],
+                max_messages_per_subject: 1,
+                num_replicas: settings.replicas,
+                storage: stream::StorageType::File,
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|e| {
+            nats(format!(
+                "cannot open or create the lock stream {lock_name}: {e}"
+            ))
+        })?;
+        let lost_tx = tokio::sync::watch::channel(None).0;
+        let mut id = [0u8; 16];
+        getrandom::getrandom(&mut id).map_err(|e| nats(format!("no randomness for an id: {e}")))?;
+        Ok(Replica {
+            url,
+            name: settings.stream.clone(),
+            subject,
+            js,
+            lock,
+            lock_subject,
+            id: u128::from_be_bytes(id),
+            part_max: max_payload - HEADROOM,
+            lease: settings.lease,
+            revision: 0,
+            last: 0,
+            done: 0,
+            unsure: false,
+            keeper: None,
+            lost: lost_tx.subscribe(),
+            lost_tx: std::sync::Arc::new(lost_tx),
+        })
+    }
+
+    fn nats(&self, detail: impl std::fmt::Display) -> ReplicaError {
+        ReplicaError::Nats {
+            url: self.url.clone(),
+            detail: detail.to_string(),
+        }
+    }
+
+    /// This server's id (its lock's value), as hex.
+    pub fn id(&self) -> String {
+        format!("{:032x}", self.id)
+    }
+
+    /// Take the lock, waiting (as a standby) while another server holds it. A holder
+    /// renews it every third of a lease; one whose lock stood still for a whole lease
+    /// (by this server's clock, from when it first saw it) is taken as gone. No clocks
+    /// are compared across machines, and none of the lock's messages expire.
+    pub async fn acquire(&mut self) -> Result<(), ReplicaError> {
+        let mut said = false;
+        // The holder's last renewal, and when this server first saw it.
+        let mut seen: Option<(u64, Instant)> = None;
+        loop {
+            let last = match self
+                .lock
+                .get_last_raw_message_by_subject(&self.lock_subject)
+                .await
+            {
+                Ok(m) => Some(m),
+                Err(e) if e.kind() == stream::LastRawMessageErrorKind::NoMessageFound => None,
+                Err(e) => {
+                    tracing::warn!(stream = self.name, error = %e, "ferry flow server: cannot read the stream's lock yet");
+                    tokio::time::sleep(self.lease / 4).await;
+                    continue;
+                }
+            };
+            let after = match &last {
+                None => Some(0),
+                Some(m) => match seen {
+                    Some((seq, at)) if seq == m.sequence && at.elapsed() >= self.lease => {
+                        tracing::info!(stream = self.name, holder = %String::from_utf8_lossy(&m.payload), "ferry flow server: the stream's lock was not renewed for a lease: taking it over");
+                        Some(m.sequence)
+                    }
+                    Some((seq, _)) if seq == m.sequence => None,
+                    _ => {
+                        seen = Some((m.sequence, Instant::now()));
+                        if !said {
+                            tracing::info!(stream = self.name, holder = %String::from_utf8_lossy(&m.payload), "ferry flow server: standing by while another server holds the stream's lock");
+                            said = true;
+                        }
+                        None
+                    }
+                },
+            };
+            if let Some(after) = after {
+                match lock_publish(&self.js, &self.lock_subject, self.id(), after).await {
+                    Ok(revision) => {
+                        self.revision = revision;
+                        tracing::info!(
+                            stream = self.name,
+                            server = self.id(),
+                            "ferry flow server: holds the stream's lock"
+                        );
+                        self.keep();
+                        return Ok(());
+                    }
+                    // Another server renewed or took it meanwhile.
+                    Err(e)
+                        if e.kind() == jetstream::context::PublishErrorKind::WrongLastSequence => {}
+                    Err(e) => {
+                        tracing::warn!(stream = self.name, error = %e, "ferry flow server: cannot take the stream's lock yet");
+                    }
+                }
+            }
+            tokio::time::sleep(self.lease / 4).await;
+        }
+    }
+
+    /// Start renewing the lock (until [`Replica::release`]).
+    fn keep(&mut self) {
+        let keeper = Keeper {
+            js: self.js.clone(),
+            lock: self.lock.clone(),
+            subject: self.lock_subject.clone(),
+            value: self.id(),
+            revision: self.revision,
+            lease: self.lease,
+        };
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let lost = self.lost_tx.clone();
+        let task = tokio::spawn(async move {
+            if let Some(why) = keeper.keep(stopped).await {
+                tracing::error!(error = why, "ferry flow server: the stream's lock is lost");
+                let _ = lost.send(Some(why));
+            }
+        });
+        self.keeper = Some((stop, task));
+    }
+
+    /// Resolves once the lock is lost (taken over, or not renewed in time), with why:
+    /// the server must stop.
+    pub fn lost(&self) -> impl std::future::Future<Output = String> + Send + 'static {
+        let mut lost = self.lost.clone();
+        async move {
+            match lost.wait_for(|l| l.is_some()).await {
+                Ok(why) => why.clone().unwrap_or_default(),
+                Err(_) => "the lock's keeper ended".into(),
+            }
+        }
+    }
+
+    /// Stop renewing the lock and give it up, so that a standby takes over at once.
+    pub async fn release(&mut self) {
+        if let Some((stop, task)) = self.keeper.take() {
+            let _ = stop.send(true);
+            let _ = task.await;
+        }
+    }
+
+    /// Rebuild `dir`'s log from the stream (the directory is a copy of the stream: what
+    /// it held is removed), then publish the takeover.
+    pub async fn restore(&mut self, dir: &Path, config: LogConfig) -> Result<(), ReplicaError> {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| ReplicaError::Dir(format!("cannot create {}: {e}", dir.display())))?;
+        for sub in ["log", "shards"] {
+            let path = dir.join(sub);
+            if path.exists() {
+                std::fs::remove_dir_all(&path).map_err(|e| {
+                    ReplicaError::Dir(format!("cannot remove {}: {e}", path.display()))
+                })?;
+            }
+        }
+        let (log, _) = Log::open_dir(&dir.join("log"), config)?;
+        let log = std::sync::Arc::new(log);
+        let started = Instant::now();
+        let mut batch = Vec::new();
+        let mut read = 0u64;
+        let mut records = 0u64;
+        let mut lost = self.lost.clone();
+        loop {
+            let step = async {
+                let last = self.last_sequence().await?;
+                if last > read {
+                    records += self.read_into(&log, &mut read, last, &mut batch).await?;
+                }
+                // An unfinished batch is void: the takeover says so to every later
+                // reader.
+                self.publish(TAKEOVER, &self.id.to_be_bytes(), read).await
+            };
+            let step = tokio::select! {
+                biased;
+                why = lost.wait_for(|l| l.is_some()) => {
+                    let why = why.ok().and_then(|w| w.clone()).unwrap_or_default();
+                    return Err(ReplicaError::Dir(format!("the stream's lock was lost while rebuilding: {why}")));
+                }
+                step = step => step,
+            };
+            match step {
+                Ok(seq) => {
+                    self.last = seq;
+                    break;
+                }
+                // Written to after it was read (the last batch of the server before):
+                // read on.
+                Err(ReplicaError::Deposed { .. }) => {}
+                Err(e) if e.transient() => {
+                    tracing::warn!(stream = self.name, error = %e, "ferry flow server: rebuilding from the stream: trying again");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let end = log.end_lsn();
+        log.durable(end).await?;
+        if let Some(log) = std::sync::Arc::into_inner(log) {
+            tokio::task::spawn_blocking(move || log.close())
+                .await
+                .map_err(|e| ReplicaError::Dir(format!("closing the log panicked: {e}")))??;
+        }
+        tracing::info!(
+            stream = self.name,
+            messages = read,
+            records,
+            bytes = end,
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "ferry flow server: the log rebuilt from the stream"
+        );
+        Ok(())
+    }
+
+    async fn last_sequence(&self) -> Result<u64, ReplicaError> {
+        let mut stream = self
+            .js
+            .get_stream(&self.name)
+            .await
+            .map_err(|e| self.nats(format!("stream {}: {e}", self.name)))?;
+        let info = stream
+            .info()
+            .await
+            .map_err(|e| self.nats(format!("stream {}: {e}", self.name)))?;
+        Ok(info.state.last_sequence)
+    }
+
+    /// Read messages `read + 1 ..= to` into `log`, moving `read` on with each; `batch`
+    /// carries an unfinished batch from one call to the next. Returns how many records
+    /// were appended.
+    async fn read_into(
+        &self,
+        log: &std::sync::Arc<Log>,
+        read: &mut u64,
+        to: u64,
+        batch: &mut Vec<u8>,
+    ) -> Result<u64, ReplicaError> {
+        let from = *read;
+        let stream = self
+            .js
+            .get_stream(&self.name)
+            .await
+            .map_err(|e| self.nats(format!("stream {}: {e}", self.name)))?;
+        let consumer = stream
+            .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                filter_subject: self.subject.clone(),
+                deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
+                    start_sequence: from + 1,
+                },
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| self.nats(format!("reading stream {}: {e}", self.name)))?;
+        let mut messages = consumer
+            .messages()
+            .await
+            .map_err(|e| self.nats(format!("reading stream {}: {e}", self.name)))?;
+        let mut records = 0;
+        let mut seq = from;
+        while seq < to {
+            let m = match tokio::time::timeout(Duration::from_secs(30), messages.next()).await {
+                Ok(Some(Ok(m))) => m,
+                Ok(Some(Err(e))) => {
+                    return Err(self.nats(format!("reading stream {}: {e}", self.name)));
+                }
+                Ok(None) | Err(_) => {
+                    return Err(self.nats(format!(
+                        "reading stream {}: no message {} within 30 s",
+                        self.name,
+                        seq + 1
+                    )));
+                }
+            };
+            seq = m
+                .info()
+                .map_err(|e| self.nats(format!("reading stream {}: {e}", self.name)))?
+                .stream_sequence;
+            let corrupted = |reason: String| ReplicaError::Corrupted {
+                url: self.url.clone(),
+                stream: self.name.clone(),
+                seq,
+                reason,
+            };
+            let p = &m.payload;
+            match p.first() {
+                Some(&PART) => batch.extend_from_slice(&p[1..]),
+                Some(&LAST) => {
+                    batch.extend_from_slice(&p[1..]);
+                    // Off the runtime's threads: an append may wait for the log's writer.
+                    let (l, b) = (log.clone(), std::mem::take(batch));
+                    let applied = tokio::task::spawn_blocking(move || apply(&l, &b))
+                        .await
+                        .map_err(|e| {
+                            ReplicaError::Dir(format!("applying a batch panicked: {e}"))
+                        })?;
+                    records += applied.map_err(|e| match e {
+                        Applied::Bad(reason) => corrupted(reason),
+                        Applied::Log(e) => ReplicaError::Log(e),
+                    })?;
+                }
+                Some(&TAKEOVER) => batch.clear(),
+                _ => {
+                    return Err(corrupted(format!(
+                        "a message of {} bytes and no known type",
+                        p.len()
+                    )));
+                }
+            }
+            *read = seq;
+        }
+        Ok(records)
+    }
+
+    /// Publish one message after sequence `after`; its sequence.
+    async fn publish(&self, kind: u8, bytes: &[u8], after: u64) -> Result<u64, ReplicaError> {
+        let mut payload = Vec::with_capacity(1 + bytes.len());
+        payload.push(kind);
+        payload.extend_from_slice(bytes);
+        self.publish_at(Bytes::from(payload), after)
+            .await?
+            .await
+            .map_err(|e| self.refused(e, after))
+            .map(|ack| ack.sequence)
+    }
+
+    async fn publish_at(
+        &self,
+        payload: Bytes,
+        after: u64,
+    ) -> Result<jetstream::context::PublishAckFuture, ReplicaError> {
+        self.js
+            .send_publish(
+                self.subject.clone(),
+                PublishMessage::build()
+                    .payload(payload)
+                    .expected_last_sequence(after)
+                    .message_id(format!("{}-{}", self.id(), after + 1)),
+            )
+            .await
+            .map_err(|e| self.refused(e, after))
+    }
+
+    fn refused(&self, e: jetstream::context::PublishError, after: u64) -> ReplicaError {
+        if e.kind() == jetstream::context::PublishErrorKind::WrongLastSequence {
+            ReplicaError::Deposed {
+                stream: self.name.clone(),
+                seq: after + 1,
+            }
+        } else {
+            self.nats(format!("publishing to stream {}: {e}", self.name))
+        }
+    }
+
+    /// Publish a batch of records (`kind u8 ‖ len u32 ‖ payload` each), in parts, each
+    /// part naming the sequence before it. Once it returns Ok, the stream has the
+    /// batch. After an Err, call it again with the same batch (and no other): a
+    /// transient failure may have left some parts in the stream, which the next call
+    /// finds by their message ids and does not send again.
+    pub async fn publish_batch(&mut self, batch: &[u8]) -> Result<(), ReplicaError> {
+        let parts: Vec<&[u8]> = batch.chunks(self.part_max).collect();
+        if self.unsure {
+            self.reconcile().await?;
+            self.unsure = false;
+        }
+        while self.done < parts.len() {
+            // Pipelined: every part is sent, then the acknowledgements are awaited in
+            // order (a part lost makes the next fail its sequence check: the first
+            // failure seen is the lost one's).
+            let mut acks = Vec::new();
+            for (i, part) in parts.iter().enumerate().skip(self.done) {
+                let kind = if i + 1 == parts.len() { LAST } else { PART };
+                let mut payload = Vec::with_capacity(1 + part.len());
+                payload.push(kind);
+                payload.extend_from_slice(part);
+                let after = self.last + (i - self.done) as u64;
+                match self.publish_at(Bytes::from(payload), after).await {
+                    Ok(ack) => acks.push((after, ack)),
+                    Err(e) => {
+                        self.unsure = true;
+                        return Err(e);
+                    }
+                }
+            }
+            for (after, ack) in acks {
+                match ack.await {
+                    Ok(ack) => {
+                        self.last = ack.sequence;
+                        self.done += 1;
+                    }
+                    Err(e) => {
+                        let e = self.refused(e, after);
+                        self.unsure = e.transient();
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        self.done = 0;
+        Ok(())
+    }
+
+    /// After a transient failure: the messages past the last one acknowledged are this
+    /// server's parts that landed (counted as sent), or another server's (deposed).
+    async fn reconcile(&mut self) -> Result<(), ReplicaError> {
+        let last = self.last_sequence().await?;
+        let stream = self
+            .js
+            .get_stream(&self.name)
+            .await
+            .map_err(|e| self.nats(format!("stream {}: {e}", self.name)))?;
+        while self.last < last {
+            let seq = self.last + 1;
+            let m = stream.get_raw_message(seq).await.map_err(|e| {
+                self.nats(format!(
+                    "reading message {seq} of stream {}: {e}",
+                    self.name
+                ))
+            })?;
+            let ours = format!("{}-{seq}", self.id());
+            if m.headers
+                .get(async_nats::header::NATS_MESSAGE_ID)
+                .map(|v| v.as_str())
+                != Some(ours.as_str())
+            {
+                return Err(ReplicaError::Deposed {
+                    stream: self.name.clone(),
+                    seq,
+                });
+            }
+            self.last = seq;
+            self.done += 1;
+        }
+        Ok(())
+    }
+}
+
+/// Open a stream, creating it if missing; a cluster still electing its leaders is
+/// waited for (up to 30 s).
+async fn open_stream(
+    js: &jetstream::Context,
+    config: stream::Config,
+) -> Result<stream::Stream, jetstream::context::CreateStreamError> {
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        match js.get_or_create_stream(config.clone()).await {
+            Ok(s) => return Ok(s),
+            Err(e) if Instant::now() < until => {
+                tracing::info!(stream = config.name, error = %e, "ferry flow server: the stream cannot be opened yet; trying again");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Publish this server's id to the lock, after the lock's message `after` (0: when it
+/// holds none); the new message's sequence.
+async fn lock_publish(
+    js: &jetstream::Context,
+    subject: &str,
+    id: String,
+    after: u64,
+) -> Result<u64, jetstream::context::PublishError> {
+    let ack = js
+        .send_publish(
+            subject.to_string(),
+            PublishMessage::build()
+                .payload(Bytes::from(id.into_bytes()))
+                .expected_last_subject_sequence(after),
+        )
+        .await?
+        .await?;
+    Ok(ack.sequence)
+}
+
+/// Renews the lock while the server serves (see [`Replica::keeper`]).
+pub struct Keeper {
+    js: jetstream::Context,
+    lock: stream::Stream,
+    subject: String,
+    value: String,
+    revision: u64,
+    lease: Duration,
+}
+
+impl Keeper {
+    /// Renew every third of the lease until `stop`; returns why the server must stop
+    /// (another holds the lock, or it could not be renewed within two thirds of the
+    /// lease, after which a standby may take it). On `stop`, gives the lock up, so a
+    /// standby takes over at once.
+    pub async fn keep(mut self, mut stop: tokio::sync::watch::Receiver<bool>) -> Option<String> {
+        let mut renewed = Instant::now();
+        loop {
+            let stopped = tokio::select! {
+                biased;
+                _ = stop.wait_for(|s| *s) => true,
+                _ = tokio::time::sleep(self.lease / 3) => false,
+            };
+            if stopped {
+                let _ = self.lock.delete_message(self.revision).await;
+                return None;
+            }
+            let renewal = tokio::time::timeout(
+                self.lease / 3,
+                lock_publish(&self.js, &self.subject, self.value.clone(), self.revision),
+            );
+            let renewal = match renewal.await {
+                Ok(r) => r.map_err(|e| (e.kind(), e.to_string())),
+                Err(_) => Err((
+                    jetstream::context::PublishErrorKind::TimedOut,
+                    "no answer within a third of the lease".into(),
+                )),
+            };
+            match renewal {
+                Ok(revision) => {
+                    self.revision = revision;
+                    renewed = Instant::now();
+                }
+                Err((jetstream::context::PublishErrorKind::WrongLastSequence, e)) => {
+                    return Some(format!(
+                        "the stream's lock was taken over by another server ({e})"
+                    ));
+                }
+                Err((_, e)) if renewed.elapsed() >= self.lease * 2 / 3 => {
+                    return Some(format!(
+                        "the stream's lock could not be renewed for {:?} ({e}): a standby may take it",
+                        renewed.elapsed()
+                    ));
+                }
+                Err((_, e)) => {
+                    tracing::warn!(error = %e, "ferry flow server: renewing the stream's lock failed; trying again");
+                }
+            }
+        }
+    }
+}
+
+enum Applied {
+    Bad(String),
+    Log(LogError),
+}
+
+/// Append a whole batch's records to `log`; how many.
+fn apply(log: &Log, mut batch: &[u8]) -> Result<u64, Applied> {
+    let mut n = 0;
+    while !batch.is_empty() {
+        if batch.len() < 5 {
+            return Err(Applied::Bad(format!(
+                "a batch ends in {} stray bytes",
+                batch.len()
+            )));
+        }
+        let kind = batch[0];
+        let len = u32::from_be_bytes(batch[1..5].try_into().expect("4 bytes")) as usize;
+        if kind == 0 || batch.len() < 5 + len {
+            return Err(Applied::Bad(format!(
+                "a record of kind {kind} and {len} bytes, cut short"
+            )));
+        }
+        log.append(kind, &batch[5..5 + len]).map_err(Applied::Log)?;
+        batch = &batch[5 + len..];
+        n += 1;
+    }
+    Ok(n)
+}
+
+/// The records of `log` from `from` that are durable, up to about [`BATCH_MAX`] bytes,
+/// as a batch; and where the last of them ends.
+pub fn read_batch(log: &Log, from: Lsn) -> Result<(Vec<u8>, Lsn), LogError> {
+    let mut batch = Vec::new();
+    let mut end = from;
+    let durable = log.durable_lsn();
+    log.read_while(from, |r| {
+        if r.end > durable {
+            return false;
+        }
+        batch.push(r.kind);
+        batch.extend_from_slice(&(r.payload.len() as u32).to_be_bytes());
+        batch.extend_from_slice(r.payload);
+        end = r.end;
+        batch.len() < BATCH_MAX
+    })?;
+    Ok((batch, end))
+}
