@@ -90,6 +90,32 @@ def harness(*args):
     return last_json(sh([H, *args, "--dir", WORK / "ferry"]))
 
 
+def free_port():
+    import socket
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        return sk.getsockname()[1]
+
+
+def nats_cluster():
+    """Three nats-server processes with JetStream in one cluster, in a fresh directory:
+    (their URL, the processes)."""
+    d = WORK / "nats"
+    sh(["rm", "-rf", d])
+    d.mkdir(parents=True)
+    ports = [free_port() for _ in range(3)]
+    routes = [free_port() for _ in range(3)]
+    procs = []
+    for i in range(3):
+        others = ",".join(f"nats://127.0.0.1:{r}" for j, r in enumerate(routes) if j != i)
+        procs.append(subprocess.Popen(
+            ["nats-server", "-js", "-a", "127.0.0.1", "-p", str(ports[i]), "-sd", str(d / f"s{i}"), "-n", f"n{i}",
+             "--cluster_name", "bench", "--cluster", f"nats://127.0.0.1:{routes[i]}", "--routes", others],
+            stdout=open(d / f"n{i}.log", "w"), stderr=subprocess.STDOUT))
+    time.sleep(3)
+    return ",".join(f"nats://127.0.0.1:{p}" for p in ports), procs
+
+
 def pg_url(db=""):
     return PG.replace("postgres://", "postgresql://", 1) + (f"/{db}" if db else "")
 
@@ -203,6 +229,18 @@ def ferry_round():
             f"W2 {x['server']['w2_steps_per_sec']:,.0f} steps/s ({x['w2_ratio_to_embedded']:.2f}× embedded), "
             f"syncs {x['syncs_ratio_to_embedded']:.2f}× embedded")
         r["server"].append(x)
+    # The log kept in a JetStream stream of three replicas too (docs/flow-server-replica.md),
+    # on three nats-server processes of this run's own, on the same cores.
+    url, procs = nats_cluster()
+    try:
+        x = harness("remote", "--transport", "unix", "--workers", 1, "--n", SERVER_N, "--replicate", url)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    log(f"ferry server mode replicated (JetStream R3): W1 {x['server']['w1_gap']['p50_us']:.0f} µs p50, "
+        f"W2 {x['server']['w2_steps_per_sec']:,.0f} steps/s")
+    r["replicated"] = x
     return r
 
 
@@ -812,6 +850,15 @@ def server_section(ferry, w2, names):
         L.append(f"- takeover after a worker's SIGKILL, {t['runs_per_shard']:,} unfinished runs per shard, {TAKEOVER_TRIALS} "
                  f"trials: p50 {t['takeover']['p50_us'] / 1e3:,.0f} ms, p99 {t['takeover']['p99_us'] / 1e3:,.0f} ms ≤ lease "
                  f"{t['lease_ms']:,} ms + 1 s — {mark(t['within_bound'])}")
+    reps = [r["replicated"] for r in ferry if "replicated" in r]
+    if reps:
+        v = {k: med([get(x, k) for x in reps]) for k in ["server.w1_gap.p50_us", "server.w2_steps_per_sec"]}
+        L += ["", "The log kept in a NATS JetStream stream of three replicas too (`--replicate`, docs/flow-server-replica.md), "
+              "three `nats-server` processes of the run's own on the same cores, Unix socket, one worker: "
+              f"W1 p50 {v['server.w1_gap.p50_us']:,.0f} µs ({v['server.w1_gap.p50_us'] / one['server.w1_gap.p50_us']:.1f}× "
+              f"the local log's {one['server.w1_gap.p50_us']:,.0f} µs: a local sync, then a quorum write), "
+              f"W2 {v['server.w2_steps_per_sec']:,.0f} steps/s ({v['server.w2_steps_per_sec'] / sps:.2f}× the local log's). "
+              "No target: issue 29 asks for it measured."]
     return L
 
 

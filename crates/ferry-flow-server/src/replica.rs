@@ -13,8 +13,10 @@
 
 use async_nats::jetstream::{self, message::PublishMessage, stream};
 use bytes::Bytes;
+use ferry_core::sync::lock;
 use ferry_flow::log::{Config as LogConfig, Error as LogError, Log, Lsn};
 use futures_util::StreamExt;
+use std::future::{Future, IntoFuture};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -22,7 +24,7 @@ const PART: u8 = 1;
 const LAST: u8 = 2;
 const TAKEOVER: u8 = 3;
 /// The most records one batch carries, in bytes (it may be cut into several parts).
-pub const BATCH_MAX: usize = 8 << 20;
+pub const BATCH_MAX: usize = 1 << 20;
 /// Room kept in a message for its headers.
 const HEADROOM: usize = 1024;
 
@@ -90,10 +92,12 @@ pub struct Replica {
     revision: u64,
     /// The stream's last sequence as this server knows it (read or written).
     last: u64,
-    /// Parts of the batch being published that the stream acknowledged.
-    done: usize,
-    /// A publish failed transiently: parts past `last` may have landed.
-    unsure: bool,
+    /// Messages queued and not yet acknowledged, oldest first: the one at `i` follows
+    /// sequence `last + i`. The first `acks.len()` of them are in flight.
+    outbox: std::collections::VecDeque<Out>,
+    /// Behind a mutex only to be `Sync` (the futures are not); never held across an
+    /// await.
+    acks: std::sync::Mutex<std::collections::VecDeque<Ack>>,
     /// Once the lock is held: its keeper (stopped by `release`), and why the lock was
     /// lost, once it was.
     keeper: Option<(
@@ -131,7 +135,8 @@ impl Replica {
             )));
         }
         let mut js = jetstream::new(client);
-        js.set_timeout(settings.lease.max(Duration::from_secs(1)));
+        // An acknowledgement not back by then: the batch is read back and sent again.
+        js.set_timeout((settings.lease / 2).clamp(Duration::from_secs(1), Duration::from_secs(5)));
         let subject = format!("ferry.flow.{}", settings.stream);
         let stream = open_stream(
             &js,
@@ -196,8 +201,8 @@ impl Replica {
             lease: settings.lease,
             revision: 0,
             last: 0,
-            done: 0,
-            unsure: false,
+            outbox: Default::default(),
+            acks: Default::default(),
             keeper: None,
             lost: lost_tx.subscribe(),
             lost_tx: std::sync::Arc::new(lost_tx),
@@ -531,63 +536,78 @@ impl Replica {
         }
     }
 
-    /// Publish a batch of records (`kind u8 ‖ len u32 ‖ payload` each), in parts, each
-    /// part naming the sequence before it. Once it returns Ok, the stream has the
-    /// batch. After an Err, call it again with the same batch (and no other): a
-    /// transient failure may have left some parts in the stream, which the next call
-    /// finds by their message ids and does not send again.
-    pub async fn publish_batch(&mut self, batch: &[u8]) -> Result<(), ReplicaError> {
+    /// Queue a batch of records (`kind u8 ‖ len u32 ‖ payload` each) that ends at `end`
+    /// in the log, cut into parts; [`Replica::send`] publishes them.
+    pub fn queue(&mut self, batch: &[u8], end: Lsn) {
         let parts: Vec<&[u8]> = batch.chunks(self.part_max).collect();
-        if self.unsure {
-            self.reconcile().await?;
-            self.unsure = false;
+        for (i, part) in parts.iter().enumerate() {
+            let last = i + 1 == parts.len();
+            let mut payload = Vec::with_capacity(1 + part.len());
+            payload.push(if last { LAST } else { PART });
+            payload.extend_from_slice(part);
+            self.outbox.push_back(Out {
+                payload: Bytes::from(payload),
+                end: last.then_some(end),
+            });
         }
-        while self.done < parts.len() {
-            // Pipelined: every part is sent, then the acknowledgements are awaited in
-            // order (a part lost makes the next fail its sequence check: the first
-            // failure seen is the lost one's).
-            let mut acks = Vec::new();
-            for (i, part) in parts.iter().enumerate().skip(self.done) {
-                let kind = if i + 1 == parts.len() { LAST } else { PART };
-                let mut payload = Vec::with_capacity(1 + part.len());
-                payload.push(kind);
-                payload.extend_from_slice(part);
-                let after = self.last + (i - self.done) as u64;
-                match self.publish_at(Bytes::from(payload), after).await {
-                    Ok(ack) => acks.push((after, ack)),
-                    Err(e) => {
-                        self.unsure = true;
-                        return Err(e);
-                    }
-                }
-            }
-            for (after, ack) in acks {
-                match ack.await {
-                    Ok(ack) => {
-                        self.last = ack.sequence;
-                        self.done += 1;
-                    }
-                    Err(e) => {
-                        let e = self.refused(e, after);
-                        self.unsure = e.transient();
-                        return Err(e);
-                    }
-                }
-            }
-        }
-        self.done = 0;
-        Ok(())
     }
 
-    /// After a transient failure: the messages past the last one acknowledged are this
-    /// server's parts that landed (counted as sent), or another server's (deposed).
-    async fn reconcile(&mut self) -> Result<(), ReplicaError> {
+    /// Messages queued and not yet acknowledged.
+    pub fn in_flight(&self) -> usize {
+        self.outbox.len()
+    }
+
+    /// Publish every queued message not yet sent, pipelined: each names the sequence
+    /// before it. After an Err, call [`Replica::recover`].
+    pub async fn send(&mut self) -> Result<(), ReplicaError> {
+        loop {
+            let i = lock(&self.acks).len();
+            if i >= self.outbox.len() {
+                return Ok(());
+            }
+            let after = self.last + i as u64;
+            let ack = self
+                .publish_at(self.outbox[i].payload.clone(), after)
+                .await?;
+            lock(&self.acks).push_back((after, Box::pin(ack.into_future())));
+        }
+    }
+
+    /// The next acknowledgement, oldest first (pending while nothing is in flight; safe
+    /// to cancel): where the log is in the stream up to, if that message ended a
+    /// batch. After an Err, call [`Replica::recover`].
+    pub async fn acked(&mut self) -> Result<Option<Lsn>, ReplicaError> {
+        let (after, acked) = std::future::poll_fn(|cx| match lock(&self.acks).front_mut() {
+            // Nothing in flight: pending until cancelled.
+            None => std::task::Poll::Pending,
+            Some((after, ack)) => ack.as_mut().poll(cx).map(|r| (*after, r)),
+        })
+        .await;
+        match acked {
+            Ok(ack) => {
+                lock(&self.acks).pop_front();
+                let out = self.outbox.pop_front().expect("an acknowledged message");
+                self.last = ack.sequence;
+                Ok(out.end)
+            }
+            Err(e) => Err(self.refused(e, after)),
+        }
+    }
+
+    /// After a failed send or acknowledgement: forget what is in flight, count the
+    /// messages past the last acknowledged one that are this server's (by their ids:
+    /// they landed), and leave the rest to be sent again. Returns where the log is in
+    /// the stream up to, if a landed message ended a batch; `Deposed` if another
+    /// server's message is there.
+    pub async fn recover(&mut self) -> Result<Option<Lsn>, ReplicaError> {
+        lock(&self.acks).clear();
         let last = self.last_sequence().await?;
         let stream = self
             .js
             .get_stream(&self.name)
             .await
             .map_err(|e| self.nats(format!("stream {}: {e}", self.name)))?;
+        let mut end = None;
         while self.last < last {
             let seq = self.last + 1;
             let m = stream.get_raw_message(seq).await.map_err(|e| {
@@ -597,22 +617,46 @@ impl Replica {
                 ))
             })?;
             let ours = format!("{}-{seq}", self.id());
-            if m.headers
+            let id = m
+                .headers
                 .get(async_nats::header::NATS_MESSAGE_ID)
-                .map(|v| v.as_str())
-                != Some(ours.as_str())
-            {
+                .map(|v| v.as_str());
+            if id != Some(ours.as_str()) || self.outbox.is_empty() {
                 return Err(ReplicaError::Deposed {
                     stream: self.name.clone(),
                     seq,
                 });
             }
+            let out = self.outbox.pop_front().expect("checked");
+            end = out.end.or(end);
             self.last = seq;
-            self.done += 1;
         }
-        Ok(())
+        Ok(end)
     }
 }
+
+/// A message queued for the stream.
+struct Out {
+    payload: Bytes,
+    /// Where the log is in the stream up to once this message is: set on a batch's last
+    /// part.
+    end: Option<Lsn>,
+}
+
+/// An acknowledgement awaited, with the sequence its message named.
+type Ack = (
+    u64,
+    std::pin::Pin<
+        Box<
+            dyn Future<
+                    Output = Result<
+                        jetstream::publish::PublishAck,
+                        jetstream::context::PublishError,
+                    >,
+                > + Send,
+        >,
+    >,
+);
 
 /// Open a stream, creating it if missing; a cluster still electing its leaders is
 /// waited for (up to 30 s).

@@ -25,7 +25,7 @@ use conn::connection;
 use crate::checkpoints::{Checkpoints, CheckpointsError, Compacted, read_kept, write_kept};
 use crate::index::{Index, RunSummary};
 use crate::lease::{Action, LeaseTable, SessionId};
-use crate::replica::{self, Replica};
+use crate::replica::{self, Replica, ReplicaError};
 use crate::store::{Kept, Store};
 use ferry_core::ConfigError;
 use ferry_flow::log::{Config as LogConfig, Error as LogError, Log, Lsn};
@@ -756,17 +756,21 @@ async fn replicate(inner: Arc<Inner>, mut replica: Replica, stop: watch::Receive
 
 async fn replicating(inner: &Inner, replica: &mut Replica, mut stop: watch::Receiver<bool>) {
     let r = inner.replicated.as_ref().expect("replicated");
-    // A batch not yet in the stream: sent again, the same bytes, until it is.
-    let mut pending: Option<(Vec<u8>, Lsn)> = None;
+    // Where the records queued for the stream end.
+    let mut queued = r.lsn.load(Relaxed);
     loop {
         let woken = r.wake.notified();
         tokio::pin!(woken);
         woken.as_mut().enable();
-        let from = r.lsn.load(Relaxed);
-        if pending.is_none() && from < inner.log.durable_lsn() {
+        // One batch in flight: what syncs meanwhile rides the next. More in flight was
+        // slower here (docs/notes/2026-12-07-flow-replica-in-flight.md).
+        if queued < inner.log.durable_lsn() && replica.in_flight() == 0 {
             let log = inner.log.clone();
-            match tokio::task::spawn_blocking(move || replica::read_batch(&log, from)).await {
-                Ok(Ok((batch, end))) if end > from => pending = Some((batch, end)),
+            match tokio::task::spawn_blocking(move || replica::read_batch(&log, queued)).await {
+                Ok(Ok((batch, end))) if end > queued => {
+                    replica.queue(&batch, end);
+                    queued = end;
+                }
                 Ok(Ok(_)) => {}
                 Ok(Err(e)) => {
                     fail(
@@ -784,38 +788,45 @@ async fn replicating(inner: &Inner, replica: &mut Replica, mut stop: watch::Rece
                 }
             }
         }
-        if let Some((batch, end)) = &pending {
-            let published = tokio::select! {
+        let sent = replica.send().await;
+        let acked = match sent {
+            Err(e) => Err(e),
+            Ok(()) => tokio::select! {
                 biased;
                 _ = stop.wait_for(|s| *s) => return,
-                p = replica.publish_batch(batch) => p,
-            };
-            match published {
-                Ok(()) => {
-                    r.lsn.store(*end, Relaxed);
-                    pending = None;
-                    deliver(inner);
-                    continue;
+                acked = replica.acked() => acked,
+                // More is durable: queue it (the acknowledgement awaited stays awaited).
+                _ = woken => continue,
+            },
+        };
+        let acked = match acked {
+            Err(e) if e.transient() => {
+                tracing::warn!(error = %e, "ferry flow server: the stream did not take a batch; sending what it lacks again (nothing in it is acknowledged until it does)");
+                tokio::select! {
+                    biased;
+                    _ = stop.wait_for(|s| *s) => return,
+                    _ = tokio::time::sleep(Duration::from_millis(200)) => {}
                 }
-                Err(e) if e.transient() => {
-                    tracing::warn!(error = %e, "ferry flow server: the stream did not take a batch; sending it again (nothing in it is acknowledged until it does)");
-                    tokio::select! {
-                        biased;
-                        _ = stop.wait_for(|s| *s) => return,
-                        _ = tokio::time::sleep(Duration::from_millis(200)) => {}
-                    }
-                    continue;
-                }
-                Err(e) => {
-                    fail(inner, &e);
-                    return;
-                }
+                replica.recover().await
             }
-        }
-        tokio::select! {
-            biased;
-            _ = stop.wait_for(|s| *s) => return,
-            _ = woken => {}
+            // A sequence refused: another server took over, unless every message past
+            // the last acknowledged one is this server's (sent again after a timeout).
+            Err(ReplicaError::Deposed { .. }) => replica.recover().await,
+            acked => acked,
+        };
+        match acked {
+            Ok(Some(end)) => {
+                r.lsn.store(end, Relaxed);
+                deliver(inner);
+            }
+            Ok(None) => {}
+            Err(e) if e.transient() => {
+                tracing::warn!(error = %e, "ferry flow server: the stream cannot be read back yet; trying again");
+            }
+            Err(e) => {
+                fail(inner, &e);
+                return;
+            }
         }
     }
 }

@@ -13,8 +13,9 @@
 //!       at once, records/s until the last is acknowledged, and the server log's
 //!       records per sync.
 //!   remote --dir D [--transport unix|tcp] [--workers 1] [--shards 4] [--steps 1000]
-//!          [--n 10000] [--wsteps 10] [--follow-us N]
-//!       W1 and W2 through a server (docs/flow-server.md): a `ferry flow serve` server
+//!          [--n 10000] [--wsteps 10] [--follow-us N] [--replicate NATS_URLS]
+//!       W1 and W2 through a server (docs/flow-server.md; with --replicate, its log kept
+//!       in a fresh JetStream stream of three replicas too): a `ferry flow serve` server
 //!       in this process (its own runtime) on a Unix socket or TCP on 127.0.0.1, and
 //!       K engines in this process opened as its workers, each run started on the worker
 //!       holding its shard; beside it, the same on an embedded engine with as many
@@ -906,6 +907,18 @@ impl Serving {
         log: ferry_log::Config,
         tcp: bool,
     ) -> Result<Serving, String> {
+        Serving::start_replicated(dir, settings, log, tcp, None)
+    }
+
+    /// [`Serving::start`], its log kept in the JetStream stream `replicate` names too
+    /// (`URL` and stream name; docs/flow-server-replica.md).
+    fn start_replicated(
+        dir: &Path,
+        settings: ferry_flow_server::server::Settings,
+        log: ferry_log::Config,
+        tcp: bool,
+        replicate: Option<(String, String)>,
+    ) -> Result<Serving, String> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -913,10 +926,34 @@ impl Serving {
             .map_err(err)?;
         let socket = dir.join("flow.sock");
         let (server, accept, addr) = rt.block_on(async {
-            let server = Arc::new(
-                ferry_flow_server::server::Server::open(&dir.join("server"), settings, log)
+            let server = match replicate {
+                None => ferry_flow_server::server::Server::open(&dir.join("server"), settings, log)
                     .map_err(err)?,
-            );
+                Some((url, stream)) => {
+                    use ferry_flow_server::replica::{Replica, ReplicaSettings};
+                    let mut replica = Replica::connect(&ReplicaSettings {
+                        url,
+                        stream,
+                        replicas: 3,
+                        lease: settings.lease,
+                    })
+                    .await
+                    .map_err(err)?;
+                    replica.acquire().await.map_err(err)?;
+                    replica
+                        .restore(&dir.join("server"), log.clone())
+                        .await
+                        .map_err(err)?;
+                    ferry_flow_server::server::Server::open_replicated(
+                        &dir.join("server"),
+                        settings,
+                        log,
+                        replica,
+                    )
+                    .map_err(err)?
+                }
+            };
+            let server = Arc::new(server);
             server.start();
             let c = server.connector();
             let (accept, addr) = if tcp {
@@ -1143,7 +1180,14 @@ fn remote(args: &[String]) -> Result<Value, String> {
             engine.log_stats().syncs
         })?
     };
-    let serving = Serving::start(
+    // A fresh stream per run: `--replicate URL` names the NATS cluster.
+    let replicate = flag(args, "--replicate").map(|url| {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        (url.to_string(), format!("BENCH_{nanos}"))
+    });
+    let serving = Serving::start_replicated(
         &dir,
         ferry_flow_server::server::Settings {
             shards,
@@ -1154,6 +1198,7 @@ fn remote(args: &[String]) -> Result<Value, String> {
             ..Default::default()
         },
         tcp,
+        replicate.clone(),
     )?;
     let (server, addr) = (&serving.server, &serving.addr);
     let mut engines = Vec::new();
@@ -1196,6 +1241,7 @@ fn remote(args: &[String]) -> Result<Value, String> {
         "workload": "remote",
         "transport": if tcp { "tcp" } else { "unix" },
         "workers": workers,
+        "replicated": replicate.is_some(),
         "shards": shards,
         "embedded": embedded,
         "server": through,

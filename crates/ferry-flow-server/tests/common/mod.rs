@@ -59,8 +59,16 @@ pub fn start_with(dir: &Path, socket: &Path, settings: Settings) -> Running {
 
 /// [`start_with`] and the log's configuration.
 pub fn start_with_log(dir: &Path, socket: &Path, settings: Settings, log: LogConfig) -> Running {
+    serve(
+        Server::open(&dir.join("server"), settings, log).unwrap(),
+        socket,
+    )
+}
+
+/// Serve `server` on `socket` and on TCP.
+pub fn serve(server: Server, socket: &Path) -> Running {
     let _ = std::fs::remove_file(socket);
-    let server = Arc::new(Server::open(&dir.join("server"), settings, log).unwrap());
+    let server = Arc::new(server);
     let listener = UnixListener::bind(socket).unwrap();
     server.start();
     let c = server.connector();
