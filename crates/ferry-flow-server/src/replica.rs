@@ -5,11 +5,14 @@
 //! it with a takeover message: every publish names the stream sequence it follows, so a
 //! server that is not the newest writer fails its next one and stops.
 //!
-//! A message is `type u8 ‖ bytes`:
+//! A message is `type u8 ‖ writer u128 ‖ bytes`, `writer` the id of the server that
+//! published it:
 //! - `PART` (1) and `LAST` (2): a batch of records, `kind u8 ‖ len u32 ‖ payload` each,
 //!   cut into parts of at most the server's message size; a batch counts once its
 //!   `LAST` part is in the stream;
-//! - `TAKEOVER` (3): `server id u128`; an unfinished batch before it is void.
+//! - `TAKEOVER` (3), no bytes: `writer` writes from here on; an unfinished batch before
+//!   it is void, and so is any part of another writer's after it (a deposed server's
+//!   part can still land if it names the takeover's sequence).
 
 use async_nats::jetstream::{self, message::PublishMessage, stream};
 use bytes::Bytes;
@@ -66,6 +69,8 @@ pub enum ReplicaError {
     Log(#[from] LogError),
     #[error("rebuilding the server's directory from the stream: {0}")]
     Dir(String),
+    #[error("{0}")]
+    Unsuitable(String),
 }
 
 impl ReplicaError {
@@ -109,7 +114,7 @@ pub struct Replica {
 }
 
 impl Replica {
-    /// Connect, and create the stream and the lock bucket if they are missing.
+    /// Connect, and create the stream and its lock's stream if they are missing.
     pub async fn connect(settings: &ReplicaSettings) -> Result<Replica, ReplicaError> {
         let url = settings.url.clone();
         let nats = |detail: String| ReplicaError::Nats {
@@ -131,7 +136,7 @@ impl Replica {
         let max_payload = client.server_info().max_payload;
         if max_payload < 64 << 10 {
             return Err(nats(format!(
-                "it takes messages of at most {max_payload} bytes (max_payload); the flow server needs 64 KiB"
+                "it takes messages of at most {max_payload} bytes (max_payload); the flow server needs 64 KiB: raise max_payload in the NATS servers' configuration"
             )));
         }
         let mut js = jetstream::new(client);
@@ -156,7 +161,24 @@ impl Replica {
                 settings.stream
             ))
         })?;
-        let replicas = stream.cached_info().config.num_replicas;
+        let c = &stream.cached_info().config;
+        if !c.max_age.is_zero()
+            || c.max_messages > 0
+            || c.max_bytes > 0
+            || c.max_messages_per_subject > 0
+            || c.retention != stream::RetentionPolicy::Limits
+        {
+            return Err(ReplicaError::Unsuitable(format!(
+                "stream {} on NATS at {url} would drop the log's messages (max_age {:?}, max_msgs {}, max_bytes {}, max_msgs_per_subject {}, retention {:?}): remove its limits, or name another stream with --stream",
+                settings.stream,
+                c.max_age,
+                c.max_messages,
+                c.max_bytes,
+                c.max_messages_per_subject,
+                c.retention
+            )));
+        }
+        let replicas = c.num_replicas;
         if replicas != settings.replicas {
             tracing::warn!(
                 stream = settings.stream,
@@ -245,6 +267,12 @@ impl Replica {
             };
             let after = match &last {
                 None => Some(0),
+                // This server's own (its take landed; the answer did not come back).
+                Some(m) if m.payload.as_ref() == self.id().as_bytes() => {
+                    self.revision = m.sequence;
+                    self.keep();
+                    return Ok(());
+                }
                 Some(m) => match seen {
                     Some((seq, at)) if seq == m.sequence && at.elapsed() >= self.lease => {
                         tracing::info!(stream = self.name, holder = %String::from_utf8_lossy(&m.payload), "ferry flow server: the stream's lock was not renewed for a lease: taking it over");
@@ -331,9 +359,37 @@ impl Replica {
     pub async fn restore(&mut self, dir: &Path, config: LogConfig) -> Result<(), ReplicaError> {
         std::fs::create_dir_all(dir)
             .map_err(|e| ReplicaError::Dir(format!("cannot create {}: {e}", dir.display())))?;
+        let (first, last) = self.sequences().await?;
+        if last > 0 && first != 1 {
+            return Err(ReplicaError::Unsuitable(format!(
+                "stream {} on NATS at {} starts at message {first}: its first messages were removed (purged or trimmed), and the log cannot be rebuilt without them",
+                self.name, self.url
+            )));
+        }
+        // A directory a server used without --replicate holds a log the stream lacks:
+        // refused, not removed.
+        if last == 0 && (dir.join("log").exists() || dir.join("shards").exists()) {
+            let (path, c) = (dir.join("log"), config.clone());
+            let records = tokio::task::spawn_blocking(move || {
+                Log::open_dir(&path, c).map(|(log, found)| {
+                    let _ = log.close();
+                    found.records
+                })
+            })
+            .await
+            .map_err(|e| ReplicaError::Dir(format!("reading {} panicked: {e}", dir.display())))??;
+            if records > 0 || dir.join("shards").exists() {
+                return Err(ReplicaError::Unsuitable(format!(
+                    "{} holds a flow server's log and stream {} is empty: with --replicate the directory is a copy of the stream, and this one would be removed. Start the server without --replicate, or move the directory away to start afresh",
+                    dir.display(),
+                    self.name
+                )));
+            }
+        }
         for sub in ["log", "shards"] {
             let path = dir.join(sub);
             if path.exists() {
+                tracing::info!(path = %path.display(), "ferry flow server: removed, to be rebuilt from the stream");
                 std::fs::remove_dir_all(&path).map_err(|e| {
                     ReplicaError::Dir(format!("cannot remove {}: {e}", path.display()))
                 })?;
@@ -342,7 +398,7 @@ impl Replica {
         let (log, _) = Log::open_dir(&dir.join("log"), config)?;
         let log = std::sync::Arc::new(log);
         let started = Instant::now();
-        let mut batch = Vec::new();
+        let mut reading = Reading::default();
         let mut read = 0u64;
         let mut records = 0u64;
         let mut lost = self.lost.clone();
@@ -350,11 +406,11 @@ impl Replica {
             let step = async {
                 let last = self.last_sequence().await?;
                 if last > read {
-                    records += self.read_into(&log, &mut read, last, &mut batch).await?;
+                    records += self.read_into(&log, &mut read, last, &mut reading).await?;
                 }
                 // An unfinished batch is void: the takeover says so to every later
                 // reader.
-                self.publish(TAKEOVER, &self.id.to_be_bytes(), read).await
+                self.publish_takeover(read).await
             };
             let step = tokio::select! {
                 biased;
@@ -371,7 +427,9 @@ impl Replica {
                 }
                 // Written to after it was read (the last batch of the server before):
                 // read on.
-                Err(ReplicaError::Deposed { .. }) => {}
+                Err(ReplicaError::Deposed { .. }) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
                 Err(e) if e.transient() => {
                     tracing::warn!(stream = self.name, error = %e, "ferry flow server: rebuilding from the stream: trying again");
                     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -398,6 +456,11 @@ impl Replica {
     }
 
     async fn last_sequence(&self) -> Result<u64, ReplicaError> {
+        Ok(self.sequences().await?.1)
+    }
+
+    /// The stream's first and last sequences.
+    async fn sequences(&self) -> Result<(u64, u64), ReplicaError> {
         let mut stream = self
             .js
             .get_stream(&self.name)
@@ -407,18 +470,18 @@ impl Replica {
             .info()
             .await
             .map_err(|e| self.nats(format!("stream {}: {e}", self.name)))?;
-        Ok(info.state.last_sequence)
+        Ok((info.state.first_sequence, info.state.last_sequence))
     }
 
-    /// Read messages `read + 1 ..= to` into `log`, moving `read` on with each; `batch`
-    /// carries an unfinished batch from one call to the next. Returns how many records
-    /// were appended.
+    /// Read messages `read + 1 ..= to` into `log`, moving `read` on with each;
+    /// `reading` carries the writer and its unfinished batch from one call to the next.
+    /// Returns how many records were appended.
     async fn read_into(
         &self,
         log: &std::sync::Arc<Log>,
         read: &mut u64,
         to: u64,
-        batch: &mut Vec<u8>,
+        reading: &mut Reading,
     ) -> Result<u64, ReplicaError> {
         let from = *read;
         let stream = self
@@ -467,12 +530,21 @@ impl Replica {
                 reason,
             };
             let p = &m.payload;
-            match p.first() {
-                Some(&PART) => batch.extend_from_slice(&p[1..]),
-                Some(&LAST) => {
-                    batch.extend_from_slice(&p[1..]);
+            let Some(writer) = writer_of(p) else {
+                return Err(corrupted(format!("a message of {} bytes", p.len())));
+            };
+            match p[0] {
+                TAKEOVER => {
+                    reading.writer = Some(writer);
+                    reading.batch.clear();
+                }
+                // A part of a writer deposed by the newest takeover: void.
+                PART | LAST if reading.writer != Some(writer) => {}
+                PART => reading.batch.extend_from_slice(&p[17..]),
+                LAST => {
+                    reading.batch.extend_from_slice(&p[17..]);
                     // Off the runtime's threads: an append may wait for the log's writer.
-                    let (l, b) = (log.clone(), std::mem::take(batch));
+                    let (l, b) = (log.clone(), std::mem::take(&mut reading.batch));
                     let applied = tokio::task::spawn_blocking(move || apply(&l, &b))
                         .await
                         .map_err(|e| {
@@ -483,12 +555,8 @@ impl Replica {
                         Applied::Log(e) => ReplicaError::Log(e),
                     })?;
                 }
-                Some(&TAKEOVER) => batch.clear(),
-                _ => {
-                    return Err(corrupted(format!(
-                        "a message of {} bytes and no known type",
-                        p.len()
-                    )));
+                kind => {
+                    return Err(corrupted(format!("a message of unknown type {kind}")));
                 }
             }
             *read = seq;
@@ -496,16 +564,33 @@ impl Replica {
         Ok(records)
     }
 
-    /// Publish one message after sequence `after`; its sequence.
-    async fn publish(&self, kind: u8, bytes: &[u8], after: u64) -> Result<u64, ReplicaError> {
-        let mut payload = Vec::with_capacity(1 + bytes.len());
-        payload.push(kind);
-        payload.extend_from_slice(bytes);
-        self.publish_at(Bytes::from(payload), after)
+    /// Publish this server's takeover after sequence `after`; its sequence.
+    async fn publish_takeover(&self, after: u64) -> Result<u64, ReplicaError> {
+        let mut payload = Vec::with_capacity(17);
+        payload.push(TAKEOVER);
+        payload.extend_from_slice(&self.id.to_be_bytes());
+        let ack = self
+            .publish_at(Bytes::from(payload), after)
             .await?
             .await
-            .map_err(|e| self.refused(e, after))
-            .map(|ack| ack.sequence)
+            .map_err(|e| self.refused(e, after))?;
+        self.check_sequence(ack.sequence, after)?;
+        Ok(ack.sequence)
+    }
+
+    /// An acknowledgement must name the sequence after the one its message followed
+    /// (some servers answer a duplicate still being committed with 0): anything else
+    /// is read back from the stream.
+    fn check_sequence(&self, sequence: u64, after: u64) -> Result<(), ReplicaError> {
+        if sequence == after + 1 {
+            Ok(())
+        } else {
+            Err(self.nats(format!(
+                "stream {} acknowledged a message as number {sequence}, where {} was due",
+                self.name,
+                after + 1
+            )))
+        }
     }
 
     async fn publish_at(
@@ -531,6 +616,15 @@ impl Replica {
                 stream: self.name.clone(),
                 seq: after + 1,
             }
+        } else if e.kind() == jetstream::context::PublishErrorKind::MaxPayloadExceeded {
+            ReplicaError::Corrupted {
+                url: self.url.clone(),
+                stream: self.name.clone(),
+                seq: after + 1,
+                reason: format!(
+                    "NATS refuses the message as too large ({e}): raise max_payload in the NATS servers' configuration to at least 1 MiB"
+                ),
+            }
         } else {
             self.nats(format!("publishing to stream {}: {e}", self.name))
         }
@@ -539,11 +633,12 @@ impl Replica {
     /// Queue a batch of records (`kind u8 ‖ len u32 ‖ payload` each) that ends at `end`
     /// in the log, cut into parts; [`Replica::send`] publishes them.
     pub fn queue(&mut self, batch: &[u8], end: Lsn) {
-        let parts: Vec<&[u8]> = batch.chunks(self.part_max).collect();
+        let parts: Vec<&[u8]> = batch.chunks(self.part_max - 17).collect();
         for (i, part) in parts.iter().enumerate() {
             let last = i + 1 == parts.len();
-            let mut payload = Vec::with_capacity(1 + part.len());
+            let mut payload = Vec::with_capacity(17 + part.len());
             payload.push(if last { LAST } else { PART });
+            payload.extend_from_slice(&self.id.to_be_bytes());
             payload.extend_from_slice(part);
             self.outbox.push_back(Out {
                 payload: Bytes::from(payload),
@@ -584,6 +679,9 @@ impl Replica {
         })
         .await;
         match acked {
+            Ok(ack) if ack.sequence != after + 1 => Err(self
+                .check_sequence(ack.sequence, after)
+                .expect_err("a wrong sequence")),
             Ok(ack) => {
                 lock(&self.acks).pop_front();
                 let out = self.outbox.pop_front().expect("an acknowledged message");
@@ -602,6 +700,17 @@ impl Replica {
     pub async fn recover(&mut self) -> Result<Option<Lsn>, ReplicaError> {
         lock(&self.acks).clear();
         let last = self.last_sequence().await?;
+        if last < self.last {
+            return Err(ReplicaError::Corrupted {
+                url: self.url.clone(),
+                stream: self.name.clone(),
+                seq: last,
+                reason: format!(
+                    "it ends before message {}, which it acknowledged to this server: it was deleted or purged under it. Stop every server of the stream; the servers' directories are copies of what it held",
+                    self.last
+                ),
+            });
+        }
         let stream = self
             .js
             .get_stream(&self.name)
@@ -621,18 +730,43 @@ impl Replica {
                 .headers
                 .get(async_nats::header::NATS_MESSAGE_ID)
                 .map(|v| v.as_str());
-            if id != Some(ours.as_str()) || self.outbox.is_empty() {
-                return Err(ReplicaError::Deposed {
-                    stream: self.name.clone(),
-                    seq,
-                });
+            if id == Some(ours.as_str())
+                && let Some(out) = self.outbox.pop_front()
+            {
+                // This server's, sent before: it landed.
+                end = out.end.or(end);
+                self.last = seq;
+                continue;
             }
-            let out = self.outbox.pop_front().expect("checked");
-            end = out.end.or(end);
-            self.last = seq;
+            match (m.payload.first(), writer_of(&m.payload)) {
+                // A part of a server deposed before this one took over: void (readers
+                // skip it too).
+                (Some(&(PART | LAST)), Some(w)) if w != self.id => self.last = seq,
+                _ => {
+                    return Err(ReplicaError::Deposed {
+                        stream: self.name.clone(),
+                        seq,
+                    });
+                }
+            }
         }
         Ok(end)
     }
+}
+
+/// The server that published a message (module doc).
+fn writer_of(payload: &[u8]) -> Option<u128> {
+    payload
+        .get(1..17)
+        .map(|w| u128::from_be_bytes(w.try_into().expect("16 bytes")))
+}
+
+/// What reading the stream carries from one message to the next: the writer of the
+/// newest takeover, and its unfinished batch.
+#[derive(Default)]
+struct Reading {
+    writer: Option<u128>,
+    batch: Vec<u8>,
 }
 
 /// A message queued for the stream.
@@ -708,53 +842,81 @@ pub struct Keeper {
 }
 
 impl Keeper {
-    /// Renew every third of the lease until `stop`; returns why the server must stop
-    /// (another holds the lock, or it could not be renewed within two thirds of the
-    /// lease, after which a standby may take it). On `stop`, gives the lock up, so a
-    /// standby takes over at once.
+    /// Renew every third of the lease until `stop`; returns why the server must stop:
+    /// another server holds the lock, or two thirds of a lease passed since the last
+    /// renewal that landed was sent (a standby takes the lock only a whole lease after
+    /// it saw that renewal, so the server stops first). On `stop`, gives the lock up,
+    /// so a standby takes over at once.
     pub async fn keep(mut self, mut stop: tokio::sync::watch::Receiver<bool>) -> Option<String> {
-        let mut renewed = Instant::now();
+        // When the last renewal that landed was sent (the lock was taken just before).
+        let mut sent = Instant::now();
+        let mut wait = self.lease / 3;
         loop {
             let stopped = tokio::select! {
                 biased;
                 _ = stop.wait_for(|s| *s) => true,
-                _ = tokio::time::sleep(self.lease / 3) => false,
+                _ = tokio::time::sleep(wait) => false,
             };
             if stopped {
                 let _ = self.lock.delete_message(self.revision).await;
                 return None;
             }
+            let now = Instant::now();
+            let deadline = sent + self.lease * 2 / 3;
+            if now >= deadline {
+                return Some(format!(
+                    "the stream's lock could not be renewed for {:?}: a standby may take it",
+                    now - sent
+                ));
+            }
             let renewal = tokio::time::timeout(
-                self.lease / 3,
+                (deadline - now).min(self.lease / 3),
                 lock_publish(&self.js, &self.subject, self.value.clone(), self.revision),
             );
             let renewal = match renewal.await {
                 Ok(r) => r.map_err(|e| (e.kind(), e.to_string())),
                 Err(_) => Err((
                     jetstream::context::PublishErrorKind::TimedOut,
-                    "no answer within a third of the lease".into(),
+                    "no answer in time".into(),
                 )),
             };
             match renewal {
                 Ok(revision) => {
                     self.revision = revision;
-                    renewed = Instant::now();
+                    sent = now;
+                    wait = self.lease / 3;
+                    continue;
                 }
                 Err((jetstream::context::PublishErrorKind::WrongLastSequence, e)) => {
-                    return Some(format!(
-                        "the stream's lock was taken over by another server ({e})"
-                    ));
-                }
-                Err((_, e)) if renewed.elapsed() >= self.lease * 2 / 3 => {
-                    return Some(format!(
-                        "the stream's lock could not be renewed for {:?} ({e}): a standby may take it",
-                        renewed.elapsed()
-                    ));
+                    // A renewal whose answer was lost landed: the lock is still this
+                    // server's.
+                    match self
+                        .lock
+                        .get_last_raw_message_by_subject(&self.subject)
+                        .await
+                    {
+                        Ok(m) if m.payload.as_ref() == self.value.as_bytes() => {
+                            self.revision = m.sequence;
+                            wait = Duration::ZERO;
+                            continue;
+                        }
+                        Ok(m) => {
+                            return Some(format!(
+                                "the stream's lock was taken over by server {} ({e})",
+                                String::from_utf8_lossy(&m.payload)
+                            ));
+                        }
+                        Err(r) => {
+                            tracing::warn!(error = %r, "ferry flow server: the stream's lock was refused and cannot be read; trying again")
+                        }
+                    }
                 }
                 Err((_, e)) => {
                     tracing::warn!(error = %e, "ferry flow server: renewing the stream's lock failed; trying again");
                 }
             }
+            // Soon again, within the deadline.
+            wait = self.lease / 12;
         }
     }
 }

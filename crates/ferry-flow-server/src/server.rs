@@ -800,7 +800,10 @@ async fn replicating(inner: &Inner, replica: &mut Replica, mut stop: watch::Rece
             },
         };
         let acked = match acked {
-            Err(e) if e.transient() => {
+            // A sequence refused means another server took over, unless every message
+            // past the last acknowledged one is this server's (sent again after a
+            // timeout) or a deposed server's void part: read the stream back.
+            Err(e) if e.transient() || matches!(e, ReplicaError::Deposed { .. }) => {
                 tracing::warn!(error = %e, "ferry flow server: the stream did not take a batch; sending what it lacks again (nothing in it is acknowledged until it does)");
                 tokio::select! {
                     biased;
@@ -809,9 +812,6 @@ async fn replicating(inner: &Inner, replica: &mut Replica, mut stop: watch::Rece
                 }
                 replica.recover().await
             }
-            // A sequence refused: another server took over, unless every message past
-            // the last acknowledged one is this server's (sent again after a timeout).
-            Err(ReplicaError::Deposed { .. }) => replica.recover().await,
             acked => acked,
         };
         match acked {

@@ -1,9 +1,10 @@
-//! The replicated log's writer (docs/flow-server-replica.md §4) against a NATS server of
-//! the test's own (a stream of one replica): the NATS server is SIGKILLed and started
-//! again while appends are in flight. The flow server sends again what the stream lacks
+//! The replicated log (docs/flow-server-replica.md) against a NATS server of the test's
+//! own (streams of one replica): its writer with the NATS server SIGKILLed and started
+//! again while appends are in flight (the flow server sends again what the stream lacks
 //! and acknowledges everything in the end; a server rebuilt from the stream alone holds
-//! every record once, in order, byte for byte (a record twice in the stream would break
-//! its positions, and the rebuilt server would not open).
+//! every record once, in order, byte for byte: a record twice in the stream would break
+//! its positions, and the rebuilt server would not open); the stream's format read back
+//! from messages written by hand; a directory used without the stream left alone.
 
 mod common;
 
@@ -45,11 +46,14 @@ async fn open(dir: &Path, nats: &str) -> Server {
     Server::open_replicated(dir, settings, LogConfig::default(), replica).unwrap()
 }
 
+/// Every 40th record is 1 MiB: more than a message holds, so its batch is cut into
+/// parts.
 fn rec(shard: u32, position: u64) -> Rec {
-    Rec {
-        kind: 1,
-        bytes: format!("shard {shard} record {position}").into_bytes(),
+    let mut bytes = format!("shard {shard} record {position}").into_bytes();
+    if position % 40 == 39 {
+        bytes.resize(1 << 20, b'x');
     }
+    Rec { kind: 1, bytes }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -127,4 +131,132 @@ async fn a_nats_restart_under_appends_loses_and_doubles_nothing() {
     }
     drop(peer);
     running.stop().await;
+}
+
+/// A message as docs/flow-server-replica.md §3 lays it out.
+fn message(kind: u8, writer: u128, bytes: &[u8]) -> Vec<u8> {
+    let mut m = vec![kind];
+    m.extend_from_slice(&writer.to_be_bytes());
+    m.extend_from_slice(bytes);
+    m
+}
+
+/// Records as a batch carries them.
+fn records(rs: &[(u8, &[u8])]) -> Vec<u8> {
+    let mut b = Vec::new();
+    for (kind, payload) in rs {
+        b.push(*kind);
+        b.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+        b.extend_from_slice(payload);
+    }
+    b
+}
+
+/// Guards docs/flow-server-replica.md §3: a batch cut into parts counts at its last
+/// part; a batch a takeover interrupts is void, and so is a deposed writer's part that
+/// lands after the takeover. The stream is written by hand, then rebuilt into a log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deposed_writers_late_part_and_an_unfinished_batch_are_void() {
+    let scratch = Scratch::new("flow-replica-format");
+    let nats = PrivateNats::start(scratch.path());
+    let settings = ReplicaSettings {
+        url: nats.url(),
+        stream: "FLOW_F".into(),
+        replicas: 1,
+        lease: Duration::from_secs(5),
+    };
+    // Connecting creates the stream.
+    drop(Replica::connect(&settings).await.unwrap());
+    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let (a, b) = (0xaa_u128, 0xbb_u128);
+    let one = records(&[(7, b"a1"), (7, b"a2")]);
+    let two = records(&[(7, b"a3")]);
+    let three = records(&[(7, b"b1"), (7, b"b2")]);
+    let stream = vec![
+        message(3, a, b""),
+        message(1, a, &one[..4]),
+        message(2, a, &one[4..]),
+        // Cut short by b's takeover: void.
+        message(1, a, &two[..3]),
+        message(3, b, b""),
+        // a's late part, after b took over: void.
+        message(2, a, &two[3..]),
+        message(1, b, &three[..5]),
+        message(2, b, &three[5..]),
+    ];
+    for m in stream {
+        js.publish("ferry.flow.FLOW_F", m.into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let mut replica = Replica::connect(&settings).await.unwrap();
+    replica.acquire().await.unwrap();
+    let dir = scratch.path().join("c");
+    replica.restore(&dir, LogConfig::default()).await.unwrap();
+    replica.release().await;
+    let (log, _) = ferry_flow::log::Log::open_dir(&dir.join("log"), LogConfig::default()).unwrap();
+    let mut back = Vec::new();
+    log.read(log.start_lsn(), |r| back.push((r.kind, r.payload.to_vec())))
+        .unwrap();
+    log.close().unwrap();
+    assert_eq!(
+        back,
+        vec![
+            (7, b"a1".to_vec()),
+            (7, b"a2".to_vec()),
+            (7, b"b1".to_vec()),
+            (7, b"b2".to_vec())
+        ]
+    );
+}
+
+/// Guards docs/flow-server-replica.md §2 ("not guaranteed"): a directory a server used
+/// without --replicate is refused, not emptied, when the stream is empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_directory_used_without_the_stream_is_refused_not_removed() {
+    let scratch = Scratch::new("flow-replica-dir");
+    let nats = PrivateNats::start(scratch.path());
+    let dir = scratch.path().join("server");
+    let server = Server::open(
+        &dir,
+        Settings {
+            shards: SHARDS,
+            ..Settings::default()
+        },
+        LogConfig::default(),
+    )
+    .unwrap();
+    server.shutdown().await;
+    let mut replica = Replica::connect(&ReplicaSettings {
+        url: nats.url(),
+        stream: "FLOW_D".into(),
+        replicas: 1,
+        lease: Duration::from_secs(5),
+    })
+    .await
+    .unwrap();
+    replica.acquire().await.unwrap();
+    let err = replica
+        .restore(&dir, LogConfig::default())
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("holds a flow server's log and stream FLOW_D is empty"),
+        "{err}"
+    );
+    replica.release().await;
+    // Still there: the server opens it as it was.
+    let server = Server::open(
+        &dir,
+        Settings {
+            shards: SHARDS,
+            ..Settings::default()
+        },
+        LogConfig::default(),
+    )
+    .unwrap();
+    server.shutdown().await;
 }

@@ -73,8 +73,8 @@ pub struct ServeArgs {
     /// the stream, rebuilt at every start.
     #[arg(long)]
     pub replicate: Option<String>,
-    /// With --replicate: the stream's name (its subject is `ferry.flow.<name>`, its
-    /// lock bucket `<name>_LOCK`).
+    /// With --replicate: the stream's name (its subject is `ferry.flow.<name>`; its lock
+    /// is the stream `<name>_LOCK`).
     #[arg(long, default_value = "FERRY_FLOW")]
     pub stream: String,
     /// With --replicate: the replicas of the stream and its lock, when this server
@@ -138,8 +138,17 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
         };
         anyhow::anyhow!("{flag}: {}", e.reason)
     })?;
+    if a.replicate.is_some() && a.lease_ms < 1_000 {
+        anyhow::bail!(
+            "--lease-ms {}: with --replicate it must be at least 1000 (the stream's lock is renewed every third of it, over the network)",
+            a.lease_ms
+        );
+    }
     let rt = tokio::runtime::Runtime::new().context("starting the runtime")?;
     rt.block_on(async move {
+        // One handler from the start: a SIGTERM while standing by or rebuilding counts.
+        let terminated = crate::terminated();
+        tokio::pin!(terminated);
         let log = LogConfig {
             follow: Duration::from_micros(a.follow_us),
             ..LogConfig::default()
@@ -158,15 +167,20 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
                     .context("--replicate: the stream cannot be used")?;
                 tokio::select! {
                     taken = replica.acquire() => taken.context("--replicate")?,
-                    _ = crate::terminated() => {
+                    _ = &mut terminated => {
                         tracing::info!("ferry flow serve: stopped while standing by");
                         return Ok(());
                     }
                 }
-                replica
-                    .restore(&a.dir, log.clone())
-                    .await
-                    .context("--replicate: the log could not be rebuilt from the stream")?;
+                tokio::select! {
+                    restored = replica.restore(&a.dir, log.clone()) => restored
+                        .context("--replicate: the log could not be rebuilt from the stream")?,
+                    _ = &mut terminated => {
+                        replica.release().await;
+                        tracing::info!("ferry flow serve: stopped while rebuilding from the stream");
+                        return Ok(());
+                    }
+                }
                 Server::open_replicated(&a.dir, settings, log, replica)
             }
         }
@@ -195,7 +209,7 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
         tracing::info!(listen = %a.listen, dir = %a.dir.display(), shards = a.shards, "ferry flow serve: serving workers");
         let progress = tokio::spawn(report_progress(server.clone()));
         tokio::select! {
-            _ = crate::terminated() => {}
+            _ = &mut terminated => {}
             _ = server.stopped() => {}
         }
         let failed = server.failed();
@@ -213,7 +227,8 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
             anyhow::bail!(
                 "the server stopped on an error (see above): its log failed, or with \
                  --replicate the stream went to another server; start it again: it recovers \
-                 what was durable, and workers resume"
+                 what was durable and workers resume (with --replicate it stands by while \
+                 another server holds the stream)"
             );
         }
         tracing::info!("ferry flow serve: stopped");

@@ -271,6 +271,21 @@ fn settings_that_break_the_arithmetic_are_refused_by_flag() {
     assert!(!dir.exists(), "nothing was created");
     let err = refused(&["--listen", "x", "--shards", "0"]);
     assert!(err.contains("--shards: must be 1 to 1024"), "{err}");
+    let err = refused(&[
+        "--listen",
+        "x",
+        "--lease-ms",
+        "600",
+        "--ping-ms",
+        "200",
+        "--replicate",
+        "nats://127.0.0.1:1",
+    ]);
+    assert!(
+        err.contains("--lease-ms 600: with --replicate it must be at least 1000"),
+        "{err}"
+    );
+    assert!(!dir.exists(), "nothing was created");
 }
 
 /// Guards guarantees 4 and 5 with real processes (T2, and T3 with real workers): `ferry

@@ -468,6 +468,9 @@ struct Conn {
     calls_out: mpsc::UnboundedSender<(Call, CallReply)>,
     /// Calls not answered when a connection broke: sent again on the next.
     calls_again: Mutex<Vec<(Call, CallReply)>>,
+    /// Of several servers (a server and its standbys), the one that answered last:
+    /// dialled first.
+    preferred: std::sync::atomic::AtomicUsize,
 }
 
 /// Where the answer to a call through the server goes.
@@ -612,6 +615,7 @@ impl Worker {
                 stuck_after: Duration::from_secs(10),
             }),
             calls_in,
+            preferred: std::sync::atomic::AtomicUsize::new(0),
             outgoing: Mutex::new(VecDeque::new()),
             calls_out,
             calls_again: Mutex::new(Vec::new()),
@@ -722,21 +726,48 @@ impl Drop for Worker {
 trait Stream: AsyncRead + AsyncWrite + Send + Unpin {}
 impl<T: AsyncRead + AsyncWrite + Send + Unpin> Stream for T {}
 
-/// Connect to the first of `servers` (comma-separated: a server and its standbys,
-/// docs/flow-server-replica.md) that answers.
-async fn dial(servers: &str) -> std::io::Result<Box<dyn Stream>> {
-    let mut last = std::io::Error::new(std::io::ErrorKind::InvalidInput, "no server address");
-    for server in servers.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        match dial_one(server).await {
-            Ok(s) => return Ok(s),
-            Err(e) => last = e,
+/// Connect to one of `servers` (comma-separated: a server and its standbys,
+/// docs/flow-server-replica.md): the one at `preferred` first (the last to answer),
+/// then the others in turn, each given 2 s when there are several (a standby does not
+/// listen, and a lost machine should not hold up the next).
+async fn dial(
+    servers: &str,
+    preferred: &std::sync::atomic::AtomicUsize,
+) -> std::io::Result<Box<dyn Stream>> {
+    let all: Vec<&str> = servers
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
+    let within = if all.len() > 1 {
+        Duration::from_secs(2)
+    } else {
+        IO_WITHIN
+    };
+    if all.len() == 1 {
+        return dial_one(all[0], within).await;
+    }
+    let first = preferred.load(Ordering::Relaxed);
+    let mut failed = Vec::new();
+    for k in 0..all.len() {
+        let i = (first + k) % all.len();
+        match dial_one(all[i], within).await {
+            Ok(s) => {
+                preferred.store(i, Ordering::Relaxed);
+                return Ok(s);
+            }
+            Err(e) => failed.push(format!("{}: {e}", all[i])),
         }
     }
-    Err(last)
+    Err(std::io::Error::other(if failed.is_empty() {
+        "no server address".to_string()
+    } else {
+        failed.join("; ")
+    }))
 }
 
-async fn dial_one(server: &str) -> std::io::Result<Box<dyn Stream>> {
-    let dialed = tokio::time::timeout(IO_WITHIN, async {
+async fn dial_one(server: &str, within: Duration) -> std::io::Result<Box<dyn Stream>> {
+    let dialed = tokio::time::timeout(within, async {
         Ok::<Box<dyn Stream>, std::io::Error>(match server.strip_prefix("unix:") {
             Some(path) => Box::new(tokio::net::UnixStream::connect(path).await?),
             None => {
@@ -812,10 +843,12 @@ async fn session(
     calls_out: &mut mpsc::UnboundedReceiver<(Call, CallReply)>,
     first: &mut Option<std::sync::mpsc::Sender<Result<(), Error>>>,
 ) -> Result<(), Error> {
-    let stream = dial(&conn.settings.server).await.map_err(|e| Error::Io {
-        what: "connect to the flow server",
-        source: Arc::new(e),
-    })?;
+    let stream = dial(&conn.settings.server, &conn.preferred)
+        .await
+        .map_err(|e| Error::Io {
+            what: "connect to the flow server",
+            source: Arc::new(e),
+        })?;
     let (mut rd, mut wr) = tokio::io::split(stream);
     // Resume what is still ours: confirmed, and inside its deadline.
     let resume: Vec<Resume> = conn
