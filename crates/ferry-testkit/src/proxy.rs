@@ -93,6 +93,11 @@ impl FaultProxy {
     pub fn faults(&self) -> &Faults {
         &self.faults
     }
+
+    /// The faults, to change from another task or thread.
+    pub fn faults_handle(&self) -> Arc<Faults> {
+        self.faults.clone()
+    }
 }
 
 impl Drop for FaultProxy {
