@@ -111,6 +111,8 @@ pub struct Replica {
     )>,
     lost: tokio::sync::watch::Receiver<Option<String>>,
     lost_tx: std::sync::Arc<tokio::sync::watch::Sender<Option<String>>>,
+    /// The shard count this server is started with, if told (`expect_shards`).
+    shards: Option<u32>,
 }
 
 impl Replica {
@@ -228,6 +230,7 @@ impl Replica {
             keeper: None,
             lost: lost_tx.subscribe(),
             lost_tx: std::sync::Arc::new(lost_tx),
+            shards: None,
         })
     }
 
@@ -311,6 +314,12 @@ impl Replica {
             }
             tokio::time::sleep(self.lease / 4).await;
         }
+    }
+
+    /// Refuse to take over a stream whose log was made for another shard count (checked
+    /// by [`Replica::restore`] before its takeover).
+    pub fn expect_shards(&mut self, shards: u32) {
+        self.shards = Some(shards);
     }
 
     /// Start renewing the lock (until [`Replica::release`]).
@@ -407,6 +416,16 @@ impl Replica {
                 let last = self.last_sequence().await?;
                 if last > read {
                     records += self.read_into(&log, &mut read, last, &mut reading).await?;
+                }
+                // Refused before taking over: a server that cannot open the log must not
+                // depose the one before it.
+                if let (Some(want), Some(has)) = (self.shards, reading.shards)
+                    && want != has
+                {
+                    return Err(ReplicaError::Unsuitable(format!(
+                        "stream {}'s log was made for {has} shards, not {want}: start the server with --shards {has} (runs are placed by shard, so the count cannot change)",
+                        self.name
+                    )));
                 }
                 // An unfinished batch is void: the takeover says so to every later
                 // reader.
@@ -550,10 +569,12 @@ impl Replica {
                         .map_err(|e| {
                             ReplicaError::Dir(format!("applying a batch panicked: {e}"))
                         })?;
-                    records += applied.map_err(|e| match e {
+                    let (n, shape) = applied.map_err(|e| match e {
                         Applied::Bad(reason) => corrupted(reason),
                         Applied::Log(e) => ReplicaError::Log(e),
                     })?;
+                    records += n;
+                    reading.shards = shape.or(reading.shards);
                 }
                 kind => {
                     return Err(corrupted(format!("a message of unknown type {kind}")));
@@ -767,6 +788,8 @@ fn writer_of(payload: &[u8]) -> Option<u128> {
 struct Reading {
     writer: Option<u128>,
     batch: Vec<u8>,
+    /// From the log's shape record.
+    shards: Option<u32>,
 }
 
 /// A message queued for the stream.
@@ -926,9 +949,11 @@ enum Applied {
     Log(LogError),
 }
 
-/// Append a whole batch's records to `log`; how many.
-fn apply(log: &Log, mut batch: &[u8]) -> Result<u64, Applied> {
+/// Append a whole batch's records to `log`; how many, and the shard count its shape
+/// record says, if it holds one.
+fn apply(log: &Log, mut batch: &[u8]) -> Result<(u64, Option<u32>), Applied> {
     let mut n = 0;
+    let mut shape = None;
     while !batch.is_empty() {
         if batch.len() < 5 {
             return Err(Applied::Bad(format!(
@@ -943,11 +968,15 @@ fn apply(log: &Log, mut batch: &[u8]) -> Result<u64, Applied> {
                 "a record of kind {kind} and {len} bytes, cut short"
             )));
         }
-        log.append(kind, &batch[5..5 + len]).map_err(Applied::Log)?;
+        let payload = &batch[5..5 + len];
+        if kind == crate::store::SHAPE_RECORD && len == 4 {
+            shape = Some(u32::from_be_bytes(payload.try_into().expect("4 bytes")));
+        }
+        log.append(kind, payload).map_err(Applied::Log)?;
         batch = &batch[5 + len..];
         n += 1;
     }
-    Ok(n)
+    Ok((n, shape))
 }
 
 /// The records of `log` from `from` that are durable, up to about [`BATCH_MAX`] bytes,

@@ -131,6 +131,24 @@ async fn a_nats_restart_under_appends_loses_and_doubles_nothing() {
     }
     drop(peer);
     running.stop().await;
+    // A server started with another shard count refuses before it takes over.
+    let mut replica = Replica::connect(&ReplicaSettings {
+        url: url.clone(),
+        stream: "FLOW_T".into(),
+        replicas: 1,
+        lease: LEASE,
+    })
+    .await
+    .unwrap();
+    replica.expect_shards(SHARDS * 2);
+    replica.acquire().await.unwrap();
+    let err = replica
+        .restore(&scratch.path().join("c"), LogConfig::default())
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("made for 4 shards, not 8"), "{err}");
+    replica.release().await;
 }
 
 /// A message as docs/flow-server-replica.md §3 lays it out.
@@ -212,6 +230,15 @@ async fn a_deposed_writers_late_part_and_an_unfinished_batch_are_void() {
     );
 }
 
+/// A server on `dir` without the stream.
+fn local(dir: &Path) -> Server {
+    let settings = Settings {
+        shards: SHARDS,
+        ..Settings::default()
+    };
+    Server::open(dir, settings, LogConfig::default()).unwrap()
+}
+
 /// Guards docs/flow-server-replica.md §2 ("not guaranteed"): a directory a server used
 /// without --replicate is refused, not emptied, when the stream is empty.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -219,16 +246,7 @@ async fn a_directory_used_without_the_stream_is_refused_not_removed() {
     let scratch = Scratch::new("flow-replica-dir");
     let nats = PrivateNats::start(scratch.path());
     let dir = scratch.path().join("server");
-    let server = Server::open(
-        &dir,
-        Settings {
-            shards: SHARDS,
-            ..Settings::default()
-        },
-        LogConfig::default(),
-    )
-    .unwrap();
-    server.shutdown().await;
+    local(&dir).shutdown().await;
     let mut replica = Replica::connect(&ReplicaSettings {
         url: nats.url(),
         stream: "FLOW_D".into(),
@@ -249,14 +267,5 @@ async fn a_directory_used_without_the_stream_is_refused_not_removed() {
     );
     replica.release().await;
     // Still there: the server opens it as it was.
-    let server = Server::open(
-        &dir,
-        Settings {
-            shards: SHARDS,
-            ..Settings::default()
-        },
-        LogConfig::default(),
-    )
-    .unwrap();
-    server.shutdown().await;
+    local(&dir).shutdown().await;
 }

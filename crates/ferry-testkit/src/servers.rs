@@ -153,6 +153,22 @@ impl Drop for PrivatePg {
     }
 }
 
+/// `nats-server` (or `FERRY_NATS_SERVER`) with `args`, once it listens on `port`.
+fn spawn_nats(args: &[&str], port: u16, log: &Path) -> crate::proc::Proc {
+    let bin = std::env::var("FERRY_NATS_SERVER").unwrap_or_else(|_| "nats-server".into());
+    let p = crate::proc::Proc::spawn("nats-server", Path::new(&bin), args, &[], log);
+    assert!(
+        crate::wait_until(Duration::from_secs(20), || std::net::TcpStream::connect((
+            "127.0.0.1",
+            port
+        ))
+        .is_ok()),
+        "nats-server did not start; see {}",
+        log.display()
+    );
+    p
+}
+
 /// A NATS server with JetStream of the test's own.
 pub struct PrivateNats {
     pub port: u16,
@@ -181,32 +197,12 @@ impl PrivateNats {
     pub fn up(&mut self) {
         assert!(self.proc.is_none(), "nats-server already running");
         let port = self.port.to_string();
-        let bin = std::env::var("FERRY_NATS_SERVER").unwrap_or_else(|_| "nats-server".into());
-        let p = crate::proc::Proc::spawn(
-            "nats-server",
-            Path::new(&bin),
-            &[
-                "-js",
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &port,
-                "-sd",
-                self.store.to_str().unwrap(),
-            ],
-            &[],
+        let store = self.store.to_str().unwrap();
+        self.proc = Some(spawn_nats(
+            &["-js", "-a", "127.0.0.1", "-p", &port, "-sd", store],
+            self.port,
             &self.log,
-        );
-        assert!(
-            crate::wait_until(Duration::from_secs(20), || std::net::TcpStream::connect((
-                "127.0.0.1",
-                self.port
-            ))
-            .is_ok()),
-            "nats-server did not start; see {}",
-            self.log.display()
-        );
-        self.proc = Some(p);
+        ));
     }
 
     /// SIGKILL.
@@ -259,7 +255,6 @@ impl NatsCluster {
     /// Start server `i` (again) on its ports and store.
     pub fn up(&mut self, i: usize) {
         assert!(self.procs[i].is_none(), "nats-server {i} already running");
-        let bin = std::env::var("FERRY_NATS_SERVER").unwrap_or_else(|_| "nats-server".into());
         let port = self.ports[i].to_string();
         let cluster = format!("nats://127.0.0.1:{}", self.routes[i]);
         let routes = self
@@ -272,9 +267,7 @@ impl NatsCluster {
             .join(",");
         let store = self.dir.join(format!("nats-{i}"));
         let name = format!("n{i}");
-        let p = crate::proc::Proc::spawn(
-            "nats-server",
-            Path::new(&bin),
+        self.procs[i] = Some(spawn_nats(
             &[
                 "-js",
                 "-a",
@@ -292,19 +285,9 @@ impl NatsCluster {
                 "--routes",
                 &routes,
             ],
-            &[],
+            self.ports[i],
             &self.dir.join(format!("nats-{i}.log")),
-        );
-        assert!(
-            crate::wait_until(Duration::from_secs(20), || std::net::TcpStream::connect((
-                "127.0.0.1",
-                self.ports[i]
-            ))
-            .is_ok()),
-            "nats-server {i} did not start; see {}",
-            self.dir.join(format!("nats-{i}.log")).display()
-        );
-        self.procs[i] = Some(p);
+        ));
     }
 
     /// SIGKILL server `i`.

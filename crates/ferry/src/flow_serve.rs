@@ -165,6 +165,7 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
                 let mut replica = Replica::connect(&replicated)
                     .await
                     .context("--replicate: the stream cannot be used")?;
+                replica.expect_shards(settings.shards);
                 tokio::select! {
                     taken = replica.acquire() => taken.context("--replicate")?,
                     _ = &mut terminated => {

@@ -96,6 +96,118 @@ fn rec(shard: u32, position: u64) -> Rec {
     }
 }
 
+/// A raw worker's shards across server restarts and takeovers: per shard the epoch,
+/// what was sent, and how much of it was acknowledged.
+#[derive(Default)]
+struct Sent {
+    epochs: BTreeMap<u32, u64>,
+    sent: BTreeMap<u32, Vec<Rec>>,
+    acked: BTreeMap<u32, u64>,
+}
+
+impl Sent {
+    /// Say hello to the server at `socket`, resuming what is held; the first time, take
+    /// every shard's grant; after that, check every shard resumed at its epoch with at
+    /// least what was acknowledged, byte for byte (what was sent and not acknowledged
+    /// may or may not have survived: the server's end says which, and the rest is sent
+    /// again).
+    async fn hello(&mut self, socket: &Path, round: usize) -> Peer {
+        let resume: Vec<Resume> = self
+            .epochs
+            .iter()
+            .map(|(&shard, &epoch)| Resume {
+                shard,
+                epoch,
+                acked: self.acked[&shard],
+            })
+            .collect();
+        let (mut peer, welcome) = Peer::hello(socket, hello(0x5eed, "", resume))
+            .await
+            .unwrap();
+        if self.epochs.is_empty() {
+            for g in peer.grants(SHARDS as usize).await {
+                self.epochs.insert(g.shard, g.epoch);
+                self.sent.insert(g.shard, Vec::new());
+                self.acked.insert(g.shard, 0);
+            }
+            return peer;
+        }
+        assert_eq!(welcome.grants.len(), SHARDS as usize, "round {round}");
+        for g in &welcome.grants {
+            assert_eq!(g.epoch, self.epochs[&g.shard], "round {round}: same epoch");
+            assert!(
+                g.end >= self.acked[&g.shard],
+                "round {round}: shard {} lost acknowledged records ({} of {})",
+                g.shard,
+                g.end,
+                self.acked[&g.shard]
+            );
+            let s = self.sent.get_mut(&g.shard).unwrap();
+            assert!(g.end as usize <= s.len());
+            let back = peer.read_all(g.shard, g.epoch, 4096).await;
+            assert_eq!(
+                back,
+                s[..g.end as usize],
+                "round {round}: shard {} byte for byte",
+                g.shard
+            );
+            s.truncate(g.end as usize);
+            self.acked.insert(g.shard, g.end);
+        }
+        peer
+    }
+
+    /// Pipelined appends to random shards, in two waves: the first is waited for
+    /// (acknowledged), the second is in flight when the caller takes the server away.
+    async fn waves(&mut self, peer: &mut Peer, rng: &mut SplitMix64) {
+        for wave in 0..2 {
+            for _ in 0..50 + rng.below(100) {
+                let shard = rng.below(u64::from(SHARDS)) as u32;
+                let s = self.sent.get_mut(&shard).unwrap();
+                let first = s.len() as u64;
+                let n = 1 + rng.below(4);
+                let records: Vec<Rec> = (first..first + n).map(|p| rec(shard, p)).collect();
+                s.extend(records.iter().cloned());
+                peer.send(append(shard, self.epochs[&shard], first, records))
+                    .await
+                    .unwrap();
+            }
+            if wave == 0 {
+                for (&shard, s) in &self.sent {
+                    // A shard this wave did not write to has nothing new to acknowledge.
+                    if s.len() as u64 > self.acked[&shard] {
+                        peer.durable_to(shard, s.len() as u64).await;
+                        self.acked.insert(shard, s.len() as u64);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Frames until the connection closes (or is quiet for 10 s): acknowledgements that
+    /// arrived count, the server said durable. A refusal fails the test unless
+    /// `refusals` (a server that heard no ping for a while may revoke and refuse).
+    async fn drain(&mut self, mut peer: Peer, round: usize, refusals: bool) {
+        while let Ok(Some(f)) = tokio::time::timeout(Duration::from_secs(10), peer.recv()).await {
+            match f.body {
+                Body::Durable(ps) => {
+                    for p in ps {
+                        let a = self.acked.get_mut(&p.shard).unwrap();
+                        *a = (*a).max(p.position);
+                    }
+                }
+                Body::Refused { .. } | Body::Revoke { .. } if refusals => {}
+                Body::Refused { refused, .. } => panic!("round {round}: refused {refused:?}"),
+                _ => {}
+            }
+        }
+    }
+
+    fn total(&self) -> u64 {
+        self.acked.values().sum()
+    }
+}
+
 /// Guards T3 and docs/flow-server.md §7: SIGKILL the server three times while a worker
 /// pipelines appends to every shard; after each restart every record it acknowledged is
 /// there, byte for byte and in order, and the worker resumes at the same epochs.
@@ -106,103 +218,26 @@ async fn server_kills_lose_nothing_acknowledged_and_the_holder_resumes() {
     let socket = scratch.path().join("flow.sock");
     let log = scratch.path().join("server.log");
     let mut rng = SplitMix64::seeded(11);
-    let session = 0x5eed_u128;
-    // Per shard: the epoch, what was sent, and how much of it was acknowledged.
-    let mut epochs: BTreeMap<u32, u64> = BTreeMap::new();
-    let mut sent: BTreeMap<u32, Vec<Rec>> = BTreeMap::new();
-    let mut acked: BTreeMap<u32, u64> = BTreeMap::new();
+    let mut shards = Sent::default();
     for round in 0..4 {
         let server = serve(&dir, &socket, None, &log);
-        let resume: Vec<Resume> = epochs
-            .iter()
-            .map(|(&shard, &epoch)| Resume {
-                shard,
-                epoch,
-                acked: acked[&shard],
-            })
-            .collect();
-        let (mut peer, welcome) = Peer::hello(&socket, hello(session, "", resume))
-            .await
-            .unwrap();
+        let mut peer = shards.hello(&socket, round).await;
         if round == 0 {
-            for g in peer.grants(SHARDS as usize).await {
-                assert_eq!(g.epoch, 1);
-                epochs.insert(g.shard, g.epoch);
-                sent.insert(g.shard, Vec::new());
-                acked.insert(g.shard, 0);
-            }
-        } else {
-            // Every shard resumed at the epoch it had, with at least what was acknowledged.
-            assert_eq!(welcome.grants.len(), SHARDS as usize, "round {round}");
-            for g in &welcome.grants {
-                assert_eq!(g.epoch, epochs[&g.shard], "round {round}: same epoch");
-                assert!(
-                    g.end >= acked[&g.shard],
-                    "round {round}: shard {} lost acknowledged records",
-                    g.shard
-                );
-                // What was sent and not acknowledged may or may not have survived: the
-                // server's end says which; the rest is sent again below.
-                let s = sent.get_mut(&g.shard).unwrap();
-                assert!(g.end as usize <= s.len());
-                let back = peer.read_all(g.shard, g.epoch, 4096).await;
-                assert_eq!(
-                    back,
-                    s[..g.end as usize],
-                    "round {round}: shard {} byte for byte",
-                    g.shard
-                );
-                s.truncate(g.end as usize);
-                acked.insert(g.shard, g.end);
-            }
+            assert!(shards.epochs.values().all(|&e| e == 1));
         }
         if round == 3 {
             server.term(Duration::from_secs(10));
             break;
         }
-        // Pipelined appends to random shards, in two waves: the first is waited for
-        // (acknowledged), the second is in flight when the server is killed.
-        for wave in 0..2 {
-            let appends = 50 + rng.below(100);
-            for _ in 0..appends {
-                let shard = rng.below(u64::from(SHARDS)) as u32;
-                let s = sent.get_mut(&shard).unwrap();
-                let first = s.len() as u64;
-                let n = 1 + rng.below(4);
-                let records: Vec<Rec> = (first..first + n).map(|p| rec(shard, p)).collect();
-                s.extend(records.iter().cloned());
-                peer.send(append(shard, epochs[&shard], first, records))
-                    .await
-                    .unwrap();
-            }
-            if wave == 0 {
-                for (&shard, s) in &sent {
-                    // A shard this wave did not write to has nothing new to acknowledge.
-                    if s.len() as u64 > acked[&shard] {
-                        peer.durable_to(shard, s.len() as u64).await;
-                        acked.insert(shard, s.len() as u64);
-                    }
-                }
-            }
-        }
+        shards.waves(&mut peer, &mut rng).await;
         server.kill9();
-        // Acknowledgements that arrived before the kill count: the server said durable.
-        while let Some(f) = peer.recv().await {
-            match f.body {
-                Body::Durable(ps) => {
-                    for p in ps {
-                        let a = acked.get_mut(&p.shard).unwrap();
-                        *a = (*a).max(p.position);
-                    }
-                }
-                Body::Refused { refused, .. } => panic!("round {round}: refused {refused:?}"),
-                _ => {}
-            }
-        }
-        drop(peer);
+        shards.drain(peer, round, false).await;
     }
-    let total: u64 = acked.values().sum();
-    eprintln!("acknowledged {total} records over the kills: {acked:?}");
+    let total = shards.total();
+    eprintln!(
+        "acknowledged {total} records over the kills: {:?}",
+        shards.acked
+    );
     assert!(total > 300, "the rounds acknowledged only {total} records");
 }
 
@@ -574,7 +609,15 @@ fn a_paused_worker_is_refused_and_starts_nothing() {
         "a called after waking: {late:?}\n{}",
         a.log_text()
     );
-    for n in 0..ORDERS {
+    charged_under_one_key(&calls, ORDERS);
+    assert_eq!(b.term(Duration::from_secs(10)), Some(0));
+    assert_eq!(a.term(Duration::from_secs(10)), Some(0));
+    drop(server);
+}
+
+/// Each of the demo's `orders` orders was charged under one key, however many times.
+fn charged_under_one_key(calls: &[Call], orders: u32) {
+    for n in 0..orders {
         let id = format!("order-{n:03}");
         let keys: std::collections::BTreeSet<&str> = calls
             .iter()
@@ -583,9 +626,6 @@ fn a_paused_worker_is_refused_and_starts_nothing() {
             .collect();
         assert_eq!(keys.len(), 1, "{id} is charged under one key: {keys:?}");
     }
-    assert_eq!(b.term(Duration::from_secs(10)), Some(0));
-    assert_eq!(a.term(Duration::from_secs(10)), Some(0));
-    drop(server);
 }
 
 /// `ferry flow ...` with `args`; its exit code, stdout and stderr.
@@ -757,10 +797,7 @@ async fn a_standby_takes_over_from_the_stream_and_nothing_acknowledged_is_lost()
     let mut nats = NatsCluster::start(scratch.path());
     let url = nats.url();
     let mut rng = SplitMix64::seeded(29);
-    let session = 0x5eed_u128;
-    let mut epochs: BTreeMap<u32, u64> = BTreeMap::new();
-    let mut sent: BTreeMap<u32, Vec<Rec>> = BTreeMap::new();
-    let mut acked: BTreeMap<u32, u64> = BTreeMap::new();
+    let mut shards = Sent::default();
     let mut primary = start(&scratch, "a", &url);
     assert!(
         serving(&primary, Duration::from_secs(60)),
@@ -776,73 +813,11 @@ async fn a_standby_takes_over_from_the_stream_and_nothing_acknowledged_is_lost()
             !serving(&standby, Duration::from_millis(100)),
             "round {round}: a standby serves while the server holds the lock"
         );
-        let resume: Vec<Resume> = epochs
-            .iter()
-            .map(|(&shard, &epoch)| Resume {
-                shard,
-                epoch,
-                acked: acked[&shard],
-            })
-            .collect();
-        let (mut peer, welcome) = Peer::hello(&primary.socket, hello(session, "", resume))
-            .await
-            .unwrap();
-        if round == 0 {
-            for g in peer.grants(SHARDS as usize).await {
-                epochs.insert(g.shard, g.epoch);
-                sent.insert(g.shard, Vec::new());
-                acked.insert(g.shard, 0);
-            }
-        } else {
-            assert_eq!(welcome.grants.len(), SHARDS as usize, "round {round}");
-            for g in &welcome.grants {
-                assert_eq!(g.epoch, epochs[&g.shard], "round {round}: same epoch");
-                assert!(
-                    g.end >= acked[&g.shard],
-                    "round {round}: shard {} lost acknowledged records ({} of {})",
-                    g.shard,
-                    g.end,
-                    acked[&g.shard]
-                );
-                let s = sent.get_mut(&g.shard).unwrap();
-                assert!(g.end as usize <= s.len());
-                let back = peer.read_all(g.shard, g.epoch, 4096).await;
-                assert_eq!(
-                    back,
-                    s[..g.end as usize],
-                    "round {round}: shard {} byte for byte",
-                    g.shard
-                );
-                s.truncate(g.end as usize);
-                acked.insert(g.shard, g.end);
-            }
-        }
+        let mut peer = shards.hello(&primary.socket, round).await;
         if round == 3 {
             break;
         }
-        // Two waves of pipelined appends: the first acknowledged, the second in flight
-        // when the server goes.
-        for wave in 0..2 {
-            for _ in 0..50 + rng.below(100) {
-                let shard = rng.below(u64::from(SHARDS)) as u32;
-                let s = sent.get_mut(&shard).unwrap();
-                let first = s.len() as u64;
-                let n = 1 + rng.below(4);
-                let records: Vec<Rec> = (first..first + n).map(|p| rec(shard, p)).collect();
-                s.extend(records.iter().cloned());
-                peer.send(append(shard, epochs[&shard], first, records))
-                    .await
-                    .unwrap();
-            }
-            if wave == 0 {
-                for (&shard, s) in &sent {
-                    if s.len() as u64 > acked[&shard] {
-                        peer.durable_to(shard, s.len() as u64).await;
-                        acked.insert(shard, s.len() as u64);
-                    }
-                }
-            }
-        }
+        shards.waves(&mut peer, &mut rng).await;
         let gone = Instant::now();
         let old = if round < 2 {
             // The machine is lost: the process and its directory.
@@ -879,31 +854,20 @@ async fn a_standby_takes_over_from_the_stream_and_nothing_acknowledged_is_lost()
             );
             assert_ne!(paused.exited(), Some(Some(0)), "round {round}");
         }
-        // What arrived before the server went counts: it said durable.
-        while let Ok(Some(f)) = tokio::time::timeout(Duration::from_secs(10), peer.recv()).await {
-            match f.body {
-                Body::Durable(ps) => {
-                    for p in ps {
-                        let a = acked.get_mut(&p.shard).unwrap();
-                        *a = (*a).max(p.position);
-                    }
-                }
-                // Woken, the paused server heard no ping for longer than a lease: it may
-                // revoke and refuse before it finds itself deposed.
-                Body::Refused { .. } | Body::Revoke { .. } if round == 2 => {}
-                Body::Refused { refused, .. } => panic!("round {round}: refused {refused:?}"),
-                _ => {}
-            }
-        }
-        drop(peer);
+        // Woken, the paused server heard no ping for longer than a lease: it may revoke
+        // and refuse before it finds itself deposed.
+        shards.drain(peer, round, round == 2).await;
         if round == 2 {
             nats.up(0);
         }
         primary = standby;
         standby = start(&scratch, names.next().unwrap(), &url);
     }
-    let total: u64 = acked.values().sum();
-    eprintln!("acknowledged {total} records over the takeovers: {acked:?}");
+    let total = shards.total();
+    eprintln!(
+        "acknowledged {total} records over the takeovers: {:?}",
+        shards.acked
+    );
     assert!(total > 300, "the rounds acknowledged only {total} records");
     primary.proc.term(Duration::from_secs(10));
     standby.proc.term(Duration::from_secs(10));
@@ -960,15 +924,7 @@ fn workers_follow_a_replicated_server_to_its_standby() {
         w1.log_text()
     );
     let calls = calls.lock().unwrap().clone();
-    for n in 0..ORDERS {
-        let id = format!("order-{n:03}");
-        let keys: std::collections::BTreeSet<&str> = calls
-            .iter()
-            .filter(|c| c.what == "charge" && c.key.starts_with(&format!("{id}/")))
-            .map(|c| c.key.as_str())
-            .collect();
-        assert_eq!(keys.len(), 1, "{id} is charged under one key: {keys:?}");
-    }
+    charged_under_one_key(&calls, ORDERS);
     assert_eq!(w1.term(Duration::from_secs(10)), Some(0));
     assert_eq!(w2.term(Duration::from_secs(10)), Some(0));
     b.proc.term(Duration::from_secs(10));
