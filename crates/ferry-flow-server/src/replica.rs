@@ -164,6 +164,22 @@ impl Replica {
             ))
         })?;
         let c = &stream.cached_info().config;
+        if !c.subjects.contains(&subject) {
+            return Err(ReplicaError::Unsuitable(format!(
+                "stream {} on NATS at {url} does not take subject {subject} (its subjects: {:?}): name another stream with --stream",
+                settings.stream, c.subjects
+            )));
+        }
+        if c.max_message_size > 0 && (c.max_message_size as usize) < 64 << 10 {
+            return Err(ReplicaError::Unsuitable(format!(
+                "stream {} on NATS at {url} takes messages of at most {} bytes (max_msg_size); the flow server needs 64 KiB",
+                settings.stream, c.max_message_size
+            )));
+        }
+        let message_max = match c.max_message_size {
+            n if n > 0 => (n as usize).min(max_payload),
+            _ => max_payload,
+        };
         if !c.max_age.is_zero()
             || c.max_messages > 0
             || c.max_bytes > 0
@@ -221,7 +237,7 @@ impl Replica {
             lock,
             lock_subject,
             id: u128::from_be_bytes(id),
-            part_max: max_payload - HEADROOM,
+            part_max: message_max - HEADROOM,
             lease: settings.lease,
             revision: 0,
             last: 0,
@@ -254,6 +270,9 @@ impl Replica {
         let mut said = false;
         // The holder's last renewal, and when this server first saw it.
         let mut seen: Option<(u64, Instant)> = None;
+        // When this server first tried to take the lock: a take of its own found
+        // landed was sent no earlier.
+        let mut tried: Option<Instant> = None;
         loop {
             let last = match self
                 .lock
@@ -273,7 +292,7 @@ impl Replica {
                 // This server's own (its take landed; the answer did not come back).
                 Some(m) if m.payload.as_ref() == self.id().as_bytes() => {
                     self.revision = m.sequence;
-                    self.keep();
+                    self.keep(tried.unwrap_or_else(Instant::now));
                     return Ok(());
                 }
                 Some(m) => match seen {
@@ -293,6 +312,8 @@ impl Replica {
                 },
             };
             if let Some(after) = after {
+                let now = Instant::now();
+                tried.get_or_insert(now);
                 match lock_publish(&self.js, &self.lock_subject, self.id(), after).await {
                     Ok(revision) => {
                         self.revision = revision;
@@ -301,7 +322,7 @@ impl Replica {
                             server = self.id(),
                             "ferry flow server: holds the stream's lock"
                         );
-                        self.keep();
+                        self.keep(now);
                         return Ok(());
                     }
                     // Another server renewed or took it meanwhile.
@@ -323,7 +344,8 @@ impl Replica {
     }
 
     /// Start renewing the lock (until [`Replica::release`]).
-    fn keep(&mut self) {
+    /// `sent`: when the message that took the lock was sent, at the earliest.
+    fn keep(&mut self, sent: Instant) {
         let keeper = Keeper {
             js: self.js.clone(),
             lock: self.lock.clone(),
@@ -331,6 +353,7 @@ impl Replica {
             value: self.id(),
             revision: self.revision,
             lease: self.lease,
+            sent,
         };
         let (stop, stopped) = tokio::sync::watch::channel(false);
         let lost = self.lost_tx.clone();
@@ -673,20 +696,21 @@ impl Replica {
         self.outbox.len()
     }
 
-    /// Publish every queued message not yet sent, pipelined: each names the sequence
-    /// before it. After an Err, call [`Replica::recover`].
+    /// Publish the oldest queued message, if none is in flight: it names the sequence
+    /// before it. One at a time, so that a message of this server's found in the stream
+    /// past the last acknowledged one is always the oldest queued (a deposed server's
+    /// part may land between two of its parts, shifting the second). After an Err, call
+    /// [`Replica::recover`].
     pub async fn send(&mut self) -> Result<(), ReplicaError> {
-        loop {
-            let i = lock(&self.acks).len();
-            if i >= self.outbox.len() {
-                return Ok(());
-            }
-            let after = self.last + i as u64;
-            let ack = self
-                .publish_at(self.outbox[i].payload.clone(), after)
-                .await?;
-            lock(&self.acks).push_back((after, Box::pin(ack.into_future())));
+        if !lock(&self.acks).is_empty() || self.outbox.is_empty() {
+            return Ok(());
         }
+        let after = self.last;
+        let ack = self
+            .publish_at(self.outbox[0].payload.clone(), after)
+            .await?;
+        lock(&self.acks).push_back((after, Box::pin(ack.into_future())));
+        Ok(())
     }
 
     /// The next acknowledgement, oldest first (pending while nothing is in flight; safe
@@ -700,9 +724,12 @@ impl Replica {
         })
         .await;
         match acked {
-            Ok(ack) if ack.sequence != after + 1 => Err(self
-                .check_sequence(ack.sequence, after)
-                .expect_err("a wrong sequence")),
+            Ok(ack) if ack.sequence != after + 1 => {
+                lock(&self.acks).pop_front();
+                Err(self
+                    .check_sequence(ack.sequence, after)
+                    .expect_err("a wrong sequence"))
+            }
             Ok(ack) => {
                 lock(&self.acks).pop_front();
                 let out = self.outbox.pop_front().expect("an acknowledged message");
@@ -862,6 +889,8 @@ pub struct Keeper {
     value: String,
     revision: u64,
     lease: Duration,
+    /// When the last renewal that landed (or the take) was sent.
+    sent: Instant,
 }
 
 impl Keeper {
@@ -871,9 +900,8 @@ impl Keeper {
     /// it saw that renewal, so the server stops first). On `stop`, gives the lock up,
     /// so a standby takes over at once.
     pub async fn keep(mut self, mut stop: tokio::sync::watch::Receiver<bool>) -> Option<String> {
-        // When the last renewal that landed was sent (the lock was taken just before).
-        let mut sent = Instant::now();
-        let mut wait = self.lease / 3;
+        let mut sent = self.sent;
+        let mut wait = (sent + self.lease / 3).saturating_duration_since(Instant::now());
         loop {
             let stopped = tokio::select! {
                 biased;
@@ -907,7 +935,8 @@ impl Keeper {
                 Ok(revision) => {
                     self.revision = revision;
                     sent = now;
-                    wait = self.lease / 3;
+                    // A third of a lease after this one was sent.
+                    wait = (sent + self.lease / 3).saturating_duration_since(Instant::now());
                     continue;
                 }
                 Err((jetstream::context::PublishErrorKind::WrongLastSequence, e)) => {
@@ -939,7 +968,7 @@ impl Keeper {
                 }
             }
             // Soon again, within the deadline.
-            wait = self.lease / 12;
+            wait = (self.lease / 12).min(deadline.saturating_duration_since(Instant::now()));
         }
     }
 }

@@ -269,3 +269,58 @@ async fn a_directory_used_without_the_stream_is_refused_not_removed() {
     // Still there: the server opens it as it was.
     local(&dir).shutdown().await;
 }
+
+/// Guards docs/flow-server-replica.md §4 step 4 on the writer's side: a deposed
+/// server's part landing after this server's takeover makes its first part's sequence
+/// wrong; the server reads the stream back, skips that part, and sends its batch (two
+/// parts) after it; rebuilt, the stream holds the batch whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deposed_writers_late_part_is_stepped_over_by_the_new_writer() {
+    let scratch = Scratch::new("flow-replica-stray");
+    let nats = PrivateNats::start(scratch.path());
+    let settings = ReplicaSettings {
+        url: nats.url(),
+        stream: "FLOW_W".into(),
+        replicas: 1,
+        lease: Duration::from_secs(5),
+    };
+    let mut w = Replica::connect(&settings).await.unwrap();
+    w.acquire().await.unwrap();
+    w.restore(&scratch.path().join("w"), LogConfig::default())
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    js.publish("ferry.flow.FLOW_W", message(1, 0xdead, b"late").into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let big = vec![b'y'; 1 << 20];
+    let batch = records(&[(7, &big), (7, b"z")]);
+    w.queue(&batch, 4242);
+    let mut end = None;
+    for _ in 0..10 {
+        w.send().await.unwrap();
+        match w.acked().await {
+            Ok(Some(e)) => {
+                end = Some(e);
+                break;
+            }
+            Ok(None) => {}
+            Err(_) => end = w.recover().await.unwrap().or(end),
+        }
+    }
+    assert_eq!(end, Some(4242), "the batch is in the stream");
+    w.release().await;
+    let mut r = Replica::connect(&settings).await.unwrap();
+    r.acquire().await.unwrap();
+    let dir = scratch.path().join("r");
+    r.restore(&dir, LogConfig::default()).await.unwrap();
+    r.release().await;
+    let (log, _) = ferry_flow::log::Log::open_dir(&dir.join("log"), LogConfig::default()).unwrap();
+    let mut back = Vec::new();
+    log.read(log.start_lsn(), |r| back.push((r.kind, r.payload.to_vec())))
+        .unwrap();
+    log.close().unwrap();
+    assert_eq!(back, vec![(7, big), (7, b"z".to_vec())]);
+}

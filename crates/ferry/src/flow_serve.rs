@@ -146,7 +146,8 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
     }
     let rt = tokio::runtime::Runtime::new().context("starting the runtime")?;
     rt.block_on(async move {
-        // One handler from the start: a SIGTERM while standing by or rebuilding counts.
+        // One handler, installed at its first poll (while standing by): a SIGTERM while
+        // standing by or rebuilding counts.
         let terminated = crate::terminated();
         tokio::pin!(terminated);
         let log = LogConfig {
@@ -173,14 +174,19 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
                         return Ok(());
                     }
                 }
-                tokio::select! {
-                    restored = replica.restore(&a.dir, log.clone()) => restored
-                        .context("--replicate: the log could not be rebuilt from the stream")?,
+                let restored = tokio::select! {
+                    restored = replica.restore(&a.dir, log.clone()) => restored,
                     _ = &mut terminated => {
                         replica.release().await;
                         tracing::info!("ferry flow serve: stopped while rebuilding from the stream");
                         return Ok(());
                     }
+                };
+                if let Err(e) = restored {
+                    // Given up at once: a standby need not wait a lease for it.
+                    replica.release().await;
+                    return Err(anyhow::Error::new(e)
+                        .context("--replicate: the log could not be rebuilt from the stream"));
                 }
                 Server::open_replicated(&a.dir, settings, log, replica)
             }
