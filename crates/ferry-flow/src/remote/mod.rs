@@ -1,7 +1,9 @@
 //! Server mode (docs/flow-server.md): the frames a worker and the server exchange
-//! (`proto`, pure), how they travel over a stream (`io`), and the worker's connection with
-//! each shard's journal stream (`worker`).
+//! (`proto`, pure), how they travel over a stream (`io`), reaching a server or its
+//! standbys (`dial`), and the worker's connection with each shard's journal stream
+//! (`worker`).
 
+mod dial;
 pub mod io;
 pub mod proto;
 pub mod worker;

@@ -13,6 +13,7 @@
 //! The engine's side (recovering a granted shard, stopping a lost one) is the next step
 //! (docs/flow-server.md §15); this is the connection and the streams.
 
+use super::dial::dial;
 use super::io::{FrameReader, write_frame};
 use super::proto::{
     Append, Body, Call, FRAME_MAX, Frame, Hello, Outcome, PROTOCOL, Rec, Refused, Resume, Role,
@@ -26,7 +27,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::task::{Poll, Waker};
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::io::AsyncWrite;
 use tokio::sync::{Notify, mpsc, oneshot};
 
 /// Where and how to reach the server.
@@ -723,64 +724,6 @@ impl Drop for Worker {
     }
 }
 
-trait Stream: AsyncRead + AsyncWrite + Send + Unpin {}
-impl<T: AsyncRead + AsyncWrite + Send + Unpin> Stream for T {}
-
-/// Connect to one of `servers` (comma-separated: a server and its standbys,
-/// docs/flow-server-replica.md): the one at `preferred` first (the last to answer),
-/// then the others in turn, each given 2 s when there are several (a standby does not
-/// listen, and a lost machine should not hold up the next).
-async fn dial(
-    servers: &str,
-    preferred: &std::sync::atomic::AtomicUsize,
-) -> std::io::Result<Box<dyn Stream>> {
-    let all: Vec<&str> = servers
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .collect();
-    let within = if all.len() > 1 {
-        Duration::from_secs(2)
-    } else {
-        IO_WITHIN
-    };
-    if all.len() == 1 {
-        return dial_one(all[0], within).await;
-    }
-    let first = preferred.load(Ordering::Relaxed);
-    let mut failed = Vec::new();
-    for k in 0..all.len() {
-        let i = (first + k) % all.len();
-        match dial_one(all[i], within).await {
-            Ok(s) => {
-                preferred.store(i, Ordering::Relaxed);
-                return Ok(s);
-            }
-            Err(e) => failed.push(format!("{}: {e}", all[i])),
-        }
-    }
-    Err(std::io::Error::other(if failed.is_empty() {
-        "no server address".to_string()
-    } else {
-        failed.join("; ")
-    }))
-}
-
-async fn dial_one(server: &str, within: Duration) -> std::io::Result<Box<dyn Stream>> {
-    let dialed = tokio::time::timeout(within, async {
-        Ok::<Box<dyn Stream>, std::io::Error>(match server.strip_prefix("unix:") {
-            Some(path) => Box::new(tokio::net::UnixStream::connect(path).await?),
-            None => {
-                let s = tokio::net::TcpStream::connect(server).await?;
-                s.set_nodelay(true)?;
-                Box::new(s)
-            }
-        })
-    })
-    .await;
-    dialed.unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
-}
-
 /// The connection thread: connect, say hello, serve, and again after a break.
 async fn run(
     conn: Arc<Conn>,
@@ -843,7 +786,7 @@ async fn session(
     calls_out: &mut mpsc::UnboundedReceiver<(Call, CallReply)>,
     first: &mut Option<std::sync::mpsc::Sender<Result<(), Error>>>,
 ) -> Result<(), Error> {
-    let stream = dial(&conn.settings.server, &conn.preferred)
+    let stream = dial(&conn.settings.server, &conn.preferred, IO_WITHIN)
         .await
         .map_err(|e| Error::Io {
             what: "connect to the flow server",
