@@ -811,50 +811,50 @@ async fn session(
         id += 1;
         id
     };
-    send(
-        &mut wr,
-        Frame {
-            id: next_id(),
-            body: Body::Hello(Hello {
-                version: PROTOCOL,
-                role: Role::Worker,
-                session: conn.session,
-                max_shards: conn.settings.max_shards,
-                token: conn.settings.token.clone(),
-                resume: resume.clone(),
-                name: conn.settings.name.clone(),
-            }),
-        },
-    )
-    .await?;
     let mut frames_in = FrameReader::default();
-    let welcome = match tokio::time::timeout(IO_WITHIN, frames_in.next(&mut rd)).await {
-        Ok(Ok(Some(Frame {
-            body: Body::Welcome(w),
-            ..
-        }))) => w,
-        Ok(Ok(Some(Frame {
-            body: Body::Refused { refused, .. },
-            ..
-        }))) => {
-            return Err(Error::Invalid(format!(
+    let welcomed = async {
+        send(
+            &mut wr,
+            Frame {
+                id: next_id(),
+                body: Body::Hello(Hello {
+                    version: PROTOCOL,
+                    role: Role::Worker,
+                    session: conn.session,
+                    max_shards: conn.settings.max_shards,
+                    token: conn.settings.token.clone(),
+                    resume: resume.clone(),
+                    name: conn.settings.name.clone(),
+                }),
+            },
+        )
+        .await?;
+        match tokio::time::timeout(IO_WITHIN, frames_in.next(&mut rd)).await {
+            Ok(Ok(Some(Frame {
+                body: Body::Welcome(w),
+                ..
+            }))) => Ok(w),
+            Ok(Ok(Some(Frame {
+                body: Body::Refused { refused, .. },
+                ..
+            }))) => Err(Error::Invalid(format!(
                 "the flow server refused this worker: {refused}"
-            )));
-        }
-        Ok(Ok(_)) => {
-            return Err(Error::Invalid(
+            ))),
+            Ok(Ok(_)) => Err(Error::Invalid(
                 "the flow server did not welcome this worker".into(),
-            ));
-        }
-        Ok(Err(e)) => {
-            return Err(Error::Invalid(format!("the flow server's welcome: {e}")));
-        }
-        Err(_) => {
-            return Err(Error::Invalid(format!(
+            )),
+            Ok(Err(e)) => Err(Error::Invalid(format!("the flow server's welcome: {e}"))),
+            Err(_) => Err(Error::Invalid(format!(
                 "the flow server did not welcome this worker within {IO_WITHIN:?}"
-            )));
+            ))),
         }
-    };
+    }
+    .await;
+    // A server that takes the connection and no hello: the next dial starts with the
+    // next server named.
+    let welcome = welcomed.inspect_err(|_| {
+        conn.preferred.fetch_add(1, Ordering::Relaxed);
+    })?;
     let lease = Duration::from_millis(u64::from(welcome.lease_ms));
     let ping_every =
         Duration::from_millis(u64::from(welcome.ping_ms)).max(Duration::from_millis(10));
