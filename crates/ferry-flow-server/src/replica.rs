@@ -391,7 +391,23 @@ impl Replica {
     pub async fn restore(&mut self, dir: &Path, config: LogConfig) -> Result<(), ReplicaError> {
         std::fs::create_dir_all(dir)
             .map_err(|e| ReplicaError::Dir(format!("cannot create {}: {e}", dir.display())))?;
-        let (first, last) = self.sequences().await?;
+        // NATS may still be electing the stream's leader (a node lost with the server
+        // before): transient failures are tried again while the lock is held.
+        let (first, last) = loop {
+            match self.sequences().await {
+                Ok(s) => break s,
+                Err(e) if e.transient() => {
+                    if let Some(why) = self.lost.borrow().clone() {
+                        return Err(ReplicaError::Dir(format!(
+                            "the stream's lock was lost while rebuilding: {why}"
+                        )));
+                    }
+                    tracing::warn!(stream = self.name, error = %e, "ferry flow server: rebuilding from the stream: trying again");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        };
         if last > 0 && first != 1 {
             return Err(ReplicaError::Unsuitable(format!(
                 "stream {} on NATS at {} starts at message {first}: its first messages were removed (purged or trimmed), and the log cannot be rebuilt without them",
