@@ -151,6 +151,21 @@ async fn a_nats_restart_under_appends_loses_and_doubles_nothing() {
     replica.release().await;
 }
 
+/// Rebuild `dir` from the stream (taking the lock, then giving it up) and read its log
+/// back: each record's kind and payload.
+async fn rebuilt(settings: &ReplicaSettings, dir: &Path) -> Vec<(u8, Vec<u8>)> {
+    let mut replica = Replica::connect(settings).await.unwrap();
+    replica.acquire().await.unwrap();
+    replica.restore(dir, LogConfig::default()).await.unwrap();
+    replica.release().await;
+    let (log, _) = ferry_flow::log::Log::open_dir(&dir.join("log"), LogConfig::default()).unwrap();
+    let mut back = Vec::new();
+    log.read(log.start_lsn(), |r| back.push((r.kind, r.payload.to_vec())))
+        .unwrap();
+    log.close().unwrap();
+    back
+}
+
 /// A message as docs/flow-server-replica.md §3 lays it out.
 fn message(kind: u8, writer: u128, bytes: &[u8]) -> Vec<u8> {
     let mut m = vec![kind];
@@ -209,16 +224,7 @@ async fn a_deposed_writers_late_part_and_an_unfinished_batch_are_void() {
             .await
             .unwrap();
     }
-    let mut replica = Replica::connect(&settings).await.unwrap();
-    replica.acquire().await.unwrap();
-    let dir = scratch.path().join("c");
-    replica.restore(&dir, LogConfig::default()).await.unwrap();
-    replica.release().await;
-    let (log, _) = ferry_flow::log::Log::open_dir(&dir.join("log"), LogConfig::default()).unwrap();
-    let mut back = Vec::new();
-    log.read(log.start_lsn(), |r| back.push((r.kind, r.payload.to_vec())))
-        .unwrap();
-    log.close().unwrap();
+    let back = rebuilt(&settings, &scratch.path().join("c")).await;
     assert_eq!(
         back,
         vec![
@@ -312,15 +318,6 @@ async fn a_deposed_writers_late_part_is_stepped_over_by_the_new_writer() {
     }
     assert_eq!(end, Some(4242), "the batch is in the stream");
     w.release().await;
-    let mut r = Replica::connect(&settings).await.unwrap();
-    r.acquire().await.unwrap();
-    let dir = scratch.path().join("r");
-    r.restore(&dir, LogConfig::default()).await.unwrap();
-    r.release().await;
-    let (log, _) = ferry_flow::log::Log::open_dir(&dir.join("log"), LogConfig::default()).unwrap();
-    let mut back = Vec::new();
-    log.read(log.start_lsn(), |r| back.push((r.kind, r.payload.to_vec())))
-        .unwrap();
-    log.close().unwrap();
+    let back = rebuilt(&settings, &scratch.path().join("r")).await;
     assert_eq!(back, vec![(7, big), (7, b"z".to_vec())]);
 }

@@ -101,22 +101,14 @@ impl Engine {
         key: &str,
     ) -> Result<(), FlowError> {
         let value = encode(value)?;
-        self.deliver(id, signal.name, value, Some(key)).await
+        self.shared
+            .deliver_anywhere(id, signal.name, value, Some(key))
+            .await
     }
 
     /// [`Engine::signal`] with an untyped value.
     pub async fn signal_json(&self, id: &str, name: &str, value: Json) -> Result<(), FlowError> {
-        self.deliver(id, name, value, None).await
-    }
-
-    async fn deliver(
-        &self,
-        id: &str,
-        name: &str,
-        value: Json,
-        key: Option<&str>,
-    ) -> Result<(), FlowError> {
-        self.shared.deliver_anywhere(id, name, value, key).await
+        self.shared.deliver_anywhere(id, name, value, None).await
     }
 
     /// Ask run `id` to cancel; returns once the request is durable. The run's next
