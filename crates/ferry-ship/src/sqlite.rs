@@ -113,18 +113,28 @@ const WAL_INDEX_READS_MAX: usize = 100;
 /// locks SQLite holds on it. None if the connection's VFS has no shared memory, no index is
 /// mapped yet, or the header did not read consistently.
 pub fn wal_index_end(conn: &Connection) -> Option<WalIndexEnd> {
-    use rusqlite::ffi;
-    use std::ffi::c_void;
-    // On a connection that is not in WAL mode, `xShmMap` would create a `-shm` and attach
-    // a handle only closing the WAL detaches: ask first (it reads the schema, which opens
-    // the WAL of a WAL database).
-    let mode: String = conn
-        .prepare_cached("PRAGMA journal_mode")
-        .and_then(|mut s| s.query_row([], |r| r.get(0)))
-        .ok()?;
-    if !mode.eq_ignore_ascii_case("wal") {
+    if !in_wal_mode(conn) {
         return None;
     }
+    wal_index_end_mapped(conn)
+}
+
+/// Whether `conn` is in WAL mode. Asking reads the schema, which opens the WAL of a WAL
+/// database and maps its wal-index: afterwards the connection keeps that mapping until it
+/// closes its WAL, which only a statement of its own does.
+pub fn in_wal_mode(conn: &Connection) -> bool {
+    conn.prepare_cached("PRAGMA journal_mode")
+        .and_then(|mut s| s.query_row([], |r| r.get::<_, String>(0)))
+        .is_ok_and(|mode| mode.eq_ignore_ascii_case("wal"))
+}
+
+/// [`wal_index_end`] without asking the journal mode first: only for a connection that
+/// [`in_wal_mode`] found in WAL mode and that ran no statement since. On a connection that
+/// is not in WAL mode, `xShmMap` would create a `-shm` and attach a handle only closing
+/// the WAL detaches; asking costs a read transaction, as much as the rest of a step.
+pub fn wal_index_end_mapped(conn: &Connection) -> Option<WalIndexEnd> {
+    use rusqlite::ffi;
+    use std::ffi::c_void;
     let mut file: *mut ffi::sqlite3_file = std::ptr::null_mut();
     let mut region: *mut c_void = std::ptr::null_mut();
     #[allow(unsafe_code)]

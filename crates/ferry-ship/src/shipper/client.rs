@@ -1,8 +1,12 @@
-//! HTTP to the receiver (docs/ship-protocol.md §1), blocking, on the shipper's worker threads.
+//! HTTP to the receiver (docs/ship-protocol.md §1), blocking, on the shipper's worker
+//! threads: over [`Http1`] for an `http://` peer (the common case, and the hot path: a
+//! request per step), over `ureq` for `https://`.
 
+use super::http1::{Body, Http1, REPLY_BYTES_MAX};
 use crate::proto::{EpochQuery, Position, Refusal, TxnsQuery};
 use ferry_core::{Class, Classify, ConfigError};
 use std::io::Read;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Connect timeout: a receiver on the other side of a network answers a SYN well within it.
@@ -34,9 +38,16 @@ impl Classify for TransportError {
 /// A client for one receiver.
 #[derive(Clone)]
 pub struct Client {
-    agent: ureq::Agent,
+    via: Via,
     base_url: String,
     auth: Option<String>,
+}
+
+#[derive(Clone)]
+enum Via {
+    /// `http://`: the path prefix of the peer's URL (empty, or starting with `/`).
+    Plain(Arc<Http1>, String),
+    Tls(ureq::Agent),
 }
 
 impl Client {
@@ -66,16 +77,35 @@ impl Client {
                 "is empty or holds spaces or control characters",
             ));
         }
-        let agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_connect(Some(CONNECT_TIMEOUT))
-            .timeout_per_read(Some(IO_TIMEOUT))
-            .timeout_per_write(Some(IO_TIMEOUT))
-            .max_idle_connections_per_host(4)
-            .build()
-            .new_agent();
+        let via = match base_url.strip_prefix("http://") {
+            Some(rest) => {
+                let (authority, prefix) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+                let authority = if authority
+                    .rsplit_once(':')
+                    .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
+                {
+                    authority.to_string()
+                } else {
+                    format!("{authority}:80")
+                };
+                Via::Plain(
+                    Arc::new(Http1::new(&authority, CONNECT_TIMEOUT, IO_TIMEOUT)),
+                    prefix.to_string(),
+                )
+            }
+            None => Via::Tls(
+                ureq::Agent::config_builder()
+                    .http_status_as_error(false)
+                    .timeout_connect(Some(CONNECT_TIMEOUT))
+                    .timeout_per_read(Some(IO_TIMEOUT))
+                    .timeout_per_write(Some(IO_TIMEOUT))
+                    .max_idle_connections_per_host(4)
+                    .build()
+                    .new_agent(),
+            ),
+        };
         Ok(Client {
-            agent,
+            via,
             base_url,
             auth: token.map(|t| format!("Bearer {t}")),
         })
@@ -85,8 +115,78 @@ impl Client {
         &self.base_url
     }
 
-    fn url(&self, name: &str, tail: &str) -> String {
-        format!("{}/v1/replicas/{name}{tail}", self.base_url)
+    fn path(name: &str, tail: &str) -> String {
+        format!("/v1/replicas/{name}{tail}")
+    }
+
+    /// Send one request; `content_type` goes with a body.
+    fn call(
+        &self,
+        method: &str,
+        path: &str,
+        content_type: Option<&str>,
+        body: Body<'_>,
+    ) -> Result<Reply, TransportError> {
+        let no_reply =
+            |e: &dyn std::fmt::Display| TransportError(format!("no reply from the receiver: {e}"));
+        match &self.via {
+            Via::Plain(http, prefix) => {
+                let mut headers = Vec::with_capacity(2);
+                if let Some(t) = content_type {
+                    headers.push(("Content-Type", t));
+                }
+                if let Some(a) = &self.auth {
+                    headers.push(("Authorization", a.as_str()));
+                }
+                let r = http
+                    .request(method, &format!("{prefix}{path}"), &headers, body)
+                    .map_err(|e| no_reply(&e))?;
+                reply(r.status, &String::from_utf8_lossy(&r.body))
+            }
+            Via::Tls(agent) => {
+                let url = format!("{}{path}", self.base_url);
+                let auth = self.auth.as_deref();
+                let sent = match body {
+                    Body::None => {
+                        let mut req = agent.get(&url);
+                        if let Some(a) = auth {
+                            req = req.header("authorization", a);
+                        }
+                        req.call()
+                    }
+                    Body::Bytes(b) => {
+                        let mut req = agent
+                            .post(&url)
+                            .header("content-type", content_type.unwrap_or(""));
+                        if let Some(a) = auth {
+                            req = req.header("authorization", a);
+                        }
+                        req.send(b)
+                    }
+                    Body::Reader(len, r) => {
+                        let mut req = agent
+                            .post(&url)
+                            .header("content-type", content_type.unwrap_or(""))
+                            .header("content-length", len.to_string());
+                        if let Some(a) = auth {
+                            req = req.header("authorization", a);
+                        }
+                        req.send(ureq::SendBody::from_reader(r))
+                    }
+                };
+                let mut resp = sent.map_err(|e| no_reply(&e))?;
+                let status = resp.status().as_u16();
+                let text = resp
+                    .body_mut()
+                    .with_config()
+                    .limit(REPLY_BYTES_MAX as u64)
+                    .read_to_string()
+                    .map_err(|e| {
+                        TransportError(format!("the receiver's reply (HTTP {status}) was cut: {e}"))
+                    })?;
+                reply(status, &text)
+            }
+        }
     }
 
     /// Post records.
@@ -96,21 +196,19 @@ impl Client {
         q: TxnsQuery,
         body: &[u8],
     ) -> Result<Reply, TransportError> {
-        let url = self.url(
+        let path = Self::path(
             name,
             &format!(
                 "/txns?epoch={}&generation={}&page_size={}",
                 q.epoch, q.generation, q.page_size
             ),
         );
-        let mut req = self
-            .agent
-            .post(&url)
-            .header("content-type", "application/x-ferry-records");
-        if let Some(a) = &self.auth {
-            req = req.header("authorization", a);
-        }
-        reply(req.send(body))
+        self.call(
+            "POST",
+            &path,
+            Some("application/x-ferry-records"),
+            Body::Bytes(body),
+        )
     }
 
     /// Stream a base of `len` bytes.
@@ -121,53 +219,34 @@ impl Client {
         len: u64,
         body: &mut dyn Read,
     ) -> Result<Reply, TransportError> {
-        let url = self.url(
+        let path = Self::path(
             name,
             &format!("/base?epoch={}&generation={}", q.epoch, q.generation),
         );
-        let mut req = self
-            .agent
-            .post(&url)
-            .header("content-type", "application/x-ferry-base")
-            .header("content-length", len.to_string());
-        if let Some(a) = &self.auth {
-            req = req.header("authorization", a);
-        }
-        reply(req.send(ureq::SendBody::from_reader(body)))
+        self.call(
+            "POST",
+            &path,
+            Some("application/x-ferry-base"),
+            Body::Reader(len, body),
+        )
     }
 
     /// The receiver's position for `name`: Ok(None) if it has none.
     pub fn position(&self, name: &str) -> Result<Reply, TransportError> {
-        let mut req = self.agent.get(&self.url(name, ""));
-        if let Some(a) = &self.auth {
-            req = req.header("authorization", a);
-        }
-        reply(req.call())
+        self.call("GET", &Self::path(name, ""), None, Body::None)
     }
 }
 
-fn reply(
-    r: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
-) -> Result<Reply, TransportError> {
-    let mut resp = r.map_err(|e| TransportError(format!("no reply from the receiver: {e}")))?;
-    let status = resp.status().as_u16();
-    let text = resp
-        .body_mut()
-        .with_config()
-        .limit(1 << 20)
-        .read_to_string()
-        .map_err(|e| {
-            TransportError(format!("the receiver's reply (HTTP {status}) was cut: {e}"))
-        })?;
+fn reply(status: u16, text: &str) -> Result<Reply, TransportError> {
     if status == 200 {
-        let p: Position = serde_json::from_str(&text).map_err(|e| {
+        let p: Position = serde_json::from_str(text).map_err(|e| {
             TransportError(format!(
                 "the receiver's reply is not a position ({e}): {text:.200}"
             ))
         })?;
         return Ok(Reply::Ok(p));
     }
-    let refusal = serde_json::from_str::<Refusal>(&text).unwrap_or_else(|_| Refusal {
+    let refusal = serde_json::from_str::<Refusal>(text).unwrap_or_else(|_| Refusal {
         error: format!(
             "HTTP {status}: {}",
             text.trim().chars().take(300).collect::<String>()

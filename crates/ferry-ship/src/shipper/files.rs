@@ -23,6 +23,7 @@ use crate::ship_state::{FileId, Fingerprint};
 use crate::wal::{self, Header};
 use ferry_core::sync::lock;
 use rusqlite::Connection;
+use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io;
@@ -79,6 +80,9 @@ pub struct Files {
     identity_at: Instant,
     /// A step failed inside SQLite: open new connections before the next one.
     pub reopen_due: bool,
+    /// `main` was found in WAL mode, and ran no statement since: its wal-index mapping can
+    /// be read without asking again (see [`Files::index_end`]).
+    mapped: Cell<bool>,
 }
 
 impl Files {
@@ -112,6 +116,7 @@ impl Files {
             replaced_at: None,
             identity_at: now,
             reopen_due: false,
+            mapped: Cell::new(false),
         })
     }
 
@@ -124,6 +129,7 @@ impl Files {
         self.header_fd = main_fd(&self.path, self.db)?;
         self.wal = None;
         self.wal_stat_due = true;
+        self.mapped.set(false);
         Ok(())
     }
 
@@ -134,6 +140,7 @@ impl Files {
         }
         self.identity_at = now;
         self.wal_stat_due = true;
+        self.mapped.set(false);
         let m = match quiet::stat(&self.path) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Identity::Gone),
             Err(e) => return Err(e),
@@ -211,8 +218,30 @@ impl Files {
         self.wal.as_ref().map(|(_, f)| f)
     }
 
+    /// What SQLite has published of the WAL ([`crate::sqlite::wal_index_end`]). The journal
+    /// mode is asked at most once per identity check: asking is a read transaction, which
+    /// cost as much as the rest of a step. In between, the mapping it found stays the
+    /// connection's, since nothing else runs a statement on `main` without calling
+    /// [`Files::ran_statement`].
+    pub fn index_end(&self) -> Option<crate::sqlite::WalIndexEnd> {
+        if !self.mapped.get() {
+            if !crate::sqlite::in_wal_mode(&self.main) {
+                return None;
+            }
+            self.mapped.set(true);
+        }
+        crate::sqlite::wal_index_end_mapped(&self.main)
+    }
+
+    /// A statement ran on `main`: it may have found the database out of WAL mode and
+    /// dropped the connection's wal-index mapping, so ask the mode again before reading it.
+    pub fn ran_statement(&self) {
+        self.mapped.set(false);
+    }
+
     /// The page size SQLite reports for the database (4096 if it cannot say).
     pub fn main_page_size(&self) -> u32 {
+        self.ran_statement();
         self.main
             .query_row("PRAGMA page_size", [], |r| r.get(0))
             .unwrap_or(4096)

@@ -24,6 +24,7 @@ pub mod error;
 pub mod files;
 pub mod fold;
 pub mod fold_policy;
+mod http1;
 pub mod limits;
 mod nice;
 pub mod proof;
@@ -43,6 +44,7 @@ use ferry_core::epoch::Epoch;
 use ferry_core::fs::DirLock;
 use ferry_core::seams::{Clock, SystemClock};
 use ferry_core::sync::lock;
+use fold::FoldState;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -58,9 +60,16 @@ const POLL: Duration = Duration::from_secs(1);
 /// every commit meanwhile, instead of one request per commit that costs the app's
 /// core as much as the commit itself. Below any lag a reader could act on.
 const PACE: Duration = Duration::from_micros(1000);
-/// The watcher's pause after each batch of inotify events (see `Watcher::run`): below the
-/// lag anyone can measure, above the gap between a transaction's frame writes.
-const WATCH_COALESCE: Duration = Duration::from_micros(300);
+/// The watcher's pause after each batch of inotify events (see `Watcher::run`): a
+/// database it woke cannot step again sooner than `PACE` anyway, so pausing as long adds
+/// no lag to it, and under a stream of commits wakes the watcher once per step instead of
+/// once per commit (at 3,000 commits a second, a sixth of a sidecar's CPU).
+const WATCH_COALESCE: Duration = PACE;
+/// The watcher's pause instead when every WAL write it read was of a database whose
+/// app's commit hook had fired since its last read: the hook woke the database already,
+/// so the watcher's own wake-ups (one per commit under load, on the app's core) bought
+/// nothing. A write by another process meanwhile is noticed at most this much later.
+const HOOKED_COALESCE: Duration = Duration::from_millis(5);
 /// The status snapshot of a busy database is rebuilt at most this often.
 const SNAPSHOT_INTERVAL: Duration = Duration::from_millis(100);
 /// The directory is rescanned for new databases this often (inotify does it sooner).
@@ -206,6 +215,12 @@ struct Entry {
     /// will see the commit is already scheduled, so later commits skip the scheduler (its
     /// lock, on the app's commit path, was contended by the workers on most commits).
     woken: Arc<AtomicBool>,
+    /// Set by an app's commit hook, cleared by the watcher when it reads a WAL write of
+    /// this database (see `HOOKED_COALESCE`).
+    hooked: Arc<AtomicBool>,
+    /// What the database's track shares with the folder; also reached by the commit hook
+    /// (see `FoldState::on_commit`).
+    fold_state: Arc<FoldState>,
     _wake: crate::sqlite::Registration,
 }
 
@@ -386,10 +401,16 @@ impl Inner {
             let weak: Weak<Inner> = Arc::downgrade(self);
             let n = name.to_string();
             let woken = Arc::new(AtomicBool::new(false));
+            let hooked = Arc::new(AtomicBool::new(false));
+            let fold_state = Arc::new(FoldState::default());
             let flag = woken.clone();
+            let hook = hooked.clone();
+            let folds = fold_state.clone();
             let wake = crate::sqlite::register_waker(
                 &path,
                 Arc::new(move || {
+                    hook.store(true, Ordering::Relaxed);
+                    folds.on_commit();
                     // SeqCst pairs with the clear in `run`: a commit that finds the flag
                     // set happened before that clear, so before the step reads the WAL.
                     if flag.swap(true, Ordering::SeqCst) {
@@ -412,6 +433,8 @@ impl Inner {
                     }),
                     progress: Arc::new(BaseProgress::default()),
                     woken,
+                    hooked,
+                    fold_state,
                     _wake: wake,
                 }),
             );
@@ -425,6 +448,13 @@ impl Inner {
 
     fn is_tracked(&self, name: &str) -> bool {
         lock(&self.dbs).contains_key(name)
+    }
+
+    /// Whether an app's commit hook fired for `name` since the last time this was asked.
+    fn hooked_since(&self, name: &str) -> bool {
+        lock(&self.dbs)
+            .get(name)
+            .is_some_and(|e| e.hooked.swap(false, Ordering::Relaxed))
     }
 
     fn wake(&self, name: &str) {
@@ -571,6 +601,7 @@ impl Inner {
                 cfg,
                 entry.progress.clone(),
                 self.folder.clone(),
+                entry.fold_state.clone(),
             ) {
                 Ok(t) => *guard = Some(t),
                 Err(e) => {
@@ -594,10 +625,11 @@ impl Inner {
         let next = track.step(&self.client);
         // The status snapshot is rebuilt when the database settles, and otherwise at most
         // every SNAPSHOT_INTERVAL: building it per step (per commit, under load) cost as
-        // much as the step.
+        // much as the step. A step that sent a batch has not settled: another follows.
         let mut refreshed = lock(&entry.refreshed);
         let now = self.now();
-        if next != Next::Again || now.saturating_duration_since(*refreshed) >= SNAPSHOT_INTERVAL {
+        let settled = !matches!(next, Next::Again | Next::Sent);
+        if settled || now.saturating_duration_since(*refreshed) >= SNAPSHOT_INTERVAL {
             *refreshed = now;
             let mut status = track.status();
             if next == Next::Gone {
@@ -695,6 +727,7 @@ impl Watcher {
             if i.stop.load(Ordering::SeqCst) {
                 return;
             }
+            let mut all_hooked = true;
             for ev in events {
                 let Some(file) = ev.name.and_then(|n| n.to_str()) else {
                     continue;
@@ -710,14 +743,21 @@ impl Watcher {
                 if (!is_write || !i.is_tracked(&db)) && (all || i.config.names.contains(&db)) {
                     i.track(&db);
                 }
+                // Woken whatever the hook did: the write read here may be another
+                // process's, merged with the app's into one event.
                 i.wake(&db);
+                all_hooked &= is_write && i.hooked_since(&db);
             }
             drop(i);
             // SQLite writes a transaction's frames with one write each, and every write is
             // an event. Pausing a moment lets the kernel merge the rest of a transaction's
             // events into one read, instead of waking this thread (and taking the
             // scheduler's lock) once per frame.
-            std::thread::sleep(WATCH_COALESCE);
+            std::thread::sleep(if all_hooked {
+                HOOKED_COALESCE
+            } else {
+                WATCH_COALESCE
+            });
         }
     }
 }

@@ -47,6 +47,7 @@ impl Track {
         let snap = self.snapshot()?;
         let result = self.send_snapshot(client, &snap, reason);
         let _ = self.files.main.execute_batch("ROLLBACK");
+        self.files.ran_statement();
         self.base.progress.clear();
         result
     }

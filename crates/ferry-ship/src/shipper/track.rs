@@ -138,6 +138,7 @@ impl Track {
         config: TrackConfig,
         progress: Arc<BaseProgress>,
         folder: Arc<Folder>,
+        fold_state: Arc<FoldState>,
     ) -> Result<Track, StepError> {
         let now = config.clock.now();
         let files = Files::open(dir.join(format!("{name}.db")), now)?;
@@ -183,7 +184,7 @@ impl Track {
             batch: Batch::new(st.acked_seq),
             fold: FoldPolicy::new(now),
             folder,
-            fold_state: Arc::default(),
+            fold_state,
             base: BaseOwed {
                 reason: None,
                 progress,
@@ -442,8 +443,8 @@ impl Track {
             let f = self.files.wal().expect("a header was read from it");
             if h.salts == cursor.salts {
                 let verify = !self.proof.chain_verified;
-                let main = &self.files.main;
-                let index = || crate::sqlite::wal_index_end(main);
+                let files = &self.files;
+                let index = || files.index_end();
                 if let Err(u) = proof::same_cycle(f, &cursor, &h, verify, index)? {
                     return Ok(Err(self.unproven(u)));
                 }
@@ -496,7 +497,7 @@ impl Track {
     pub(super) fn published_end(&mut self, salts: wal::Salts) -> u32 {
         // While the index names the cycle, it is the truth (an end noted earlier may be of
         // an index since rebuilt smaller, after a power loss).
-        if let Some(now) = crate::sqlite::wal_index_end(&self.files.main)
+        if let Some(now) = self.files.index_end()
             && now.salts == salts
         {
             self.proof.published.note(now);
