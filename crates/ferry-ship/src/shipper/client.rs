@@ -68,6 +68,18 @@ impl Client {
         if rest.is_empty() || rest.starts_with('/') {
             return Err(ConfigError::new("peer", peer, "names no host"));
         }
+        if rest.contains(['@', '?', '#']) {
+            let shown = if rest.contains('@') {
+                "(not shown)"
+            } else {
+                peer
+            };
+            return Err(ConfigError::new(
+                "peer",
+                shown,
+                "holds a user, a query or a fragment: write http://HOST:PORT (a token goes in --token)",
+            ));
+        }
         if let Some(t) = &token
             && (t.is_empty() || t.chars().any(|c| c.is_control() || c == ' '))
         {
@@ -277,6 +289,11 @@ mod tests {
         assert!(Client::new("http://", None).is_err());
         assert!(Client::new("http://127.0.0.1:1/", None).is_ok());
         assert!(Client::new("https://standby.example:443", Some("t0k".into())).is_ok());
+        assert!(Client::new("http://[::1]:7350/prefix", None).is_ok());
+        for bad in ["http://u:p@h:1", "http://h:1/?x=1", "http://h:1#f"] {
+            let e = Client::new(bad, None).err().unwrap();
+            assert!(e.reason.contains("HOST:PORT"), "{bad}: {e}");
+        }
         let e = Client::new("http://x:1", Some("a b".into())).err().unwrap();
         assert_eq!(e.setting, "token");
         assert!(!e.to_string().contains("a b"), "the token leaked: {e}");

@@ -111,13 +111,17 @@ struct Handoff {
 impl FoldState {
     /// Called by an app's commit hook after each commit to this database, on the app's
     /// thread, with no transaction of the app's holding the write lock: runs a fold's
-    /// locked half if one waits and the lock is free (otherwise a later commit tries).
+    /// locked half if one waits and the lock is free (otherwise a later commit tries). It
+    /// never waits: not for the write lock (one try), nor for another thread running it.
     pub fn on_commit(&self) {
         self.hooked.store(true, Ordering::Relaxed);
         if !self.wanted.load(Ordering::Relaxed) {
             return;
         }
-        let mut handoff = lock(&self.handoff);
+        // Another of the app's threads running it already: not wait for it inside a commit.
+        let Ok(mut handoff) = self.handoff.try_lock() else {
+            return;
+        };
         let Some(h) = handoff.as_mut().filter(|h| h.outcome.is_none()) else {
             return;
         };

@@ -1,5 +1,5 @@
 //! HTTP/1.1 over plain TCP, for the shipper's requests to an `http://` receiver: each
-//! request goes out in one vectored write (head and body together) on a kept-alive
+//! request goes out in one write (head and body together) on a kept-alive
 //! connection, and its reply is read in as few reads as it arrived in.
 //!
 //! Why not the general client ([`ureq`], still used for `https://`): the shipper sends a
@@ -13,7 +13,7 @@
 //! `Content-Length` or chunked body of at most `REPLY_BYTES_MAX`, or one that ends when the
 //! peer closes. Anything else from the peer is an [`io::Error`] naming what was wrong.
 
-use std::io::{self, BufRead, BufReader, IoSlice, Read, Write};
+use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -42,6 +42,30 @@ pub enum Body<'a> {
     Bytes(&'a [u8]),
     /// `len` bytes read from the reader (streamed, never held whole).
     Reader(u64, &'a mut dyn Read),
+}
+
+/// A reply's status line and the headers that matter.
+struct Head {
+    status: u16,
+    length: Option<usize>,
+    chunked: bool,
+    keep_alive: bool,
+}
+
+/// A failed exchange: whether any of a reply came back decides whether it may be sent again.
+enum Stale {
+    /// The request could not be written, or the connection ended before any byte of a
+    /// reply.
+    Unanswered(io::Error),
+    Failed(io::Error),
+}
+
+impl Stale {
+    fn into_inner(self) -> io::Error {
+        match self {
+            Stale::Unanswered(e) | Stale::Failed(e) => e,
+        }
+    }
 }
 
 /// Connections to one `host:port`.
@@ -77,14 +101,29 @@ impl Http1 {
         method: &str,
         path_and_query: &str,
         headers: &[(&str, &str)],
-        body: Body<'_>,
+        mut body: Body<'_>,
     ) -> io::Result<Response> {
-        let mut conn = match self.take_idle() {
-            Some(c) => c,
-            None => self.connect()?,
-        };
-        let (reply, reusable) =
-            conn.exchange(&self.authority, method, path_and_query, headers, body)?;
+        let resendable = !matches!(body, Body::Reader(..));
+        if let Some(mut conn) = self.take_idle() {
+            match conn.exchange(&self.authority, method, path_and_query, headers, &mut body) {
+                Ok((reply, reusable)) => {
+                    if reusable {
+                        self.put_idle(conn);
+                    }
+                    return Ok(reply);
+                }
+                // The peer closed the kept-alive connection before reading this request
+                // (it restarted, or timed the connection out): once more on a new one.
+                // Safe because nothing of a reply came back, and sending a request twice
+                // is safe in the protocol (docs/ship-protocol.md §1).
+                Err(Stale::Unanswered(_)) if resendable => {}
+                Err(Stale::Unanswered(e) | Stale::Failed(e)) => return Err(e),
+            }
+        }
+        let mut conn = self.connect()?;
+        let (reply, reusable) = conn
+            .exchange(&self.authority, method, path_and_query, headers, &mut body)
+            .map_err(Stale::into_inner)?;
         if reusable {
             self.put_idle(conn);
         }
@@ -125,6 +164,11 @@ impl Http1 {
     }
 
     fn put_idle(&self, conn: Conn) {
+        // Bytes past the reply would be read as the next request's reply: a peer that
+        // sent them is not trusted with another request.
+        if !conn.stream.buffer().is_empty() {
+            return;
+        }
         let mut idle = ferry_core::sync::lock(&self.idle);
         if idle.len() < IDLE_MAX {
             idle.push((conn, Instant::now()));
@@ -152,9 +196,9 @@ impl Conn {
         method: &str,
         path_and_query: &str,
         headers: &[(&str, &str)],
-        body: Body<'_>,
-    ) -> io::Result<(Response, bool)> {
-        let len = match &body {
+        body: &mut Body<'_>,
+    ) -> Result<(Response, bool), Stale> {
+        let len = match body {
             Body::None => None,
             Body::Bytes(b) => Some(b.len() as u64),
             Body::Reader(n, _) => Some(*n),
@@ -171,26 +215,61 @@ impl Conn {
         }
         head.push_str("\r\n");
         let s = self.stream.get_mut();
-        match body {
-            Body::None => s.write_all(head.as_bytes())?,
+        // One write for head and body: one trip through the network stack and one wake-up
+        // of the peer. (A copy, not `writev`: std's `write` sends with MSG_NOSIGNAL, so a
+        // peer gone mid-write is an error here, never a SIGPIPE in an app that did not
+        // ignore it; and the copy costs less than the second trip did.)
+        let sent = match body {
+            Body::None => s.write_all(head.as_bytes()),
             Body::Bytes(b) => {
-                write_all_vectored(s, &mut [IoSlice::new(head.as_bytes()), IoSlice::new(b)])?
+                let mut whole = Vec::with_capacity(head.len() + b.len());
+                whole.extend_from_slice(head.as_bytes());
+                whole.extend_from_slice(b);
+                s.write_all(&whole)
             }
             Body::Reader(n, r) => {
-                s.write_all(head.as_bytes())?;
-                let copied = io::copy(&mut r.take(n), s)?;
-                if copied != n {
-                    return Err(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        format!("the request body ended after {copied} of {n} bytes"),
-                    ));
-                }
+                let n = *n;
+                s.write_all(head.as_bytes()).and_then(|()| {
+                    let copied = io::copy(&mut r.take(n), s)?;
+                    if copied != n {
+                        return Err(io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            format!("the request body ended after {copied} of {n} bytes"),
+                        ));
+                    }
+                    Ok(())
+                })
             }
+        };
+        if let Err(e) = sent {
+            return Err(match e.kind() {
+                io::ErrorKind::UnexpectedEof => Stale::Failed(e),
+                _ => Stale::Unanswered(e),
+            });
         }
-        self.read_reply()
+        let mut answered = false;
+        self.read_reply(&mut answered).map_err(|e| {
+            if answered {
+                Stale::Failed(e)
+            } else {
+                Stale::Unanswered(e)
+            }
+        })
     }
 
-    fn read_reply(&mut self) -> io::Result<(Response, bool)> {
+    /// Read a reply; `answered` is set once any byte of it arrived.
+    fn read_reply(&mut self, answered: &mut bool) -> io::Result<(Response, bool)> {
+        loop {
+            let head = self.read_head(answered)?;
+            // 1xx: an interim reply; the real one follows.
+            if !(100..200).contains(&head.status) {
+                return self.read_body(head);
+            }
+        }
+    }
+
+    /// The status line and the headers that matter.
+    fn read_head(&mut self, answered: &mut bool) -> io::Result<Head> {
         let mut line = String::new();
         let mut head_bytes = 0;
         let mut read_line = |r: &mut BufReader<TcpStream>, line: &mut String| -> io::Result<()> {
@@ -200,6 +279,7 @@ impl Conn {
                 .take((HEAD_BYTES_MAX - head_bytes) as u64 + 1)
                 .read_line(line)?;
             head_bytes += n;
+            *answered |= n > 0;
             if !line.ends_with('\n') && head_bytes <= HEAD_BYTES_MAX {
                 return Err(io::Error::new(
                     io::ErrorKind::UnexpectedEof,
@@ -251,7 +331,22 @@ impl Conn {
                 }
             }
         }
-        let body = if status == 204 || status == 304 || (100..200).contains(&status) {
+        Ok(Head {
+            status,
+            length,
+            chunked,
+            keep_alive,
+        })
+    }
+
+    fn read_body(&mut self, head: Head) -> io::Result<(Response, bool)> {
+        let Head {
+            status,
+            length,
+            chunked,
+            mut keep_alive,
+        } = head;
+        let body = if status == 204 || status == 304 {
             Vec::new()
         } else if chunked {
             read_chunked(&mut self.stream)?
@@ -331,7 +426,7 @@ fn read_chunked(r: &mut BufReader<TcpStream>) -> io::Result<Vec<u8>> {
                 }
             }
         }
-        if body.len() + n > REPLY_BYTES_MAX {
+        if n > REPLY_BYTES_MAX - body.len() {
             return Err(bad(format!("a reply body over {REPLY_BYTES_MAX} bytes")));
         }
         let at = body.len();
@@ -342,19 +437,6 @@ fn read_chunked(r: &mut BufReader<TcpStream>) -> io::Result<Vec<u8>> {
             return Err(bad("a chunk longer than its size".into()));
         }
     }
-}
-
-fn write_all_vectored(w: &mut impl Write, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
-    IoSlice::advance_slices(&mut bufs, 0);
-    while !bufs.is_empty() {
-        match w.write_vectored(bufs) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -534,6 +616,65 @@ mod tests {
             let e = client(&p).request("GET", "/", &[], Body::None).unwrap_err();
             assert!(e.to_string().contains(want), "{reply:?}: {e}");
         }
+    }
+
+    #[test]
+    fn an_interim_reply_is_skipped() {
+        let p = peer(vec![vec![
+            "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello",
+            OK,
+        ]]);
+        let c = client(&p);
+        let r = c.request("POST", "/", &[], Body::Bytes(b"x")).unwrap();
+        assert_eq!((r.status, r.body.as_slice()), (200, &b"hello"[..]));
+        assert_eq!(
+            c.request("GET", "/", &[], Body::None).unwrap().body,
+            b"hello"
+        );
+        assert_eq!(p.accepted.load(Ordering::SeqCst), 1);
+    }
+
+    // A receiver that restarted leaves the kept-alive connection dead: the request goes
+    // again on a new one instead of failing the step.
+    #[test]
+    fn a_request_on_a_connection_the_peer_closed_is_sent_again_on_a_new_one() {
+        let p = peer(vec![vec![OK], vec![OK]]);
+        let c = client(&p);
+        c.request("POST", "/", &[], Body::Bytes(b"one")).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let r = c.request("POST", "/", &[], Body::Bytes(b"two")).unwrap();
+        assert_eq!(r.body, b"hello");
+        assert_eq!(p.accepted.load(Ordering::SeqCst), 2);
+    }
+
+    #[test]
+    fn a_chunk_size_past_the_limit_is_refused() {
+        let p = peer(vec![vec![
+            "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nffffffffffffffff\r\n",
+        ]]);
+        let e = client(&p).request("GET", "/", &[], Body::None).unwrap_err();
+        assert!(e.to_string().contains("over 1048576 bytes"), "{e}");
+    }
+
+    // A second reply nobody asked for must never be taken for the next request's.
+    #[test]
+    fn a_connection_with_bytes_past_its_reply_is_not_reused() {
+        let p = peer(vec![
+            vec![
+                "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhelloHTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nbad",
+            ],
+            vec![OK],
+        ]);
+        let c = client(&p);
+        assert_eq!(
+            c.request("GET", "/", &[], Body::None).unwrap().body,
+            b"hello"
+        );
+        assert_eq!(
+            c.request("GET", "/", &[], Body::None).unwrap().body,
+            b"hello"
+        );
+        assert_eq!(p.accepted.load(Ordering::SeqCst), 2);
     }
 
     #[test]

@@ -410,15 +410,16 @@ impl Inner {
                 &path,
                 Arc::new(move || {
                     hook.store(true, Ordering::Relaxed);
-                    folds.on_commit();
                     // SeqCst pairs with the clear in `run`: a commit that finds the flag
                     // set happened before that clear, so before the step reads the WAL.
-                    if flag.swap(true, Ordering::SeqCst) {
-                        return;
-                    }
-                    if let Some(i) = weak.upgrade() {
+                    if !flag.swap(true, Ordering::SeqCst)
+                        && let Some(i) = weak.upgrade()
+                    {
                         i.wake(&n);
                     }
+                    // After the wake, so that shipping this commit never waits for a
+                    // fold's locked half run here.
+                    folds.on_commit();
                 }),
             );
             dbs.insert(
@@ -448,6 +449,10 @@ impl Inner {
 
     fn is_tracked(&self, name: &str) -> bool {
         lock(&self.dbs).contains_key(name)
+    }
+
+    fn tracked(&self) -> Vec<String> {
+        lock(&self.dbs).keys().cloned().collect()
     }
 
     /// Whether an app's commit hook fired for `name` since the last time this was asked.
@@ -727,8 +732,16 @@ impl Watcher {
             if i.stop.load(Ordering::SeqCst) {
                 return;
             }
-            let mut all_hooked = true;
+            let (mut saw_write, mut all_hooked) = (false, true);
             for ev in events {
+                if ev.mask.contains(inotify::EventMask::Q_OVERFLOW) {
+                    // Events were dropped: any database may have commits unnoticed.
+                    for db in i.tracked() {
+                        i.wake(&db);
+                    }
+                    all_hooked = false;
+                    continue;
+                }
                 let Some(file) = ev.name.and_then(|n| n.to_str()) else {
                     continue;
                 };
@@ -746,6 +759,7 @@ impl Watcher {
                 // Woken whatever the hook did: the write read here may be another
                 // process's, merged with the app's into one event.
                 i.wake(&db);
+                saw_write |= is_write;
                 all_hooked &= is_write && i.hooked_since(&db);
             }
             drop(i);
@@ -753,7 +767,7 @@ impl Watcher {
             // an event. Pausing a moment lets the kernel merge the rest of a transaction's
             // events into one read, instead of waking this thread (and taking the
             // scheduler's lock) once per frame.
-            std::thread::sleep(if all_hooked {
+            std::thread::sleep(if saw_write && all_hooked {
                 HOOKED_COALESCE
             } else {
                 WATCH_COALESCE
