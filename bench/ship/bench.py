@@ -597,6 +597,9 @@ def report(lag, tput, outage, m):
     f50 = median_of(lag[("ferry", 1000)], "lag_p50_ms")
     wcpu = median_of(lag[("walship 0.1.1", 5000)], "shipper_cpu_per_mb_ms")
     fcpu = median_of(lag[("ferry", 5000)], "shipper_cpu_per_mb_ms")
+    scpu = median_of(lag[("ferry sidecar", 5000)], "shipper_cpu_per_mb_ms")
+    lcpu = min(median_of(lag[(f"litestream 0.5.17 ({v})", 5000)], "shipper_cpu_per_mb_ms")
+               for v in ("defaults", "100 ms"))
     sixty = outage.get(("ferry", 60)) or outage.get(("ferry", OUTAGES[-1]))
     healed = all(sum(v for k, v in r["bases"].items() if k != "first") == 0 for r in sixty)
     same = median_of(tput["off, autocheckpoint disabled"], "tps")
@@ -612,6 +615,8 @@ def report(lag, tput, outage, m):
         ("replica lag p99 under 10 ms at 1,000 tx/s", f"{fmt(f99, 2)} ms", f99 < 10),
         (f"a {OUTAGES[-1]} s outage at 1,000 tx/s heals without a full base", "no base" if healed else "base needed", healed),
         ("less shipper CPU per MB than walship", f"{fmt(fcpu)} vs {fmt(wcpu)} ms/MB", fcpu < wcpu),
+        ("less shipper CPU per MB than Litestream (the lower of its two settings)",
+         f"in-process {fmt(fcpu)}, sidecar {fmt(scpu)} vs {fmt(lcpu)} ms/MB", max(fcpu, scpu) < lcpu),
         ("lag at least 10× lower than Litestream's defaults (p50)", f"{fmt(ls_def / f50, 0)}×", ls_def >= 10 * f50),
     ]
     lines += ["| target | measured | met |", "|---|---|---|"]
