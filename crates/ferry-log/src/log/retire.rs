@@ -2,7 +2,8 @@
 //! only below a position the caller keeps elsewhere (a checkpoint), oldest first.
 //!
 //! 1. Choose the victims: the oldest segments whose next segment starts at or below
-//!    the position given and already holds a durable batch; never the newest.
+//!    the position given and already holds a durable batch; never the newest. Sync the
+//!    directory (an earlier retirement's last removal may be undecided).
 //! 2. For each, oldest first: rename it to a spare (the newest victims, while there
 //!    is room) or remove it; drop it from the segment list; sync the directory.
 //!
@@ -32,6 +33,11 @@ pub(super) fn retire_below(inner: &Inner, lsn: Lsn, durable: Lsn) -> Result<usiz
     // (a storage that cannot rename keeps none): as many as this retirement retires
     // at most, the next interval's likely need, and `spare_segments` in all.
     let st = &*inner.storage;
+    // An earlier retirement whose directory sync failed left its last removal
+    // undecided: made durable first, or this one would remove the next segment while
+    // the one before may still come back after a crash, leaving a gap recovery refuses.
+    st.sync_dir()
+        .map_err(|e| Error::io("sync its directory before retiring", e))?;
     let keep_from = spares_from(
         victims.len(),
         inner.config.spare_segments,
