@@ -306,6 +306,16 @@ fn spares(sim: &SimStorage) -> usize {
         .count()
 }
 
+/// Power loss with `log` open, then open it again.
+fn crash_and_reopen(sim: &Arc<SimStorage>, log: Log, at: &dyn Fn(&str) -> String) -> Log {
+    sim.halt();
+    drop(log);
+    sim.crash();
+    Log::open_driven(sim.clone(), config())
+        .unwrap_or_else(|e| panic!("{}", at(&format!("reopen: {e}"))))
+        .0
+}
+
 /// Every record the log holds after a recovery, by index (the payload's first 8 bytes).
 fn indexes(log: &Log) -> Vec<u64> {
     let mut got = Vec::new();
@@ -342,11 +352,7 @@ fn a_retirement_after_one_whose_directory_sync_failed_leaves_no_gap() {
                 let _ = log.retire_below(below);
             }
             let still = indexes(&log);
-            sim.halt();
-            drop(log);
-            sim.crash();
-            let (log, _) = Log::open_driven(sim.clone(), config())
-                .unwrap_or_else(|e| panic!("{}", at(&format!("reopen: {e}"))));
+            let log = crash_and_reopen(&sim, log, &at);
             let got = indexes(&log);
             assert!(
                 got.ends_with(&still) && appended.ends_with(&got),
@@ -420,11 +426,7 @@ fn crashes_while_a_segment_becomes_a_spare_or_a_spare_a_segment_lose_nothing() {
             }
         })
         .unwrap();
-        sim.halt();
-        drop(log);
-        sim.crash();
-        let (log, _) = Log::open_driven(sim.clone(), config())
-            .unwrap_or_else(|e| panic!("{}", at(&format!("reopen: {e}"))));
+        let log = crash_and_reopen(&sim, log, &at);
         let got = indexes(&log);
         assert!(
             kept.iter().all(|k| got.contains(k)),

@@ -157,34 +157,22 @@ impl Client {
             }
             Via::Tls(agent) => {
                 let url = format!("{}{path}", self.base_url);
-                let auth = self.auth.as_deref();
+                let mut req = ureq::http::Request::builder().method(method).uri(&url);
+                if let Some(t) = content_type {
+                    req = req.header("content-type", t);
+                }
+                if let Some(a) = &self.auth {
+                    req = req.header("authorization", a.as_str());
+                }
+                let bad = |e: ureq::http::Error| TransportError(format!("a request to {url}: {e}"));
                 let sent = match body {
-                    Body::None => {
-                        let mut req = agent.get(&url);
-                        if let Some(a) = auth {
-                            req = req.header("authorization", a);
-                        }
-                        req.call()
-                    }
-                    Body::Bytes(b) => {
-                        let mut req = agent
-                            .post(&url)
-                            .header("content-type", content_type.unwrap_or(""));
-                        if let Some(a) = auth {
-                            req = req.header("authorization", a);
-                        }
-                        req.send(b)
-                    }
-                    Body::Reader(len, r) => {
-                        let mut req = agent
-                            .post(&url)
-                            .header("content-type", content_type.unwrap_or(""))
-                            .header("content-length", len.to_string());
-                        if let Some(a) = auth {
-                            req = req.header("authorization", a);
-                        }
-                        req.send(ureq::SendBody::from_reader(r))
-                    }
+                    Body::None => agent.run(req.body(()).map_err(bad)?),
+                    Body::Bytes(b) => agent.run(req.body(b).map_err(bad)?),
+                    Body::Reader(len, r) => agent.run(
+                        req.header("content-length", len.to_string())
+                            .body(ureq::SendBody::from_reader(r))
+                            .map_err(bad)?,
+                    ),
                 };
                 let mut resp = sent.map_err(|e| no_reply(&e))?;
                 let status = resp.status().as_u16();
