@@ -188,6 +188,19 @@ impl Engine {
         self.shared.log.stats()
     }
 
+    /// Keep the log writer's last `capacity` cycles (0: none) for
+    /// [`Engine::take_log_cycles`]: with a run's own timestamps, where its latency goes
+    /// (`ferry_log::Log::trace_cycles`; the benchmark's W3 uses it). A log without a
+    /// writer of its own (a server-mode worker's) keeps none.
+    pub fn trace_log_cycles(&self, capacity: usize) {
+        self.shared.log.trace_cycles(capacity)
+    }
+
+    /// The log writer's cycles kept since the last call, oldest first.
+    pub fn take_log_cycles(&self) -> Vec<ferry_log::Cycle> {
+        self.shared.log.take_cycles()
+    }
+
     /// The engine's counters, its runs by state, its recovery and its log's figures, as
     /// Prometheus text (version 0.0.4) for the application to serve on its `/metrics`
     /// (docs/flow.md §7). Cheap: it walks no runs.

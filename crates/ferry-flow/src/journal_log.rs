@@ -25,7 +25,7 @@
 //! nothing: keeping its history bounded is the journal's owner's job.
 
 use ferry_core::sync::lock;
-use ferry_log::{Error, Follower, Log, Lsn, Record, Stats};
+use ferry_log::{Cycle, Error, Follower, Log, Lsn, Record, Stats};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -80,6 +80,15 @@ pub trait JournalLog: Send + Sync + 'static {
 
     /// Counters for the status file and metrics; zeroes where the log keeps none.
     fn stats(&self) -> Stats;
+
+    /// Keep the last `capacity` cycles of the log's writer for [`JournalLog::take_cycles`]
+    /// (`ferry_log::Log::trace_cycles`); a log without a writer of its own keeps none.
+    fn trace_cycles(&self, _capacity: usize) {}
+
+    /// The writer's cycles kept since the last call, oldest first.
+    fn take_cycles(&self) -> Vec<Cycle> {
+        Vec::new()
+    }
 
     /// Whether what this log's writer does may reach the outside world now: a step body
     /// start, a run's result. A log held under a lease (a server-mode shard) answers false once its
@@ -138,6 +147,14 @@ impl JournalLog for Log {
 
     fn stats(&self) -> Stats {
         Log::stats(self)
+    }
+
+    fn trace_cycles(&self, capacity: usize) {
+        Log::trace_cycles(self, capacity)
+    }
+
+    fn take_cycles(&self) -> Vec<Cycle> {
+        Log::take_cycles(self)
     }
 }
 
@@ -247,6 +264,14 @@ impl JournalLog for Watched {
 
     fn stats(&self) -> Stats {
         self.log.stats()
+    }
+
+    fn trace_cycles(&self, capacity: usize) {
+        self.log.trace_cycles(capacity)
+    }
+
+    fn take_cycles(&self) -> Vec<Cycle> {
+        self.log.take_cycles()
     }
 
     fn may_act(&self) -> bool {

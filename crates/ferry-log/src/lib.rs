@@ -13,7 +13,7 @@ pub mod sim;
 mod storage;
 
 pub use crate::log::{
-    Config, Follower, Log, Record, Recovery, Stats, WRITE_BUCKETS, WriteHistogram,
+    Config, Cycle, Follower, Log, Record, Recovery, Stats, WRITE_BUCKETS, WriteHistogram,
 };
 pub use crate::storage::{FileStorage, Storage};
 

@@ -1,7 +1,8 @@
 //! The log (docs/log.md §3-§5): `Log`, the handle callers hold, and the rooms behind
 //! it. From the bottom up:
 //!
-//! - `config`, `stats`: the limits, checked once at open, and the counters.
+//! - `config`, `stats`, `trace`: the limits, checked once at open, the counters, and
+//!   the writer's cycles when asked for.
 //! - `batch`, `waiters`, `follow`: pure decisions under the lock appends take: what a
 //!   batch covers, which waits a sync releases, how long the writer waits for its
 //!   followers.
@@ -25,6 +26,7 @@ mod scan;
 mod space;
 mod state;
 mod stats;
+mod trace;
 mod wait;
 mod waiters;
 mod writer;
@@ -34,6 +36,7 @@ pub use follow::Follower;
 pub use read::Record;
 pub use recovery::Recovery;
 pub use stats::{Stats, WRITE_BUCKETS, WriteHistogram};
+pub use trace::Cycle;
 
 use crate::storage::{FileStorage, Storage};
 use crate::{Error, Lsn};
@@ -133,6 +136,7 @@ impl Log {
             follow: Arc::default(),
             spares: Mutex::new(found.spares),
             clock,
+            trace: Default::default(),
         });
         let state = Writer::new(
             Filled {
@@ -179,7 +183,7 @@ impl Log {
         if batches.is_empty() {
             return false;
         }
-        writer::write_and_publish(&self.inner, batches, state);
+        writer::write_and_publish(&self.inner, batches, state, trace::Marks::now());
         true
     }
 
@@ -293,6 +297,18 @@ impl Log {
         let durable = self.durable_lsn();
         let _one_at_a_time = lock(&self.retiring);
         retire::retire_below(&self.inner, lsn, durable)
+    }
+
+    /// Keep the writer's last `capacity` cycles from now on (0: none; those kept are
+    /// forgotten), for [`Log::take_cycles`]: where a record's latency goes, for a
+    /// benchmark or a profile. Off by default.
+    pub fn trace_cycles(&self, capacity: usize) {
+        self.inner.trace.set(capacity);
+    }
+
+    /// The cycles kept since [`Log::trace_cycles`] or the last call, oldest first.
+    pub fn take_cycles(&self) -> Vec<Cycle> {
+        self.inner.trace.take()
     }
 
     pub fn stats(&self) -> Stats {

@@ -262,6 +262,56 @@ fn one_sync_covers_many_appenders() {
     assert_eq!(all(&log).len(), 1600);
 }
 
+#[test]
+fn a_cycle_trace_keeps_each_cycle_in_order_and_only_while_asked() {
+    let scratch = Scratch::new("log-trace");
+    let (log, _) = Log::open_dir(&scratch.dir("log"), Config::default()).unwrap();
+    let durable = |payload: &[u8]| {
+        let end = log.append(1, payload).unwrap();
+        log.wait_durable(end).unwrap();
+        end
+    };
+    let before = durable(b"before");
+    assert!(log.take_cycles().is_empty(), "off by default");
+    // Records waited for one at a time: one cycle each. The last wait's cycle is kept
+    // after its wake, which the next cycle (the fence's) follows.
+    let run = |capacity: usize| {
+        log.trace_cycles(capacity);
+        let ends: Vec<_> = (0..5u8).map(|i| durable(&[i])).collect();
+        let fence = durable(b"fence");
+        let cycles: Vec<_> = log
+            .take_cycles()
+            .into_iter()
+            .filter(|c| c.end > before && c.end < fence)
+            .collect();
+        (ends, cycles)
+    };
+    let (ends, cycles) = run(10);
+    // Each cycle made its record durable, and not the next (a cycle publishes the end
+    // of its last batch, at or past its last record's).
+    assert_eq!(cycles.len(), ends.len(), "{cycles:?}");
+    for (c, w) in cycles.iter().zip(ends.windows(2)) {
+        assert!(c.end >= w[0] && c.end < w[1], "{c:?} {ends:?}");
+    }
+    assert!(cycles[4].end >= ends[4]);
+    for c in &cycles {
+        assert!(c.began <= c.followed && c.followed <= c.taken, "{c:?}");
+        assert!(c.taken <= c.synced && c.synced <= c.woke, "{c:?}");
+        assert_eq!(c.batches, 1);
+    }
+    assert!(cycles.windows(2).all(|w| w[0].woke <= w[1].began));
+    assert!(log.take_cycles().is_empty(), "taken once");
+    // Two kept: the newest.
+    let (ends, cycles) = run(2);
+    assert!(
+        cycles.len() <= 2 && cycles.iter().all(|c| c.end > ends[2]),
+        "{cycles:?}"
+    );
+    log.trace_cycles(0);
+    durable(b"after");
+    assert!(log.take_cycles().is_empty(), "off again");
+}
+
 /// A log whose writer waits up to `follow` for its followers, one follower of it, and a
 /// runtime to wait on it from.
 fn following(

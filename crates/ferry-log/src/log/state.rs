@@ -56,6 +56,8 @@ pub(super) struct Inner {
     /// tests drive it). The writer's cycle durations in `Stats` and the recovery
     /// time are measurements, and read `Instant` directly.
     pub(super) clock: Arc<dyn Clock>,
+    /// The writer's last cycles, when asked for (`Log::trace_cycles`).
+    pub(super) trace: super::trace::Trace,
 }
 
 /// A value alone on its cache lines (two, for the adjacent-line prefetcher).

@@ -20,12 +20,14 @@ use super::batch::Sealed;
 use super::follow::wait_for_followers;
 use super::space::{Filled, ZEROES, segment_from_spare, top_up};
 use super::state::{Inner, Shared};
+use super::trace::{Cycle, Marks};
 use crate::format::{self, SEGMENT_HEADER_BYTES, SegmentHeader, segment_name};
 use crate::{Error, Lsn};
 use ferry_core::sync::lock;
 use std::io;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Instant;
 
 /// What the writer keeps from one cycle to the next (a driven log's holder keeps it
 /// for it, in `Log`).
@@ -53,7 +55,9 @@ impl Writer {
 /// covers; until the log closes.
 pub(super) fn write_loop(inner: &Inner, mut writer: Writer) {
     loop {
+        let began = Instant::now();
         wait_for_followers(&inner.follow, inner.config.follow, &*inner.clock);
+        let followed = Instant::now();
         let batches: Vec<Sealed> = {
             let mut s = lock(&inner.shared);
             loop {
@@ -74,7 +78,13 @@ pub(super) fn write_loop(inner: &Inner, mut writer: Writer) {
                 s.writer_asleep = false;
             }
         };
-        write_and_publish(inner, batches, &mut writer);
+        let taken = Instant::now();
+        let marks = Marks {
+            began,
+            followed,
+            taken,
+        };
+        write_and_publish(inner, batches, &mut writer, marks);
     }
 }
 
@@ -105,14 +115,21 @@ pub(super) fn take_batches(s: &mut Shared) -> Vec<Sealed> {
 }
 
 /// Write and sync `batches` (at least one), then publish the durable position and wake
-/// the waiters it covers; or poison the log and fail every waiter.
-pub(super) fn write_and_publish(inner: &Inner, mut batches: Vec<Sealed>, writer: &mut Writer) {
+/// the waiters it covers; or poison the log and fail every waiter. `marks`: the
+/// cycle's moments so far, for the trace.
+pub(super) fn write_and_publish(
+    inner: &Inner,
+    mut batches: Vec<Sealed>,
+    writer: &mut Writer,
+    marks: Marks,
+) {
     for b in &mut batches {
         format::seal(&mut b.bytes, b.seg + b.offset);
     }
-    let began = std::time::Instant::now();
+    let writing = Instant::now();
     let result = write_batches(inner, &batches, writer);
-    let took = began.elapsed().as_micros() as u64;
+    let synced = Instant::now();
+    let took = (synced - writing).as_micros() as u64;
     let end = batches.last().expect("at least one batch").end;
     let batches_n = batches.len() as u64;
     let bytes: u64 = batches.iter().map(|b| b.bytes.len() as u64).sum();
@@ -155,6 +172,17 @@ pub(super) fn write_and_publish(inner: &Inner, mut batches: Vec<Sealed>, writer:
                     inner.follow.woke(f);
                 }
                 w.tx.send(Ok(()));
+            }
+            if inner.trace.on() {
+                inner.trace.record(Cycle {
+                    began: marks.began,
+                    followed: marks.followed,
+                    taken: marks.taken,
+                    synced,
+                    woke: Instant::now(),
+                    end,
+                    batches: batches_n as u32,
+                });
             }
         }
         Err(e) => {
