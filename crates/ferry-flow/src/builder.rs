@@ -62,10 +62,23 @@ pub struct EngineBuilder {
 /// The most shards an engine runs (each is a thread).
 pub const SHARDS_MAX: usize = 256;
 
+/// The shards an embedded engine runs unless told otherwise ([`EngineBuilder::shards`]):
+/// half the CPUs this process may use, the rest left to the log's writer, the
+/// application's own threads and the kernel's I/O completions; at least 2, at most 16.
+/// A shard works through every run a sync made durable one after another, so on a host
+/// with cores to spare more shards shorten the time from a sync to the next records
+/// (docs/flow.md §4). A run's shard follows from its id and the count at open: an
+/// engine reopened with another count places its runs anew.
+pub fn default_shards() -> usize {
+    let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
+    (cpus / 2).clamp(2, 16)
+}
+
 /// Runs running at once on one shard, unless the builder says otherwise.
 pub const DEFAULT_MAX_RUNNING: usize = 1_000;
 
 impl EngineBuilder {
+    /// Run `n` shards, each a thread (default [`default_shards`]).
     pub fn shards(mut self, n: usize) -> Self {
         self.shards = n;
         self
@@ -536,7 +549,7 @@ impl Engine {
             wrap_files: None,
             journal: None,
             storage_is_files: true,
-            shards: 2,
+            shards: default_shards(),
             max_running: Some(DEFAULT_MAX_RUNNING),
             log: LogConfig::default(),
             limits: Limits::default(),

@@ -46,7 +46,7 @@ mod upkeep;
 pub use api::{
     FlowError, Limit, Limits, Recovery, RunInfo, RunStatus, Signal, StepError, Workflow,
 };
-pub use builder::{DEFAULT_MAX_RUNNING, EngineBuilder, SHARDS_MAX};
+pub use builder::{DEFAULT_MAX_RUNNING, EngineBuilder, SHARDS_MAX, default_shards};
 pub use checkpoint::{CheckpointError, ShardCheckpoint};
 pub use ctx::{Ctx, Retry, Step, StepCtx};
 pub use engine::{Engine, RunHandle};

@@ -38,10 +38,10 @@
 //!       Overwrite 4 KiB of a zero-filled file and fdatasync it, n times at consecutive
 //!       offsets: the pattern of ferry-log's writer (it writes over zeroes laid ahead, so
 //!       a sync carries the data alone). p50/p99/p999 in µs.
-//!   w1 --dir D [--steps 1000] [--shards 2]
+//!   w1 --dir D [--steps 1000] [--shards S]
 //!       The floor, then one workflow of K sequential steps: the gap between consecutive
 //!       step completions as the workflow sees them, and its ratio to the floor's p50.
-//!   w2 --dir D [--n 10000] [--steps 10] [--shards 2] [--rounds 1] [--follow-us N]
+//!   w2 --dir D [--n 10000] [--steps 10] [--shards S] [--rounds 1] [--follow-us N]
 //!       N workflows started at once: steps/s, workflows/s, the log's records per sync and
 //!       syncs per 1,000 steps, CPU-seconds per 1,000 steps (getrusage, whole process).
 //!       With rounds > 1, the same engine runs the load that many times and the last is
@@ -49,7 +49,8 @@
 //!       sets the log's `Config::follow` (how long its writer waits after a sync for
 //!       the shards it woke), its default if absent.
 //!   w3 --dir D --max-rate R [--fractions 0.25,0.5,0.8,0.95] [--seconds 5] [--steps 10]
-//!      [--warmup 1] [--tick-us 250] [--dump PREFIX] [--shards 2] [--follow-us N] [--fresh 1]
+//!      [--warmup 1] [--tick-us T] [--dump PREFIX] [--shards S] [--follow-us N] [--fresh 1]
+//!      [--trace-every 20]
 //!      [--steady-disk-us B [--steady-disk-ns-per-kib 350]]
 //!       Open-loop arrivals at each fraction of R workflows/s (an engine each), kept
 //!       by a clock thread that wakes at most every tick, for warmup + seconds: latency
@@ -70,6 +71,11 @@
 //!       never stalls).
 //!       Its heap (mimalloc) keeps the pages it frees (`keep_freed_pages`) unless
 //!       `FERRY_BENCH_PURGE=1`.
+//!       One arrival in `--trace-every` (20; 0: none) runs the chain with each step
+//!       body timestamped, and the log's writer records its cycles: each point's
+//!       `trace` says where those runs' time went, stage by stage (`trace.rs`).
+//!       `--tick-us`: 250 on up to 4 CPUs, 50 on more. `--shards` (w1, w2, w3): the
+//!       engine's default (`ferry_flow::default_shards`, half the CPUs) if absent.
 //!       `--max-running N|none` (w2, w3 and what opens their engine): the engine's
 //!       `max_running` per shard, its default if absent.
 //!       Before the first point it waits for the host to take back the memory freed so
@@ -109,6 +115,8 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU8};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
+
+mod trace;
 
 /// Every step's result: 64 bytes, the size §5.3 fixes for every system.
 const PAYLOAD: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
@@ -1266,7 +1274,7 @@ async fn w1(args: &[String]) -> Result<Value, String> {
     let marks: Arc<Mutex<Vec<Instant>>> = Arc::new(Mutex::new(Vec::new()));
     let m = marks.clone();
     let engine = Engine::builder(dir.join("flow"))
-        .shards(num(args, "--shards", 2))
+        .shards(num(args, "--shards", ferry_flow::default_shards()))
         .register(CHAIN, move |ctx: Ctx, steps: u32| {
             let m = m.clone();
             async move {
@@ -1312,8 +1320,9 @@ fn chain_builder(dir: &Path, args: &[String]) -> EngineBuilder {
     }
     let mut builder = Engine::builder(dir)
         .log_config(log)
-        .shards(num(args, "--shards", 2))
-        .register(CHAIN, chain);
+        .shards(num(args, "--shards", ferry_flow::default_shards()))
+        .register(CHAIN, chain)
+        .register(trace::TRACED, trace::traced_chain);
     match flag(args, "--max-running").as_deref() {
         None => {}
         Some("none") => builder = builder.max_running(None),
@@ -1414,7 +1423,7 @@ impl ferry_log::Storage for SteadyDisk {
 async fn w2(args: &[String]) -> Result<Value, String> {
     let n: u32 = num(args, "--n", 10_000);
     let steps: u32 = num(args, "--steps", 10);
-    let shards: usize = num(args, "--shards", 2);
+    let shards: usize = num(args, "--shards", ferry_flow::default_shards());
     let dir = fresh_dir(args, "w2")?;
     let engine = Rc::new(chain_engine(&dir.join("flow"), args)?);
     // Rounds before the measured one, on the same engine: how the pace holds once the
@@ -1463,7 +1472,13 @@ async fn w3(args: &[String]) -> Result<Value, String> {
     let seconds: f64 = num(args, "--seconds", 5.0);
     let warmup: f64 = num(args, "--warmup", 1.0);
     let steps: u32 = num(args, "--steps", 10);
-    let tick = Duration::from_micros(num(args, "--tick-us", 250));
+    // The clock's tick: each arrival is released up to a tick late (counted in its
+    // latency). 250 µs where the clock's wake-ups take CPU the engine needs (0.06 of a
+    // core; 100 µs took 0.13), 50 µs where cores are to spare.
+    let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let tick = Duration::from_micros(num(args, "--tick-us", if cpus <= 4 { 250 } else { 50 }));
+    // One arrival in this many is traced (`trace.rs`); 0: none.
+    let trace_every: u64 = num(args, "--trace-every", 20);
     // What W3 frees in bulk (the disk's samples, each point's log) stays allocated until
     // its last point: memory a guest frees is handed back to the host some seconds
     // later, and on the VMs this bench was built on the VM stopped for 10-30 ms around
@@ -1512,7 +1527,7 @@ async fn w3(args: &[String]) -> Result<Value, String> {
             &engine,
             f * max_rate,
             (warmup, seconds),
-            steps,
+            (steps, trace_every),
             tick,
             dump.as_deref(),
         )
@@ -1616,11 +1631,19 @@ async fn open_loop(
     engine: &Rc<Engine>,
     rate: f64,
     (warmup, seconds): (f64, f64),
-    steps: u32,
+    (steps, trace_every): (u32, u64),
     tick: Duration,
     dump: Option<&Path>,
 ) -> Result<Value, String> {
     let count = (rate * (warmup + seconds)).round().max(1.0) as u64;
+    // The traced arrivals' marks, and the writer's cycles (at most one per 50 µs).
+    let traced_n = count.checked_div(trace_every).unwrap_or(0) + 1;
+    let traced: Rc<RefCell<Vec<trace::Run>>> =
+        Rc::new(RefCell::new(Vec::with_capacity(traced_n as usize)));
+    if trace_every > 0 {
+        trace::prepare((traced_n * u64::from(steps)) as usize);
+        engine.trace_log_cycles(((warmup + seconds) * 20_000.0) as usize);
+    }
     // Sized and touched up front: a vector that doubles as it goes copies megabytes and
     // faults in fresh pages on the client thread, in the middle of the measurement.
     let mut v = vec![(Instant::now(), Duration::ZERO, Duration::ZERO); count as usize];
@@ -1674,13 +1697,31 @@ async fn open_loop(
     let mut started = 0u64;
     while let Some((i, due)) = arrivals.recv().await {
         let (e, l, done_tx) = (engine.clone(), lat.clone(), done_tx.clone());
+        let tr = (trace_every > 0 && i % trace_every == 0).then(|| traced.clone());
         started += 1;
         tokio::task::spawn_local(async move {
             let r = async {
-                let h = e.start(CHAIN, &format!("w3-{i}"), &steps).await?;
-                let s = due.elapsed();
+                let id = format!("w3-{i}");
+                let Some(tr) = tr else {
+                    let h = e.start(CHAIN, &id, &steps).await?;
+                    let s = due.elapsed();
+                    h.result().await?;
+                    l.borrow_mut().push((due, due.elapsed(), s));
+                    return Ok(());
+                };
+                let called = Instant::now();
+                let h = e.start(trace::TRACED, &id, &(steps, i)).await?;
+                let started = Instant::now();
                 h.result().await?;
-                l.borrow_mut().push((due, due.elapsed(), s));
+                let done = Instant::now();
+                l.borrow_mut().push((due, done - due, started - due));
+                tr.borrow_mut().push(trace::Run {
+                    id: i,
+                    due,
+                    called,
+                    started,
+                    done,
+                });
                 Ok(())
             };
             let _ = done_tx.send(r.await);
@@ -1706,7 +1747,17 @@ async fn open_loop(
         dump_arrivals(path, t0, &lat.borrow()).map_err(|e| format!("{}: {e}", path.display()))?;
     }
     let only = |v: Vec<(Instant, Duration, Duration)>| v.into_iter().map(|(_, l, _)| l).collect();
+    let traced = if trace_every > 0 {
+        let cycles = engine.take_log_cycles();
+        engine.trace_log_cycles(0);
+        let stages = trace::stages(&traced.borrow(), &cycles, measured_from, steps);
+        trace::keep(cycles);
+        stages
+    } else {
+        Value::Null
+    };
     Ok(json!({
+        "trace": traced,
         "rate_asked": rate, "workflows": count, "achieved_per_sec": count as f64 / secs,
         "warmup_secs": warmup, "measured_secs": seconds,
         "latency": spread(only(measured)),
@@ -1760,7 +1811,7 @@ async fn w4(args: &[String]) -> Result<Value, String> {
     let m = marks.clone();
     let engine = Rc::new(
         Engine::builder(dir.join("flow"))
-            .shards(num(args, "--shards", 2))
+            .shards(num(args, "--shards", ferry_flow::default_shards()))
             .register(NAP, move |ctx: Ctx, ms: u64| {
                 let m = m.clone();
                 async move {
@@ -1825,7 +1876,7 @@ async fn w5(args: &[String]) -> Result<Value, String> {
     let timeout = Duration::from_millis(num(args, "--timeout-ms", 60_000));
     let dir = fresh_dir(args, "w5")?;
     let engine = Engine::builder(dir.join("flow"))
-        .shards(num(args, "--shards", 2))
+        .shards(num(args, "--shards", ferry_flow::default_shards()))
         .register(ECHO, move |ctx: Ctx, _: u32| async move {
             let got = ctx.wait_for(PING, Some(timeout)).await?;
             let v = got.ok_or_else(|| FlowError::Invalid("no signal before the timeout".into()))?;
@@ -2073,7 +2124,7 @@ async fn idle(args: &[String]) -> Result<Value, String> {
     let dir = fresh_dir(args, "idle")?;
     let engine = Rc::new(
         Engine::builder(dir.join("flow"))
-            .shards(num(args, "--shards", 2))
+            .shards(num(args, "--shards", ferry_flow::default_shards()))
             .register(PARK, parked)
             .open()
             .map_err(err)?,
