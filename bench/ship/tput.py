@@ -10,6 +10,7 @@ Configurations, each run in turn within every round (medians of paired ratios ag
   sidecar   `ferry ship` as its own process, same disk
   tmpfs     inproc with the receiver's directory on /dev/shm: the replica's syncs no
             longer share the primary's disk, as on a real second machine
+  sidecar-tmpfs  sidecar, the receiver's directory on /dev/shm
 
   python3 bench/ship/tput.py [--runs 3] [--seconds 10] [CONFIG ...]
 """
@@ -28,14 +29,14 @@ def arg(name, default):
     return int(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
 
 
-def tmpfs(d):
+def tmpfs(d, mode="inprocess", tag="ferry"):
     t = Path("/dev/shm") / f"ferry-tput-{d.name}"
     shutil.rmtree(t, ignore_errors=True)
     t.mkdir(parents=True)
     (d / "standby").rmdir()
     os.symlink(t, d / "standby")
     try:
-        return B.ferry_lag_run(d, 0, B.THROUGHPUT_SECONDS, "inprocess", "ferry")
+        return B.ferry_lag_run(d, 0, B.THROUGHPUT_SECONDS, mode, tag)
     finally:
         shutil.rmtree(t, ignore_errors=True)
 
@@ -46,6 +47,7 @@ CONFIGS = {
     "inproc": lambda d: B.ferry_lag_run(d, 0, B.THROUGHPUT_SECONDS, "inprocess", "ferry"),
     "sidecar": lambda d: B.ferry_lag_run(d, 0, B.THROUGHPUT_SECONDS, "sidecar", "ferry-sidecar"),
     "tmpfs": tmpfs,
+    "sidecar-tmpfs": lambda d: tmpfs(d, "sidecar", "ferry-sidecar"),
 }
 
 
