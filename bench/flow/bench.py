@@ -450,8 +450,8 @@ def w3_stages(ferry):
             cells.append(f"{med([x['p50_us'] for x in st if x]):,.0f} | {med([x['mean_us'] for x in st if x]):,.0f}")
         L.append(f"| {label} | " + " | ".join(cells) + " |")
     rode = [med([r["w3"]["points"][i]["point"]["trace"]["cycles_skipped"].get("0", 0) for r in ferry]) for i in range(len(cols))]
-    follow = [med([r["w3"]["points"][i]["point"]["trace"]["writer"]["stages"]["follow"]["p50_us"] for r in ferry])
-              for i in range(len(cols))]
+    follow = [med([r["w3"]["points"][i]["point"]["trace"]["writer"]["stages"].get("follow", {}).get("p50_us")
+                   for r in ferry]) for i in range(len(cols))]
     L += ["", "Steps whose record rode the sync right after the one that woke their run (the rest waited for one "
           "cycle or more besides): " + ", ".join(f"{f:.0%} {x:.0%}" for f, x in zip(cols, rode))
           + ". The writer's wait for its followers, per cycle, p50: " + ", ".join(f"{f:.0%} {x:.0f} µs" for f, x in zip(cols, follow))

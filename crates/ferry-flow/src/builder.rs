@@ -40,7 +40,8 @@ pub struct EngineBuilder {
     /// The log is ferry-log on files in `dir` (no storage or journal given): only
     /// then are there checkpoints, compaction, a status file and an inbox.
     storage_is_files: bool,
-    shards: usize,
+    /// None: [`default_shards`], or 2 on the caller's thread.
+    shards: Option<usize>,
     /// Runs running at once per shard (`max_running`); `None`: no bound.
     max_running: Option<usize>,
     log: LogConfig,
@@ -78,9 +79,20 @@ pub fn default_shards() -> usize {
 pub const DEFAULT_MAX_RUNNING: usize = 1_000;
 
 impl EngineBuilder {
+    /// How many shards to run. Unset: [`default_shards`]; on the caller's thread
+    /// ([`EngineBuilder::on_this_thread`]) 2, so that a seed plays out alike on every
+    /// host.
+    fn shard_count(&self) -> usize {
+        self.shards.unwrap_or(if self.on_this_thread.is_some() {
+            2
+        } else {
+            default_shards()
+        })
+    }
+
     /// Run `n` shards, each a thread (default [`default_shards`]).
     pub fn shards(mut self, n: usize) -> Self {
-        self.shards = n;
+        self.shards = Some(n);
         self
     }
 
@@ -270,10 +282,11 @@ impl EngineBuilder {
                  a journal of its own",
             ));
         }
-        if self.shards == 0 || self.shards > SHARDS_MAX {
+        let shards = self.shard_count();
+        if shards == 0 || shards > SHARDS_MAX {
             return Err(ConfigError::new(
                 "shards",
-                self.shards,
+                shards,
                 format!("must be between 1 and {SHARDS_MAX}"),
             ));
         }
@@ -313,6 +326,7 @@ impl EngineBuilder {
             return self.open_worker(settings);
         }
         let started = self.clock.now();
+        let shards = self.shard_count();
         let segment_bytes = self.log.segment_bytes;
         let over_journal = self.journal.is_some();
         // A driven log (on the caller's thread) is also kept as itself, for the task
@@ -371,7 +385,7 @@ impl EngineBuilder {
         } = journaled(dir, &*log)?;
         let mut lanes = Vec::new();
         let mut rxs = Vec::new();
-        for _ in 0..self.shards {
+        for _ in 0..shards {
             // Shards that are tasks on the caller's thread never go idle for it.
             let follower = if self.on_this_thread.is_none() {
                 log.follower()
@@ -549,7 +563,7 @@ impl Engine {
             wrap_files: None,
             journal: None,
             storage_is_files: true,
-            shards: default_shards(),
+            shards: None,
             max_running: Some(DEFAULT_MAX_RUNNING),
             log: LogConfig::default(),
             limits: Limits::default(),

@@ -1638,11 +1638,22 @@ async fn open_loop(
     let count = (rate * (warmup + seconds)).round().max(1.0) as u64;
     // The traced arrivals' marks, and the writer's cycles (at most one per 50 µs).
     let traced_n = count.checked_div(trace_every).unwrap_or(0) + 1;
-    let traced: Rc<RefCell<Vec<trace::Run>>> =
-        Rc::new(RefCell::new(Vec::with_capacity(traced_n as usize)));
+    let traced: Rc<RefCell<Vec<trace::Run>>> = Rc::new(RefCell::new(Vec::new()));
     if trace_every > 0 {
+        let now = Instant::now();
+        let run = trace::Run {
+            id: 0,
+            due: now,
+            called: now,
+            started: now,
+            done: now,
+        };
+        // Touched now, as `lat` below.
+        traced.borrow_mut().resize(traced_n as usize, run);
+        traced.borrow_mut().clear();
         trace::prepare((traced_n * u64::from(steps)) as usize);
-        engine.trace_log_cycles(((warmup + seconds) * 20_000.0) as usize);
+        // At most one cycle per 40 µs, through the warm-up, the point and 2 s of drain.
+        engine.trace_log_cycles(((warmup + seconds + 2.0) * 25_000.0) as usize);
     }
     // Sized and touched up front: a vector that doubles as it goes copies megabytes and
     // faults in fresh pages on the client thread, in the middle of the measurement.

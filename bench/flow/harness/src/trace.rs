@@ -16,8 +16,8 @@ pub static TRACED: Workflow<(u32, u64), u32> = Workflow::new("traced-chain");
 /// appended just after it ends.
 static BODIES: Mutex<Vec<(u64, Instant, Instant)>> = Mutex::new(Vec::new());
 
-/// What a point traced, kept until the process ends: W3 frees nothing in bulk before
-/// its last point (see `w3`).
+/// The writer's cycles each point traced (megabytes), kept until the process ends, as
+/// W3 keeps its other large buffers (see `w3`).
 static KEPT: Mutex<Vec<Vec<Cycle>>> = Mutex::new(Vec::new());
 
 /// Keep `cycles` until the process ends.
@@ -25,12 +25,14 @@ pub fn keep(cycles: Vec<Cycle>) {
     KEPT.lock().expect("kept").push(cycles);
 }
 
-/// Room for `bodies` marks, made before the point: growing the vector during it would
-/// copy it on a shard's thread.
+/// Room for `bodies` marks, made and touched before the point: growing the vector, or
+/// faulting in its pages, during it would stall a shard's thread.
 pub fn prepare(bodies: usize) {
     let mut b = BODIES.lock().expect("bodies");
+    let t = Instant::now();
     b.clear();
-    b.reserve(bodies);
+    b.resize(bodies, (0, t, t));
+    b.clear();
 }
 
 /// W3's chain, each step body marked.
@@ -53,6 +55,7 @@ pub async fn traced_chain(ctx: Ctx, (steps, id): (u32, u64)) -> Result<u32, Flow
 }
 
 /// A traced arrival as its client saw it.
+#[derive(Clone, Copy)]
 pub struct Run {
     pub id: u64,
     /// When it was due (its latency counts from here).
@@ -97,7 +100,9 @@ impl Stages {
 ///
 /// `cycles_skipped`: how many cycles ran between the one that took a step's record and
 /// the one that took the next step's (0: each record rode the sync right after the one
-/// that woke its run, as an ideal group-commit engine's does).
+/// that woke its run, as an ideal group-commit engine's does). `unmatched`: runs that
+/// began before the oldest cycle kept, and steps matched to a cycle no later than their
+/// predecessor's; left out.
 pub fn stages(runs: &[Run], cycles: &[Cycle], from: Instant, steps: u32) -> Value {
     let mut bodies: BTreeMap<u64, Vec<(Instant, Instant)>> = BTreeMap::new();
     for &(id, begun, ended) in BODIES.lock().expect("bodies").iter() {
@@ -109,11 +114,18 @@ pub fn stages(runs: &[Run], cycles: &[Cycle], from: Instant, steps: u32) -> Valu
     };
     let mut st = Stages::default();
     let mut skipped = BTreeMap::<usize, u64>::new();
-    let mut traced = 0;
+    let (mut traced, mut unmatched) = (0, 0);
+    // A run that began before the oldest cycle kept (the trace let go of older ones)
+    // cannot be matched: every record of it would seem taken by that cycle.
+    let kept_from = cycles.first().map(|c| c.began);
     for r in runs.iter().filter(|r| r.due >= from) {
         let Some(b) = bodies.get(&r.id).filter(|b| b.len() == steps as usize) else {
             continue;
         };
+        if kept_from.is_none_or(|k| r.called < k) {
+            unmatched += 1;
+            continue;
+        }
         traced += 1;
         st.add(
             "run: due to start called",
@@ -146,8 +158,13 @@ pub fn stages(runs: &[Run], cycles: &[Cycle], from: Instant, steps: u32) -> Valu
             );
             st.add("step: sync", c.synced - c.taken);
             st.add("step: wake", next.saturating_duration_since(c.synced));
-            if let Some(p) = prev {
-                *skipped.entry(ci.saturating_sub(p + 1).min(3)).or_default() += 1;
+            // A step's body runs after the cycle that took the step before it: a later
+            // cycle takes its record, unless it was stamped in the microseconds before
+            // its append and a take fell between (counted apart).
+            match prev.and_then(|p| ci.checked_sub(p + 1)) {
+                Some(n) => *skipped.entry(n.min(3)).or_default() += 1,
+                None if prev.is_some() => unmatched += 1,
+                None => {}
             }
             prev = Some(ci);
         }
@@ -167,6 +184,7 @@ pub fn stages(runs: &[Run], cycles: &[Cycle], from: Instant, steps: u32) -> Valu
     let n: u64 = skipped.values().sum();
     json!({
         "traced_runs": traced,
+        "unmatched": unmatched,
         "stages": st.report(),
         "cycles_skipped": skipped.iter().map(|(k, v)| (if *k == 3 { "3+".to_string() } else { k.to_string() }, json!(*v as f64 / n.max(1) as f64))).collect::<serde_json::Map<_, _>>(),
         "writer": {"cycles": window.len(), "cycles_per_sec": window.len() as f64 / secs.max(1e-9), "stages": writer.report()},

@@ -58,11 +58,26 @@ pub(super) struct Trace {
 
 impl Trace {
     /// Keep the last `capacity` cycles from now on (0: none), forgetting those kept.
-    /// The room is made now, not by the writer as it goes.
+    /// The room is made and touched now, not by the writer as it goes (a page fault on
+    /// its thread is a stall of every record in flight).
     pub(super) fn set(&self, capacity: usize) {
         let mut c = lock(&self.cycles);
         c.clear();
         c.reserve_exact(capacity);
+        let t = Instant::now();
+        c.resize(
+            capacity,
+            Cycle {
+                began: t,
+                followed: t,
+                taken: t,
+                synced: t,
+                woke: t,
+                end: 0,
+                batches: 0,
+            },
+        );
+        c.clear();
         self.capacity.store(capacity, Ordering::Relaxed);
     }
 
@@ -71,11 +86,12 @@ impl Trace {
     }
 
     pub(super) fn record(&self, cycle: Cycle) {
+        let mut c = lock(&self.cycles);
+        // Read under the lock `set` takes: a trace turned off keeps nothing after.
         let capacity = self.capacity.load(Ordering::Relaxed);
         if capacity == 0 {
             return;
         }
-        let mut c = lock(&self.cycles);
         if c.len() >= capacity {
             c.pop_front();
         }
