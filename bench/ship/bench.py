@@ -163,7 +163,7 @@ class Arm:
         raise NotImplementedError
 
 
-def ferry_lag_run(d, rate, seconds, mode, tag, outage=None):
+def ferry_lag_run(d, rate, seconds, mode, tag, outage=None, sidecar_cpu=PRIMARY_CPU):
     port, pport = free_port(), free_port()
     recv = start([FERRY, "ship", "receive", "--dir", d / "standby", "--listen", f"127.0.0.1:{port}"], REPLICA_CPU, d / "receiver.log",
                  {"FERRY_LOG": "warn"})
@@ -186,7 +186,7 @@ def ferry_lag_run(d, rate, seconds, mode, tag, outage=None):
         # the start: create it, then start the sidecar.
         subprocess.run([HARNESS, "write", "--db", d / "primary" / "bench.db", "--seconds", "0"], capture_output=True)
         sidecar = start([FERRY, "ship", "send", "--dir", d / "primary", "--peer", f"http://127.0.0.1:{pport}",
-                         "--metrics-listen", f"127.0.0.1:{mport}"], PRIMARY_CPU, d / "sidecar.log", {"FERRY_LOG": "warn"})
+                         "--metrics-listen", f"127.0.0.1:{mport}"], sidecar_cpu, d / "sidecar.log", {"FERRY_LOG": "warn"})
         wait_port(mport)
     recv_box = [recv]
     extra = {}

@@ -11,14 +11,21 @@ Configurations, each run in turn within every round (medians of paired ratios ag
   tmpfs     inproc with the receiver's directory on /dev/shm: the replica's syncs no
             longer share the primary's disk, as on a real second machine
   sidecar-tmpfs  sidecar, the receiver's directory on /dev/shm
+  inproc-own-core   inproc with the shipper's threads (`ferry-ship-*`) moved to the
+            replica side's CPU once they start: writer and shipper on separate cores
+            (a fold's locked half, run in the app's commit hook, stays on the writer's)
+  sidecar-own-core  sidecar on the replica side's CPU
 
   python3 bench/ship/tput.py [--runs 3] [--seconds 10] [CONFIG ...]
 """
 
+import glob
 import os
 import shutil
 import statistics
 import sys
+import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -41,6 +48,48 @@ def tmpfs(d, mode="inprocess", tag="ferry"):
         shutil.rmtree(t, ignore_errors=True)
 
 
+def own_core(d):
+    """inproc, the shipper's threads moved to the replica side's CPU as they appear (they
+    all start when the shipper opens, in the writer's first milliseconds)."""
+    stop = threading.Event()
+    moved = set()
+
+    def writer_pid():
+        for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
+            try:
+                args = Path(cmdline).read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if len(args) > 1 and args[0].endswith(b"ferry-bench-ship") and args[1] == b"write":
+                return cmdline.split("/")[2]
+        return None
+
+    def pin():
+        os.sched_setaffinity(0, {int(B.REPLICA_CPU)})
+        pid = None
+        end = time.time() + 3
+        while not stop.is_set() and time.time() < end:
+            pid = pid or writer_pid()
+            for comm in glob.glob(f"/proc/{pid}/task/[0-9]*/comm") if pid else []:
+                tid = int(comm.split("/")[4])
+                try:
+                    if tid not in moved and Path(comm).read_text().startswith("ferry-ship-"):
+                        os.sched_setaffinity(tid, {int(B.REPLICA_CPU)})
+                        moved.add(tid)
+                except OSError:
+                    pass
+            time.sleep(0.002)
+
+    t = threading.Thread(target=pin)
+    t.start()
+    try:
+        return B.ferry_lag_run(d, 0, B.THROUGHPUT_SECONDS, "inprocess", "ferry")
+    finally:
+        stop.set()
+        t.join()
+        print(f"  (moved {len(moved)} shipper threads to CPU {B.REPLICA_CPU})", flush=True)
+
+
 CONFIGS = {
     "off": lambda d: B.run_writer([B.HARNESS, "write", "--db", d / "primary" / "bench.db", "--seconds",
                                    B.THROUGHPUT_SECONDS, "--pragmas", "default"]),
@@ -48,6 +97,9 @@ CONFIGS = {
     "sidecar": lambda d: B.ferry_lag_run(d, 0, B.THROUGHPUT_SECONDS, "sidecar", "ferry-sidecar"),
     "tmpfs": tmpfs,
     "sidecar-tmpfs": lambda d: tmpfs(d, "sidecar", "ferry-sidecar"),
+    "inproc-own-core": own_core,
+    "sidecar-own-core": lambda d: B.ferry_lag_run(d, 0, B.THROUGHPUT_SECONDS, "sidecar", "ferry-sidecar",
+                                                  sidecar_cpu=B.REPLICA_CPU),
 }
 
 
