@@ -19,13 +19,9 @@ Configurations, each run in turn within every round (medians of paired ratios ag
   python3 bench/ship/tput.py [--runs 3] [--seconds 10] [CONFIG ...]
 """
 
-import glob
 import os
-import shutil
 import statistics
 import sys
-import threading
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -36,68 +32,14 @@ def arg(name, default):
     return int(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
 
 
-def tmpfs(d, mode="inprocess", tag="ferry"):
-    t = Path("/dev/shm") / f"ferry-tput-{d.name}"
-    shutil.rmtree(t, ignore_errors=True)
-    t.mkdir(parents=True)
-    (d / "standby").rmdir()
-    os.symlink(t, d / "standby")
-    try:
-        return B.ferry_lag_run(d, 0, B.THROUGHPUT_SECONDS, mode, tag)
-    finally:
-        shutil.rmtree(t, ignore_errors=True)
-
-
-def own_core(d):
-    """inproc, the shipper's threads moved to the replica side's CPU as they appear (they
-    all start when the shipper opens, in the writer's first milliseconds)."""
-    stop = threading.Event()
-    moved = set()
-
-    def writer_pid():
-        for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
-            try:
-                args = Path(cmdline).read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if len(args) > 1 and args[0].endswith(b"ferry-bench-ship") and args[1] == b"write":
-                return cmdline.split("/")[2]
-        return None
-
-    def pin():
-        os.sched_setaffinity(0, {int(B.REPLICA_CPU)})
-        pid = None
-        end = time.time() + 3
-        while not stop.is_set() and time.time() < end:
-            pid = pid or writer_pid()
-            for comm in glob.glob(f"/proc/{pid}/task/[0-9]*/comm") if pid else []:
-                tid = int(comm.split("/")[4])
-                try:
-                    if tid not in moved and Path(comm).read_text().startswith("ferry-ship-"):
-                        os.sched_setaffinity(tid, {int(B.REPLICA_CPU)})
-                        moved.add(tid)
-                except OSError:
-                    pass
-            time.sleep(0.002)
-
-    t = threading.Thread(target=pin)
-    t.start()
-    try:
-        return B.ferry_lag_run(d, 0, B.THROUGHPUT_SECONDS, "inprocess", "ferry")
-    finally:
-        stop.set()
-        t.join()
-        print(f"  (moved {len(moved)} shipper threads to CPU {B.REPLICA_CPU})", flush=True)
-
-
 CONFIGS = {
     "off": lambda d: B.run_writer([B.HARNESS, "write", "--db", d / "primary" / "bench.db", "--seconds",
                                    B.THROUGHPUT_SECONDS, "--pragmas", "default"]),
     "inproc": lambda d: B.ferry_lag_run(d, 0, B.THROUGHPUT_SECONDS, "inprocess", "ferry"),
     "sidecar": lambda d: B.ferry_lag_run(d, 0, B.THROUGHPUT_SECONDS, "sidecar", "ferry-sidecar"),
-    "tmpfs": tmpfs,
-    "sidecar-tmpfs": lambda d: tmpfs(d, "sidecar", "ferry-sidecar"),
-    "inproc-own-core": own_core,
+    "tmpfs": lambda d: B.apart_disk_run(d, B.THROUGHPUT_SECONDS),
+    "sidecar-tmpfs": lambda d: B.apart_disk_run(d, B.THROUGHPUT_SECONDS, "sidecar", "ferry-sidecar"),
+    "inproc-own-core": lambda d: B.own_core_run(d, B.THROUGHPUT_SECONDS),
     "sidecar-own-core": lambda d: B.ferry_lag_run(d, 0, B.THROUGHPUT_SECONDS, "sidecar", "ferry-sidecar",
                                                   sidecar_cpu=B.REPLICA_CPU),
 }
