@@ -1638,27 +1638,26 @@ async fn open_loop(
     let count = (rate * (warmup + seconds)).round().max(1.0) as u64;
     // The traced arrivals' marks, and the writer's cycles (at most one per 50 µs).
     let traced_n = count.checked_div(trace_every).unwrap_or(0) + 1;
-    let traced: Rc<RefCell<Vec<trace::Run>>> = Rc::new(RefCell::new(Vec::new()));
+    let now = Instant::now();
+    let traced_cap = if trace_every > 0 {
+        traced_n as usize
+    } else {
+        0
+    };
+    let run = trace::Run {
+        id: 0,
+        due: now,
+        called: now,
+        started: now,
+        done: now,
+    };
+    let traced = Rc::new(RefCell::new(touched(traced_cap, run)));
     if trace_every > 0 {
-        let now = Instant::now();
-        let run = trace::Run {
-            id: 0,
-            due: now,
-            called: now,
-            started: now,
-            done: now,
-        };
-        // Touched now, as `lat` below.
-        traced.borrow_mut().resize(traced_n as usize, run);
-        traced.borrow_mut().clear();
         trace::prepare((traced_n * u64::from(steps)) as usize);
         // At most one cycle per 40 µs, through the warm-up, the point and 2 s of drain.
         engine.trace_log_cycles(((warmup + seconds + 2.0) * 25_000.0) as usize);
     }
-    // Sized and touched up front: a vector that doubles as it goes copies megabytes and
-    // faults in fresh pages on the client thread, in the middle of the measurement.
-    let mut v = vec![(Instant::now(), Duration::ZERO, Duration::ZERO); count as usize];
-    v.clear();
+    let v = touched(count as usize, (now, Duration::ZERO, Duration::ZERO));
     let lat: Rc<RefCell<Vec<(Instant, Duration, Duration)>>> = Rc::new(RefCell::new(v));
     let before = engine.log_stats();
     let cpu = thread_cpu();
@@ -1779,6 +1778,15 @@ async fn open_loop(
         "run_queue": run_queue(&sched, secs),
         "log": log_delta(before, engine.log_stats(), count * u64::from(steps)),
     }))
+}
+
+/// An empty vector with room for `n` values, its pages touched now: one that doubles as
+/// it goes copies megabytes and faults in fresh pages on the thread that fills it, in the
+/// middle of a measurement.
+fn touched<T: Clone>(n: usize, filler: T) -> Vec<T> {
+    let mut v = vec![filler; n];
+    v.clear();
+    v
 }
 
 /// One line per arrival, `due_ms latency_ms start_ms` from the point's start (start:
