@@ -169,18 +169,18 @@ impl Index {
         }
     }
 
-    /// Every record of `shard` before `position` is durable. True if a run finished
-    /// (result waiters look again).
-    pub fn durable(&mut self, shard: u32, position: u64) -> bool {
-        let mut ended = false;
+    /// Every record of `shard` before `position` is durable. The runs that finished are
+    /// pushed to `ended` (their result waiters look again).
+    pub fn durable(&mut self, shard: u32, position: u64, ended: &mut Vec<String>) {
         while let Some(p) = self.pending.get_mut(shard as usize)
             && p.front().is_some_and(|(end, _)| *end <= position)
         {
             let (_, u) = p.pop_front().expect("looked at it");
-            ended |= matches!(u.0, Change::Finished { .. });
+            if let Change::Finished { run, .. } = &u.0 {
+                ended.push(run.clone());
+            }
             self.apply(shard, u);
         }
-        ended
     }
 
     fn apply(&mut self, shard: u32, u: Update) {

@@ -156,6 +156,12 @@ pub fn token_hash(token: &str) -> [u8; 32] {
     Sha256::digest(token.as_bytes()).into()
 }
 
+/// The server's clock: tokio's, which is the system's monotonic clock unless a
+/// simulation paused it (then a seed decides every moment, tests/sim.rs).
+pub(crate) fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
 /// A running server's shared state.
 pub struct Server {
     inner: Arc<Inner>,
@@ -179,8 +185,9 @@ struct Inner {
     /// The runs, from durable records (list, show, result). Its own lock, taken after
     /// `state`'s where both are: a list does not hold up appends.
     index: Mutex<Index>,
-    /// Woken when a run finishes: long-polled results look again.
-    ended: Notify,
+    /// Long-polled results, by run: woken when that run finishes (only those look
+    /// again). An entry goes with its last waiter.
+    ended: Mutex<HashMap<String, Arc<Notify>>>,
     /// Each shard's checkpoint (taken before `state` where both are).
     checkpoints: Mutex<Checkpoints>,
     /// `DIR/shards`: the checkpoints and the kept epochs.
@@ -260,6 +267,28 @@ impl Server {
         Server::open_with(dir, settings, log, Some(replica))
     }
 
+    /// [`Server::open`] with its log on `storage` and driven by the caller
+    /// ([`Server::write_log`]) instead of a writer thread: the simulation's server
+    /// (tests/sim.rs), whose disk syncs when the seed says. `dir` keeps the checkpoints.
+    pub fn open_driven(
+        dir: &Path,
+        storage: Arc<dyn ferry_flow::log::Storage>,
+        settings: Settings,
+        log: LogConfig,
+    ) -> Result<Server, OpenError> {
+        settings.check()?;
+        fits(&settings, &log)?;
+        make_dir(dir)?;
+        let (log, _) = Log::open_driven(storage, log)?;
+        Server::open_on(dir, settings, log, None)
+    }
+
+    /// Write and sync what was appended, on a log opened by [`Server::open_driven`].
+    /// False if there was nothing to write.
+    pub fn write_log(&self) -> bool {
+        self.inner.log.write_pending()
+    }
+
     fn open_with(
         dir: &Path,
         settings: Settings,
@@ -267,25 +296,18 @@ impl Server {
         replica: Option<Replica>,
     ) -> Result<Server, OpenError> {
         settings.check()?;
-        std::fs::create_dir_all(dir).map_err(|e| {
-            OpenError::Dir(format!(
-                "cannot create the server's directory {}: {e}",
-                dir.display()
-            ))
-        })?;
-        // A shard's record travels in the log with 21 bytes of its own.
-        if u64::from(settings.record_max) + 21 > u64::from(log.record_bytes_max) {
-            return Err(ConfigError::new(
-                "record_max",
-                settings.record_max,
-                format!(
-                    "must fit, with 21 bytes of framing, in the log's largest record ({})",
-                    log.record_bytes_max
-                ),
-            )
-            .into());
-        }
+        fits(&settings, &log)?;
+        make_dir(dir)?;
         let (log, _) = Log::open_dir(&dir.join("log"), log)?;
+        Server::open_on(dir, settings, log, replica)
+    }
+
+    fn open_on(
+        dir: &Path,
+        settings: Settings,
+        log: Log,
+        replica: Option<Replica>,
+    ) -> Result<Server, OpenError> {
         // Rebuilt from the stream: all of it is there.
         let in_stream = log.end_lsn();
         let follower = log.follower();
@@ -333,7 +355,7 @@ impl Server {
                 stuck_after: settings.stuck_after,
             },
             &opened.epochs,
-            Instant::now(),
+            now(),
         );
         Ok(Server {
             inner: Arc::new(Inner {
@@ -358,10 +380,10 @@ impl Server {
                 tasks: Mutex::new(Vec::new()),
                 counts: Counts::default(),
                 index: Mutex::new(index),
-                ended: Notify::new(),
+                ended: Mutex::new(HashMap::new()),
                 checkpoints: Mutex::new(checkpoints),
                 shards_dir,
-                compacted: Mutex::new((Instant::now(), 0)),
+                compacted: Mutex::new((now(), 0)),
                 replicated: replica.map(|replica| Replicated {
                     lsn: AtomicU64::new(in_stream),
                     wake: Notify::new(),
@@ -514,6 +536,30 @@ impl Connector {
     }
 }
 
+fn make_dir(dir: &Path) -> Result<(), OpenError> {
+    std::fs::create_dir_all(dir).map_err(|e| {
+        OpenError::Dir(format!(
+            "cannot create the server's directory {}: {e}",
+            dir.display()
+        ))
+    })
+}
+
+/// A shard's record travels in the log with 21 bytes of its own.
+fn fits(settings: &Settings, log: &LogConfig) -> Result<(), ConfigError> {
+    if u64::from(settings.record_max) + 21 > u64::from(log.record_bytes_max) {
+        return Err(ConfigError::new(
+            "record_max",
+            settings.record_max,
+            format!(
+                "must fit, with 21 bytes of framing, in the log's largest record ({})",
+                log.record_bytes_max
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Why the server did not open.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
@@ -540,7 +586,7 @@ async fn compactor(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
         let (last, at) = *ferry_core::sync::lock(&inner.compacted);
         let grown = durable_lsn(&inner).saturating_sub(at);
         // After a failure, a minute (not at once: it would read the log again).
-        let minute = last.elapsed() >= Duration::from_secs(60);
+        let minute = now().saturating_duration_since(last) >= Duration::from_secs(60);
         let due =
             (grown >= inner.settings.compact_bytes && (!failed || minute)) || (grown > 0 && minute);
         if !due {
@@ -559,13 +605,13 @@ async fn compactor(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
             }
         };
         if failed {
-            ferry_core::sync::lock(&inner.compacted).0 = Instant::now();
+            ferry_core::sync::lock(&inner.compacted).0 = now();
         }
     }
 }
 
 fn compact(inner: &Inner) -> Result<Compacted, CheckpointsError> {
-    let started = Instant::now();
+    let started = now();
     let mut checkpoints = ferry_core::sync::lock(&inner.checkpoints);
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -588,7 +634,7 @@ fn compact(inner: &Inner) -> Result<Compacted, CheckpointsError> {
     ferry_core::sync::lock(&inner.index).forget(&done.expired);
     write_kept(&inner.shards_dir, &kept)?;
     let retired = inner.log.retire_below(done.read)?;
-    *ferry_core::sync::lock(&inner.compacted) = (Instant::now(), done.read);
+    *ferry_core::sync::lock(&inner.compacted) = (now(), done.read);
     tracing::info!(
         shards = done.moved.len(),
         expired = done.expired.len(),
@@ -609,9 +655,9 @@ async fn tick(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
             _ = tokio::time::sleep(every) => {}
         }
         let mut state = ferry_core::sync::lock(&inner.state);
-        let actions = state.table.tick(Instant::now());
+        let actions = state.table.tick(now());
         carry_out(&inner, &mut state, actions);
-        route(&mut state, Instant::now(), &inner.settings);
+        route(&mut state, now(), &inner.settings);
         // Names of sessions the table forgot go with them.
         if state.names.len() > state.conns.len() {
             let known: std::collections::HashSet<SessionId> = state
@@ -666,17 +712,22 @@ fn deliver(inner: &Inner) {
     let state = &mut *state;
     // Whom this round acknowledges: the log's writer waits for their replies.
     state.replies_due.clear();
-    let mut ended = false;
+    let mut ended = Vec::new();
     let moved = state.store.advance(durable);
     if !moved.is_empty() {
         // Before the acknowledgements: what a worker was told is durable, the index shows.
         let mut index = ferry_core::sync::lock(&inner.index);
         for &(shard, position) in &moved {
-            ended |= index.durable(shard, position);
+            index.durable(shard, position, &mut ended);
         }
     }
-    if ended {
-        inner.ended.notify_waiters();
+    if !ended.is_empty() {
+        let waiting = ferry_core::sync::lock(&inner.ended);
+        for run in &ended {
+            if let Some(n) = waiting.get(run) {
+                n.notify_waiters();
+            }
+        }
     }
     for (shard, position) in moved {
         let (epoch, holder) = state.table.holder(shard);
@@ -728,7 +779,7 @@ fn deliver(inner: &Inner) {
     }
     // Calls that waited for a grant just sent.
     if !state.calls.is_empty() {
-        route(state, Instant::now(), &inner.settings);
+        route(state, now(), &inner.settings);
     }
 }
 

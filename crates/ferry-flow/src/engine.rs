@@ -290,8 +290,16 @@ impl<O: DeserializeOwned> RunHandle<O> {
             biased;
             r = rx => match r {
                 Ok(status) => status_result(status),
-                // Let go of: the engine stopped, or (on a worker) the run's shard moved.
+                // Let go of: the engine stopped, or (on a worker) the run's shard was
+                // lost. It may be back here already under a new epoch, the run not yet
+                // recovered: the server's index answers wherever the run goes on.
                 Err(_) => match self.shared.upgrade() {
+                    Some(shared) if shared.on_server && self.caller.as_ref().is_some_and(Caller::is_open) => {
+                        Err(FlowError::NotHeld {
+                            run: self.id.clone(),
+                            shard: shared.shard_of(&self.id) as u32,
+                        })
+                    }
                     Some(shared) => shared.held(&self.id).and(Err(FlowError::Stopped)),
                     None => Err(FlowError::Stopped),
                 },

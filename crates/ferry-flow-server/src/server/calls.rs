@@ -2,12 +2,12 @@
 //! of its run's shard, goes to it, and goes again to the next holder if the one it went
 //! to let go before answering; a result is answered from the index.
 
-use super::{Inner, Settings, State};
+use super::{Inner, Settings, State, now};
 use crate::lease::SessionId;
 use ferry_flow::remote::proto::{Body, Call, CallKind, Frame, Outcome, Refused};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::oneshot;
+use tokio::sync::{Notify, oneshot};
 
 /// The most calls one shard may have in flight on the server (docs/flow-server.md §14).
 pub const CALLS_MAX: usize = 4096;
@@ -37,7 +37,7 @@ pub(super) async fn call_in(inner: Arc<Inner>, call: Call) -> Result<Outcome, Re
     let (tx, rx) = oneshot::channel();
     {
         let mut state = ferry_core::sync::lock(&inner.state);
-        let now = Instant::now();
+        let now = now();
         // A stopping server takes no call (`stop_calls` answered those it had).
         let stopping = *inner.stop.borrow();
         if stopping || state.calls.values().filter(|f| f.shard == shard).count() >= CALLS_MAX {
@@ -77,9 +77,10 @@ pub(super) fn stop_calls(state: &mut State) {
 /// summary as JSON, state running if it had not ended by then.
 async fn result(inner: &Inner, id: &str, wait: Duration) -> Result<Outcome, Refused> {
     let until = tokio::time::Instant::now() + wait.min(Duration::from_secs(60));
+    let waiting = Waiting::new(inner, id);
     let mut stop = inner.stop.subscribe();
     loop {
-        let ended = inner.ended.notified();
+        let ended = waiting.notify.notified();
         tokio::pin!(ended);
         ended.as_mut().enable();
         let run = ferry_core::sync::lock(&inner.index).get(id).cloned();
@@ -95,9 +96,38 @@ async fn result(inner: &Inner, id: &str, wait: Duration) -> Result<Outcome, Refu
             return Ok(Outcome::Ok(json));
         }
         tokio::select! {
+            biased;
+            _ = stop.wait_for(|s| *s) => return Err(UNAVAILABLE),
             _ = ended => {}
             _ = tokio::time::sleep_until(until) => {}
-            _ = stop.wait_for(|s| *s) => return Err(UNAVAILABLE),
+        }
+    }
+}
+
+/// A long-poll's place among the result waiters of its run (`Inner::ended`): the entry
+/// is shared by every waiter of the run and removed with the last.
+struct Waiting<'a> {
+    inner: &'a Inner,
+    id: &'a str,
+    notify: Arc<Notify>,
+}
+
+impl<'a> Waiting<'a> {
+    fn new(inner: &'a Inner, id: &'a str) -> Waiting<'a> {
+        let notify = ferry_core::sync::lock(&inner.ended)
+            .entry(id.to_string())
+            .or_default()
+            .clone();
+        Waiting { inner, id, notify }
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        let mut waiting = ferry_core::sync::lock(&self.inner.ended);
+        // Ours and the map's: we are the last.
+        if Arc::strong_count(&self.notify) == 2 {
+            waiting.remove(self.id);
         }
     }
 }

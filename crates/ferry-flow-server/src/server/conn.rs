@@ -1,7 +1,7 @@
 //! One connection, from its Hello to its close: who it is, and each frame it sends.
 
 use super::calls::{answered, call_in, unsend};
-use super::{Inner, PAGE_MAX, authorized, carry_out, refused, replied};
+use super::{Inner, PAGE_MAX, authorized, carry_out, now, refused, replied};
 use crate::lease::{Action, SessionId};
 use crate::store::AppendError;
 use ferry_flow::remote::io::{FrameReader, ReadError, write_frame};
@@ -10,7 +10,7 @@ use ferry_flow::remote::proto::{
 };
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 
@@ -139,7 +139,7 @@ where
         if state.conns.get(&s).is_some_and(|(n, _)| *n == conn_no) {
             state.conns.remove(&s);
             unsend(&mut state, s);
-            let actions = state.table.disconnect(s, Instant::now());
+            let actions = state.table.disconnect(s, now());
             carry_out(&inner, &mut state, actions);
             // No reply will come from it.
             replied(&inner, &mut state, s);
@@ -243,7 +243,7 @@ fn hello_in(
         .collect();
     let actions = state
         .table
-        .connect(hello.session, hello.max_shards, &resume, Instant::now());
+        .connect(hello.session, hello.max_shards, &resume, now());
     let resumed: Vec<Granted> = actions
         .iter()
         .filter_map(|a| match *a {
@@ -287,7 +287,7 @@ fn handle(
             },
         ));
     }
-    let now = Instant::now();
+    let now = now();
     let answer = |body| Some(Frame { id, body });
     match body {
         Body::Ping(turns) => {

@@ -6,7 +6,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite};
 
-pub(super) trait Stream: AsyncRead + AsyncWrite + Send + Unpin {}
+/// A connection to the server, whatever carries it.
+pub trait Stream: AsyncRead + AsyncWrite + Send + Unpin {}
 impl<T: AsyncRead + AsyncWrite + Send + Unpin> Stream for T {}
 
 /// Connect to one of `servers` (comma-separated: a server and its standbys,

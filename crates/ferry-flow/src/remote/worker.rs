@@ -13,6 +13,7 @@
 //! The engine's side (recovering a granted shard, stopping a lost one) is the next step
 //! (docs/flow-server.md §15); this is the connection and the streams.
 
+pub use super::dial::Stream;
 use super::dial::dial;
 use super::io::{FrameReader, write_frame};
 use super::proto::{
@@ -97,6 +98,8 @@ pub struct ShardStream {
     state: Arc<Mutex<StreamState>>,
     /// Bumped by the shard's thread as it turns (docs/flow-server.md §5.4).
     pub turns: AtomicU64,
+    /// The clock its deadline is kept on (the connection's).
+    clock: fn() -> Duration,
 }
 
 #[derive(Default)]
@@ -110,7 +113,7 @@ struct StreamState {
     /// Written, not yet acknowledged: sent again after a reconnect.
     unacked: VecDeque<(u64, Rec)>,
     /// When the oldest of `unacked` was written (the flush timeout).
-    oldest_sent: Option<Instant>,
+    oldest_sent: Option<tokio::time::Instant>,
     /// On `CLOCK_BOOTTIME`: no step body may start from here on (`None`: not yet
     /// confirmed since the grant).
     deadline: Option<Duration>,
@@ -136,7 +139,7 @@ impl ShardStream {
     /// not lost and its deadline is ahead (docs/flow-server.md §5.3).
     pub fn may_act(&self) -> bool {
         let s = lock(&self.state);
-        s.failed.is_none() && !s.releasing && s.deadline.is_some_and(|d| boot_now() < d)
+        s.failed.is_none() && !s.releasing && s.deadline.is_some_and(|d| (self.clock)() < d)
     }
 
     /// Send a read for this grant's recovery and wait for its answer. A read is progress
@@ -298,7 +301,7 @@ impl ShardStream {
             s.unacked.push_back((p, r.clone()));
             out.push(r);
         }
-        s.oldest_sent.get_or_insert_with(Instant::now);
+        s.oldest_sent.get_or_insert_with(tokio::time::Instant::now);
         Some((first, out))
     }
 }
@@ -448,6 +451,10 @@ type ReadReply = std::sync::mpsc::Sender<Result<Body, Error>>;
 struct Conn {
     settings: WorkerSettings,
     session: u128,
+    /// `CLOCK_BOOTTIME`, or the simulation's ([`Seams`]).
+    clock: fn() -> Duration,
+    /// How to reach the server, when not by its address ([`Seams`]).
+    dial: Option<Dialer>,
     /// Each shard's current grant, if any (sized by the first Welcome).
     slots: Mutex<Vec<Option<Arc<ShardStream>>>>,
     /// Appends, reads and releases wake the connection's writer.
@@ -463,6 +470,8 @@ struct Conn {
     timing: Mutex<Timing>,
     /// Calls the server forwards to this worker (their id, the call), for the engine.
     calls_in: mpsc::UnboundedSender<(u64, Call)>,
+    /// Their receiving end, until the worker takes it.
+    calls_rx: Mutex<Option<mpsc::UnboundedReceiver<(u64, Call)>>>,
     /// Frames to send as they are: answers to forwarded calls.
     outgoing: Mutex<VecDeque<Frame>>,
     /// This worker's own calls through the server, as they are made.
@@ -485,7 +494,71 @@ pub struct Timing {
     pub stuck_after: Duration,
 }
 
+/// What [`Worker::connect_here`] is given instead of the address, the boot clock and
+/// a random session.
+#[derive(Clone)]
+pub struct Seams {
+    pub dial: Dialer,
+    /// Time since some fixed moment, as `CLOCK_BOOTTIME` would give it.
+    pub clock: fn() -> Duration,
+    pub session: u128,
+}
+
+/// Opens a new connection to the server.
+pub type Dialer = Arc<
+    dyn Fn() -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = std::io::Result<Box<dyn Stream>>> + Send>,
+        > + Send
+        + Sync,
+>;
+
+/// The connection's task: given where to say how the first hello went.
+type Run = Box<
+    dyn FnOnce(
+            oneshot::Sender<Result<(), Error>>,
+        ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>
+        + Send,
+>;
+
 impl Conn {
+    fn new(
+        settings: WorkerSettings,
+        session: u128,
+        clock: fn() -> Duration,
+        dial: Option<Dialer>,
+    ) -> (Arc<Conn>, Run) {
+        let (reads_tx, reads_rx) = mpsc::unbounded_channel();
+        let (calls_in, calls_rx) = mpsc::unbounded_channel();
+        let (calls_out, calls_out_rx) = mpsc::unbounded_channel();
+        let conn = Arc::new(Conn {
+            settings,
+            session,
+            clock,
+            dial,
+            slots: Mutex::new(Vec::new()),
+            wake: Notify::new(),
+            reads: reads_tx,
+            events: Mutex::new(VecDeque::new()),
+            event: Condvar::new(),
+            stop: AtomicBool::new(false),
+            record_max: AtomicU32::new(u32::MAX),
+            timing: Mutex::new(Timing {
+                lease: Duration::from_secs(5),
+                ping_every: Duration::from_secs(1),
+                stuck_after: Duration::from_secs(10),
+            }),
+            calls_in,
+            calls_rx: Mutex::new(Some(calls_rx)),
+            preferred: std::sync::atomic::AtomicUsize::new(0),
+            outgoing: Mutex::new(VecDeque::new()),
+            calls_out,
+            calls_again: Mutex::new(Vec::new()),
+        });
+        let c = conn.clone();
+        let run: Run = Box::new(move |first| Box::pin(run(c, reads_rx, calls_out_rx, first)));
+        (conn, run)
+    }
+
     fn emit(&self, e: Event) {
         lock(&self.events).push_back(e);
         self.event.notify_all();
@@ -561,6 +634,13 @@ impl Caller {
         }
     }
 
+    /// Whether the worker's connection is still wanted (the engine not closing).
+    pub fn is_open(&self) -> bool {
+        self.conn
+            .upgrade()
+            .is_some_and(|c| !c.stop.load(Ordering::SeqCst))
+    }
+
     /// Make `call` through the server (docs/flow-server.md §9). A call the connection
     /// breaks under is sent again on the next one (its key makes that safe); the worker
     /// stopping, or no answer within [`CALL_WITHIN`], answers `Unavailable`.
@@ -592,37 +672,13 @@ impl Worker {
     /// Start connecting; returns once the server answered the first hello (or with why
     /// it did not). Shards come as [`Event::Granted`].
     pub fn connect(settings: WorkerSettings) -> Result<Worker, Error> {
-        let (reads_tx, reads_rx) = mpsc::unbounded_channel();
-        let (calls_in, calls_rx) = mpsc::unbounded_channel();
-        let (calls_out, calls_out_rx) = mpsc::unbounded_channel();
         let session = {
             use ferry_core::seams::{Rng, SplitMix64};
             let mut r = SplitMix64::from_entropy();
             (u128::from(r.next_u64()) << 64) | u128::from(r.next_u64())
         };
-        let conn = Arc::new(Conn {
-            settings,
-            session,
-            slots: Mutex::new(Vec::new()),
-            wake: Notify::new(),
-            reads: reads_tx,
-            events: Mutex::new(VecDeque::new()),
-            event: Condvar::new(),
-            stop: AtomicBool::new(false),
-            record_max: AtomicU32::new(u32::MAX),
-            timing: Mutex::new(Timing {
-                lease: Duration::from_secs(5),
-                ping_every: Duration::from_secs(1),
-                stuck_after: Duration::from_secs(10),
-            }),
-            calls_in,
-            preferred: std::sync::atomic::AtomicUsize::new(0),
-            outgoing: Mutex::new(VecDeque::new()),
-            calls_out,
-            calls_again: Mutex::new(Vec::new()),
-        });
-        let (first_tx, first_rx) = std::sync::mpsc::channel();
-        let c = conn.clone();
+        let (conn, run) = Conn::new(settings, session, boot_now, None);
+        let (first_tx, first_rx) = oneshot::channel();
         let thread = std::thread::Builder::new()
             .name("ferry-flow-worker".into())
             .spawn(move || {
@@ -630,23 +686,42 @@ impl Worker {
                     .enable_all()
                     .build()
                     .expect("a current-thread runtime builds");
-                rt.block_on(run(c, reads_rx, calls_out_rx, first_tx));
+                rt.block_on(run(first_tx));
             })
             .map_err(|e| Error::Io {
                 what: "start the worker's connection thread",
                 source: Arc::new(e),
             })?;
-        match first_rx.recv() {
-            Ok(Ok(())) => Ok(Worker {
-                conn,
-                thread: Some(thread),
-                calls: Mutex::new(Some(calls_rx)),
-            }),
+        match first_rx.blocking_recv() {
+            Ok(Ok(())) => Ok(Worker::of(conn, Some(thread))),
             Ok(Err(e)) => {
                 let _ = thread.join();
                 Err(e)
             }
             Err(_) => Err(Error::Closed),
+        }
+    }
+
+    /// [`Worker::connect`] as a task on the caller's runtime, with the seams a
+    /// simulation replaces (tests/sim.rs of ferry-flow-server): one thread and tokio's
+    /// clock can then run a server and its workers alike from a seed.
+    pub async fn connect_here(settings: WorkerSettings, seams: Seams) -> Result<Worker, Error> {
+        let (conn, run) = Conn::new(settings, seams.session, seams.clock, Some(seams.dial));
+        let (first_tx, first_rx) = oneshot::channel();
+        tokio::spawn(run(first_tx));
+        match first_rx.await {
+            Ok(Ok(())) => Ok(Worker::of(conn, None)),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(Error::Closed),
+        }
+    }
+
+    fn of(conn: Arc<Conn>, thread: Option<std::thread::JoinHandle<()>>) -> Worker {
+        let calls = lock(&conn.calls_rx).take();
+        Worker {
+            conn,
+            thread,
+            calls: Mutex::new(calls),
         }
     }
 
@@ -729,7 +804,7 @@ async fn run(
     conn: Arc<Conn>,
     mut reads: mpsc::UnboundedReceiver<(Body, ReadReply)>,
     mut calls: mpsc::UnboundedReceiver<(Call, CallReply)>,
-    first: std::sync::mpsc::Sender<Result<(), Error>>,
+    first: oneshot::Sender<Result<(), Error>>,
 ) {
     let mut first = Some(first);
     let mut backoff = Duration::from_millis(100);
@@ -746,10 +821,10 @@ async fn run(
         }
         // Past its deadline (or never confirmed) a grant is lost; the rest wait for the
         // resume. Checked through the backoff too.
-        let until = Instant::now() + backoff;
-        while Instant::now() < until && !conn.stop.load(Ordering::SeqCst) {
+        let until = tokio::time::Instant::now() + backoff;
+        while tokio::time::Instant::now() < until && !conn.stop.load(Ordering::SeqCst) {
             for s in conn.streams() {
-                if lock(&s.state).deadline.is_none_or(|d| boot_now() >= d) {
+                if lock(&s.state).deadline.is_none_or(|d| (conn.clock)() >= d) {
                     conn.lose(
                         &s,
                         "its lease ran out while the server could not be reached",
@@ -757,8 +832,9 @@ async fn run(
                 }
             }
             tokio::select! {
-                _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+                biased;
                 _ = conn.wake.notified() => {}
+                _ = tokio::time::sleep(Duration::from_millis(20)) => {}
             }
         }
         backoff = (backoff * 2).min(Duration::from_secs(1));
@@ -784,14 +860,16 @@ async fn session(
     conn: &Arc<Conn>,
     reads: &mut mpsc::UnboundedReceiver<(Body, ReadReply)>,
     calls_out: &mut mpsc::UnboundedReceiver<(Call, CallReply)>,
-    first: &mut Option<std::sync::mpsc::Sender<Result<(), Error>>>,
+    first: &mut Option<oneshot::Sender<Result<(), Error>>>,
 ) -> Result<(), Error> {
-    let stream = dial(&conn.settings.server, &conn.preferred, IO_WITHIN)
-        .await
-        .map_err(|e| Error::Io {
-            what: "connect to the flow server",
-            source: Arc::new(e),
-        })?;
+    let dialed = match &conn.dial {
+        Some(d) => d().await,
+        None => dial(&conn.settings.server, &conn.preferred, IO_WITHIN).await,
+    };
+    let stream = dialed.map_err(|e| Error::Io {
+        what: "connect to the flow server",
+        source: Arc::new(e),
+    })?;
     let (mut rd, mut wr) = tokio::io::split(stream);
     // Resume what is still ours: confirmed, and inside its deadline.
     let resume: Vec<Resume> = conn
@@ -799,10 +877,12 @@ async fn session(
         .iter()
         .filter_map(|s| {
             let st = lock(&s.state);
-            (st.failed.is_none() && st.deadline.is_some_and(|d| boot_now() < d)).then(|| Resume {
-                shard: s.shard,
-                epoch: s.epoch,
-                acked: st.acked,
+            (st.failed.is_none() && st.deadline.is_some_and(|d| (conn.clock)() < d)).then(|| {
+                Resume {
+                    shard: s.shard,
+                    epoch: s.epoch,
+                    acked: st.acked,
+                }
             })
         })
         .collect();
@@ -921,7 +1001,7 @@ async fn session(
             }
         }
     });
-    let mut heard = Instant::now();
+    let mut heard = tokio::time::Instant::now();
     let result = 'conn: loop {
         if conn.stop.load(Ordering::SeqCst) {
             // Stopping: hand back every grant with nothing unacknowledged (those the
@@ -973,7 +1053,7 @@ async fn session(
             biased;
             f = frames.recv() => {
                 let Some(f) = f else { break Err(Error::Closed) };
-                heard = Instant::now();
+                heard = tokio::time::Instant::now();
                 if handle(conn, f, &mut appends, &mut pending_reads, &mut pings, &mut calls, lease, ping_every) {
                     tick.reset_immediately();
                 }
@@ -989,7 +1069,7 @@ async fn session(
                     .map(|s| Turns { shard: s.shard, epoch: s.epoch, turns: s.turns.load(Ordering::Relaxed) })
                     .collect();
                 let rid = next_id();
-                pings.insert(rid, boot_now());
+                pings.insert(rid, (conn.clock)());
                 if let Err(e) = send(&mut wr, Frame { id: rid, body: Body::Ping(turns) }).await {
                     break Err(e);
                 }
@@ -998,7 +1078,7 @@ async fn session(
                 for s in conn.streams() {
                     let (past, acked) = {
                         let st = lock(&s.state);
-                        let past = st.deadline.is_some_and(|d| boot_now() >= d)
+                        let past = st.deadline.is_some_and(|d| (conn.clock)() >= d)
                             || st.oldest_sent.is_some_and(|t| t.elapsed() > lease);
                         (past, st.acked)
                     };
@@ -1069,6 +1149,7 @@ fn handle(
                         ..StreamState::default()
                     })),
                     turns: AtomicU64::new(0),
+                    clock: conn.clock,
                 });
                 *slot = Some(stream);
                 drop(slots);
@@ -1102,7 +1183,7 @@ fn handle(
             pings.retain(|&id, _| id > f.id);
             let margin = lease.mul_f64(conn.settings.drift) + ping_every / 4;
             let deadline = sent + lease.saturating_sub(margin);
-            let now = boot_now();
+            let now = (conn.clock)();
             for s in conn.streams() {
                 let listed = held
                     .iter()
