@@ -266,3 +266,84 @@ async fn a_server_and_a_worker_match_the_embedded_engine() {
     drop(embedded);
     server.stop().await;
 }
+
+static QUICK: Workflow<u32, u64> = Workflow::new("quick");
+static WAIT: Workflow<u32, u64> = Workflow::new("wait");
+static PARENT: Workflow<u32, u64> = Workflow::new("parent");
+
+/// Guards §14's worker retention: a worker forgets its finished runs `retention` after
+/// it saw them finish (its memory does not grow with every run it ever held), a child
+/// not before its parent finished; their results still come from the server's index.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_forgets_finished_runs_after_its_retention_and_the_server_still_answers() {
+    const RUNS: u32 = 20;
+    let scratch = Scratch::new("flow-engine-retention");
+    let socket = scratch.path().join("s.sock");
+    let server = start(scratch.path(), &socket, 2);
+    let w = open_worker(&scratch.dir("w"), &socket, |b| {
+        b.retention(std::time::Duration::from_millis(300))
+            .register(QUICK, |ctx: Ctx, n: u32| async move {
+                ctx.step("s", |_| async move { Ok(u64::from(n) + 7) }).await
+            })
+            .register(WAIT, |ctx: Ctx, _: u32| async move {
+                Ok(u64::from(ctx.wait_for(GO, None).await?.unwrap_or(0)))
+            })
+            .register(PARENT, |ctx: Ctx, n: u32| async move {
+                let kid: u64 = ctx.child(QUICK, &n).await?;
+                Ok(kid + u64::from(ctx.wait_for(GO, None).await?.unwrap_or(0)))
+            })
+    })
+    .await;
+    eventually("the worker to hold every shard", || {
+        w.held_shards().len() == 2
+    })
+    .await;
+    // A run still waiting stays however long it waits.
+    w.start(WAIT, "waiting", &1).await.unwrap();
+    // A finished child stays while its parent waits.
+    w.start(PARENT, "parent", &1).await.unwrap();
+    for i in 0..RUNS {
+        let id = format!("quick-{i}");
+        w.start(QUICK, &id, &i).await.unwrap();
+        assert_eq!(
+            w.run::<u64>(&id).unwrap().result().await.unwrap(),
+            u64::from(i) + 7
+        );
+    }
+    eventually("the finished runs to be forgotten", || {
+        let ids: Vec<String> = w.runs().into_iter().map(|r| r.id).collect();
+        ids.len() == 3 && ids[0] == "parent" && ids[1].starts_with("parent/") && ids[2] == "waiting"
+    })
+    .await;
+    tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+    assert_eq!(w.runs().len(), 3, "the child stays while its parent waits");
+    w.signal("parent", GO, &2).await.unwrap();
+    assert_eq!(
+        w.run::<u64>("parent").unwrap().result().await.unwrap(),
+        8 + 2
+    );
+    eventually("the parent and its child to be forgotten", || {
+        w.runs().iter().map(|r| r.id.as_str()).collect::<Vec<_>>() == ["waiting"]
+    })
+    .await;
+    let expired = w.metrics().lines().find_map(|l| {
+        l.strip_prefix("ferry_flow_runs_expired_total ")?
+            .parse::<u64>()
+            .ok()
+    });
+    assert_eq!(
+        expired,
+        Some(u64::from(RUNS) + 2),
+        "the expiries are counted"
+    );
+    for i in 0..RUNS {
+        let id = format!("quick-{i}");
+        assert_eq!(
+            w.run::<u64>(&id).unwrap().result().await.unwrap(),
+            u64::from(i) + 7,
+            "{id}'s result from the server's index"
+        );
+    }
+    close(w).await;
+    server.stop().await;
+}

@@ -528,10 +528,13 @@ impl EngineBuilder {
         let calls = worker
             .take_calls()
             .expect("a new worker's calls are untaken");
-        let holder = Holder::start(shared.clone(), worker, running).map_err(|e| FlowError::Io {
-            what: "start the thread that holds shards for",
-            path: self.dir.clone(),
-            source: Arc::new(e),
+        let retention = self.retention;
+        let holder = Holder::start(shared.clone(), worker, running, retention).map_err(|e| {
+            FlowError::Io {
+                what: "start the thread that holds shards for",
+                path: self.dir.clone(),
+                source: Arc::new(e),
+            }
         })?;
         crate::calls::serve(Arc::downgrade(&shared), calls, caller.clone()).map_err(|e| {
             FlowError::Io {

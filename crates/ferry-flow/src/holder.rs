@@ -160,7 +160,15 @@ struct Holding {
     /// Drains of grants not taken yet (the server may ask for a shard back before its
     /// grant arrives): handed back as soon as they are.
     drained: Vec<(u32, u64)>,
+    /// How long a finished run stays in the runs map ([`Holding::sweep`]).
+    retention: Duration,
+    /// Where the sweep goes on from (None: the start of the map).
+    swept_to: Option<String>,
 }
+
+/// Runs the sweep looks at per turn of the holder: the runs map's lock is held for a
+/// slice, not for the whole map.
+const SWEEP_SLICE: usize = 4096;
 
 impl Holder {
     /// Start holding for `shared`, whose lanes are vacant, over `worker`'s connection.
@@ -168,6 +176,7 @@ impl Holder {
         shared: Arc<Shared>,
         worker: Worker,
         running: Option<usize>,
+        retention: Duration,
     ) -> Result<Holder, std::io::Error> {
         let worker = Arc::new(worker);
         let stop = Arc::new(AtomicBool::new(false));
@@ -180,6 +189,8 @@ impl Holder {
             ending: (0..shards).map(|_| None).collect(),
             waiting: Vec::new(),
             drained: Vec::new(),
+            retention,
+            swept_to: None,
         };
         let stopping = stop.clone();
         let thread = std::thread::Builder::new()
@@ -239,6 +250,61 @@ impl Holding {
             }
         }
         self.watch_turns();
+        self.sweep();
+    }
+
+    /// Forget finished runs `retention` after this sweep first found them finished
+    /// (docs/flow-server.md §14): a result asked later comes from the server's index
+    /// while the server keeps it. As embedded, a finished child stays while its
+    /// parent has not finished. One slice of the map per turn.
+    fn sweep(&mut self) {
+        use std::ops::Bound::{Excluded, Unbounded};
+        let now = self.shared.clock.wall_ms().max(1);
+        let retention = self.retention.as_millis() as u64;
+        let shared = &self.shared;
+        let mut runs = lock(&shared.runs);
+        let slice: Vec<(String, bool)> = {
+            let range = match &self.swept_to {
+                Some(after) => runs.range_mut::<str, _>((Excluded(after.as_str()), Unbounded)),
+                None => runs.range_mut::<str, _>(..),
+            };
+            range
+                .take(SWEEP_SLICE)
+                .map(|(id, e)| {
+                    let finished = matches!(e.status, crate::api::RunStatus::Finished(_));
+                    if !finished {
+                        return (id.clone(), false);
+                    }
+                    if e.finished_seen_ms == 0 {
+                        e.finished_seen_ms = now;
+                    }
+                    (
+                        id.clone(),
+                        now.saturating_sub(e.finished_seen_ms) >= retention,
+                    )
+                })
+                .collect()
+        };
+        self.swept_to = if slice.len() < SWEEP_SLICE {
+            None
+        } else {
+            slice.last().map(|(id, _)| id.clone())
+        };
+        for (id, old) in slice {
+            let parent_running = || {
+                runs.get(&id)
+                    .and_then(|e| e.parent())
+                    .and_then(|p| runs.get(p))
+                    .is_some_and(|p| !matches!(p.status, crate::api::RunStatus::Finished(_)))
+            };
+            if old
+                && !parent_running()
+                && let Some(e) = runs.remove(&id)
+            {
+                shared.counters.removed(&e.status);
+                shared.counters.expired(1);
+            }
+        }
     }
 
     /// Shard `shard` was granted at `epoch`: recover it and run it.

@@ -19,6 +19,9 @@ pub(crate) struct RunEntry {
     pub(crate) start_end: Lsn,
     pub(crate) inbox: Inbox,
     extra: Option<Box<Extra>>,
+    /// On a server's worker: when the holder's sweep first found the run finished (ms
+    /// on the engine's wall clock; 0 not yet), for its retention (holder.rs).
+    pub(crate) finished_seen_ms: u64,
 }
 
 /// What some runs have: a parent, callers waiting for the result, a park position, a
@@ -48,6 +51,7 @@ impl RunEntry {
             start_end: 0,
             inbox: Inbox::default(),
             extra: None,
+            finished_seen_ms: 0,
         };
         if parent.is_some() {
             e.extra().parent = parent;
