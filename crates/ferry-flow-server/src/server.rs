@@ -31,13 +31,13 @@ use ferry_core::ConfigError;
 use ferry_flow::log::{Config as LogConfig, Error as LogError, Log, Lsn};
 use ferry_flow::remote::proto::{self, Body, Call, Frame, Granted, Outcome, Refused, ShardPos};
 use sha2::{Digest, Sha256};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::sync::{Notify, mpsc, watch};
+use tokio::sync::{Notify, mpsc};
 
 /// The server's settings (docs/flow-server.md §3, §13).
 #[derive(Clone, Debug)]
@@ -162,6 +162,39 @@ pub(crate) fn now() -> Instant {
     tokio::time::Instant::now().into_std()
 }
 
+/// The server's stop: set once, for good. Its waiters wake in the order they came
+/// (tokio's `watch` spreads its waiters by a random draw, which a simulation could not
+/// play again from its seed).
+#[derive(Default)]
+pub(crate) struct Stop {
+    set: std::sync::atomic::AtomicBool,
+    notify: Notify,
+}
+
+impl Stop {
+    pub(crate) fn set(&self) {
+        self.set.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.notify.notify_waiters();
+    }
+
+    pub(crate) fn is_set(&self) -> bool {
+        self.set.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Resolves once set.
+    pub(crate) async fn wait(&self) {
+        loop {
+            let notified = self.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.is_set() {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
 /// A running server's shared state.
 pub struct Server {
     inner: Arc<Inner>,
@@ -178,7 +211,7 @@ struct Inner {
     /// sent their next appends, so that those ride the next sync.
     follower: ferry_flow::log::Follower,
     /// Turns true when the server stops: connections and tasks end.
-    stop: watch::Sender<bool>,
+    stop: Stop,
     /// The timer and the durability task, once started.
     tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     counts: Counts,
@@ -196,6 +229,21 @@ struct Inner {
     compacted: Mutex<(Instant, Lsn)>,
     /// With `--replicate`: the log kept in a JetStream stream too.
     replicated: Option<Replicated>,
+    /// The log is driven by the caller (a simulation): reads run where they are asked
+    /// for, not on the blocking pool, whose threads would race the simulation's clock.
+    driven: bool,
+}
+
+impl Inner {
+    /// Run `read` (file or log reads) off the runtime's threads, or at once when
+    /// driven.
+    fn read_off(&self, read: impl FnOnce() + Send + 'static) {
+        if self.driven {
+            read();
+        } else {
+            tokio::task::spawn_blocking(read);
+        }
+    }
 }
 
 /// The log kept in a JetStream stream too (docs/flow-server-replica.md): a record is
@@ -229,7 +277,7 @@ struct State {
     store: Store,
     /// Each connected session's connection: its number and outgoing frames. A session
     /// that connects again replaces its entry (and the old connection is closed).
-    conns: HashMap<SessionId, (u64, mpsc::UnboundedSender<Frame>)>,
+    conns: BTreeMap<SessionId, (u64, mpsc::UnboundedSender<Frame>)>,
     /// Numbers connections as they are accepted: a Hello on an older connection than
     /// its session's current one is stale (it was in a buffer when the worker moved on).
     next_conn: u64,
@@ -238,14 +286,14 @@ struct State {
     /// The log failed: every append is refused from then on.
     failed: bool,
     /// What each worker called itself, for status.
-    names: HashMap<SessionId, String>,
+    names: BTreeMap<SessionId, String>,
     /// Sessions the last round of acknowledgements reached that have not appended
     /// since: the durability task's follower goes idle once none is left.
-    replies_due: std::collections::HashSet<SessionId>,
+    replies_due: BTreeSet<SessionId>,
     /// Shards whose current grant found its session's connection gone: never sent.
-    unsent: std::collections::HashSet<u32>,
+    unsent: BTreeSet<u32>,
     /// Calls on their way to their run's holder, by the id they are forwarded under.
-    calls: HashMap<u64, Forward>,
+    calls: BTreeMap<u64, Forward>,
     next_call: u64,
 }
 
@@ -280,7 +328,7 @@ impl Server {
         fits(&settings, &log)?;
         make_dir(dir)?;
         let (log, _) = Log::open_driven(storage, log)?;
-        Server::open_on(dir, settings, log, None)
+        Server::open_on(dir, settings, log, None, true)
     }
 
     /// Write and sync what was appended, on a log opened by [`Server::open_driven`].
@@ -299,7 +347,7 @@ impl Server {
         fits(&settings, &log)?;
         make_dir(dir)?;
         let (log, _) = Log::open_dir(&dir.join("log"), log)?;
-        Server::open_on(dir, settings, log, replica)
+        Server::open_on(dir, settings, log, replica, false)
     }
 
     fn open_on(
@@ -307,6 +355,7 @@ impl Server {
         settings: Settings,
         log: Log,
         replica: Option<Replica>,
+        driven: bool,
     ) -> Result<Server, OpenError> {
         // Rebuilt from the stream: all of it is there.
         let in_stream = log.end_lsn();
@@ -364,19 +413,19 @@ impl Server {
                 state: Mutex::new(State {
                     table,
                     store,
-                    conns: HashMap::new(),
+                    conns: BTreeMap::new(),
                     next_conn: 0,
                     grants: Vec::new(),
                     failed: false,
-                    names: HashMap::new(),
-                    replies_due: std::collections::HashSet::new(),
-                    unsent: std::collections::HashSet::new(),
-                    calls: HashMap::new(),
+                    names: BTreeMap::new(),
+                    replies_due: BTreeSet::new(),
+                    unsent: BTreeSet::new(),
+                    calls: BTreeMap::new(),
                     next_call: 0,
                 }),
                 appended: Notify::new(),
                 follower,
-                stop: watch::channel(false).0,
+                stop: Stop::default(),
                 tasks: Mutex::new(Vec::new()),
                 counts: Counts::default(),
                 index: Mutex::new(index),
@@ -389,25 +438,22 @@ impl Server {
                     wake: Notify::new(),
                     replica: Mutex::new(Some(replica)),
                 }),
+                driven,
             }),
         })
     }
 
     /// Start the timer and the durability task (on the caller's runtime).
     pub fn start(&self) {
-        let ticker = tokio::spawn(tick(self.inner.clone(), self.inner.stop.subscribe()));
-        let pump = tokio::spawn(pump(self.inner.clone(), self.inner.stop.subscribe()));
-        let compactor = tokio::spawn(compactor(self.inner.clone(), self.inner.stop.subscribe()));
+        let ticker = tokio::spawn(tick(self.inner.clone()));
+        let pump = tokio::spawn(pump(self.inner.clone()));
+        let compactor = tokio::spawn(compactor(self.inner.clone()));
         let mut tasks = ferry_core::sync::lock(&self.inner.tasks);
         tasks.extend([ticker, pump, compactor]);
         if let Some(r) = &self.inner.replicated
             && let Some(replica) = ferry_core::sync::lock(&r.replica).take()
         {
-            tasks.push(tokio::spawn(replicate(
-                self.inner.clone(),
-                replica,
-                self.inner.stop.subscribe(),
-            )));
+            tasks.push(tokio::spawn(replicate(self.inner.clone(), replica)));
         }
     }
 
@@ -422,7 +468,7 @@ impl Server {
     /// end, and the log is closed once the last of them let go of it. What was appended
     /// is written and synced by the log's close; nothing unacknowledged is promised.
     pub async fn shutdown(self) {
-        let _ = self.inner.stop.send(true);
+        self.inner.stop.set();
         // Calls in flight hold the server until they are answered.
         stop_calls(&mut ferry_core::sync::lock(&self.inner.state));
         let tasks: Vec<_> = ferry_core::sync::lock(&self.inner.tasks)
@@ -465,8 +511,7 @@ impl Server {
     /// Resolves once the server stopped: asked to, or because its log failed
     /// ([`Server::failed`] says which).
     pub async fn stopped(&self) {
-        let mut stop = self.inner.stop.subscribe();
-        let _ = stop.wait_for(|s| *s).await;
+        self.inner.stop.wait().await;
     }
 
     /// Whether the log failed (the server stopped itself).
@@ -575,12 +620,12 @@ pub enum OpenError {
 
 /// Compacts (off the runtime's threads) once the log grew by `compact_bytes` since the
 /// last compaction, or a minute passed with anything new.
-async fn compactor(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
+async fn compactor(inner: Arc<Inner>) {
     let mut failed = false;
     loop {
         tokio::select! {
             biased;
-            _ = stop.wait_for(|s| *s) => return,
+            _ = inner.stop.wait() => return,
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
         }
         let (last, at) = *ferry_core::sync::lock(&inner.compacted);
@@ -646,12 +691,12 @@ fn compact(inner: &Inner) -> Result<Compacted, CheckpointsError> {
     Ok(done)
 }
 
-async fn tick(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
+async fn tick(inner: Arc<Inner>) {
     let every = inner.settings.ping_every / 4;
     loop {
         tokio::select! {
             biased;
-            _ = stop.wait_for(|s| *s) => return,
+            _ = inner.stop.wait() => return,
             _ = tokio::time::sleep(every) => {}
         }
         let mut state = ferry_core::sync::lock(&inner.state);
@@ -660,7 +705,7 @@ async fn tick(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
         route(&mut state, now(), &inner.settings);
         // Names of sessions the table forgot go with them.
         if state.names.len() > state.conns.len() {
-            let known: std::collections::HashSet<SessionId> = state
+            let known: BTreeSet<SessionId> = state
                 .table
                 .sessions()
                 .into_iter()
@@ -673,7 +718,7 @@ async fn tick(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
 
 /// Waits for the log to make what was appended durable, then answers `Durable` to each
 /// shard's holder and sends the grants it covered.
-async fn pump(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
+async fn pump(inner: Arc<Inner>) {
     loop {
         let appended = inner.appended.notified();
         tokio::pin!(appended);
@@ -697,7 +742,7 @@ async fn pump(inner: Arc<Inner>, mut stop: watch::Receiver<bool>) {
             // Registered before `target` was read: no append since is missed.
             tokio::select! {
                 biased;
-                _ = stop.wait_for(|s| *s) => return,
+                _ = inner.stop.wait() => return,
                 _ = appended => {}
             }
         }
@@ -794,18 +839,18 @@ fn durable_lsn(inner: &Inner) -> Lsn {
 
 /// Publishes what the log made durable to the stream, one batch at a time (what the
 /// log syncs meanwhile rides the next), and answers for it once the stream has it.
-async fn replicate(inner: Arc<Inner>, mut replica: Replica, stop: watch::Receiver<bool>) {
+async fn replicate(inner: Arc<Inner>, mut replica: Replica) {
     let lost = replica.lost();
     tokio::select! {
         biased;
         why = lost => fail(&inner, &why),
-        _ = replicating(&inner, &mut replica, stop) => {}
+        _ = replicating(&inner, &mut replica) => {}
     }
     // Stopping (or deposed): a standby may take over at once.
     replica.release().await;
 }
 
-async fn replicating(inner: &Inner, replica: &mut Replica, mut stop: watch::Receiver<bool>) {
+async fn replicating(inner: &Inner, replica: &mut Replica) {
     let r = inner.replicated.as_ref().expect("replicated");
     // Where the records queued for the stream end.
     let mut queued = r.lsn.load(Relaxed);
@@ -844,7 +889,7 @@ async fn replicating(inner: &Inner, replica: &mut Replica, mut stop: watch::Rece
             Err(e) => Err(e),
             Ok(()) => tokio::select! {
                 biased;
-                _ = stop.wait_for(|s| *s) => return,
+                _ = inner.stop.wait() => return,
                 acked = replica.acked() => acked,
                 // More is durable: queue it (the acknowledgement awaited stays awaited).
                 _ = woken => continue,
@@ -858,7 +903,7 @@ async fn replicating(inner: &Inner, replica: &mut Replica, mut stop: watch::Rece
                 tracing::warn!(error = %e, "ferry flow server: the stream did not take a batch; sending what it lacks again (nothing in it is acknowledged until it does)");
                 tokio::select! {
                     biased;
-                    _ = stop.wait_for(|s| *s) => return,
+                    _ = inner.stop.wait() => return,
                     _ = tokio::time::sleep(Duration::from_millis(200)) => {}
                 }
                 replica.recover().await
@@ -890,7 +935,7 @@ fn fail(inner: &Inner, e: &dyn std::fmt::Display) {
     tracing::error!(error = %e, "ferry flow server: stopping; started again, it recovers what was durable");
     let mut state = ferry_core::sync::lock(&inner.state);
     state.failed = true;
-    let _ = inner.stop.send(true);
+    inner.stop.set();
     stop_calls(&mut state);
 }
 

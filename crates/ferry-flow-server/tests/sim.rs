@@ -1,48 +1,60 @@
 //! T10: a server, two workers and a faulty network, deterministically from one seed
 //! (docs/flow-server.md §16). One thread, tokio's clock paused (it jumps to the next
 //! timer whenever every task waits): the server's log on the simulated disk
-//! (`SimStorage`) syncing when the seed says, two workers' real connections
-//! (`Worker::connect_here`) reaching it through in-memory links that the seed delays,
-//! holds one way or both, and cuts mid-frame, and the server itself crashing (power
-//! loss or process death) and coming back. The same seed runs the same way twice
-//! (checked). The workers' clocks run 0.5% slow against the server's, inside the 1% the
-//! deadline allows for.
+//! (`Server::open_driven`) syncing when the seed says; two workers reaching it through
+//! in-memory links that the seed delays, holds one way or both, and cuts mid-frame;
+//! workers killed and coming back; the server crashing (power loss or process death)
+//! and coming back. The workers' clocks run 0.5% slow against the server's, inside the
+//! 1% the deadline allows for. The same seed runs the same way twice (checked); for
+//! that, whatever waits in the server and here wakes in a fixed order (no `watch`,
+//! whose waiters wake in a random one, no blocking pool).
 //!
-//! Each worker acts for the shards it holds as a shard's executor would: a step body
-//! (an *act*) only while the grant may act (`ShardStream::may_act`), each act appending
-//! one record; a record counts as acknowledged once the stream says it is durable.
-//! Drains are answered with a release, as the engine's holder does. At the end every
-//! fault is lifted, the shards must be held and moving again, and the server loses
-//! power once more. Invariants, from the server's log as it reopens and from the acts:
+//! Two tests, one driver ([`drive`]), at the end of which every fault is lifted, the
+//! shards must be held again and the workers must have got on, and the server loses
+//! power once more; what its log holds as it reopens is then checked.
 //!
-//! 1. Every acknowledged record is in the log at its shard and position, byte for byte.
-//! 2. No record of a shard's epoch *e* follows the grant of a later epoch, and every
-//!    record's epoch is the shard's current one (guarantee 1: fencing).
-//! 3. Each shard's positions run 0, 1, 2, … once each: a record sent again after a
-//!    cut or a restart is acknowledged, not written twice (guarantee 5).
-//! 4. Every act under epoch *e* of a shard happened before the first act under a later
-//!    epoch (guarantee 2: the old holder stops acting before anyone else may start).
+//! - **Acts** (`a_server_two_workers_and_a_faulty_network_from_one_seed`): the workers'
+//!   connections (`Worker::connect_here`) with an executor of the test's own per shard:
+//!   an *act* (a step body) every few milliseconds while the grant may act
+//!   (`ShardStream::may_act`), each appending one record. Invariants:
+//!   1. every record acknowledged durable is in the log at its shard and position,
+//!      byte for byte;
+//!   2. no record of a shard's epoch *e* follows the grant of a later epoch, and each
+//!      record's epoch is the shard's current one (guarantee 1);
+//!   3. each shard's positions run 0, 1, 2, … once each: a record sent again after a
+//!      cut or a restart is acknowledged, not written twice (guarantee 5);
+//!   4. every act under epoch *e* of a shard comes before the first under a later
+//!      epoch (guarantee 2: the old holder stops before anyone else may start).
+//! - **Runs** (`engines_on_a_server_through_a_faulty_network_from_one_seed`): engines
+//!   (`EngineBuilder::server_here`) running a workflow of four steps (each body works
+//!   up to 40 ms, a durable sleep of up to a second after it, some runs wait for a
+//!   signal), started and signalled by a client through the server. Invariants: every
+//!   run finishes with the model's result (the server's index); no step body runs
+//!   again once a later step of its run started (its result was durable), nor twice
+//!   under one epoch; 2, 3 and 4 above for step bodies.
 //!
 //! `FERRY_FLOW_SEED=N` replays one seed; `FERRY_FLOW_SEEDS=N` sets how many (default 12);
 //! `FERRY_FLOW_TRACE=1` prints each seed's trace.
 
 use ferry_core::seams::{Rng, SplitMix64};
-use ferry_flow::JournalLog;
-use ferry_flow::SimStorage;
 use ferry_flow::log::{Config as LogConfig, Log};
+use ferry_flow::remote::proto::{Call, CallKind};
 use ferry_flow::remote::worker::{
     Dialer, Event, Seams, ShardStream, Stream, Worker, WorkerSettings,
 };
+use ferry_flow::{Ctx, Engine, FlowError, JournalLog, Signal, SimStorage, Workflow};
 use ferry_flow_server::server::{Connector, Server, Settings};
 use ferry_testkit::Scratch;
 use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::rc::Rc;
+use std::sync::atomic::AtomicU64;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::watch;
+use tokio::sync::Notify;
 
 const SHARDS: u32 = 4;
 const WORKERS: usize = 2;
@@ -79,10 +91,10 @@ fn worker_clock() -> Duration {
 /// One worker's side of the network: what the seed does to its connections.
 struct Faults {
     /// Hold what the worker sends / what the server sends (true: held).
-    hold_up: watch::Sender<bool>,
-    hold_down: watch::Sender<bool>,
+    hold_up: Gate,
+    hold_down: Gate,
     /// Bumped to cut every connection of the worker.
-    cut: watch::Sender<u64>,
+    cut: Gate,
     /// Cut the next chunk the worker sends part-way (mid-frame).
     cut_mid: AtomicBool,
 }
@@ -112,18 +124,12 @@ impl Net {
         tokio::spawn(c.connection(server_end));
         let (near_r, near_w) = tokio::io::split(near);
         let (far_r, far_w) = tokio::io::split(far);
-        let f = &self.faults[w];
-        let dead = watch::channel(false).0;
+        let dead = Arc::new(Gate::default());
         let link = |up: bool| Link {
             net: self.clone(),
             w,
             up,
-            hold: if up {
-                f.hold_up.subscribe()
-            } else {
-                f.hold_down.subscribe()
-            },
-            cut: f.cut.subscribe(),
+            cuts: self.faults[w].cut.get(),
             dead: dead.clone(),
         };
         tokio::spawn(link(true).pump(near_r, far_w));
@@ -132,26 +138,60 @@ impl Net {
     }
 }
 
+/// A value that tasks wait on, waking in the order they came (tokio's `watch` wakes its
+/// waiters in an order drawn at random, which a seed could not replay).
+#[derive(Default)]
+struct Gate {
+    value: AtomicU64,
+    changed: Notify,
+}
+
+impl Gate {
+    fn get(&self) -> u64 {
+        self.value.load(Relaxed)
+    }
+
+    fn set(&self, v: u64) {
+        self.value.store(v, Relaxed);
+        self.changed.notify_waiters();
+    }
+
+    /// Resolves once `ok` holds for the value.
+    async fn until(&self, ok: impl Fn(u64) -> bool) {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if ok(self.get()) {
+                return;
+            }
+            changed.await;
+        }
+    }
+}
+
 /// One direction of one connection.
 struct Link {
     net: Arc<Net>,
     w: usize,
     up: bool,
-    hold: watch::Receiver<bool>,
-    cut: watch::Receiver<u64>,
-    /// Either direction ending ends the other.
-    dead: watch::Sender<bool>,
+    /// The worker's cuts when the connection was made: one more cuts it.
+    cuts: u64,
+    /// Either direction ending ends the other (1: ended).
+    dead: Arc<Gate>,
 }
 
 impl Link {
-    async fn pump(mut self, mut from: impl AsyncRead + Unpin, mut to: impl AsyncWrite + Unpin) {
-        let mut dead = self.dead.subscribe();
+    async fn pump(self, mut from: impl AsyncRead + Unpin, mut to: impl AsyncWrite + Unpin) {
+        let f = &self.net.faults[self.w];
+        let hold = if self.up { &f.hold_up } else { &f.hold_down };
+        let cuts = self.cuts;
         let mut buf = vec![0u8; 4096];
         loop {
             let n = tokio::select! {
                 biased;
-                _ = self.cut.changed() => break,
-                _ = dead.wait_for(|d| *d) => break,
+                _ = f.cut.until(|c| c != cuts) => break,
+                _ = self.dead.until(|d| d == 1) => break,
                 r = from.read(&mut buf) => match r {
                     Ok(0) | Err(_) => break,
                     Ok(n) => n,
@@ -161,9 +201,9 @@ impl Link {
             // TCP's retransmissions would deliver it.
             tokio::select! {
                 biased;
-                _ = self.cut.changed() => break,
-                _ = dead.wait_for(|d| *d) => break,
-                _ = self.hold.wait_for(|h| !*h) => {}
+                _ = f.cut.until(|c| c != cuts) => break,
+                _ = self.dead.until(|d| d == 1) => break,
+                _ = hold.until(|h| h == 0) => {}
             }
             let delay = {
                 let max = *self.net.delay_max.lock().unwrap();
@@ -172,7 +212,6 @@ impl Link {
             if delay > 0 {
                 tokio::time::sleep(Duration::from_millis(delay)).await;
             }
-            let f = &self.net.faults[self.w];
             if self.up && f.cut_mid.swap(false, Relaxed) {
                 let part = 1 + self.net.below(n as u64) as usize;
                 let _ = to.write_all(&buf[..part.min(n)]).await;
@@ -182,22 +221,47 @@ impl Link {
                 break;
             }
         }
-        let _ = self.dead.send(true);
+        self.dead.set(1);
         let _ = to.shutdown().await;
     }
 }
 
-/// An act: worker, shard, epoch, ms of tokio time since the start.
-type Act = (usize, u32, u64, u64);
+/// A worker connecting: it, or why not.
+type Connect<W> = std::pin::Pin<Box<dyn std::future::Future<Output = Result<W, String>>>>;
 
-/// A record the workers were told is durable: shard, position, bytes.
-type Acked = (u32, u64, Vec<u8>);
+/// What the workers run, on top of the faults and the server that [`drive`] plays:
+/// their connections' own acts ([`Acts`]) or engines with workflows ([`Runs`]).
+trait Side {
+    type Worker: 'static;
+    /// A worker of the net, connected (or why not: it tries again later).
+    fn connect(net: Arc<Net>, w: usize, session: u128) -> Connect<Self::Worker>;
+    /// One millisecond of the workers' life.
+    fn tick(
+        &mut self,
+        now: u64,
+        workers: &[Option<Self::Worker>],
+        server: Option<&Server>,
+        rng: &mut SplitMix64,
+        trace: &mut Vec<String>,
+    );
+    /// At the end, healed, the server still up: whether the workers got on.
+    fn healed(&mut self, server: &Server) -> Result<(), String>;
+    /// Against the server's log, read back after a last power loss.
+    fn check(&self, log: &ServerLog, broken: &mut Vec<String>, trace: &mut Vec<String>);
+}
 
-/// A record appended and not yet acknowledged.
-struct Pending {
-    stream: Arc<ShardStream>,
-    end: u64,
-    bytes: Vec<u8>,
+/// The server's log as it reopened, by shard.
+#[derive(Default)]
+struct ServerLog {
+    shards: BTreeMap<u32, ShardLog>,
+    records: u64,
+}
+
+/// One shard's records in the log: each one's epoch, kind and bytes, by position.
+#[derive(Default)]
+struct ShardLog {
+    epoch: u64,
+    records: Vec<(u64, u8, Vec<u8>)>,
 }
 
 /// What a simulation leaves: its trace (compared between two runs of a seed).
@@ -207,9 +271,8 @@ struct Outcome {
     records: u64,
 }
 
-#[test]
-fn a_server_two_workers_and_a_faulty_network_from_one_seed() {
-    let seeds: Vec<u64> = match std::env::var("FERRY_FLOW_SEED") {
+fn seeds() -> Vec<u64> {
+    match std::env::var("FERRY_FLOW_SEED") {
         Ok(s) => vec![s.parse().expect("FERRY_FLOW_SEED is a number")],
         Err(_) => {
             let n = std::env::var("FERRY_FLOW_SEEDS")
@@ -218,12 +281,15 @@ fn a_server_two_workers_and_a_faulty_network_from_one_seed() {
                 .unwrap_or(12u64);
             (1..=n).collect()
         }
-    };
+    }
+}
+
+/// Every seed, the first two twice (the same seed must run the same way).
+fn each_seed(name: &str, run: impl Fn(u64) -> Result<Outcome, String>) {
     let mut failed = Vec::new();
-    for &seed in &seeds {
+    for seed in seeds() {
         match run(seed) {
             Ok(a) => {
-                // The first seeds run twice: the same seed must run the same way.
                 if seed <= 2 {
                     let b = run(seed).unwrap_or_else(|e| panic!("seed {seed}, second run: {e}"));
                     assert_eq!(a, b, "seed {seed}: two runs differ");
@@ -234,7 +300,7 @@ fn a_server_two_workers_and_a_faulty_network_from_one_seed() {
                     }
                 }
                 eprintln!(
-                    "seed {seed}: {} records, {} trace lines",
+                    "{name} seed {seed}: {} records, {} trace lines",
                     a.records,
                     a.trace.len()
                 );
@@ -250,16 +316,20 @@ fn a_server_two_workers_and_a_faulty_network_from_one_seed() {
     );
 }
 
-fn run(seed: u64) -> Result<Outcome, String> {
+/// Run `side` under seed `seed`: one thread, tokio's clock paused.
+fn run<S: Side>(seed: u64, side: S) -> Result<Outcome, String> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
         .build()
         .unwrap();
     let scratch = Scratch::new(&format!("flow-server-sim-{seed}"));
-    rt.block_on(async {
+    let local = tokio::task::LocalSet::new();
+    local.block_on(&rt, async {
         BASE.with(|b| b.set(Some(tokio::time::Instant::now().into_std())));
-        match tokio::time::timeout(Duration::from_secs(600), simulate(seed, scratch.path())).await {
+        match tokio::time::timeout(Duration::from_secs(600), drive(seed, scratch.path(), side))
+            .await
+        {
             Ok(r) => r,
             Err(_) => Err("stuck: 600 s of tokio time".into()),
         }
@@ -274,24 +344,25 @@ fn open_server(dir: &Path, storage: &Arc<SimStorage>) -> Result<Server, String> 
     Ok(server)
 }
 
-/// A worker of the net, its connection a task on this runtime.
-async fn connect(net: &Arc<Net>, w: usize, session: u128) -> Option<Worker> {
-    let n = net.clone();
+/// The seams of worker `w` of `net`.
+fn seams(net: Arc<Net>, w: usize, session: u128) -> Seams {
     let dial: Dialer = Arc::new(move || {
-        let n = n.clone();
+        let n = net.clone();
         Box::pin(async move { n.dial(w) })
     });
-    let seams = Seams {
+    Seams {
         dial,
         clock: worker_clock,
         session,
-    };
-    let mut s = WorkerSettings::new("sim");
-    s.name = format!("worker {w}");
-    Worker::connect_here(s, seams).await.ok()
+    }
 }
 
-async fn simulate(seed: u64, dir: &Path) -> Result<Outcome, String> {
+/// A worker's connection being made.
+type Connecting<S> = tokio::task::JoinHandle<Result<<S as Side>::Worker, String>>;
+
+/// The faults, the server's life and its disk, and the workers' comings and goings,
+/// from `seed`; `side` does the rest.
+async fn drive<S: Side>(seed: u64, dir: &Path, mut side: S) -> Result<Outcome, String> {
     let mut rng = SplitMix64::seeded(seed);
     let t0 = tokio::time::Instant::now();
     let ms = || t0.elapsed().as_millis() as u64;
@@ -300,9 +371,9 @@ async fn simulate(seed: u64, dir: &Path) -> Result<Outcome, String> {
         server: Mutex::new(None),
         faults: (0..WORKERS)
             .map(|_| Faults {
-                hold_up: watch::channel(false).0,
-                hold_down: watch::channel(false).0,
-                cut: watch::channel(0).0,
+                hold_up: Gate::default(),
+                hold_down: Gate::default(),
+                cut: Gate::default(),
                 cut_mid: AtomicBool::new(false),
             })
             .collect(),
@@ -312,30 +383,20 @@ async fn simulate(seed: u64, dir: &Path) -> Result<Outcome, String> {
     let mut server = Some(open_server(dir, &storage)?);
     *net.server.lock().unwrap() = server.as_ref().map(Server::connector);
     let mut server_back_at = 0u64;
-
     let mut trace: Vec<String> = Vec::new();
-    let mut acts: Vec<Act> = Vec::new();
-    let mut acked: Vec<Acked> = Vec::new();
-    let mut pending: Vec<Pending> = Vec::new();
-    // Each worker: its connection (None while killed) and when it comes back.
-    let mut workers: Vec<Option<Worker>> = Vec::new();
-    let mut back_at = [0u64; WORKERS];
     let mut sessions = 0u128;
     let mut session = |rng: &mut SplitMix64| {
         sessions += 1;
         (u128::from(rng.next_u64()) << 64) | sessions
     };
-    workers.push(connect(&net, 0, session(&mut rng)).await);
-    workers.push(None);
-    // Connections being made (a held network can keep one waiting for its welcome).
-    let mut connecting: Vec<Option<tokio::task::JoinHandle<Option<Worker>>>> =
-        (0..WORKERS).map(|_| None).collect();
+    // Each worker: connected (None while killed or connecting), when it comes back,
+    // and its connection being made (a held network can keep one waiting).
+    let mut workers: Vec<Option<S::Worker>> = (0..WORKERS).map(|_| None).collect();
+    let mut back_at = [1u64; WORKERS];
     // The second worker joins later: the server rebalances.
     back_at[1] = 1000 + rng.below(3000);
-    // When each hold lifts.
+    let mut connecting: Vec<Option<Connecting<S>>> = (0..WORKERS).map(|_| None).collect();
     let mut holds_until = [0u64; WORKERS];
-    let mut acts_n = 0u64;
-    let mut acked_at_heal = 0;
 
     let end = (FAULTY + HEALED).as_millis() as u64;
     let faulty = FAULTY.as_millis() as u64;
@@ -345,14 +406,13 @@ async fn simulate(seed: u64, dir: &Path) -> Result<Outcome, String> {
         if now >= end {
             break;
         }
-        // Faults, while they strike.
         if now < faulty {
             for w in 0..WORKERS {
                 let f = &net.faults[w];
                 match rng.below(12_000) {
                     0..=3 => {
                         trace.push(format!("{now} cut {w}"));
-                        f.cut.send_modify(|c| *c += 1);
+                        f.cut.set(f.cut.get() + 1);
                     }
                     4..=6 => {
                         trace.push(format!("{now} cut mid-frame {w}"));
@@ -369,8 +429,8 @@ async fn simulate(seed: u64, dir: &Path) -> Result<Outcome, String> {
                             "{now} hold {w} up {up} down {down} until {}",
                             holds_until[w]
                         ));
-                        f.hold_up.send_replace(up);
-                        f.hold_down.send_replace(down);
+                        f.hold_up.set(u64::from(up));
+                        f.hold_down.set(u64::from(down));
                     }
                     10 if workers[w].is_some() => {
                         // The worker's process dies: its connection goes with it.
@@ -406,43 +466,42 @@ async fn simulate(seed: u64, dir: &Path) -> Result<Outcome, String> {
         } else if now == faulty {
             trace.push(format!("{now} every fault lifted"));
             for f in &net.faults {
-                f.hold_up.send_replace(false);
-                f.hold_down.send_replace(false);
+                f.hold_up.set(0);
+                f.hold_down.set(0);
                 f.cut_mid.store(false, Relaxed);
             }
-            acked_at_heal = acked.len();
             *net.delay_max.lock().unwrap() = 0;
         }
         for (w, until) in holds_until.iter_mut().enumerate() {
             if *until != 0 && now >= *until {
                 *until = 0;
-                net.faults[w].hold_up.send_replace(false);
-                net.faults[w].hold_down.send_replace(false);
+                net.faults[w].hold_up.set(0);
+                net.faults[w].hold_down.set(0);
             }
         }
-        // The server comes back.
         if server.is_none() && now >= server_back_at {
             trace.push(format!("{now} server back"));
             let s = open_server(dir, &storage)?;
             *net.server.lock().unwrap() = Some(s.connector());
             server = Some(s);
         }
-        // Workers come back.
         for w in 0..WORKERS {
             if workers[w].is_none() && back_at[w] != 0 && now >= back_at[w] {
                 back_at[w] = 0;
-                let (n, s) = (net.clone(), session(&mut rng));
-                connecting[w] = Some(tokio::spawn(async move { connect(&n, w, s).await }));
+                let s = session(&mut rng);
+                connecting[w] = Some(tokio::task::spawn_local(S::connect(net.clone(), w, s)));
             }
             if connecting[w].as_ref().is_some_and(|c| c.is_finished()) {
                 let c = connecting[w].take().expect("finished");
-                workers[w] = c.await.expect("a connect does not panic");
-                trace.push(format!(
-                    "{now} worker {w} connects: {}",
-                    workers[w].is_some()
-                ));
-                if workers[w].is_none() {
-                    back_at[w] = now + 200;
+                match c.await.expect("a connect does not panic") {
+                    Ok(worker) => {
+                        trace.push(format!("{now} worker {w} connects"));
+                        workers[w] = Some(worker);
+                    }
+                    Err(e) => {
+                        trace.push(format!("{now} worker {w} does not connect: {e}"));
+                        back_at[w] = now + 200;
+                    }
                 }
             }
         }
@@ -452,7 +511,149 @@ async fn simulate(seed: u64, dir: &Path) -> Result<Outcome, String> {
         {
             s.write_log();
         }
-        // The workers' executors.
+        side.tick(now, &workers, server.as_ref(), &mut rng, &mut trace);
+    }
+
+    // Healed for a while: every shard must be held, and the workers got on.
+    let server = server.ok_or("the server is not back at the end")?;
+    let held = server.holders();
+    if held.iter().any(|(_, h)| h.is_none()) {
+        return Err(format!(
+            "healed for {HEALED:?}, shards are still free: {held:?}"
+        ));
+    }
+    side.healed(&server)?;
+    trace.push(format!(
+        "epochs at the end: {:?}",
+        held.iter().map(|h| h.0).collect::<Vec<_>>()
+    ));
+
+    // The server loses power once more; its log, read back, is the truth.
+    *net.server.lock().unwrap() = None;
+    storage.halt();
+    server.write_log();
+    server.shutdown().await;
+    drop(workers);
+    storage.crash();
+    let st: Arc<dyn ferry_flow::log::Storage> = storage.clone();
+    let (log, _) =
+        Log::open_driven(st, LogConfig::default()).map_err(|e| format!("reopen: {e}"))?;
+    let mut back = ServerLog::default();
+    let mut broken = Vec::new();
+    log.read(log.start_lsn(), |r| {
+        let p = r.payload;
+        let shard = || u32::from_be_bytes(p[0..4].try_into().unwrap());
+        let epoch = || u64::from_be_bytes(p[4..12].try_into().unwrap());
+        match r.kind {
+            3 => {
+                let (shard, epoch) = (shard(), epoch());
+                let s = back.shards.entry(shard).or_default();
+                if epoch <= s.epoch {
+                    broken.push(format!(
+                        "shard {shard}: epoch {epoch} granted after {}",
+                        s.epoch
+                    ));
+                }
+                s.epoch = epoch;
+            }
+            2 => {
+                back.records += 1;
+                let (shard, epoch) = (shard(), epoch());
+                let position = u64::from_be_bytes(p[12..20].try_into().unwrap());
+                let s = back.shards.entry(shard).or_default();
+                if epoch != s.epoch {
+                    broken.push(format!(
+                        "shard {shard}: a record of epoch {epoch} at position {position} while epoch {} holds it (invariant 2)",
+                        s.epoch
+                    ));
+                }
+                if position != s.records.len() as u64 {
+                    broken.push(format!(
+                        "shard {shard}: position {position} where {} was next (invariant 3)",
+                        s.records.len()
+                    ));
+                }
+                s.records.push((epoch, p[20], p[21..].to_vec()));
+            }
+            _ => {}
+        }
+    })
+    .map_err(|e| format!("reading the log back: {e}"))?;
+    side.check(&back, &mut broken, &mut trace);
+    broken.truncate(10);
+    if !broken.is_empty() {
+        return Err(broken.join("\n"));
+    }
+    Ok(Outcome {
+        trace,
+        records: back.records,
+    })
+}
+
+/// Per shard, the acts (or step bodies) of an epoch all come before the first of a
+/// later epoch (invariant 4). `acts`: shard, epoch, ms.
+fn epochs_never_overlap(acts: &[(u32, u64, u64)], broken: &mut Vec<String>) {
+    let mut last_of: BTreeMap<(u32, u64), u64> = BTreeMap::new();
+    let mut first_of: BTreeMap<(u32, u64), u64> = BTreeMap::new();
+    for &(shard, epoch, at) in acts {
+        last_of.insert((shard, epoch), at);
+        first_of.entry((shard, epoch)).or_insert(at);
+    }
+    for (&(shard, epoch), &last) in &last_of {
+        if let Some((&(_, later), &first)) = first_of
+            .range((shard, epoch + 1)..(shard + 1, 0))
+            .find(|(_, first)| **first <= last)
+        {
+            broken.push(format!(
+                "shard {shard}: epoch {epoch} acted at {last} ms, epoch {later} already at {first} ms (invariant 4)"
+            ));
+        }
+    }
+}
+
+/// The workers' connections with an executor of the test's own per shard: an act
+/// (a step body) only while the grant may act, each appending one record.
+#[derive(Default)]
+struct Acts {
+    /// Shard, epoch, ms.
+    acts: Vec<(u32, u64, u64)>,
+    /// Records the workers were told are durable: shard, position, bytes.
+    acked: Vec<(u32, u64, Vec<u8>)>,
+    pending: Vec<Pending>,
+    acked_at_heal: Option<usize>,
+}
+
+/// A record appended and not yet acknowledged.
+struct Pending {
+    stream: Arc<ShardStream>,
+    end: u64,
+    bytes: Vec<u8>,
+}
+
+impl Side for Acts {
+    type Worker = Worker;
+
+    fn connect(net: Arc<Net>, w: usize, session: u128) -> Connect<Worker> {
+        Box::pin(async move {
+            let mut s = WorkerSettings::new("sim");
+            s.name = format!("worker {w}");
+            Worker::connect_here(s, seams(net, w, session))
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+
+    fn tick(
+        &mut self,
+        now: u64,
+        workers: &[Option<Worker>],
+        _server: Option<&Server>,
+        rng: &mut SplitMix64,
+        trace: &mut Vec<String>,
+    ) {
+        if now >= FAULTY.as_millis() as u64 && self.acked_at_heal.is_none() {
+            self.acked_at_heal = Some(self.acked.len());
+        }
         for (w, worker) in workers.iter().enumerate() {
             let Some(worker) = worker else { continue };
             while let Some(e) = worker.next_event(Duration::ZERO) {
@@ -470,11 +671,10 @@ async fn simulate(seed: u64, dir: &Path) -> Result<Outcome, String> {
                     continue;
                 }
                 let epoch = stream.epoch();
-                acts_n += 1;
-                acts.push((w, shard, epoch, now));
-                let bytes = format!("w{w} s{shard} e{epoch} #{acts_n}").into_bytes();
+                self.acts.push((shard, epoch, now));
+                let bytes = format!("w{w} s{shard} e{epoch} #{}", self.acts.len()).into_bytes();
                 match stream.append(ACT, &bytes) {
-                    Ok(end) => pending.push(Pending {
+                    Ok(end) => self.pending.push(Pending {
                         stream: stream.clone(),
                         end,
                         bytes,
@@ -483,7 +683,8 @@ async fn simulate(seed: u64, dir: &Path) -> Result<Outcome, String> {
                 }
             }
         }
-        pending.retain(|p| {
+        let acked = &mut self.acked;
+        self.pending.retain(|p| {
             if p.stream.durable_lsn() >= p.end {
                 acked.push((p.stream.shard(), p.end - 1, p.bytes.clone()));
                 false
@@ -493,113 +694,253 @@ async fn simulate(seed: u64, dir: &Path) -> Result<Outcome, String> {
         });
     }
 
-    // Healed for a while: every shard must be held and moving.
-    let server = server.ok_or("the server is not back at the end")?;
-    let held = server.holders();
-    if held.iter().any(|(_, h)| h.is_none()) {
-        return Err(format!(
-            "healed for {HEALED:?}, shards are still free: {held:?}"
-        ));
+    fn healed(&mut self, _server: &Server) -> Result<(), String> {
+        if Some(self.acked.len()) == self.acked_at_heal {
+            return Err(format!(
+                "healed for {HEALED:?}, nothing more was acknowledged"
+            ));
+        }
+        Ok(())
     }
-    if acked.len() == acked_at_heal {
-        return Err(format!(
-            "healed for {HEALED:?}, nothing more was acknowledged"
-        ));
-    }
-    trace.push(format!("held at the end: {held:?}"));
 
-    // The server loses power once more; its log, read back, is the truth.
-    *net.server.lock().unwrap() = None;
-    storage.halt();
-    server.write_log();
-    server.shutdown().await;
-    drop(workers);
-    storage.crash();
-    let st: Arc<dyn ferry_flow::log::Storage> = storage.clone();
-    let (log, _) =
-        Log::open_driven(st, LogConfig::default()).map_err(|e| format!("reopen: {e}"))?;
-    let mut shards: BTreeMap<u32, ShardLog> = BTreeMap::new();
-    let mut records = 0u64;
-    let mut broken = Vec::new();
-    log.read(log.start_lsn(), |r| {
-        let p = r.payload;
-        match r.kind {
-            3 => {
-                let shard = u32::from_be_bytes(p[0..4].try_into().unwrap());
-                let epoch = u64::from_be_bytes(p[4..12].try_into().unwrap());
-                let s = shards.entry(shard).or_default();
-                if epoch <= s.epoch && s.epoch != 0 {
-                    broken.push(format!("shard {shard}: epoch {epoch} granted after {}", s.epoch));
-                }
-                s.epoch = epoch;
+    fn check(&self, log: &ServerLog, broken: &mut Vec<String>, trace: &mut Vec<String>) {
+        for (shard, position, bytes) in &self.acked {
+            let found = log
+                .shards
+                .get(shard)
+                .and_then(|s| s.records.get(*position as usize))
+                .map(|r| &r.2);
+            if found != Some(bytes) {
+                broken.push(format!(
+                    "shard {shard}: acknowledged {:?} at position {position}, the log has {:?} (invariant 1)",
+                    String::from_utf8_lossy(bytes),
+                    found.map(|b| String::from_utf8_lossy(b).to_string())
+                ));
             }
-            2 => {
-                records += 1;
-                let shard = u32::from_be_bytes(p[0..4].try_into().unwrap());
-                let epoch = u64::from_be_bytes(p[4..12].try_into().unwrap());
-                let position = u64::from_be_bytes(p[12..20].try_into().unwrap());
-                let s = shards.entry(shard).or_default();
-                if epoch != s.epoch {
-                    broken.push(format!(
-                        "shard {shard}: a record of epoch {epoch} at position {position} while epoch {} holds it (invariant 2)",
-                        s.epoch
-                    ));
-                }
-                if position != s.records.len() as u64 {
-                    broken.push(format!(
-                        "shard {shard}: position {position} where {} was next (invariant 3)",
-                        s.records.len()
-                    ));
-                }
-                s.records.push(p[21..].to_vec());
-            }
-            _ => {}
         }
-    })
-    .map_err(|e| format!("reading the log back: {e}"))?;
-    for (shard, position, bytes) in &acked {
-        let found = shards
-            .get(shard)
-            .and_then(|s| s.records.get(*position as usize));
-        if found != Some(bytes) {
-            broken.push(format!(
-                "shard {shard}: acknowledged {:?} at position {position}, the log has {:?} (invariant 1)",
-                String::from_utf8_lossy(bytes),
-                found.map(|b| String::from_utf8_lossy(b).to_string())
-            ));
-        }
+        epochs_never_overlap(&self.acts, broken);
+        trace.push(format!(
+            "{} acts, {} acknowledged",
+            self.acts.len(),
+            self.acked.len()
+        ));
     }
-    // Invariant 4: per shard, acts by epoch never interleave in time.
-    let mut last_of: BTreeMap<(u32, u64), u64> = BTreeMap::new();
-    let mut first_of: BTreeMap<(u32, u64), u64> = BTreeMap::new();
-    for &(_, shard, epoch, at) in &acts {
-        last_of.insert((shard, epoch), at);
-        first_of.entry((shard, epoch)).or_insert(at);
-    }
-    for (&(shard, epoch), &last) in &last_of {
-        if let Some((&(_, later), &first)) = first_of
-            .range((shard, epoch + 1)..(shard + 1, 0))
-            .find(|(_, first)| **first <= last)
-        {
-            broken.push(format!(
-                "shard {shard}: epoch {epoch} acted at {last} ms, epoch {later} already at {first} ms (invariant 4)"
-            ));
-        }
-    }
-    broken.truncate(10);
-    if !broken.is_empty() {
-        return Err(broken.join("\n"));
-    }
-    trace.push(format!(
-        "{} acts, {} acknowledged, {records} records",
-        acts.len(),
-        acked.len()
-    ));
-    Ok(Outcome { trace, records })
 }
 
+#[test]
+fn a_server_two_workers_and_a_faulty_network_from_one_seed() {
+    each_seed("acts", |seed| run(seed, Acts::default()));
+}
+
+static CHAIN: Workflow<u32, u32> = Workflow::new("chain");
+static BONUS: Signal<u32> = Signal::new("bonus");
+const STEPS: u32 = 4;
+/// Runs started, one every 300 ms of the faulty part.
+const RUNS: u32 = 40;
+
+/// Runs with n % 4 == 2 wait for a signal (the value 1000) after their second step.
+fn want(n: u32) -> u32 {
+    (0..STEPS).fold(n, |acc, step| {
+        let acc = acc * 3 + 1;
+        if step == 1 && n % 4 == 2 {
+            acc + 1000
+        } else {
+            acc
+        }
+    })
+}
+
+thread_local! {
+    /// Every step body that ran: run, step, the epoch it ran under, ms.
+    static LEDGER: std::cell::RefCell<Vec<(String, u32, u64, u64)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+fn sim_ms() -> u64 {
+    let base = BASE.with(|b| b.get()).expect("the simulation set its base");
+    (tokio::time::Instant::now().into_std() - base).as_millis() as u64
+}
+
+/// The engines' clock: tokio's.
+struct SimClock;
+
+impl ferry_core::seams::Clock for SimClock {
+    fn now(&self) -> std::time::Instant {
+        tokio::time::Instant::now().into_std()
+    }
+    fn wall_ms(&self) -> u64 {
+        1_800_000_000_000 + sim_ms()
+    }
+}
+
+/// A run lives for seconds, so that faults strike while many are under way: each step
+/// body works for up to 40 ms (a lease may run out meanwhile), and a durable sleep of
+/// up to a second follows it.
+async fn chain(ctx: Ctx, n: u32) -> Result<u32, FlowError> {
+    let mut acc = n;
+    for step in 0..STEPS {
+        let run = ctx.run_id().to_string();
+        let works = u64::from((n * 7 + step * 13) % 41);
+        acc = ctx
+            .step(&format!("s{step}"), move |s| {
+                let epoch = s.epoch().unwrap_or(0);
+                LEDGER.with(|l| l.borrow_mut().push((run.clone(), step, epoch, sim_ms())));
+                async move {
+                    tokio::time::sleep(Duration::from_millis(works)).await;
+                    Ok(acc * 3 + 1)
+                }
+            })
+            .await?;
+        ctx.sleep(Duration::from_millis(u64::from(
+            (n * 37 + step * 101) % 1000,
+        )))
+        .await?;
+        if step == 1 && n % 4 == 2 {
+            acc += ctx.wait_for(BONUS, None).await?.unwrap_or(0);
+        }
+    }
+    Ok(acc)
+}
+
+/// Engines as the server's workers, with the workflow above; starts and signals come
+/// from a client of the server (they reach the holder whoever it is).
 #[derive(Default)]
-struct ShardLog {
-    epoch: u64,
-    records: Vec<Vec<u8>>,
+struct Runs {
+    /// Per run: its start, and (if it waits for one) its signal.
+    started: BTreeMap<u32, Rc<Cell<Asked>>>,
+    signalled: BTreeMap<u32, Rc<Cell<Asked>>>,
+}
+
+/// Where a call through the server stands.
+#[derive(Clone, Copy, Default, PartialEq)]
+enum Asked {
+    /// Not asked, or refused (ask again).
+    #[default]
+    Not,
+    Waiting,
+    Done,
+}
+
+/// A call through the server; whether it was answered Ok goes to `asked`.
+fn call(server: &Server, kind: CallKind, key: String, asked: &Rc<Cell<Asked>>) {
+    asked.set(Asked::Waiting);
+    let answer = server.call(Call { kind, key });
+    let asked = asked.clone();
+    tokio::task::spawn_local(async move {
+        let ok = matches!(answer.await, Ok(ferry_flow::remote::proto::Outcome::Ok(_)));
+        asked.set(if ok { Asked::Done } else { Asked::Not });
+    });
+}
+
+impl Side for Runs {
+    type Worker = Engine;
+
+    fn connect(net: Arc<Net>, w: usize, session: u128) -> Connect<Engine> {
+        Box::pin(async move {
+            Engine::builder(format!("/nonexistent/worker-{w}"))
+                .server_here(seams(net, w, session))
+                .clock(Arc::new(SimClock))
+                .register(CHAIN, chain)
+                .open_here()
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+
+    fn tick(
+        &mut self,
+        now: u64,
+        _workers: &[Option<Engine>],
+        server: Option<&Server>,
+        _rng: &mut SplitMix64,
+        _trace: &mut Vec<String>,
+    ) {
+        let Some(server) = server else { return };
+        if !now.is_multiple_of(20) {
+            return;
+        }
+        for n in 0..RUNS.min((now / 300) as u32 + 1) {
+            let id = format!("r{n}");
+            let started = self.started.entry(n).or_default();
+            if started.get() == Asked::Not {
+                let kind = CallKind::Start {
+                    workflow: CHAIN.name().into(),
+                    id: id.clone(),
+                    input: serde_json::to_vec(&n).unwrap(),
+                };
+                call(server, kind, id.clone(), started);
+            }
+            if n % 4 == 2 && started.get() == Asked::Done {
+                let signalled = self.signalled.entry(n).or_default();
+                if signalled.get() == Asked::Not {
+                    let kind = CallKind::Signal {
+                        id: id.clone(),
+                        name: BONUS.name().into(),
+                        value: serde_json::to_vec(&1000u32).unwrap(),
+                    };
+                    call(server, kind, format!("bonus/{id}"), signalled);
+                }
+            }
+        }
+    }
+
+    fn healed(&mut self, server: &Server) -> Result<(), String> {
+        for n in 0..RUNS {
+            let id = format!("r{n}");
+            let run = server
+                .run(&id)
+                .ok_or_else(|| format!("run {id} was never started"))?;
+            let want = serde_json::json!(want(n));
+            if run.state != "finished" || run.detail.as_ref() != Some(&want) {
+                return Err(format!(
+                    "run {id} is {} with {:?} at the end, want finished with {want}",
+                    run.state, run.detail
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn check(&self, _log: &ServerLog, broken: &mut Vec<String>, trace: &mut Vec<String>) {
+        let ledger = LEDGER.with(|l| std::mem::take(&mut *l.borrow_mut()));
+        // A step whose result was durable never runs again: once a later step of its
+        // run started (which waited for that durability), no earlier step runs; and no
+        // step runs twice under one epoch.
+        let mut furthest: BTreeMap<&str, u32> = BTreeMap::new();
+        let mut seen: BTreeMap<(&str, u32, u64), u64> = BTreeMap::new();
+        for (run, step, epoch, at) in &ledger {
+            let f = furthest.entry(run).or_insert(*step);
+            if *step < *f {
+                broken.push(format!(
+                    "run {run}: step s{step} ran at {at} ms, after s{f} had started"
+                ));
+            }
+            *f = (*f).max(*step);
+            if let Some(first) = seen.insert((run, *step, *epoch), *at) {
+                broken.push(format!(
+                    "run {run}: step s{step} ran twice under epoch {epoch}, at {first} and {at} ms"
+                ));
+            }
+        }
+        let acts: Vec<(u32, u64, u64)> = ledger
+            .iter()
+            .map(|(run, _, epoch, at)| (ferry_flow::shard_of(run, SHARDS), *epoch, *at))
+            .collect();
+        epochs_never_overlap(&acts, broken);
+        for (run, step, epoch, at) in &ledger {
+            trace.push(format!("{at} {run} s{step} e{epoch}"));
+        }
+        trace.push(format!("{} step bodies ran", ledger.len()));
+    }
+}
+
+/// The same faults under engines running workflows: every run started through the
+/// server finishes with the model's result, no step whose result was durable runs
+/// again, and a shard's step bodies under one epoch end before the next epoch's start.
+#[test]
+fn engines_on_a_server_through_a_faulty_network_from_one_seed() {
+    each_seed("runs", |seed| {
+        LEDGER.with(|l| l.borrow_mut().clear());
+        run(seed, Runs::default())
+    });
 }

@@ -46,13 +46,8 @@ async fn granted(w: &Arc<Worker>, n: usize) -> Vec<(u32, u64)> {
 /// Every record of the shard, read back through the stream (pages from the server).
 async fn read_back(w: &Arc<Worker>, shard: u32) -> Vec<Vec<u8>> {
     let s = w.stream(shard).unwrap();
-    tokio::task::spawn_blocking(move || {
-        let mut out = Vec::new();
-        s.read(0, &mut |r| out.push(r.payload.to_vec())).unwrap();
-        out
-    })
-    .await
-    .unwrap()
+    let records = s.records(0).await.unwrap();
+    records.into_iter().map(|r| r.bytes).collect()
 }
 
 /// Guards §6: a shard's records go to the server as they are appended, a wait resolves

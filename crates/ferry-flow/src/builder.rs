@@ -12,7 +12,7 @@ use crate::journal_log::{Failure, JournalLog, Watched};
 use crate::metrics::Counters;
 use crate::recovery::{Journaled, journaled, recover_run};
 use crate::registry::RunEntry;
-use crate::remote::worker::{Worker, WorkerSettings};
+use crate::remote::worker::{Seams, Worker, WorkerSettings};
 use crate::shard::{Shard, disk};
 use crate::shared::{Lane, Shared};
 use crate::upkeep::{Admin, Compaction};
@@ -58,6 +58,8 @@ pub struct EngineBuilder {
     /// `server_token` and `max_shards`, kept for `server` in whichever order they come.
     server_token: String,
     max_shards: u32,
+    /// A simulated server's worker ([`EngineBuilder::server_here`]).
+    server_seams: Option<Seams>,
 }
 
 /// The most shards an engine runs (each is a thread).
@@ -174,6 +176,35 @@ impl EngineBuilder {
     }
 
     /// With [`EngineBuilder::server`]: the token the server asks for (its `--token`).
+    /// Be a server's worker on the caller's thread, for a deterministic simulation
+    /// (the server's `tests/sim.rs`): the connection reaches the server through
+    /// `seams.dial` and keeps deadlines on `seams.clock`; the holder, the shards and
+    /// the calls are tasks of the caller's `LocalSet`. Open with
+    /// [`EngineBuilder::open_here`]. Dropping the engine is then a kill: nothing is
+    /// handed back.
+    pub fn server_here(mut self, seams: Seams) -> Self {
+        self.server = Some(WorkerSettings::new("simulated"));
+        self.server_seams = Some(seams);
+        self
+    }
+
+    /// Open a [`EngineBuilder::server_here`] worker: once the server welcomed it.
+    pub async fn open_here(mut self) -> Result<Engine, FlowError> {
+        self.storage_is_files = false;
+        self.check()?;
+        let (Some(mut settings), Some(seams)) = (self.server.take(), self.server_seams.take())
+        else {
+            return Err(FlowError::Invalid(
+                "open_here opens a worker made with server_here".into(),
+            ));
+        };
+        settings.token = self.server_token.clone();
+        settings.max_shards = self.max_shards;
+        let seed = seams.session as u64;
+        let worker = Worker::connect_here(settings, seams).await?;
+        self.worker_engine(worker, Some(seed))
+    }
+
     pub fn server_token(mut self, token: impl Into<String>) -> Self {
         self.server_token = token.into();
         self
@@ -322,6 +353,11 @@ impl EngineBuilder {
         self.storage_is_files =
             self.storage.is_none() && self.journal.is_none() && self.server.is_none();
         self.check()?;
+        if self.server_seams.is_some() {
+            return Err(FlowError::Invalid(
+                "a worker made with server_here opens with open_here".into(),
+            ));
+        }
         if let Some(settings) = self.server.take() {
             return self.open_worker(settings);
         }
@@ -502,6 +538,12 @@ impl EngineBuilder {
         settings.token = self.server_token.clone();
         settings.max_shards = self.max_shards;
         let worker = Worker::connect(settings)?;
+        self.worker_engine(worker, None)
+    }
+
+    /// The engine over a connected worker; `here`: on the caller's thread, its draws
+    /// from this seed.
+    fn worker_engine(self, worker: Worker, here: Option<u64>) -> Result<Engine, FlowError> {
         let shards = worker.shards() as usize;
         let running = self.max_running;
         let shared = Arc::new_cyclic(|me| Shared {
@@ -516,8 +558,11 @@ impl EngineBuilder {
             handlers: self.handlers,
             limits: self.limits,
             clock: self.clock,
-            rng: Mutex::new(SplitMix64::from_entropy()),
-            here: None,
+            rng: Mutex::new(match here {
+                Some(seed) => SplitMix64::seeded(seed),
+                None => SplitMix64::from_entropy(),
+            }),
+            here: here.map(|_| Mutex::new(Vec::new())),
             counters: Counters::default(),
             failure: Arc::new(Failure::default()),
             on_server: true,
@@ -536,13 +581,18 @@ impl EngineBuilder {
                 source: Arc::new(e),
             }
         })?;
-        crate::calls::serve(Arc::downgrade(&shared), calls, caller.clone()).map_err(|e| {
-            FlowError::Io {
-                what: "start the thread that answers calls for",
-                path: self.dir.clone(),
-                source: Arc::new(e),
-            }
-        })?;
+        if here.is_some() {
+            let answering = crate::calls::answer_calls(Arc::downgrade(&shared), calls, caller);
+            shared.spawn_here(answering);
+        } else {
+            crate::calls::serve(Arc::downgrade(&shared), calls, caller).map_err(|e| {
+                FlowError::Io {
+                    what: "start the thread that answers calls for",
+                    path: self.dir.clone(),
+                    source: Arc::new(e),
+                }
+            })?;
+        }
         Ok(Engine {
             shared,
             shards: Vec::new(),
@@ -578,6 +628,7 @@ impl Engine {
             on_this_thread: None,
             server: None,
             server_token: String::new(),
+            server_seams: None,
             max_shards: 0,
         }
     }

@@ -18,10 +18,11 @@ use serde::de::DeserializeOwned;
 use std::sync::Weak;
 use tokio::sync::mpsc;
 
-/// Serve the calls the server forwards, until the connection closes.
+/// Serve the calls the server forwards, until the connection closes, on a thread of
+/// their own ([`answer_calls`] on the caller's thread).
 pub(crate) fn serve(
     shared: Weak<Shared>,
-    mut calls: mpsc::UnboundedReceiver<(u64, Call)>,
+    calls: mpsc::UnboundedReceiver<(u64, Call)>,
     caller: Caller,
 ) -> std::io::Result<()> {
     std::thread::Builder::new()
@@ -33,42 +34,44 @@ pub(crate) fn serve(
                 .expect("a current-thread runtime builds");
             // The engine's futures are not Send: each call is a task of this thread's.
             let tasks = tokio::task::LocalSet::new();
-            tasks.block_on(&rt, async move {
-                while let Some((id, call)) = calls.recv().await {
-                    let Some(shared) = shared.upgrade() else {
-                        return;
-                    };
-                    let caller = caller.clone();
-                    tokio::task::spawn_local(async move {
-                        let outcome = match carry_out(&shared, call).await {
-                            Ok(json) => proto::Outcome::Ok(
-                                serde_json::to_vec(&json).expect("JSON serializes"),
-                            ),
-                            // The shard moved while the call was carried out: whether
-                            // its record is durable, the next holder finds out (the
-                            // call's key makes a second delivery a no-op).
-                            // ... or it is closing: the next holder answers.
-                            Err(FlowError::Log(ferry_log::Error::Fenced(why))) => {
-                                proto::Outcome::Err {
-                                    kind: "not_held".into(),
-                                    message: why,
-                                }
-                            }
-                            Err(e @ FlowError::Stopped) => proto::Outcome::Err {
-                                kind: "not_held".into(),
-                                message: e.to_string(),
-                            },
-                            Err(e) => proto::Outcome::Err {
-                                kind: e.kind().into(),
-                                message: e.to_string(),
-                            },
-                        };
-                        caller.answer(id, outcome);
-                    });
-                }
-            });
+            tasks.block_on(&rt, answer_calls(shared, calls, caller));
         })
         .map(drop)
+}
+
+/// Carry out each forwarded call as a task of the current `LocalSet`, and answer it.
+pub(crate) async fn answer_calls(
+    shared: Weak<Shared>,
+    mut calls: mpsc::UnboundedReceiver<(u64, Call)>,
+    caller: Caller,
+) {
+    while let Some((id, call)) = calls.recv().await {
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        let caller = caller.clone();
+        tokio::task::spawn_local(async move {
+            let outcome = match carry_out(&shared, call).await {
+                Ok(json) => proto::Outcome::Ok(serde_json::to_vec(&json).expect("JSON serializes")),
+                // The shard moved while the call was carried out: whether its record is
+                // durable, the next holder finds out (the call's key makes a second
+                // delivery a no-op) ... or it is closing: the next holder answers.
+                Err(FlowError::Log(ferry_log::Error::Fenced(why))) => proto::Outcome::Err {
+                    kind: "not_held".into(),
+                    message: why,
+                },
+                Err(e @ FlowError::Stopped) => proto::Outcome::Err {
+                    kind: "not_held".into(),
+                    message: e.to_string(),
+                },
+                Err(e) => proto::Outcome::Err {
+                    kind: e.kind().into(),
+                    message: e.to_string(),
+                },
+            };
+            caller.answer(id, outcome);
+        });
+    }
 }
 
 fn json_of(bytes: &[u8], what: &str) -> Result<Json, FlowError> {

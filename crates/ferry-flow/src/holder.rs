@@ -27,7 +27,7 @@
 use crate::api::FlowError;
 use crate::checkpoint::Folded;
 use crate::journal_log::{Durable, JournalLog, OnDurable, Watched};
-use crate::recovery::{Journaled, journaled_from, recover_run};
+use crate::recovery::{Journaled, journaled_of, recover_run};
 use crate::remote::worker::{Event, ShardStream, Worker};
 use crate::shard::Shard;
 use crate::shared::{Lane, Shared};
@@ -36,7 +36,8 @@ use ferry_log::{Error, Follower, Lsn, Record, Stats};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// The journal of a shard this worker does not hold: it takes nothing.
 pub(crate) struct Vacant {
@@ -102,8 +103,8 @@ impl JournalLog for Vacant {
 
 /// A granted shard's journal as the server holds it: its newest checkpoint, and the
 /// records after it (docs/flow-server.md §7).
-fn journal_of(stream: &ShardStream, journal: &dyn JournalLog) -> Result<Journaled, FlowError> {
-    let folded = match stream.checkpoint()? {
+async fn journal_of(stream: &ShardStream) -> Result<Journaled, FlowError> {
+    let folded = match stream.checkpoint().await? {
         None => Folded::default(),
         Some((position, bytes)) => {
             let mut folded = Folded::decode(&bytes).map_err(|e| FlowError::Damaged {
@@ -119,7 +120,18 @@ fn journal_of(stream: &ShardStream, journal: &dyn JournalLog) -> Result<Journale
             folded
         }
     };
-    journaled_from(folded, journal)
+    let records = stream.records(folded.lsn).await?;
+    journaled_of(folded, &mut |from, f| {
+        for (i, rec) in records.iter().enumerate() {
+            f(Record {
+                lsn: from + i as u64,
+                end: from + i as u64 + 1,
+                kind: rec.kind,
+                payload: &rec.bytes,
+            });
+        }
+        Ok(from + records.len() as u64)
+    })
 }
 
 /// The lane of shard `shard` while this worker does not hold it.
@@ -130,10 +142,12 @@ pub(crate) fn vacant_lane(shard: usize, running: Option<usize>) -> Arc<Lane> {
     Lane::new(journal, None, None, running).0
 }
 
-/// The holder thread and what it shares with the engine.
+/// The holder thread (or, on the caller's thread, task) and what it shares with the
+/// engine.
 pub(crate) struct Holder {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
+    task: Option<tokio::task::AbortHandle>,
 }
 
 /// A shard this worker holds.
@@ -193,17 +207,42 @@ impl Holder {
             swept_to: None,
         };
         let stopping = stop.clone();
+        if holding.shared.here.is_some() {
+            // On the caller's thread (a simulation): a task that looks for events every
+            // millisecond of tokio's clock. Dropping the engine aborts it: a kill, with
+            // nothing handed back.
+            let task = tokio::task::spawn_local(async move {
+                while !stopping.load(Ordering::SeqCst) {
+                    holding.turn(Duration::ZERO).await;
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            });
+            return Ok(Holder {
+                stop,
+                thread: None,
+                task: Some(task.abort_handle()),
+            });
+        }
         let thread = std::thread::Builder::new()
             .name("ferry-flow-holder".into())
             .spawn(move || {
-                while !stopping.load(Ordering::SeqCst) {
-                    holding.turn(Duration::from_millis(50));
-                }
-                holding.close();
+                // Its own runtime, for the awaits of recovery (reads from the server);
+                // the events are waited for blocking, nothing else runs here.
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_time()
+                    .build()
+                    .expect("a current-thread runtime builds");
+                rt.block_on(async move {
+                    while !stopping.load(Ordering::SeqCst) {
+                        holding.turn(Duration::from_millis(50)).await;
+                    }
+                    holding.close().await;
+                });
             })?;
         Ok(Holder {
             stop,
             thread: Some(thread),
+            task: None,
         })
     }
 }
@@ -216,13 +255,16 @@ impl Drop for Holder {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+        if let Some(t) = self.task.take() {
+            t.abort();
+        }
     }
 }
 
 impl Holding {
     /// Wait up to `wait` for an event and act on it; then start grants that waited, and
     /// hand back shards that stopped turning.
-    fn turn(&mut self, wait: Duration) {
+    async fn turn(&mut self, wait: Duration) {
         match self.worker.next_event(wait) {
             Some(Event::Granted { shard, epoch }) => self.waiting.push((shard, epoch)),
             Some(Event::Lost { shard, epoch, why }) => self.lose(shard, epoch, &why),
@@ -244,7 +286,7 @@ impl Holding {
                 .is_none_or(Shard::is_finished);
             if ended {
                 self.ending[shard as usize] = None;
-                self.take(shard, epoch);
+                self.take(shard, epoch).await;
             } else {
                 self.waiting.push((shard, epoch));
             }
@@ -308,7 +350,7 @@ impl Holding {
     }
 
     /// Shard `shard` was granted at `epoch`: recover it and run it.
-    fn take(&mut self, shard: u32, epoch: u64) {
+    async fn take(&mut self, shard: u32, epoch: u64) {
         let Some(stream) = self.worker.stream(shard).filter(|s| s.epoch() == epoch) else {
             tracing::info!(
                 shard,
@@ -328,14 +370,14 @@ impl Holding {
         // A read cut short by a blip of the connection is read again, while the grant
         // lasts (it is resumed with the connection, or lost).
         let read = loop {
-            match journal_of(&stream, &*lane.journal) {
+            match journal_of(&stream).await {
                 Err(FlowError::Log(e)) if !matches!(e, Error::Fenced(_)) && !stream.is_lost() => {
                     tracing::warn!(
                         shard,
                         epoch,
                         "reading the shard from the server: {e}; again"
                     );
-                    std::thread::sleep(Duration::from_millis(100));
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                 }
                 r => break r,
             }
@@ -383,7 +425,7 @@ impl Holding {
         let until = Instant::now() + self.worker.timing().lease;
         while !stream.may_act() && !stream.is_lost() && Instant::now() < until {
             stream.turns.fetch_add(1, Ordering::Relaxed);
-            std::thread::sleep(Duration::from_millis(1));
+            tokio::time::sleep(Duration::from_millis(1)).await;
         }
         if !stream.may_act() {
             tracing::warn!(shard, epoch, "the server did not confirm the grant");
@@ -400,7 +442,11 @@ impl Holding {
             });
             (every, beat)
         };
-        let thread = Shard::start(shard as usize, self.shared.clone(), lane, rx, Some(beat));
+        let thread = if self.shared.here.is_some() {
+            Shard::start_here(self.shared.clone(), rx, beat)
+        } else {
+            Shard::start(shard as usize, self.shared.clone(), lane, rx, Some(beat))
+        };
         tracing::info!(
             shard,
             epoch,
@@ -494,7 +540,7 @@ impl Holding {
     /// Hand every shard back and wait, up to a lease, for each to go; then stop every
     /// shard thread, waiting up to another lease for them (a thread a step body blocks
     /// is left behind, so that closing ends).
-    fn close(&mut self) {
+    async fn close(&mut self) {
         let shards: Vec<u32> = (0..self.held.len() as u32).collect();
         for shard in shards {
             self.hand_back(shard, "the engine is closing");
@@ -522,7 +568,7 @@ impl Holding {
         }
         let until = Instant::now() + lease;
         while self.ending.iter().flatten().any(|t| !t.is_finished()) && Instant::now() < until {
-            std::thread::sleep(Duration::from_millis(5));
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
         for (i, t) in self.ending.iter_mut().enumerate() {
             match t.take() {

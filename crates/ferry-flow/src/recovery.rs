@@ -11,7 +11,7 @@ use crate::registry::RunEntry;
 use crate::replay::Replay;
 use crate::shared::{Lane, Shared};
 use ferry_core::sync::lock;
-use ferry_log::{Config as LogConfig, Log};
+use ferry_log::{Config as LogConfig, Log, Lsn};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -291,6 +291,18 @@ pub(crate) fn journaled(dir: Option<&Path>, log: &dyn JournalLog) -> Result<Jour
 
 /// The records of `folded` (a checkpoint) and the log's after it.
 pub(crate) fn journaled_from(folded: Folded, log: &dyn JournalLog) -> Result<Journaled, FlowError> {
+    journaled_of(folded, &mut |from, f| log.read(from, f))
+}
+
+/// Reads records from a position on, as [`JournalLog::read`].
+pub(crate) type ReadFrom<'a> =
+    dyn FnMut(Lsn, &mut dyn FnMut(ferry_log::Record<'_>)) -> Result<Lsn, ferry_log::Error> + 'a;
+
+/// [`journaled_from`] with the records after the checkpoint from `read`.
+pub(crate) fn journaled_of(
+    folded: Folded,
+    read_from: &mut ReadFrom<'_>,
+) -> Result<Journaled, FlowError> {
     let mut by_run: BTreeMap<String, Vec<Record>> =
         folded.active_records().map_err(|e| FlowError::Damaged {
             what: "a record in the newest checkpoint".into(),
@@ -299,7 +311,7 @@ pub(crate) fn journaled_from(folded: Folded, log: &dyn JournalLog) -> Result<Jou
         })?;
     let mut bad = None;
     let mut read = 0u64;
-    log.read(folded.lsn, &mut |r| {
+    read_from(folded.lsn, &mut |r| {
         if r.kind != RECORD_KIND {
             return;
         }

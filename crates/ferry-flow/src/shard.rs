@@ -6,6 +6,7 @@ use crate::job::Job;
 use crate::lifecycle::run_job;
 use crate::shared::{Lane, Shared};
 use ferry_core::seams::{Rng, SplitMix64};
+use ferry_core::sync::lock;
 use ferry_log::Log;
 use std::cell::Cell;
 use std::future::Future;
@@ -57,6 +58,8 @@ pub(crate) type Beat = (std::time::Duration, Box<dyn Fn() + Send>);
 pub(crate) struct Shard {
     stop: Option<oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
+    /// On the caller's thread: the shard's task.
+    task: Option<tokio::task::AbortHandle>,
 }
 
 impl Shard {
@@ -138,6 +141,49 @@ impl Shard {
         Shard {
             stop: Some(stop_tx),
             thread: Some(thread),
+            task: None,
+        }
+    }
+
+    /// A server's worker's shard as a task of the caller's `LocalSet` (a simulation):
+    /// its runs are tasks of its own, dropped where they wait when it stops, as a
+    /// thread's are; `beat` as for [`Shard::start`].
+    pub(crate) fn start_here(
+        shared: Arc<Shared>,
+        mut rx: mpsc::UnboundedReceiver<Vec<Job>>,
+        beat: Beat,
+    ) -> Shard {
+        let (stop_tx, mut stop_rx) = oneshot::channel::<()>();
+        let s = shared.clone();
+        let task = tokio::task::spawn_local(async move {
+            let (every, beat) = beat;
+            let mut runs = tokio::task::JoinSet::new();
+            let mut tick = tokio::time::interval(every);
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = &mut stop_rx => break,
+                    jobs = rx.recv() => match jobs {
+                        Some(jobs) => {
+                            for job in jobs {
+                                runs.spawn_local(run_job(s.clone(), Box::new(job)));
+                            }
+                        }
+                        None => break,
+                    },
+                    Some(_) = runs.join_next(), if !runs.is_empty() => {}
+                    _ = tick.tick() => beat(),
+                }
+            }
+        });
+        let abort = task.abort_handle();
+        if let Some(here) = &shared.here {
+            lock(here).push(abort.clone());
+        }
+        Shard {
+            stop: Some(stop_tx),
+            thread: None,
+            task: Some(abort),
         }
     }
 
@@ -167,9 +213,10 @@ impl Shard {
         }
     }
 
-    /// The thread has ended.
+    /// The thread (or task) has ended.
     pub(crate) fn is_finished(&self) -> bool {
         self.thread.as_ref().is_none_or(|t| t.is_finished())
+            && self.task.as_ref().is_none_or(|t| t.is_finished())
     }
 }
 

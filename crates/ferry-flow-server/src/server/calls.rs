@@ -39,7 +39,7 @@ pub(super) async fn call_in(inner: Arc<Inner>, call: Call) -> Result<Outcome, Re
         let mut state = ferry_core::sync::lock(&inner.state);
         let now = now();
         // A stopping server takes no call (`stop_calls` answered those it had).
-        let stopping = *inner.stop.borrow();
+        let stopping = inner.stop.is_set();
         if stopping || state.calls.values().filter(|f| f.shard == shard).count() >= CALLS_MAX {
             return Err(UNAVAILABLE);
         }
@@ -68,7 +68,7 @@ const UNAVAILABLE: Refused = Refused::Unavailable {
 /// The server stops: every call in flight is answered `Unavailable` (a caller tries
 /// again once the server is back; the keys make that safe).
 pub(super) fn stop_calls(state: &mut State) {
-    for (_, f) in state.calls.drain() {
+    for (_, f) in std::mem::take(&mut state.calls) {
         let _ = f.reply.send(Err(UNAVAILABLE));
     }
 }
@@ -78,7 +78,6 @@ pub(super) fn stop_calls(state: &mut State) {
 async fn result(inner: &Inner, id: &str, wait: Duration) -> Result<Outcome, Refused> {
     let until = tokio::time::Instant::now() + wait.min(Duration::from_secs(60));
     let waiting = Waiting::new(inner, id);
-    let mut stop = inner.stop.subscribe();
     loop {
         let ended = waiting.notify.notified();
         tokio::pin!(ended);
@@ -97,7 +96,7 @@ async fn result(inner: &Inner, id: &str, wait: Duration) -> Result<Outcome, Refu
         }
         tokio::select! {
             biased;
-            _ = stop.wait_for(|s| *s) => return Err(UNAVAILABLE),
+            _ = inner.stop.wait() => return Err(UNAVAILABLE),
             _ = ended => {}
             _ = tokio::time::sleep_until(until) => {}
         }
@@ -173,7 +172,7 @@ pub(super) fn route(state: &mut State, now: Instant, settings: &Settings) {
             f.until = now + call_wait + settings.lease;
         }
     }
-    for (_, f) in calls.extract_if(|_, f| now >= f.until) {
+    for (_, f) in calls.extract_if(.., |_, f| now >= f.until) {
         let _ = f.reply.send(Err(match f.sent {
             None => Refused::NoHolder { shard: f.shard },
             Some(_) => UNAVAILABLE,

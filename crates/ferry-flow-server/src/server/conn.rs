@@ -54,11 +54,10 @@ where
     frames.limit(HELLO_FRAME_MAX);
     let hello_by = tokio::time::Instant::now() + HELLO_WITHIN;
     let mut peer: Option<Peer> = None;
-    let mut stop = inner.stop.subscribe();
     loop {
         let read = tokio::select! {
             biased;
-            _ = stop.wait_for(|s| *s) => break,
+            _ = inner.stop.wait() => break,
             _ = tokio::time::sleep_until(hello_by), if peer.is_none() => {
                 let _ = tx.send(refused(0, Refused::Malformed { what: format!("no Hello within {HELLO_WITHIN:?}") }));
                 break;
@@ -367,7 +366,7 @@ fn handle(
                 Err(AppendError::Log(e)) => {
                     tracing::error!(error = %e, "ferry flow server: the log failed; the server stops, and recovers when started again");
                     state.failed = true;
-                    let _ = inner.stop.send(true);
+                    inner.stop.set();
                     Some(refused(
                         id,
                         Refused::Unavailable {
@@ -418,7 +417,7 @@ fn handle(
                 return Some(refused(id, UNAVAILABLE));
             };
             let tx = tx.clone();
-            tokio::task::spawn_blocking(move || {
+            inner.read_off(move || {
                 let answer = match page.read(max_bytes.clamp(1, PAGE_MAX)) {
                     Ok((records, last)) => Frame {
                         id,
@@ -474,7 +473,7 @@ fn handle(
             }
             let path = crate::checkpoints::path(&inner.shards_dir, shard, position);
             let tx = tx.clone();
-            tokio::task::spawn_blocking(move || {
+            inner.read_off(move || {
                 let answer = match read_chunk(&path, offset, max_bytes.clamp(1, PAGE_MAX)) {
                     Ok((bytes, last)) => chunk(bytes, last),
                     // Replaced by a newer one meanwhile: the reader starts again.

@@ -23,7 +23,7 @@ use super::proto::{
 use crate::journal_log::{Durable, JournalLog, OnDurable};
 use ferry_core::sync::lock;
 use ferry_log::{Error, Follower, Lsn, Record, Stats};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::task::{Poll, Waker};
@@ -144,28 +144,32 @@ impl ShardStream {
 
     /// Send a read for this grant's recovery and wait for its answer. A read is progress
     /// (docs/flow-server.md §7): a long recovery is not a stuck shard.
-    fn ask(&self, request: Body) -> Result<Body, Error> {
+    async fn ask(&self, request: Body) -> Result<Body, Error> {
         if let Some(e) = lock(&self.state).failed.clone() {
             return Err(e);
         }
-        let (tx, rx) = std::sync::mpsc::channel();
+        let (tx, rx) = oneshot::channel();
         let conn = self.conn.upgrade().ok_or(Error::Closed)?;
         conn.reads.send((request, tx)).map_err(|_| Error::Closed)?;
         conn.wake.notify_one();
         drop(conn);
-        let answer = rx.recv_timeout(IO_WITHIN * 3).map_err(|_| {
-            Error::Invalid(format!(
-                "shard {}'s recovery read got no answer from the server in time",
-                self.shard
-            ))
-        })??;
+        let answer = match tokio::time::timeout(IO_WITHIN * 3, rx).await {
+            Ok(Ok(answer)) => answer?,
+            Ok(Err(_)) => return Err(Error::Closed),
+            Err(_) => {
+                return Err(Error::Invalid(format!(
+                    "shard {}'s recovery read got no answer from the server in time",
+                    self.shard
+                )));
+            }
+        };
         self.turns.fetch_add(1, Ordering::Relaxed);
         Ok(answer)
     }
 
     /// The shard's newest checkpoint on the server, whole, with its position; `None`
     /// if it has none (docs/flow-server.md §7).
-    pub fn checkpoint(&self) -> Result<Option<(u64, Vec<u8>)>, Error> {
+    pub async fn checkpoint(&self) -> Result<Option<(u64, Vec<u8>)>, Error> {
         let (mut position, mut bytes) = (0u64, Vec::new());
         loop {
             let fetch = Body::Fetch {
@@ -181,7 +185,7 @@ impl ShardStream {
                 bytes: chunk,
                 last,
                 ..
-            } = self.ask(fetch)?
+            } = self.ask(fetch).await?
             else {
                 return Err(Error::Invalid(
                     "the server answered a Fetch with another frame".into(),
@@ -199,6 +203,29 @@ impl ShardStream {
             bytes.extend_from_slice(&chunk);
             if last {
                 return Ok(Some((position, bytes)));
+            }
+        }
+    }
+
+    /// The shard's records from position `from` to its end on the server, a page at a
+    /// time (docs/flow-server.md §7).
+    pub async fn records(&self, from: u64) -> Result<Vec<Rec>, Error> {
+        let mut out = Vec::new();
+        loop {
+            let recover = Body::Recover {
+                shard: self.shard,
+                epoch: self.epoch,
+                from: from + out.len() as u64,
+                max_bytes: 1 << 20,
+            };
+            let Body::Records(page) = self.ask(recover).await? else {
+                return Err(Error::Invalid(
+                    "the server answered a Recover with another frame".into(),
+                ));
+            };
+            out.extend(page.records);
+            if page.last {
+                return Ok(out);
             }
         }
     }
@@ -391,34 +418,12 @@ impl JournalLog for ShardStream {
         s.callbacks.push((lsn, f));
     }
 
-    /// Pages from the server (blocking: not from the connection's own thread).
-    fn read(&self, from: Lsn, f: &mut dyn FnMut(Record<'_>)) -> Result<Lsn, Error> {
-        let mut at = from;
-        loop {
-            let recover = Body::Recover {
-                shard: self.shard,
-                epoch: self.epoch,
-                from: at,
-                max_bytes: 1 << 20,
-            };
-            let Body::Records(page) = self.ask(recover)? else {
-                return Err(Error::Invalid(
-                    "the server answered a Recover with another frame".into(),
-                ));
-            };
-            for rec in &page.records {
-                at += 1;
-                f(Record {
-                    lsn: at - 1,
-                    end: at,
-                    kind: rec.kind,
-                    payload: &rec.bytes,
-                });
-            }
-            if page.last {
-                return Ok(at);
-            }
-        }
+    /// Not here: a grant's records come from the server a page at a time, awaited
+    /// ([`ShardStream::records`]).
+    fn read(&self, _from: Lsn, _f: &mut dyn FnMut(Record<'_>)) -> Result<Lsn, Error> {
+        Err(Error::Invalid(
+            "a grant's records are read with ShardStream::records".into(),
+        ))
     }
 
     fn retire_below(&self, _lsn: Lsn) -> Result<usize, Error> {
@@ -445,7 +450,7 @@ impl JournalLog for ShardStream {
 
 /// Where the answer to a read (`Recover` or `Fetch`) goes: the `Records` or
 /// `Checkpoint` that answered it.
-type ReadReply = std::sync::mpsc::Sender<Result<Body, Error>>;
+type ReadReply = oneshot::Sender<Result<Body, Error>>;
 
 /// What the connection thread and the streams share.
 struct Conn {
@@ -972,11 +977,11 @@ async fn session(
         let _ = f.send(Ok(()));
     }
     // Requests in flight: appends by id (their shard, epoch and end), reads by id.
-    let mut appends: HashMap<u64, (u32, u64, u64)> = HashMap::new();
-    let mut pending_reads: HashMap<u64, ReadReply> = HashMap::new();
-    let mut pings: HashMap<u64, Duration> = HashMap::new();
+    let mut appends: BTreeMap<u64, (u32, u64, u64)> = BTreeMap::new();
+    let mut pending_reads: BTreeMap<u64, ReadReply> = BTreeMap::new();
+    let mut pings: BTreeMap<u64, Duration> = BTreeMap::new();
     // This worker's calls in flight, by request id; those a break left unanswered first.
-    let mut calls: HashMap<u64, (Call, CallReply)> = HashMap::new();
+    let mut calls: BTreeMap<u64, (Call, CallReply)> = BTreeMap::new();
     let again: Vec<_> = lock(&conn.calls_again).drain(..).collect();
     for (call, reply) in again {
         let rid = next_id();
@@ -1124,10 +1129,10 @@ async fn session(
 fn handle(
     conn: &Arc<Conn>,
     f: Frame,
-    appends: &mut HashMap<u64, (u32, u64, u64)>,
-    reads: &mut HashMap<u64, ReadReply>,
-    pings: &mut HashMap<u64, Duration>,
-    calls: &mut HashMap<u64, (Call, CallReply)>,
+    appends: &mut BTreeMap<u64, (u32, u64, u64)>,
+    reads: &mut BTreeMap<u64, ReadReply>,
+    pings: &mut BTreeMap<u64, Duration>,
+    calls: &mut BTreeMap<u64, (Call, CallReply)>,
     lease: Duration,
     ping_every: Duration,
 ) -> bool {
