@@ -274,7 +274,7 @@ struct ListParams {
 }
 
 /// The states a run has in the index.
-const STATES: [&str; 4] = ["running", "finished", "failed", "cancelled"];
+const STATES: [&str; 5] = ["running", "parked", "finished", "failed", "cancelled"];
 
 async fn list(
     State(api): Api,

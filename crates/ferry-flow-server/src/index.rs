@@ -12,7 +12,7 @@ use ferry_flow::journal::{Entry, Json, Outcome, RECORD_KIND, Record};
 use ferry_flow::remote::proto::Rec;
 use serde::Deserialize;
 use serde::Serialize;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 /// One run as the server's index knows it.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -21,9 +21,10 @@ pub struct RunSummary {
     pub workflow: String,
     pub shard: u32,
     pub generation: u32,
-    /// running, finished, failed or cancelled (as `ferry flow list` says them).
+    /// running, parked, finished, failed or cancelled (as `ferry flow list` says them).
+    /// Parked is not durable: it is what the shard's holder said (§10).
     pub state: &'static str,
-    /// The output (finished) or the error (failed).
+    /// The output (finished), the error (failed) or why it is parked.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub detail: Option<Json>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -33,6 +34,11 @@ pub struct RunSummary {
 impl RunSummary {
     pub fn finished(&self) -> bool {
         matches!(self.state, "finished" | "failed" | "cancelled")
+    }
+
+    /// Finished, or parked: nothing happens to it until someone acts.
+    pub fn settled(&self) -> bool {
+        self.finished() || self.state == "parked"
     }
 }
 
@@ -68,6 +74,8 @@ pub struct Index {
     /// Per shard: updates from records appended and not yet durable, with the position
     /// after their record.
     pending: Vec<VecDeque<(u64, Update)>>,
+    /// The runs shown parked, by shard: running again once the shard is granted anew.
+    parked: BTreeSet<(u32, String)>,
 }
 
 /// What each of `records` would do to the index: read before the server's lock is
@@ -114,6 +122,7 @@ impl Index {
         Index {
             runs: BTreeMap::new(),
             pending: (0..shards).map(|_| VecDeque::new()).collect(),
+            parked: BTreeSet::new(),
         }
     }
 
@@ -207,6 +216,7 @@ impl Index {
                 e.parent = parent;
             }
             Change::Finished { run, outcome } => {
+                self.parked.remove(&(shard, run.clone()));
                 if let Some(e) = self.runs.get_mut(&run) {
                     (e.state, e.detail) = match outcome {
                         Outcome::Ok(v) => ("finished", Some(v)),
@@ -214,6 +224,37 @@ impl Index {
                         Outcome::Cancelled => ("cancelled", None),
                     };
                 }
+            }
+        }
+    }
+
+    /// The holder of `shard` parked `run`: shown parked, with `reason`, until the run
+    /// ends or the shard is granted anew. False if the run is not running there.
+    pub fn parked(&mut self, shard: u32, run: &str, reason: String) -> bool {
+        let Some(e) = self.runs.get_mut(run) else {
+            return false;
+        };
+        if e.shard != shard || e.state != "running" {
+            return false;
+        }
+        e.state = "parked";
+        e.detail = Some(Json::String(reason));
+        self.parked.insert((shard, run.to_string()));
+        true
+    }
+
+    /// `shard` was granted anew: its parked runs are running again until the new
+    /// holder says otherwise.
+    pub fn granted(&mut self, shard: u32) {
+        let mut back = self.parked.split_off(&(shard, String::new()));
+        let later = back.split_off(&(shard + 1, String::new()));
+        self.parked.extend(later);
+        for (_, run) in back {
+            if let Some(e) = self.runs.get_mut(&run)
+                && e.state == "parked"
+            {
+                e.state = "running";
+                e.detail = None;
             }
         }
     }

@@ -33,7 +33,7 @@ use ferry_flow::remote::proto::{self, Body, Call, Frame, Granted, Outcome, Refus
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -167,18 +167,20 @@ pub(crate) fn now() -> Instant {
 /// play again from its seed).
 #[derive(Default)]
 pub(crate) struct Stop {
-    set: std::sync::atomic::AtomicBool,
+    /// Set: the server stops.
+    set: AtomicBool,
+    /// Wakes every waiter once it is set.
     notify: Notify,
 }
 
 impl Stop {
     pub(crate) fn set(&self) {
-        self.set.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.set.store(true, SeqCst);
         self.notify.notify_waiters();
     }
 
     pub(crate) fn is_set(&self) -> bool {
-        self.set.load(std::sync::atomic::Ordering::SeqCst)
+        self.set.load(SeqCst)
     }
 
     /// Resolves once set.
@@ -218,9 +220,9 @@ struct Inner {
     /// The runs, from durable records (list, show, result). Its own lock, taken after
     /// `state`'s where both are: a list does not hold up appends.
     index: Mutex<Index>,
-    /// Long-polled results, by run: woken when that run finishes (only those look
-    /// again). An entry goes with its last waiter.
-    ended: Mutex<HashMap<String, Arc<Notify>>>,
+    /// Long-polled results, by run: how many wait, and what wakes them when that run
+    /// finishes or parks (only those look again). An entry goes with its last waiter.
+    ended: Mutex<HashMap<String, (usize, Arc<Notify>)>>,
     /// Each shard's checkpoint (taken before `state` where both are).
     checkpoints: Mutex<Checkpoints>,
     /// `DIR/shards`: the checkpoints and the kept epochs.
@@ -235,8 +237,15 @@ struct Inner {
 }
 
 impl Inner {
-    /// Run `read` (file or log reads) off the runtime's threads, or at once when
-    /// driven.
+    /// Run `run` finished or parked: its result long-polls look again.
+    fn run_settled(&self, run: &str) {
+        if let Some((_, n)) = ferry_core::sync::lock(&self.ended).get(run) {
+            n.notify_waiters();
+        }
+    }
+
+    /// Run `read` (file or log reads) off the runtime's threads; when driven, at once
+    /// (under the server's lock: a simulation runs on one thread anyway).
     fn read_off(&self, read: impl FnOnce() + Send + 'static) {
         if self.driven {
             read();
@@ -447,9 +456,13 @@ impl Server {
     pub fn start(&self) {
         let ticker = tokio::spawn(tick(self.inner.clone()));
         let pump = tokio::spawn(pump(self.inner.clone()));
-        let compactor = tokio::spawn(compactor(self.inner.clone()));
         let mut tasks = ferry_core::sync::lock(&self.inner.tasks);
-        tasks.extend([ticker, pump, compactor]);
+        tasks.extend([ticker, pump]);
+        // A driven server (a simulation) compacts only when asked ([`Server::compact`]):
+        // compaction reads and writes off the runtime's threads.
+        if !self.inner.driven {
+            tasks.push(tokio::spawn(compactor(self.inner.clone())));
+        }
         if let Some(r) = &self.inner.replicated
             && let Some(replica) = ferry_core::sync::lock(&r.replica).take()
         {
@@ -766,13 +779,8 @@ fn deliver(inner: &Inner) {
             index.durable(shard, position, &mut ended);
         }
     }
-    if !ended.is_empty() {
-        let waiting = ferry_core::sync::lock(&inner.ended);
-        for run in &ended {
-            if let Some(n) = waiting.get(run) {
-                n.notify_waiters();
-            }
-        }
+    for run in &ended {
+        inner.run_settled(run);
     }
     for (shard, position) in moved {
         let (epoch, holder) = state.table.holder(shard);
@@ -952,6 +960,7 @@ fn carry_out(inner: &Inner, state: &mut State, actions: Vec<Action>) {
             } => match state.store.epoch_record(shard, epoch, session) {
                 Ok(end) => {
                     inner.counts.grants.fetch_add(1, Relaxed);
+                    ferry_core::sync::lock(&inner.index).granted(shard);
                     state.grants.push((end, session, shard, epoch));
                     inner.appended.notify_one();
                 }

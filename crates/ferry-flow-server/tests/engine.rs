@@ -347,3 +347,78 @@ async fn a_worker_forgets_finished_runs_after_its_retention_and_the_server_still
     close(w).await;
     server.stop().await;
 }
+
+static STRAY: Workflow<u32, u64> = Workflow::new("stray");
+
+/// Guards §10's parked runs: a run whose workflow its holder does not register is
+/// parked there, and the server's index shows it parked, with the reason, at once to a
+/// result long-poll; a cancel ends it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_parked_by_its_holder_shows_parked_on_the_server() {
+    use ferry_flow::remote::proto::{Call, CallKind, Outcome};
+    let scratch = Scratch::new("flow-engine-parked");
+    let socket = scratch.path().join("s.sock");
+    let server = start(scratch.path(), &socket, 2);
+    let a = open_worker(&scratch.dir("a"), &socket, |b| {
+        b.register(STRAY, |ctx: Ctx, n: u32| async move {
+            Ok(u64::from(ctx.wait_for(GO, None).await?.unwrap_or(0) + n))
+        })
+    })
+    .await;
+    eventually("the first worker to hold every shard", || {
+        a.held_shards().len() == 2
+    })
+    .await;
+    a.start(STRAY, "stray-1", &1).await.unwrap();
+    close(a).await;
+    // A worker of another build, without the workflow.
+    let b = open_worker(&scratch.dir("b"), &socket, |b| {
+        b.register(QUICK, |_: Ctx, n: u32| async move { Ok(u64::from(n)) })
+    })
+    .await;
+    eventually("the server to show the run parked", || {
+        server
+            .server
+            .run("stray-1")
+            .is_some_and(|r| r.state == "parked")
+    })
+    .await;
+    let detail = server.server.run("stray-1").unwrap().detail.unwrap();
+    assert!(
+        detail
+            .to_string()
+            .contains("no workflow named \\\"stray\\\""),
+        "{detail}"
+    );
+    let asked = std::time::Instant::now();
+    let answer = server
+        .server
+        .call(Call {
+            kind: CallKind::Result {
+                id: "stray-1".into(),
+                wait_ms: 30_000,
+            },
+            key: String::new(),
+        })
+        .await
+        .unwrap();
+    let Outcome::Ok(summary) = answer else {
+        panic!("{answer:?}")
+    };
+    let summary: serde_json::Value = serde_json::from_slice(&summary).unwrap();
+    assert_eq!(summary["state"], "parked", "{summary}");
+    assert!(
+        asked.elapsed() < std::time::Duration::from_secs(10),
+        "a parked run's result is answered at once"
+    );
+    assert!(b.cancel("stray-1").await.unwrap());
+    eventually("the cancel to show", || {
+        server
+            .server
+            .run("stray-1")
+            .is_some_and(|r| r.state == "cancelled")
+    })
+    .await;
+    close(b).await;
+    server.stop().await;
+}

@@ -175,7 +175,6 @@ impl EngineBuilder {
         self
     }
 
-    /// With [`EngineBuilder::server`]: the token the server asks for (its `--token`).
     /// Be a server's worker on the caller's thread, for a deterministic simulation
     /// (the server's `tests/sim.rs`): the connection reaches the server through
     /// `seams.dial` and keeps deadlines on `seams.clock`; the holder, the shards and
@@ -200,11 +199,12 @@ impl EngineBuilder {
         };
         settings.token = self.server_token.clone();
         settings.max_shards = self.max_shards;
-        let seed = seams.session as u64;
+        let seed = (seams.session >> 64) as u64 ^ seams.session as u64;
         let worker = Worker::connect_here(settings, seams).await?;
         self.worker_engine(worker, Some(seed))
     }
 
+    /// With [`EngineBuilder::server`]: the token the server asks for (its `--token`).
     pub fn server_token(mut self, token: impl Into<String>) -> Self {
         self.server_token = token.into();
         self

@@ -293,16 +293,17 @@ impl<O: DeserializeOwned> RunHandle<O> {
                 // Let go of: the engine stopped, or (on a worker) the run's shard was
                 // lost. It may be back here already under a new epoch, the run not yet
                 // recovered: the server's index answers wherever the run goes on.
-                Err(_) => match self.shared.upgrade() {
-                    Some(shared) if shared.on_server && self.caller.as_ref().is_some_and(Caller::is_open) => {
-                        Err(FlowError::NotHeld {
+                Err(_) => {
+                    let open = self.caller.as_ref().is_some_and(Caller::is_open);
+                    match self.shared.upgrade() {
+                        Some(shared) if shared.on_server && open => Err(FlowError::NotHeld {
                             run: self.id.clone(),
                             shard: shared.shard_of(&self.id) as u32,
-                        })
+                        }),
+                        Some(shared) => shared.held(&self.id).and(Err(FlowError::Stopped)),
+                        None => Err(FlowError::Stopped),
                     }
-                    Some(shared) => shared.held(&self.id).and(Err(FlowError::Stopped)),
-                    None => Err(FlowError::Stopped),
-                },
+                }
             },
             e = failure.wait() => Err(FlowError::Log(e)),
         }

@@ -176,13 +176,17 @@ struct Holding {
     drained: Vec<(u32, u64)>,
     /// How long a finished run stays in the runs map ([`Holding::sweep`]).
     retention: Duration,
-    /// Where the sweep goes on from (None: the start of the map).
+    /// Where the sweep goes on from (None: the start of the map), and when it last
+    /// looked.
     swept_to: Option<String>,
+    swept_at: Instant,
 }
 
-/// Runs the sweep looks at per turn of the holder: the runs map's lock is held for a
-/// slice, not for the whole map.
+/// Runs the sweep looks at each time: the runs map's lock is held for a slice, not for
+/// the whole map.
 const SWEEP_SLICE: usize = 4096;
+/// How often the sweep looks at a slice.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 impl Holder {
     /// Start holding for `shared`, whose lanes are vacant, over `worker`'s connection.
@@ -205,6 +209,7 @@ impl Holder {
             drained: Vec::new(),
             retention,
             swept_to: None,
+            swept_at: Instant::now(),
         };
         let stopping = stop.clone();
         if holding.shared.here.is_some() {
@@ -298,51 +303,47 @@ impl Holding {
     /// Forget finished runs `retention` after this sweep first found them finished
     /// (docs/flow-server.md §14): a result asked later comes from the server's index
     /// while the server keeps it. As embedded, a finished child stays while its
-    /// parent has not finished. One slice of the map per turn.
+    /// parent has not finished. One slice of the map a second.
     fn sweep(&mut self) {
+        use crate::api::RunStatus::Finished;
         use std::ops::Bound::{Excluded, Unbounded};
+        if self.swept_at.elapsed() < SWEEP_EVERY {
+            return;
+        }
+        self.swept_at = Instant::now();
         let now = self.shared.clock.wall_ms().max(1);
         let retention = self.retention.as_millis() as u64;
         let shared = &self.shared;
         let mut runs = lock(&shared.runs);
-        let slice: Vec<(String, bool)> = {
-            let range = match &self.swept_to {
-                Some(after) => runs.range_mut::<str, _>((Excluded(after.as_str()), Unbounded)),
-                None => runs.range_mut::<str, _>(..),
-            };
-            range
-                .take(SWEEP_SLICE)
-                .map(|(id, e)| {
-                    let finished = matches!(e.status, crate::api::RunStatus::Finished(_));
-                    if !finished {
-                        return (id.clone(), false);
-                    }
-                    if e.finished_seen_ms == 0 {
-                        e.finished_seen_ms = now;
-                    }
-                    (
-                        id.clone(),
-                        now.saturating_sub(e.finished_seen_ms) >= retention,
-                    )
-                })
-                .collect()
+        let (mut seen, mut last, mut old) = (0, None, Vec::new());
+        let range = match &self.swept_to {
+            Some(after) => runs.range_mut::<str, _>((Excluded(after.as_str()), Unbounded)),
+            None => runs.range_mut::<str, _>(..),
         };
-        self.swept_to = if slice.len() < SWEEP_SLICE {
+        for (id, e) in range.take(SWEEP_SLICE) {
+            seen += 1;
+            last = Some(id);
+            if !matches!(e.status, Finished(_)) {
+                continue;
+            }
+            if e.finished_seen_ms == 0 {
+                e.finished_seen_ms = now;
+            } else if now.saturating_sub(e.finished_seen_ms) >= retention {
+                old.push(id.clone());
+            }
+        }
+        self.swept_to = if seen < SWEEP_SLICE {
             None
         } else {
-            slice.last().map(|(id, _)| id.clone())
+            last.cloned()
         };
-        for (id, old) in slice {
-            let parent_running = || {
-                runs.get(&id)
-                    .and_then(|e| e.parent())
-                    .and_then(|p| runs.get(p))
-                    .is_some_and(|p| !matches!(p.status, crate::api::RunStatus::Finished(_)))
-            };
-            if old
-                && !parent_running()
-                && let Some(e) = runs.remove(&id)
-            {
+        for id in old {
+            let parent_running = runs
+                .get(&id)
+                .and_then(|e| e.parent())
+                .and_then(|p| runs.get(p))
+                .is_some_and(|p| !matches!(p.status, Finished(_)));
+            if !parent_running && let Some(e) = runs.remove(&id) {
                 shared.counters.removed(&e.status);
                 shared.counters.expired(1);
             }

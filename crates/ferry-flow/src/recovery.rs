@@ -129,9 +129,11 @@ pub(crate) fn recover_run(
                 let _ = lane.starts.tx.send(vec![job]);
             }
             None => {
-                entry.status = RunStatus::Parked(format!(
+                let reason = format!(
                     "no workflow named {workflow:?} is registered; register it and restart"
-                ));
+                );
+                shared.tell_parked(&run, lane.epoch, &reason);
+                entry.status = RunStatus::Parked(reason);
                 entry.set_parked_at(Some((job_generation, replay.len())));
             }
         }

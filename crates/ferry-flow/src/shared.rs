@@ -460,7 +460,17 @@ impl Shared {
         if let Some(e) = lock(&self.runs).get_mut(&run.run) {
             e.set_parked_at(Some(at));
         }
+        let epoch = self.lane(self.shard_of(&run.run)).epoch;
+        self.tell_parked(&run.run, epoch, &reason);
         self.settle(&run.run, RunStatus::Parked(reason));
+    }
+
+    /// On a server's worker, tell the server that `run`, of the grant at `epoch`, is
+    /// parked: its index shows it so until the shard moves (docs/flow-server.md §10).
+    pub(crate) fn tell_parked(&self, run: &str, epoch: Option<u64>, reason: &str) {
+        if let (Some(caller), Some(epoch)) = (self.caller.get(), epoch) {
+            caller.parked(self.shard_of(run) as u32, epoch, run, reason);
+        }
     }
 }
 

@@ -74,7 +74,7 @@ fn refused(rng: &mut SplitMix64) -> Refused {
 fn any_frame(rng: &mut SplitMix64, ty: u64) -> Frame {
     let shard = rng.next_u64() as u32;
     let epoch = rng.next_u64();
-    let body = match ty % 18 {
+    let body = match ty % 19 {
         0 => Body::Hello(Hello {
             version: rng.next_u64() as u16,
             role: if rng.below(2) == 0 {
@@ -212,6 +212,12 @@ fn any_frame(rng: &mut SplitMix64, ty: u64) -> Frame {
             offset: rng.next_u64(),
             bytes: bytes(rng, 40),
             last: rng.below(2) == 0,
+        },
+        17 => Body::Parked {
+            shard,
+            epoch,
+            run: text(rng, 20),
+            reason: text(rng, 40),
         },
         _ => Body::Refused {
             to: rng.next_u64(),

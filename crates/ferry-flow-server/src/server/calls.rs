@@ -90,7 +90,7 @@ async fn result(inner: &Inner, id: &str, wait: Duration) -> Result<Outcome, Refu
             });
         };
         let past = tokio::time::Instant::now() >= until;
-        if run.finished() || past {
+        if run.settled() || past {
             let json = serde_json::to_vec(&run).expect("a summary serializes");
             return Ok(Outcome::Ok(json));
         }
@@ -113,10 +113,10 @@ struct Waiting<'a> {
 
 impl<'a> Waiting<'a> {
     fn new(inner: &'a Inner, id: &'a str) -> Waiting<'a> {
-        let notify = ferry_core::sync::lock(&inner.ended)
-            .entry(id.to_string())
-            .or_default()
-            .clone();
+        let mut waiting = ferry_core::sync::lock(&inner.ended);
+        let (count, notify) = waiting.entry(id.to_string()).or_default();
+        *count += 1;
+        let notify = notify.clone();
         Waiting { inner, id, notify }
     }
 }
@@ -124,9 +124,11 @@ impl<'a> Waiting<'a> {
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         let mut waiting = ferry_core::sync::lock(&self.inner.ended);
-        // Ours and the map's: we are the last.
-        if Arc::strong_count(&self.notify) == 2 {
-            waiting.remove(self.id);
+        if let Some((count, _)) = waiting.get_mut(self.id) {
+            *count -= 1;
+            if *count == 0 {
+                waiting.remove(self.id);
+            }
         }
     }
 }

@@ -490,6 +490,20 @@ fn handle(
             answered(state, session, call, outcome, now, inner.settings.call_wait);
             None
         }
+        Body::Parked {
+            shard,
+            epoch,
+            run,
+            reason,
+        } => {
+            // From a holder the shard has moved from: nothing to show.
+            if state.table.check(session, shard, epoch).is_ok()
+                && ferry_core::sync::lock(&inner.index).parked(shard, &run, reason)
+            {
+                inner.run_settled(&run);
+            }
+            None
+        }
         Body::Hello(_) => Some(refused(
             id,
             Refused::Malformed {

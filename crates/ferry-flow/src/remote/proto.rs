@@ -230,6 +230,14 @@ pub enum Body {
         call: u64,
         outcome: Outcome,
     },
+    /// The holder parked run `run` of the shard it holds at `epoch` (its code does not
+    /// replay its journal): the index shows it parked until the shard moves (§10).
+    Parked {
+        shard: u32,
+        epoch: u64,
+        run: String,
+        reason: String,
+    },
     // Server → worker or client.
     Welcome(Welcome),
     /// The answer to a `Ping`: the shards the server still counts as the session's.
@@ -382,6 +390,7 @@ const RECOVER: u8 = 5;
 const CALL: u8 = 6;
 const ANSWER: u8 = 7;
 const FETCH: u8 = 8;
+const PARKED: u8 = 9;
 const WELCOME: u8 = 64;
 const PONG: u8 = 65;
 const GRANT: u8 = 66;
@@ -415,6 +424,7 @@ fn type_of(body: &Body) -> u8 {
         Body::Fetch { .. } => FETCH,
         Body::Call(_) => CALL,
         Body::Answer { .. } => ANSWER,
+        Body::Parked { .. } => PARKED,
         Body::Welcome(_) => WELCOME,
         Body::Pong(_) => PONG,
         Body::Grant(_) => GRANT,
@@ -534,6 +544,17 @@ fn fields(w: &mut W, body: &Body) {
                 }
             }
             w.str(&c.key);
+        }
+        Body::Parked {
+            shard,
+            epoch,
+            run,
+            reason,
+        } => {
+            w.u32(*shard);
+            w.u64(*epoch);
+            w.str(run);
+            w.str(reason);
         }
         Body::Answer { call, outcome } => {
             w.u64(*call);
@@ -859,6 +880,12 @@ pub fn decode(buf: &[u8]) -> Result<Frame, DecodeError> {
             },
             key: r.str("the call's key")?,
         }),
+        PARKED => Body::Parked {
+            shard: r.u32("the shard")?,
+            epoch: r.u64("the epoch")?,
+            run: r.str("the run id")?,
+            reason: r.str("the reason")?,
+        },
         ANSWER => Body::Answer {
             call: r.u64("the call answered")?,
             outcome: match r.u8("the outcome")? {

@@ -1,7 +1,8 @@
 //! A worker's connection to a server (docs/flow-server.md §5.3, §6, §8): one thread with
-//! its own runtime that says hello, pings, sends each shard's records as they are
-//! appended, hands acknowledgements to the shards' waits, keeps each shard's deadline,
-//! and reconnects and resumes after a blip.
+//! its own runtime (or, in a simulation, a task on the caller's: `connect_here`) that
+//! says hello, pings, sends each shard's records as they are appended, hands
+//! acknowledgements to the shards' waits, keeps each shard's deadline, and reconnects
+//! and resumes after a blip.
 //!
 //! Each grant of a shard is a [`ShardStream`] of its own, the [`JournalLog`] its runs
 //! journal through. A stream that is lost (revoked, past its deadline, refused, released)
@@ -10,8 +11,7 @@
 //!
 //! What the engine learns comes as [`Event`]s: a shard granted (recover it and start its
 //! runs), lost (stop its runs: nothing of it may leave the process any more), asked back.
-//! The engine's side (recovering a granted shard, stopping a lost one) is the next step
-//! (docs/flow-server.md §15); this is the connection and the streams.
+//! The engine's side is `holder.rs`; this is the connection and the streams.
 
 pub use super::dial::Stream;
 use super::dial::dial;
@@ -519,11 +519,11 @@ pub type Dialer = Arc<
 
 /// The connection's task: given where to say how the first hello went.
 type Run = Box<
-    dyn FnOnce(
-            oneshot::Sender<Result<(), Error>>,
-        ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>
-        + Send,
+    dyn FnOnce(First) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send,
 >;
+
+/// Told how the first hello went.
+type First = Box<dyn FnOnce(Result<(), Error>) + Send>;
 
 impl Conn {
     fn new(
@@ -616,6 +616,8 @@ impl Conn {
 pub struct Worker {
     conn: Arc<Conn>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// [`Worker::connect_here`]'s task.
+    task: Option<tokio::task::AbortHandle>,
     /// The calls the server forwards, until the engine takes them.
     calls: Mutex<Option<mpsc::UnboundedReceiver<(u64, Call)>>>,
 }
@@ -630,13 +632,26 @@ pub struct Caller {
 impl Caller {
     /// Answer the forwarded call `id`.
     pub fn answer(&self, id: u64, outcome: Outcome) {
+        self.send_one_way(Body::Answer { call: id, outcome });
+    }
+
+    /// Send `body`, which the server answers not.
+    fn send_one_way(&self, body: Body) {
         if let Some(conn) = self.conn.upgrade() {
-            lock(&conn.outgoing).push_back(Frame {
-                id: 0,
-                body: Body::Answer { call: id, outcome },
-            });
+            lock(&conn.outgoing).push_back(Frame { id: 0, body });
             conn.wake.notify_one();
         }
+    }
+
+    /// Tell the server that `run` of the grant of `shard` at `epoch` is parked (not
+    /// durable, not answered: docs/flow-server.md §10).
+    pub fn parked(&self, shard: u32, epoch: u64, run: &str, reason: &str) {
+        self.send_one_way(Body::Parked {
+            shard,
+            epoch,
+            run: run.to_string(),
+            reason: reason.to_string(),
+        });
     }
 
     /// Whether the worker's connection is still wanted (the engine not closing).
@@ -683,7 +698,11 @@ impl Worker {
             (u128::from(r.next_u64()) << 64) | u128::from(r.next_u64())
         };
         let (conn, run) = Conn::new(settings, session, boot_now, None);
-        let (first_tx, first_rx) = oneshot::channel();
+        // A std channel: `connect` may be called from inside a runtime.
+        let (first_tx, first_rx) = std::sync::mpsc::channel();
+        let first: First = Box::new(move |r| {
+            let _ = first_tx.send(r);
+        });
         let thread = std::thread::Builder::new()
             .name("ferry-flow-worker".into())
             .spawn(move || {
@@ -691,14 +710,14 @@ impl Worker {
                     .enable_all()
                     .build()
                     .expect("a current-thread runtime builds");
-                rt.block_on(run(first_tx));
+                rt.block_on(run(first));
             })
             .map_err(|e| Error::Io {
                 what: "start the worker's connection thread",
                 source: Arc::new(e),
             })?;
-        match first_rx.blocking_recv() {
-            Ok(Ok(())) => Ok(Worker::of(conn, Some(thread))),
+        match first_rx.recv() {
+            Ok(Ok(())) => Ok(Worker::of(conn, Some(thread), None)),
             Ok(Err(e)) => {
                 let _ = thread.join();
                 Err(e)
@@ -709,23 +728,32 @@ impl Worker {
 
     /// [`Worker::connect`] as a task on the caller's runtime, with the seams a
     /// simulation replaces (tests/sim.rs of ferry-flow-server): one thread and tokio's
-    /// clock can then run a server and its workers alike from a seed.
+    /// clock can then run a server and its workers alike from a seed. Dropping this
+    /// worker is its process dying: the task is aborted, nothing is handed back.
     pub async fn connect_here(settings: WorkerSettings, seams: Seams) -> Result<Worker, Error> {
         let (conn, run) = Conn::new(settings, seams.session, seams.clock, Some(seams.dial));
         let (first_tx, first_rx) = oneshot::channel();
-        tokio::spawn(run(first_tx));
+        let first: First = Box::new(move |r| {
+            let _ = first_tx.send(r);
+        });
+        let task = tokio::spawn(run(first)).abort_handle();
         match first_rx.await {
-            Ok(Ok(())) => Ok(Worker::of(conn, None)),
+            Ok(Ok(())) => Ok(Worker::of(conn, None, Some(task))),
             Ok(Err(e)) => Err(e),
             Err(_) => Err(Error::Closed),
         }
     }
 
-    fn of(conn: Arc<Conn>, thread: Option<std::thread::JoinHandle<()>>) -> Worker {
+    fn of(
+        conn: Arc<Conn>,
+        thread: Option<std::thread::JoinHandle<()>>,
+        task: Option<tokio::task::AbortHandle>,
+    ) -> Worker {
         let calls = lock(&conn.calls_rx).take();
         Worker {
             conn,
             thread,
+            task,
             calls: Mutex::new(calls),
         }
     }
@@ -796,6 +824,10 @@ impl Worker {
 
 impl Drop for Worker {
     fn drop(&mut self) {
+        if let Some(t) = self.task.take() {
+            t.abort();
+            return;
+        }
         self.conn.stop.store(true, Ordering::SeqCst);
         self.conn.wake.notify_one();
         if let Some(t) = self.thread.take() {
@@ -809,7 +841,7 @@ async fn run(
     conn: Arc<Conn>,
     mut reads: mpsc::UnboundedReceiver<(Body, ReadReply)>,
     mut calls: mpsc::UnboundedReceiver<(Call, CallReply)>,
-    first: oneshot::Sender<Result<(), Error>>,
+    first: First,
 ) {
     let mut first = Some(first);
     let mut backoff = Duration::from_millis(100);
@@ -818,7 +850,7 @@ async fn run(
             Ok(()) => backoff = Duration::from_millis(100),
             Err(e) => {
                 if let Some(f) = first.take() {
-                    let _ = f.send(Err(e));
+                    f(Err(e));
                     return;
                 }
                 tracing::debug!(error = %e, "ferry flow worker: the connection broke");
@@ -865,7 +897,7 @@ async fn session(
     conn: &Arc<Conn>,
     reads: &mut mpsc::UnboundedReceiver<(Body, ReadReply)>,
     calls_out: &mut mpsc::UnboundedReceiver<(Call, CallReply)>,
-    first: &mut Option<oneshot::Sender<Result<(), Error>>>,
+    first: &mut Option<First>,
 ) -> Result<(), Error> {
     let dialed = match &conn.dial {
         Some(d) => d().await,
@@ -974,7 +1006,7 @@ async fn session(
         }
     }
     if let Some(f) = first.take() {
-        let _ = f.send(Ok(()));
+        f(Ok(()));
     }
     // Requests in flight: appends by id (their shard, epoch and end), reads by id.
     let mut appends: BTreeMap<u64, (u32, u64, u64)> = BTreeMap::new();
