@@ -500,21 +500,34 @@ async fn a_runs_signals_to_another_shard_arrive_once_in_order_across_a_takeover(
         "the sender is midway when its worker hands it back"
     );
     close(a).await;
-    let got = b
-        .run::<Vec<u32>>(&collector)
-        .unwrap()
-        .result()
+    // A hang is a failure that says where each run stands.
+    let within = Duration::from_secs(30);
+    let stuck = |what: &str| -> ! {
+        let index = |id: &str| server.server.run(id).map(|r| (r.state, r.detail));
+        panic!(
+            "{what} did not end within {within:?}: on b, sender {:?} collector {:?}; \
+             the server's index: sender {:?} collector {:?}; b holds {:?}",
+            b.status(&sender),
+            b.status(&collector),
+            index(&sender),
+            index(&collector),
+            b.held_shards()
+        )
+    };
+    let got = tokio::time::timeout(within, b.run::<Vec<u32>>(&collector).unwrap().result())
         .await
+        .unwrap_or_else(|_| stuck("the collector"))
         .unwrap();
     assert_eq!(
         got,
         (0..NOTES).collect::<Vec<_>>(),
         "each note once, in order"
     );
-    assert_eq!(
-        b.run::<u32>(&sender).unwrap().result().await.unwrap(),
-        NOTES
-    );
+    let sent = tokio::time::timeout(within, b.run::<u32>(&sender).unwrap().result())
+        .await
+        .unwrap_or_else(|_| stuck("the sender"))
+        .unwrap();
+    assert_eq!(sent, NOTES);
     close(b).await;
     server.stop().await;
 }

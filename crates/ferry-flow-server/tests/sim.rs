@@ -247,6 +247,9 @@ trait Side {
     );
     /// At the end, healed, the server still up: whether the workers got on.
     fn healed(&mut self, server: &Server) -> Result<(), String>;
+    /// Whether the server compacts now and then (folding records into checkpoints and
+    /// retiring them from the log).
+    const COMPACTS: bool;
     /// Against the server's log, read back after a last power loss.
     fn check(&self, log: &ServerLog, broken: &mut Vec<String>, trace: &mut Vec<String>);
 }
@@ -258,10 +261,13 @@ struct ServerLog {
     records: u64,
 }
 
-/// One shard's records in the log: each one's epoch, kind and bytes, by position.
+/// One shard's records in the log: each one's epoch, kind and bytes, by position from
+/// `base` (what compaction folded into the shard's checkpoint is no longer there).
 #[derive(Default)]
 struct ShardLog {
+    /// The epoch of the shard's newest epoch record (0: retired with what was folded).
     epoch: u64,
+    base: Option<u64>,
     records: Vec<(u64, u8, Vec<u8>)>,
 }
 
@@ -517,6 +523,16 @@ async fn drive<S: Side>(seed: u64, dir: &Path, mut side: S) -> Result<Outcome, S
                 }
             }
         }
+        // Compaction now and then, when the side can tell its records from a checkpoint.
+        if S::COMPACTS
+            && let Some(s) = &server
+            && rng.below(2_500) == 0
+        {
+            match s.compact() {
+                Ok(c) => trace.push(format!("{now} compacted up to {}", c.read)),
+                Err(e) => trace.push(format!("{now} compaction failed: {e}")),
+            }
+        }
         // The disk syncs when the seed says.
         if let Some(s) = &server
             && rng.below(2) == 0
@@ -577,16 +593,21 @@ async fn drive<S: Side>(seed: u64, dir: &Path, mut side: S) -> Result<Outcome, S
                 let (shard, epoch) = (shard(), epoch());
                 let position = u64::from_be_bytes(p[12..20].try_into().unwrap());
                 let s = back.shards.entry(shard).or_default();
+                // The epoch record before it may have been retired with the records
+                // compaction folded: then the first record tells.
+                if s.epoch == 0 && s.base.is_none() {
+                    s.epoch = epoch;
+                }
                 if epoch != s.epoch {
                     broken.push(format!(
                         "shard {shard}: a record of epoch {epoch} at position {position} while epoch {} holds it (invariant 2)",
                         s.epoch
                     ));
                 }
-                if position != s.records.len() as u64 {
+                let next = *s.base.get_or_insert(position) + s.records.len() as u64;
+                if position != next {
                     broken.push(format!(
-                        "shard {shard}: position {position} where {} was next (invariant 3)",
-                        s.records.len()
+                        "shard {shard}: position {position} where {next} was next (invariant 3)"
                     ));
                 }
                 s.records.push((epoch, p[20], p[21..].to_vec()));
@@ -649,6 +670,8 @@ struct Pending {
 
 impl Side for Acts {
     type Worker = Worker;
+    // Its records are not a journal's: a checkpoint would leave them out.
+    const COMPACTS: bool = false;
 
     fn connect(net: Arc<Net>, w: usize, session: u128) -> Connect<Worker> {
         Box::pin(async move {
@@ -725,7 +748,10 @@ impl Side for Acts {
             let found = log
                 .shards
                 .get(shard)
-                .and_then(|s| s.records.get(*position as usize))
+                .and_then(|s| {
+                    let at = position.checked_sub(s.base.unwrap_or(0))?;
+                    s.records.get(at as usize)
+                })
                 .map(|r| &r.2);
             if found != Some(bytes) {
                 broken.push(format!(
@@ -851,6 +877,7 @@ fn call(server: &Server, kind: CallKind, key: String, asked: &Rc<Cell<Asked>>) {
 
 impl Side for Runs {
     type Worker = Engine;
+    const COMPACTS: bool = true;
 
     fn connect(net: Arc<Net>, w: usize, session: u128) -> Connect<Engine> {
         Box::pin(async move {
